@@ -1,0 +1,112 @@
+"""Client side of the line protocol: requests to bytes, answer lines to parts. Pure, no I/O.
+
+Step in the flow: `Client` builds request lines here, and its reader splits every answer line here.
+Invariants: a token (queue, event, id) never holds whitespace or starts with `--`, and a data field
+never holds a newline, carriage return or tab, so one request is always exactly one line.
+"""
+
+from __future__ import annotations
+
+import re
+
+# whitespace would split a token; a leading "--" would make the server read it as a flag
+_BAD_TOKEN = re.compile(r"\s|^--")
+_FORBIDDEN_IN_DATA = ("\n", "\r", "\t")
+
+
+def encode_token(value: str, kind: str) -> bytes:
+    """`value` as UTF-8, or ValueError when it cannot be one protocol token."""
+    if not isinstance(value, str) or not value or _BAD_TOKEN.search(value):
+        raise ValueError(f"bad {kind} {value!r}: it must be a non-empty string without whitespace or a leading '--'")
+    return value.encode()
+
+
+def encode_tokens(values: list[str] | tuple[str, ...] | None, kind: str) -> list[bytes]:
+    """Every value of `values` as a token (an empty list for None)."""
+    if values is None:
+        return []
+    if isinstance(values, str):
+        # a bare str would be iterated per character: a classic mistake worth a clear error
+        raise TypeError(f"{kind}s must be a list of strings, not the string {values!r}")
+    return [encode_token(value, kind) for value in values]
+
+
+def encode_data(value: str | bytes, kind: str = "data") -> bytes:
+    """`value` as the free-text tail of a line, or ValueError when it holds a line break or tab."""
+    if isinstance(value, str):
+        for char in _FORBIDDEN_IN_DATA:
+            if char in value:
+                raise ValueError(
+                    f"{kind} holds {char!r}, which the protocol forbids; use json=True to escape it")
+        return value.encode()
+    if isinstance(value, (bytes, bytearray)):
+        for char in (b"\n", b"\r", b"\t"):
+            if char in value:
+                raise ValueError(f"{kind} holds {char!r}, which the protocol forbids")
+        return bytes(value)
+    raise TypeError(f"{kind} must be str or bytes, not {type(value).__name__}; use json=True for other types")
+
+
+def split_answer(line: bytes) -> tuple[bytes, bytes, bytes]:
+    """`{rid} ok {data}` or `{rid} error {error_id} {reason}` -> (rid, status, rest)."""
+    rid, _, rest = line.partition(b" ")
+    status, _, data = rest.partition(b" ")
+    return rid, status, data
+
+
+def split_error(rest: bytes) -> tuple[str, str]:
+    """The tail of an error answer -> (error_id, human reason, maybe empty)."""
+    error_id, _, reason = rest.partition(b" ")
+    return error_id.decode(errors="replace"), reason.decode(errors="replace")
+
+
+def split_delivery(data: bytes) -> tuple[bytes, bytes, int, bytes]:
+    """`{msg_id} event={event}[,retry={n}] {data}` -> (msg_id, event, retry, data); ValueError if not one."""
+    msg_id, _, rest = data.partition(b" ")
+    meta, _, body = rest.partition(b" ")
+    if not msg_id or not meta.startswith(b"event="):
+        raise ValueError(f"not a delivery: {data[:200]!r}")
+    meta = meta[6:]
+    # rpartition: an event may itself hold a comma, the retry suffix is always last
+    event, sep, retry = meta.rpartition(b",retry=")
+    if not sep:
+        return msg_id, meta, 0, body
+    return msg_id, event, int(retry), body
+
+
+def is_update(data: bytes) -> bool:
+    """True for `--update {queue} ...`; a delivery whose msg_id is "--update" has `event=` next."""
+    return data.startswith(b"--update ") and not data[9:].startswith(b"event=")
+
+
+def split_update(data: bytes) -> tuple[str, list[str]]:
+    """`--update {queue} {events...} [flags]` -> (queue, events); the flags are the consumer's own."""
+    tokens = data.split()
+    queue = tokens[1].decode() if len(tokens) > 1 else ""
+    events = [token.decode() for token in tokens[2:] if not token.startswith(b"--")]
+    return queue, events
+
+
+def is_fire_and_forget_publish(line: bytes) -> bool:
+    """True for a publish line without --confirm: the only kind of unsent line worth resending."""
+    parts = line.split(b" ", 3)
+    return len(parts) >= 3 and parts[1] == b"publish" and parts[2] != b"--confirm"
+
+
+def consume_flags(manual_ack: bool, delete_queue_when_unused: float | bool | None, prefetch: int) -> list[bytes]:
+    """The flag tokens of a consume line, as the server prints them back in `--update`."""
+    flags: list[bytes] = []
+    if delete_queue_when_unused is True:
+        flags.append(b"--delete-queue-when-unused")
+    elif delete_queue_when_unused is not None and delete_queue_when_unused is not False:
+        seconds = float(delete_queue_when_unused)
+        if seconds < 0:
+            raise ValueError(f"delete_queue_when_unused must be >= 0, not {delete_queue_when_unused!r}")
+        flags.append(b"--delete-queue-when-unused=" + repr(seconds).encode())
+    if manual_ack:
+        flags.append(b"--manual-ack")
+    if prefetch:
+        if not manual_ack or prefetch < 0:
+            raise ValueError("prefetch needs manual_ack=True and a count >= 0")
+        flags.append(b"--prefetch=" + str(int(prefetch)).encode())
+    return flags

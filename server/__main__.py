@@ -1,0 +1,5 @@
+"""`python -m mqks.server` runs mqksd."""
+
+from .app import main
+
+main()

@@ -1,0 +1,143 @@
+"""Steps 1 and 6 of the flow: one client's socket, read in big chunks, written in batches.
+
+The reader greenlet does `recv(65536)`, splits every complete line, runs them all, then
+wakes the writer of every connection the batch touched (`Outbox.pending`): one flush per
+connection per batch, never a `sendall` per message. Each connection's writer joins its
+whole output and sends it at once, so a slow client blocks only its own writer.
+
+Memory stays bounded: past the high-water mark a connection gets no more deliveries
+(messages wait in their queues), and past `max_output_bytes` of unsent replies (a client
+that floods without reading) that one connection is closed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from typing import TYPE_CHECKING
+
+import gevent
+from gevent.event import Event
+
+from .actions import run_lines, shard_for
+from .protocol import LineSplitter, format_error, format_ok
+from .state import Outbox
+
+if TYPE_CHECKING:
+    from .app import Server
+
+log = logging.getLogger("mqks.connection")
+
+RECV_BYTES = 65536
+
+
+class Connection(Outbox):
+    """A client: its socket, its line splitter, its consumers and the bytes owed to it."""
+
+    __slots__ = ("sock", "peer", "peer_is_loopback", "server", "shards", "splitter", "wake", "closed",
+                 "max_output_bytes")
+
+    def __init__(self, sock: socket.socket, address: tuple, server: Server) -> None:
+        config = server.config
+        super().__init__(server.pending, config.max_output_bytes // 4)
+        self.sock = sock
+        self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+        self.peer_is_loopback = _is_loopback(address)
+        self.server = server
+        self.shards = server.shards
+        self.splitter = LineSplitter(config.max_line_bytes)
+        self.wake = Event()
+        self.closed = False
+        self.max_output_bytes = config.max_output_bytes
+
+    def write(self, data: bytes) -> None:
+        Outbox.write(self, data)
+        if self.out_bytes > self.max_output_bytes and not self.closed:
+            log.warning("closing %s: %d bytes of replies unread (limit %d)", self.peer, self.out_bytes,
+                        self.max_output_bytes)
+            self.close()
+
+    def ok(self, rid: bytes, data: bytes = b"") -> None:
+        self.write(format_ok(rid, data))
+
+    def error(self, rid: bytes, reason: str, line: bytes) -> None:
+        error_id = self.server.next_error_id()
+        log.warning("error %s for %s: %s; line %r", error_id, self.peer, reason, line[:200])
+        self.write(format_error(rid, error_id, reason))
+
+    def close(self) -> None:
+        """Drop the client: wakes the reader (EOF) and the writer (EPIPE)."""
+        self.closed = True
+        self.out.clear()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.wake.set()
+
+    def serve(self) -> None:
+        """Run the connection until the client or the server closes it."""
+        server = self.server
+        server.connections.add(self)
+        log.info("connected %s (%d clients)", self.peer, len(server.connections))
+        writer = gevent.spawn(self._write_loop)
+        try:
+            self._read_loop()
+        except OSError as e:
+            log.info("read from %s failed: %s", self.peer, e)
+        finally:
+            server.connections.discard(self)
+            for consumer in list(self.consumers_by_id.values()):
+                shard_for(self, consumer.queue.name).remove_consumer(consumer)
+            server.flush_pending()
+            self.closed = True
+            writer.kill(block=False)
+            self.sock.close()
+            log.info("disconnected %s (%d clients)", self.peer, len(server.connections))
+
+    def _read_loop(self) -> None:
+        recv = self.sock.recv
+        feed = self.splitter.feed
+        pending = self.pending
+        flush_pending = self.server.flush_pending
+        debug = log.isEnabledFor(logging.DEBUG)
+        while not self.closed:
+            chunk = recv(RECV_BYTES)
+            if not chunk:
+                return
+            lines = feed(chunk)
+            if lines:
+                if debug:
+                    log.debug("%s sent %d lines: %r", self.peer, len(lines), lines[:20])
+                run_lines(self, lines)
+            if pending:
+                flush_pending()
+
+    def _write_loop(self) -> None:
+        wake = self.wake
+        sendall = self.sock.sendall
+        try:
+            while not self.closed:
+                wake.wait()
+                wake.clear()
+                while self.out and not self.closed:
+                    out = self.out
+                    self.out = []
+                    self.out_bytes = 0
+                    sendall(b"".join(out))
+                    if self.paused and self.out_bytes < self.high_water_bytes // 2:
+                        self.paused = False
+                        self.server.resume(self)
+        except OSError as e:
+            log.info("write to %s failed: %s", self.peer, e)
+            self.close()
+
+
+def _is_loopback(address: object) -> bool:
+    if not isinstance(address, tuple):
+        return True  # a Unix socket is local by construction
+    try:
+        return ipaddress.ip_address(address[0]).is_loopback
+    except ValueError:
+        return False

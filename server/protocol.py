@@ -1,0 +1,144 @@
+"""Step 2 of the flow: bytes in, lines out; replies formatted back to bytes.
+
+Pure code, no I/O and no broker state, so it can be unit-tested and fuzzed on raw bytes.
+Invariants: a line never holds its `\\n` (nor a trailing `\\r`); a line that is too long
+or not UTF-8 reaches the dispatcher as `None`, with its (rid, reason) queued in
+`LineSplitter.rejected`, so one bad line never costs the connection.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+DEFAULT_MAX_LINE_BYTES = 1 << 20
+RID_PEEK_BYTES = 64  # enough to recover a rid from the head of a rejected line
+HTTP_METHODS = (b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ")
+
+
+class ProtocolError(Exception):
+    """A client mistake; the connection stays open and gets `{rid} error {id} {reason}`."""
+
+
+def rid_of(line: bytes) -> bytes:
+    """The request id at the head of a (possibly broken) line, or `-`."""
+    head, space, _ = line[:RID_PEEK_BYTES].partition(b" ")
+    if not head or not space:
+        return b"-"
+    try:
+        head.decode()
+    except UnicodeDecodeError:
+        return b"-"
+    return head
+
+
+def looks_like_http(line: bytes) -> bool:
+    """True for a request line or header a browser would send (the cross-protocol guard)."""
+    return line.startswith(HTTP_METHODS) or line[:5].lower() == b"host:"
+
+
+class LineSplitter:
+    """Splits a stream of chunks into complete lines, bounding each line's length."""
+
+    __slots__ = ("tail", "max_line_bytes", "discarding", "rejected")
+
+    def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+        self.tail = b""
+        self.max_line_bytes = max_line_bytes
+        self.discarding = False  # inside an overlong line, dropping bytes up to its newline
+        self.rejected: deque[tuple[bytes, str]] = deque()
+
+    def feed(self, chunk: bytes) -> list[bytes | None]:
+        """Lines completed by `chunk`; `None` stands for a rejected line (see `rejected`)."""
+        if self.discarding:
+            end = chunk.find(b"\n")
+            if end < 0:
+                return []
+            chunk = chunk[end + 1 :]
+            self.discarding = False
+        data = self.tail + chunk if self.tail else chunk
+        lines: list = data.split(b"\n")
+        self.tail = lines.pop()
+        if len(data) > self.max_line_bytes:
+            self._reject_overlong(lines)
+        # C-speed scans of the whole chunk keep the common case free of per-line work
+        if b"\r" in data:
+            lines = [line[:-1] if line and line[-1] == 13 else line for line in lines]
+        if not data.isascii():
+            self._reject_non_utf8(lines)
+        return lines
+
+    def _reject_overlong(self, lines: list) -> None:
+        limit = self.max_line_bytes
+        reason = f"line longer than {limit} bytes: discarded"
+        for i, line in enumerate(lines):
+            if line is not None and len(line) > limit:
+                self.rejected.append((rid_of(line), reason))
+                lines[i] = None
+        if len(self.tail) > limit:
+            self.rejected.append((rid_of(self.tail), reason))
+            lines.append(None)
+            self.tail = b""
+            self.discarding = True
+
+    def _reject_non_utf8(self, lines: list) -> None:
+        for i, line in enumerate(lines):
+            if line is None or line.isascii():
+                continue
+            try:
+                line.decode()
+            except UnicodeDecodeError as e:
+                self.rejected.append((rid_of(line), f"line is not valid UTF-8 (byte {e.start})"))
+                lines[i] = None
+
+
+def split_request(line: bytes) -> tuple[bytes, bytes, bytes]:
+    """`{rid} {action} {data}` -> (rid, action, data); data may be empty."""
+    rid, _, rest = line.partition(b" ")
+    action, _, args = rest.partition(b" ")
+    if not rid or not action:
+        raise ProtocolError("expected {request_id} {action} {data}")
+    return rid, action, args
+
+
+def format_ok(rid: bytes, data: bytes = b"") -> bytes:
+    return b"%b ok %b\n" % (rid, data)
+
+
+def format_error(rid: bytes, error_id: str, reason: str) -> bytes:
+    # a reason may quote client bytes: keep it on one line
+    reason = reason.replace("\n", " ").replace("\r", " ")
+    return f"{rid.decode(errors='replace')} error {error_id} {reason}\n".encode()
+
+
+def text(value: bytes) -> str:
+    """Client bytes made safe to quote in an error reason or a log line."""
+    return value[:80].decode(errors="replace") + ("..." if len(value) > 80 else "")
+
+
+def parse_flag_value(token: bytes, name: bytes) -> bytes | None:
+    """`--name=value` -> value; `--name` -> b""; anything else -> None."""
+    if token == name:
+        return b""
+    if token.startswith(name + b"="):
+        return token[len(name) + 1 :]
+    return None
+
+
+def parse_seconds(value: bytes, flag: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ProtocolError(f"{flag} wants a number of seconds, got {text(value)!r}") from None
+    if not 0 <= seconds < 1e9 or seconds != seconds:
+        raise ProtocolError(f"{flag} wants seconds >= 0, got {text(value)!r}")
+    return seconds
+
+
+def parse_count(value: bytes, flag: str) -> int:
+    try:
+        count = int(value)
+    except ValueError:
+        raise ProtocolError(f"{flag} wants a whole number, got {text(value)!r}") from None
+    if count < 0:
+        raise ProtocolError(f"{flag} wants a number >= 0, got {count}")
+    return count

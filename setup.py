@@ -1,0 +1,34 @@
+"""MQKS: Message Queue Kept Simple.
+
+The top-level folders `server/`, `client/` and `spark/` install as the packages
+`mqks.server`, `mqks.client` and `mqks.spark`.
+"""
+
+from setuptools import setup
+
+setup(
+    name="mqks",
+    version="0.1.0",
+    description="Message Queue Kept Simple: a line-protocol message broker on gevent",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=["mqks", "mqks.server", "mqks.client", "mqks.spark"],
+    package_dir={
+        "mqks": "mqks",
+        "mqks.server": "server",
+        "mqks.client": "client",
+        "mqks.spark": "spark",
+    },
+    install_requires=["gevent>=24.2", "ujson>=5.9"],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "spark": ["pyspark>=4.2,<5", "pyarrow>=15"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mqksd = mqks.server.app:main",
+            "mqks = mqks.client.cli:main",
+        ],
+    },
+)

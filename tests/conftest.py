@@ -1,0 +1,207 @@
+"""Shared fixtures: a real `mqksd` subprocess on a free port, and a line-level wire client.
+
+Tests talk to the broker over TCP exactly as `nc` would. Nothing here sleeps and hopes:
+every wait polls with a deadline or blocks on a socket with a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+READY_TIMEOUT_SECONDS = 15.0
+REPLY_TIMEOUT_SECONDS = 5.0
+
+
+def free_port() -> int:
+    """Ask the kernel for a port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Wire:
+    """A blocking line client for transcripts: send a line, expect a line."""
+
+    def __init__(self, host: str, port: int, timeout: float = REPLY_TIMEOUT_SECONDS) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.timeout = timeout
+        self.buffer = b""
+
+    def send(self, *lines: bytes) -> None:
+        self.sock.sendall(b"".join(line + b"\n" for line in lines))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv_line(self, timeout: float | None = None) -> bytes:
+        """The next line without its newline; raises TimeoutError after `timeout`."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no line within {timeout or self.timeout}s; have {self.buffer[:200]!r}")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(65536)
+            except socket.timeout:
+                continue
+            if not chunk:
+                raise ConnectionError(f"server closed the connection; have {self.buffer[:200]!r}")
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
+
+    def expect(self, line: bytes, timeout: float | None = None) -> None:
+        got = self.recv_line(timeout)
+        assert got == line, f"expected {line!r}, got {got!r}"
+
+    def expect_error(self, rid: bytes, reason_part: bytes = b"") -> bytes:
+        """Read one line, check it is `{rid} error {error_id} ...reason_part...`; return it."""
+        got = self.recv_line()
+        parts = got.split(b" ", 3)
+        assert parts[:2] == [rid, b"error"], f"expected an error for {rid!r}, got {got!r}"
+        assert len(parts) >= 3 and parts[2], f"error without an error id: {got!r}"
+        assert reason_part in got, f"expected {reason_part!r} in {got!r}"
+        return got
+
+    def barrier(self, token: bytes = b"barrier") -> list[bytes]:
+        """Ping and collect every line before the pong: proves what did *not* arrive."""
+        self.send(b"bar " + b"ping " + token)
+        lines = []
+        while True:
+            line = self.recv_line()
+            if line == b"bar ok " + token:
+                return lines
+            lines.append(line)
+
+    def closed_by_server(self, timeout: float | None = None) -> bool:
+        """True once the server has closed this connection (reads and drops anything pending)."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while time.monotonic() < deadline:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                if not self.sock.recv(1 << 20):
+                    return True
+            except socket.timeout:
+                continue
+            except OSError:
+                return True
+        return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Broker:
+    """One `mqksd` subprocess; can be stopped, killed, frozen and restarted on the same port."""
+
+    def __init__(self, *args: str, port: int | None = None) -> None:
+        self.args = list(args)
+        self.host = "127.0.0.1"
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+        # a file, not a pipe: a pipe nobody reads fills up and would freeze the server
+        self.log_file = tempfile.NamedTemporaryFile(prefix="mqksd-", suffix=".log", delete=False)
+        self.start()
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "mqks.server", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log_file)
+        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mqksd exited {self.proc.returncode}: {self.log()}")
+            try:
+                wire = self.wire()
+            except OSError:
+                time.sleep(0.02)
+                continue
+            try:
+                wire.send(b"ready ping")
+                wire.expect(b"ready ok ")
+                return
+            finally:
+                wire.close()
+        raise RuntimeError("mqksd did not answer ping in time")
+
+    def log(self) -> str:
+        """Everything the server has logged so far."""
+        with open(self.log_file.name, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def wire(self) -> Wire:
+        return Wire(self.host, self.port)
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait()
+
+    def restart(self) -> None:
+        self.start()
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[Broker]:
+    """One broker per test module, with `_eval` on (tests read its state through it)."""
+    server = Broker("--eval")
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
+def sharded_broker(request) -> Iterator[Broker]:
+    """The same broker with one and with two shards, for sharding-sensitive tests."""
+    server = Broker("--eval", "--workers", str(request.param))
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def make_broker() -> Iterator:
+    """A factory for brokers with their own flags; all are killed after the test."""
+    started: list[Broker] = []
+
+    def make(*args: str, port: int | None = None) -> Broker:
+        server = Broker(*args, port=port)
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.kill()
+
+
+@pytest.fixture
+def wire(broker: Broker) -> Iterator[Wire]:
+    conn = broker.wire()
+    yield conn
+    conn.close()
