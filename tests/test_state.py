@@ -1,0 +1,216 @@
+"""The broker core with no sockets: queues, consumers, acks, rebinds, delete-when-unused."""
+
+import pytest
+
+from mqks.server.state import Broker, Consumer, Outbox, update_line, with_retry_raised
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class FakeClock:
+    """A schedule() that runs timers only when the test says time has passed."""
+
+    def __init__(self):
+        self.timers = []
+
+    def schedule(self, seconds, fn):
+        timer = [seconds, fn, True]
+        self.timers.append(timer)
+        return lambda: timer.__setitem__(2, False)
+
+    def run_all(self):
+        for _, fn, live in self.timers:
+            if live:
+                fn()
+        self.timers.clear()
+
+
+def tail(msg_id: bytes, event: bytes, data: bytes) -> bytes:
+    return b" ok %b event=%b %b\n" % (msg_id, event, data)
+
+
+def publish(broker: Broker, msg_id: bytes, event: bytes, data: bytes = b"d") -> None:
+    broker.publish(msg_id, event, tail(msg_id, event, data))
+
+
+def delivered(outbox: Outbox) -> list[bytes]:
+    lines = b"".join(outbox.out).splitlines()
+    outbox.out.clear()
+    outbox.out_bytes = 0
+    return lines
+
+
+def consume(broker, outbox, consumer_id, queue, events=(), **flags) -> Consumer:
+    queue = broker.queue(queue)
+    if events:
+        broker.rebind(queue, replace=list(events))
+    consumer = Consumer(consumer_id, queue, outbox, **flags)
+    broker.add_consumer(consumer)
+    broker.pump(queue)
+    return consumer
+
+
+@pytest.fixture
+def broker():
+    return Broker()
+
+
+@pytest.fixture
+def outbox():
+    return Outbox(pending=[])
+
+
+def test_message_waits_in_queue_until_a_consumer_comes(broker, outbox):
+    broker.rebind(broker.queue(b"q1"), replace=[b"e1"])
+    publish(broker, b"m1", b"e1")
+    assert len(broker.queues[b"q1"].messages) == 1
+    consume(broker, outbox, b"c1", b"q1")
+    assert delivered(outbox) == [b"c1 ok m1 event=e1 d"]
+    assert broker.stats()["messages_waiting"] == 0
+
+
+def test_each_bound_queue_gets_one_copy_sharing_the_tail(broker, outbox):
+    consume(broker, outbox, b"c1", b"q1", [b"e1"])
+    consume(broker, outbox, b"c2", b"q2", [b"e1", b"e.*"])
+    broker.publish(b"m1", b"e1", tail(b"m1", b"e1", b"x"))
+    assert delivered(outbox) == [b"c1 ok m1 event=e1 x", b"c2 ok m1 event=e1 x"]
+    assert outbox.pending == [outbox]  # marked once for the flush, not per message
+
+
+def test_competing_consumers_share_round_robin(broker, outbox):
+    consume(broker, outbox, b"c1", b"q", [b"e"])
+    consume(broker, outbox, b"c2", b"q")
+    for i in range(4):
+        publish(broker, b"m%d" % i, b"e")
+    lines = delivered(outbox)
+    assert sorted(line.split()[0] for line in lines) == [b"c1", b"c1", b"c2", b"c2"]
+
+
+def test_reject_requeues_at_front_with_retry(broker, outbox):
+    consumer = consume(broker, outbox, b"c1", b"q", [b"e"], manual_ack=True, prefetch=1)
+    publish(broker, b"m1", b"e")
+    publish(broker, b"m2", b"e")
+    assert delivered(outbox) == [b"c1 ok m1 event=e d"]
+    assert broker.reject(consumer, [b"m1"]) == []
+    assert delivered(outbox) == [b"c1 ok m1 event=e,retry=1 d"]
+    broker.reject(consumer, [b"m1"])
+    assert delivered(outbox) == [b"c1 ok m1 event=e,retry=2 d"]
+    assert broker.ack(consumer, [b"m1"]) == []
+    assert delivered(outbox) == [b"c1 ok m2 event=e d"]
+
+
+def test_ack_of_unknown_message_is_reported(broker, outbox):
+    consumer = consume(broker, outbox, b"c1", b"q", [b"e"], manual_ack=True)
+    publish(broker, b"m1", b"e")
+    assert broker.ack(consumer, [b"m1", b"nope"]) == [b"nope"]
+    assert broker.stats()["acked"] == 1
+
+
+def test_prefetch_caps_messages_in_flight(broker, outbox):
+    consumer = consume(broker, outbox, b"c1", b"q", [b"e"], manual_ack=True, prefetch=2)
+    for i in range(5):
+        publish(broker, b"m%d" % i, b"e")
+    assert len(delivered(outbox)) == 2
+    broker.ack(consumer, [b"m0", b"m1"])
+    assert [line.split()[2] for line in delivered(outbox)] == [b"m2", b"m3"]
+    broker.ack_all(consumer)
+    assert [line.split()[2] for line in delivered(outbox)] == [b"m4"]
+
+
+def test_removed_consumer_returns_unacked_to_the_other_consumer(broker, outbox):
+    first = consume(broker, outbox, b"c1", b"q", [b"e"], manual_ack=True)
+    publish(broker, b"m1", b"e")
+    delivered(outbox)
+    consume(broker, outbox, b"c2", b"q", manual_ack=True)
+    broker.remove_consumer(first)
+    assert delivered(outbox) == [b"c2 ok m1 event=e,retry=1 d"]
+    assert b"c1" not in outbox.consumers_by_id
+
+
+def test_duplicate_msg_ids_are_acked_one_by_one(broker, outbox):
+    consumer = consume(broker, outbox, b"c1", b"q", [b"e"], manual_ack=True)
+    publish(broker, b"same", b"e")
+    publish(broker, b"same", b"e")
+    assert len(consumer.unacked) == 2
+    assert broker.ack(consumer, [b"same"]) == []
+    assert broker.ack(consumer, [b"same"]) == []
+    assert broker.ack(consumer, [b"same"]) == [b"same"]
+
+
+def test_rebind_replace_remove_add_and_remove_mask(broker):
+    queue = broker.queue(b"q1")
+    assert broker.rebind(queue, replace=[b"e3", b"e4", b"e5.id1.a1", b"e5.id2.a2"])
+    assert broker.rebind(queue, remove=[b"e3"], add=[b"e6", b"e7"])
+    assert list(queue.events) == [b"e4", b"e5.id1.a1", b"e5.id2.a2", b"e6", b"e7"]
+    assert broker.rebind(queue, remove_masks=[b"e5.*.a1", b"e5.*.a2"], add=[b"e8"])
+    assert list(queue.events) == [b"e4", b"e6", b"e7", b"e8"]
+    assert not broker.rebind(queue, add=[b"e8"])  # nothing changed: no --update
+    assert broker.routing.route(b"e5.id1.a1") == ()
+    assert broker.routing.route(b"e8") == (queue,)
+
+
+def test_update_line_lists_events_and_the_consumers_flags(broker, outbox):
+    consumer = consume(broker, outbox, b"c1", b"q1", [b"e1", b"e2"], manual_ack=True,
+                       delete_when_unused_seconds=5.0)
+    assert update_line(consumer) == b"c1 ok --update q1 e1 e2 --delete-queue-when-unused=5.0 --manual-ack\n"
+
+
+def test_delete_queue_when_unused_immediately(broker, outbox):
+    consumer = consume(broker, outbox, b"c1", b"q", [b"e"], delete_when_unused_seconds=0.0)
+    broker.remove_consumer(consumer)
+    assert b"q" not in broker.queues
+    assert broker.routing.route(b"e") == ()
+
+
+def test_delete_queue_when_unused_after_seconds_keeps_it_if_a_consumer_returns(outbox):
+    clock = FakeClock()
+    broker = Broker(schedule=clock.schedule)
+    first = consume(broker, outbox, b"c1", b"q", [b"e"], delete_when_unused_seconds=5.0)
+    broker.remove_consumer(first)
+    assert b"q" in broker.queues
+    consume(broker, outbox, b"c2", b"q", delete_when_unused_seconds=5.0)
+    clock.run_all()
+    assert b"q" in broker.queues
+    broker.remove_consumer(broker.queues[b"q"].consumers[0])
+    clock.run_all()
+    assert b"q" not in broker.queues
+
+
+def test_delete_queue_drops_messages_bindings_and_consumers(broker, outbox):
+    consume(broker, outbox, b"c1", b"q", [b"e"], manual_ack=True, prefetch=1)
+    publish(broker, b"m1", b"e")
+    publish(broker, b"m2", b"e")
+    assert broker.delete_queue(b"q")
+    assert not broker.delete_queue(b"q")
+    assert outbox.consumers_by_id == {}
+    stats = broker.stats()
+    assert (stats["queues"], stats["consumers"], stats["events"]) == (0, 0, 0)
+
+
+def test_high_water_pauses_deliveries_until_resumed(broker):
+    outbox = Outbox(pending=[], high_water_bytes=100)
+    consume(broker, outbox, b"c1", b"q", [b"e"])
+    for i in range(20):
+        publish(broker, b"m%d" % i, b"e", b"x" * 30)
+    assert outbox.paused
+    sent = len(delivered(outbox))
+    assert 0 < sent < 20
+    outbox.paused = False
+    broker.pump(broker.queues[b"q"])
+    assert len(delivered(outbox)) + sent <= 20
+    assert broker.stats()["consumed"] + len(broker.queues[b"q"].messages) == 20
+
+
+def test_retry_header_is_raised_in_place():
+    assert with_retry_raised(b" ok m1 event=e1 a b c\n") == b" ok m1 event=e1,retry=1 a b c\n"
+    assert with_retry_raised(b" ok m1 event=e1,retry=9 \n") == b" ok m1 event=e1,retry=10 \n"
+
+
+def test_stats_count_the_flow(broker, outbox):
+    consumer = consume(broker, outbox, b"c1", b"q", [b"e"], manual_ack=True)
+    publish(broker, b"m1", b"e")
+    publish(broker, b"m2", b"nobody-listens")
+    broker.reject(consumer, [b"m1"])
+    stats = broker.stats()
+    assert (stats["published"], stats["queued"], stats["rejected"], stats["messages_unacked"]) == (2, 1, 1, 1)
+    assert stats["top_queues"] == [("q", 0)]

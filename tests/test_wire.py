@@ -1,0 +1,282 @@
+"""Wire transcripts over real TCP against an `mqksd` subprocess: every action and flag."""
+
+import itertools
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+_names = itertools.count()
+
+
+def unique(prefix: str) -> bytes:
+    """Queue and event names no other test in the module uses (the broker is shared)."""
+    return f"{prefix}{next(_names)}".encode()
+
+
+def poll(predicate, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.02)
+
+
+def eval_on(wire, code: bytes) -> bytes:
+    wire.send(b"ev _eval " + code)
+    line = wire.recv_line()
+    assert line.startswith(b"ev ok "), line
+    return line[len(b"ev ok "):]
+
+
+def test_spec_hello_world(broker):
+    alice, bob, charlie, dave = (broker.wire() for _ in range(4))
+    alice.send(b"Alice consume greetings hi hello")
+    bob.send(b"Bob consume greetings hi hello")
+    charlie.send(b"Charlie consume greetings-and-byes hi hello bye good-bye")
+    for conn in (alice, bob, charlie):
+        assert conn.barrier() == []  # no line of their own before the publish, as the spec shows
+    dave.send(b"Dave publish hello world")
+    charlie.expect(b"Charlie ok Dave event=hello world")
+    got = alice.barrier() + bob.barrier()
+    assert got in ([b"Alice ok Dave event=hello world"], [b"Bob ok Dave event=hello world"])
+    assert dave.barrier() == []
+    for conn in (alice, bob, charlie, dave):
+        conn.close()
+
+
+def test_publish_confirm_and_data_with_spaces_or_empty(wire):
+    queue, event = unique("q"), unique("e")
+    wire.send(b"c1 consume --confirm " + queue + b" " + event)
+    wire.expect(b"c1 ok --update " + queue + b" " + event)
+    wire.expect(b"c1 ok ")
+    wire.send(b"m1 publish --confirm " + event + b" hello big  world ")
+    # the copy is queued (here: delivered) before the confirm goes out
+    wire.expect(b"c1 ok m1 event=" + event + b" hello big  world ")
+    wire.expect(b"m1 ok ")
+    wire.send(b"m2 publish " + event)
+    wire.expect(b"c1 ok m2 event=" + event + b" ")
+
+
+def test_consume_confirm_update_shows_every_flag(wire):
+    queue, e1, e2 = unique("q"), unique("e"), unique("e")
+    wire.send(b"c1 consume --confirm %b %b %b --delete-queue-when-unused=5 --manual-ack --prefetch=3" % (queue, e1, e2))
+    wire.expect(b"c1 ok --update %b %b %b --delete-queue-when-unused=5.0 --manual-ack --prefetch=3" % (queue, e1, e2))
+    wire.expect(b"c1 ok ")
+
+
+def test_consume_with_add_keeps_bindings_and_updates_other_consumers(broker):
+    first, second, publisher = broker.wire(), broker.wire(), broker.wire()
+    queue, e1, e2 = unique("q"), unique("e"), unique("e")
+    first.send(b"c1 consume --confirm %b %b" % (queue, e1))
+    first.expect(b"c1 ok --update %b %b" % (queue, e1))
+    first.expect(b"c1 ok ")
+    second.send(b"c2 consume --confirm %b --add %b" % (queue, e2))
+    second.expect(b"c2 ok --update %b %b %b" % (queue, e1, e2))
+    second.expect(b"c2 ok ")
+    first.expect(b"c1 ok --update %b %b %b" % (queue, e1, e2))
+    publisher.send(b"m1 publish %b x" % e1, b"m2 publish %b y" % e2)
+    publisher.barrier()  # both publishes are routed before the consumers' own barriers
+    got = sorted(line.split(b" ", 2)[2] for line in first.barrier() + second.barrier())
+    assert got == [b"m1 event=%b x" % e1, b"m2 event=%b y" % e2]
+
+
+def test_consume_with_events_replaces_bindings(broker):
+    conn, publisher = broker.wire(), broker.wire()
+    queue, old, new = unique("q"), unique("e"), unique("e")
+    conn.send(b"c1 consume %b %b" % (queue, old))
+    conn.send(b"c2 consume %b %b" % (queue, new))
+    conn.expect(b"c1 ok --update %b %b" % (queue, new))
+    publisher.send(b"m1 publish %b x" % old, b"m2 publish %b y" % new)
+    publisher.barrier()
+    lines = conn.barrier()
+    assert len(lines) == 1 and lines[0].endswith(b"ok m2 event=%b y" % new)
+
+
+def test_rebind_replace_remove_add_and_remove_mask(broker):
+    conn, publisher = broker.wire(), broker.wire()
+    queue = unique("q")
+    conn.send(b"c1 consume --confirm " + queue)
+    conn.expect(b"c1 ok --update " + queue)
+    conn.expect(b"c1 ok ")
+    conn.send(b"rb1 rebind --confirm %b e3 e4 e5.id1.a1 e5.id2.a2" % queue)
+    conn.expect(b"c1 ok --update %b e3 e4 e5.id1.a1 e5.id2.a2" % queue)
+    conn.expect(b"rb1 ok ")
+    conn.send(b"rb2 rebind %b --remove e3 --add e6 e7" % queue)
+    conn.expect(b"c1 ok --update %b e4 e5.id1.a1 e5.id2.a2 e6 e7" % queue)
+    conn.send(b"rb3 rebind %b --remove-mask e5.*.a1 e5.*.a2 --add e8" % queue)
+    conn.expect(b"c1 ok --update %b e4 e6 e7 e8" % queue)
+    publisher.send(b"m1 publish e5.id1.a1 gone", b"m2 publish e8 kept")
+    publisher.barrier()
+    assert conn.barrier() == [b"c1 ok m2 event=e8 kept"]
+    conn.send(b"rb4 rebind --confirm %b --add e8" % queue)
+    conn.expect(b"rb4 ok ")  # nothing changed, so no --update came first
+
+
+def test_rebind_creates_the_queue_so_messages_wait_for_a_consumer(wire):
+    queue, event = unique("q"), unique("e")
+    wire.send(b"rb rebind --confirm %b %b" % (queue, event))
+    wire.expect(b"rb ok ")
+    wire.send(b"m1 publish %b early" % event)
+    wire.send(b"c1 consume %b" % queue)
+    wire.expect(b"c1 ok m1 event=%b early" % event)
+
+
+def test_manual_ack_reject_redelivers_with_retry(wire):
+    queue, event = unique("q"), unique("e")
+    wire.send(b"c1 consume %b %b --manual-ack" % (queue, event), b"m1 publish %b d1" % event)
+    wire.expect(b"c1 ok m1 event=%b d1" % event)
+    wire.send(b"rj1 reject c1 m1")
+    wire.expect(b"c1 ok m1 event=%b,retry=1 d1" % event)
+    wire.send(b"rj2 reject --confirm c1 m1")
+    wire.expect(b"c1 ok m1 event=%b,retry=2 d1" % event)
+    wire.expect(b"rj2 ok ")
+    wire.send(b"a1 ack --confirm c1 m1")
+    wire.expect(b"a1 ok ")
+    assert wire.barrier() == []
+    assert eval_on(wire, b"state.stats()['messages_unacked']") == b"0"
+
+
+def test_ack_and_reject_all_and_batch_ack(wire):
+    queue, event = unique("q"), unique("e")
+    wire.send(b"c1 consume %b %b --manual-ack" % (queue, event))
+    wire.send(*(b"m%d publish %b d" % (i, event) for i in range(5)))
+    for i in range(5):
+        wire.expect(b"c1 ok m%d event=%b d" % (i, event))
+    wire.send(b"a1 ack --confirm c1 m0 m1")
+    wire.expect(b"a1 ok ")
+    wire.send(b"rj reject c1 --all")
+    for i in range(2, 5):
+        wire.expect(b"c1 ok m%d event=%b,retry=1 d" % (i, event))
+    wire.send(b"a2 ack --confirm c1 --all")
+    wire.expect(b"a2 ok ")
+    assert wire.barrier() == []
+
+
+def test_prefetch_limits_unacked_in_flight(wire):
+    queue, event = unique("q"), unique("e")
+    wire.send(b"c1 consume %b %b --manual-ack --prefetch=2" % (queue, event))
+    wire.send(*(b"m%d publish %b d" % (i, event) for i in range(5)))
+    assert [line.split()[2] for line in wire.barrier()] == [b"m0", b"m1"]
+    wire.send(b"a ack c1 m0")
+    wire.expect(b"c1 ok m2 event=%b d" % event)
+    assert wire.barrier() == []
+
+
+def test_ack_for_unknown_consumer_or_message_is_an_error(wire):
+    wire.send(b"a1 ack nobody m1")
+    wire.expect_error(b"a1", b"unknown consumer")
+    wire.send(b"a2 ack --confirm nobody m1")
+    wire.expect_error(b"a2", b"unknown consumer")
+    wire.send(b"rj reject nobody --all")
+    wire.expect_error(b"rj", b"unknown consumer")
+    wire.send(b"c1 consume %b --manual-ack" % unique("q"))
+    wire.send(b"a3 ack c1 never-delivered")
+    wire.expect_error(b"a3", b"never-delivered")
+
+
+def test_delete_consumer_requeues_to_the_other_consumer(broker):
+    leaving, staying = broker.wire(), broker.wire()
+    queue, event = unique("q"), unique("e")
+    leaving.send(b"c1 consume %b %b --manual-ack" % (queue, event), b"m1 publish %b d" % event)
+    leaving.expect(b"c1 ok m1 event=%b d" % event)
+    staying.send(b"c2 consume --confirm %b --manual-ack" % queue)
+    staying.recv_line()  # its --update
+    staying.expect(b"c2 ok ")
+    leaving.send(b"dc delete_consumer --confirm c1")
+    leaving.expect(b"dc ok ")
+    staying.expect(b"c2 ok m1 event=%b,retry=1 d" % event)
+    leaving.send(b"a ack c1 m1")
+    leaving.expect_error(b"a", b"unknown consumer")
+
+
+def test_disconnect_requeues_unacked_with_retry(broker):
+    leaving, staying = broker.wire(), broker.wire()
+    queue, event = unique("q"), unique("e")
+    leaving.send(b"c1 consume %b %b --manual-ack" % (queue, event), b"m1 publish %b d" % event)
+    leaving.expect(b"c1 ok m1 event=%b d" % event)
+    leaving.close()
+    staying.send(b"c2 consume %b --manual-ack" % queue)
+    staying.expect(b"c2 ok m1 event=%b,retry=1 d" % event)
+
+
+def test_delete_queue_drops_it_instantly(wire):
+    queue, event = unique("q"), unique("e")
+    wire.send(b"c1 consume --confirm %b %b" % (queue, event))
+    wire.recv_line()
+    wire.expect(b"c1 ok ")
+    wire.send(b"dq delete_queue --confirm " + queue)
+    wire.expect(b"dq ok ")
+    wire.send(b"m1 publish %b d" % event)
+    assert wire.barrier() == []
+    assert eval_on(wire, b"%r in state.queues" % queue) == b"False"
+
+
+def test_delete_queue_when_unused_immediately_and_after_seconds(wire, broker):
+    now, later = unique("q"), unique("q")
+    other = broker.wire()
+    other.send(b"c1 consume %b e --delete-queue-when-unused" % now)
+    other.send(b"c2 consume %b e --delete-queue-when-unused=0.3" % later)
+    other.barrier()
+    assert eval_on(wire, b"[%r in state.queues, %r in state.queues]" % (now, later)) == b"[True, True]"
+    other.close()
+    poll(lambda: eval_on(wire, b"%r in state.queues" % now) == b"False", what="immediate delete")
+    poll(lambda: eval_on(wire, b"%r in state.queues" % later) == b"False", what="delayed delete")
+
+
+def test_delete_queue_when_unused_keeps_queue_if_consumer_returns_in_time(broker, wire):
+    queue = unique("q")
+    first = broker.wire()
+    first.send(b"c1 consume %b e --delete-queue-when-unused=1.0" % queue)
+    first.barrier()
+    first.close()
+    wire.send(b"c2 consume --confirm %b --delete-queue-when-unused=1.0" % queue)
+    wire.recv_line()
+    wire.expect(b"c2 ok ")
+    # a later queue that dies after the same wait proves the timer of the first one has run
+    marker = unique("q")
+    probe = broker.wire()
+    probe.send(b"c3 consume %b e --delete-queue-when-unused=1.0" % marker)
+    probe.barrier()
+    probe.close()
+    poll(lambda: eval_on(wire, b"%r in state.queues" % marker) == b"False", what="marker delete")
+    assert eval_on(wire, b"%r in state.queues" % queue) == b"True"
+
+
+def test_ping_echoes_data(wire):
+    wire.send(b"pg1 ping service1 with spaces", b"pg2 ping")
+    wire.expect(b"pg1 ok service1 with spaces")
+    wire.expect(b"pg2 ok ")
+
+
+def test_one_publishers_messages_arrive_in_order(broker):
+    consumer, publisher = broker.wire(), broker.wire()
+    queue, event = unique("q"), unique("e")
+    consumer.send(b"c1 consume %b %b" % (queue, event))
+    consumer.barrier()
+    publisher.send(*(b"m%d publish %b %d" % (i, event, i) for i in range(2000)))
+    for i in range(2000):
+        consumer.expect(b"c1 ok m%d event=%b %d" % (i, event, i))
+
+
+def test_ten_thousand_pipelined_messages_are_delivered_exactly_once(broker):
+    consumers = [broker.wire() for _ in range(3)]
+    publisher = broker.wire()
+    queue, event = unique("q"), unique("e")
+    for n, conn in enumerate(consumers):
+        conn.send(b"c%d consume %b %b --manual-ack" % (n, queue, event))
+        conn.barrier()
+    publisher.send_raw(b"".join(b"m%d publish %b payload-%d\n" % (i, event, i) for i in range(10_000)))
+    seen: list[bytes] = []
+    deadline = time.monotonic() + 30
+    while len(seen) < 10_000 and time.monotonic() < deadline:
+        for n, conn in enumerate(consumers):
+            for line in conn.barrier():
+                cid, ok, msg_id, _ = line.split(b" ", 3)
+                assert (cid, ok) == (b"c%d" % n, b"ok")
+                seen.append(msg_id)
+                conn.send(b"a ack c%d %b" % (n, msg_id))
+    assert len(seen) == 10_000
+    assert set(seen) == {b"m%d" % i for i in range(10_000)}
+    assert eval_on(publisher, b"state.queues[%r].messages" % queue) == b"deque([])"
