@@ -1,0 +1,607 @@
+"""The one load generator: pipelined producers and bulk-counting consumers for every server.
+
+A run forks a consumer process (one or many connections behind one selector) and a producer
+process, pinned to the generator core when asked. The producer pre-builds its whole pipelined
+buffer before the clock starts; replies are drained by a thread and only counted. The consumer
+cuts each recv at its last newline and counts or parses whole chunks (`bytes.count`, one regex
+per chunk), never one message at a time in Python. A shared counter lets the producer stay at
+most `window` messages ahead, so no broker has to drop or buffer without bound.
+Every payload is 100 bytes: `T` + 19-digit monotonic ns + filler + the marker `|EOM|`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+RECV_BYTES = 1 << 20
+CHUNK_MESSAGES = 2000
+MARKER = b"|EOM|"
+FILLER = b"." * 75
+TS_RE = re.compile(rb"T(\d{19})\.")
+SETUP_TIMEOUT_SECONDS = 20.0
+
+now_ns = time.monotonic_ns  # CLOCK_MONOTONIC: one clock for every process on the machine
+
+
+def payload(ts_ns: int = 0) -> bytes:
+    """100 bytes, timestamped, ending with the marker the consumers count."""
+    return b"T%019d" % ts_ns + FILLER + MARKER
+
+
+assert len(payload()) == 100
+
+
+def pin(core: int | None) -> None:
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def connect(host: str, port: int) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=SETUP_TIMEOUT_SECONDS)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_until(sock: socket.socket, needle: bytes, buf: bytes = b"", count: int = 1) -> bytes:
+    """Blocking read until `needle` occurs `count` times; returns everything read."""
+    while buf.count(needle) < count:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed while waiting for {needle!r}; have {buf[-300:]!r}")
+        buf += chunk
+    return buf
+
+
+def resp(*parts: bytes) -> bytes:
+    """One Redis command in RESP."""
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+class ConsumerState:
+    """Per-connection parsing state; `feed` takes newline-aligned bytes, returns (count, reply)."""
+
+    errors = 0
+
+    def feed(self, body: bytes) -> tuple[int, bytes]:
+        return body.count(MARKER), b""
+
+
+class Proto:
+    """One server's dialect for one workload variant."""
+
+    name = "?"
+    producer_error = b"\n-ERR"
+    barrier_request = b""
+    barrier_reply = b""
+
+    def producer_setup(self, sock: socket.socket) -> None:
+        pass
+
+    def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
+        raise NotImplementedError
+
+    def consumer_setup(self, sock: socket.socket, index: int) -> tuple[ConsumerState, bytes]:
+        """Subscribe connection `index` (w2: 0-9 exact, 10-19 mask); returns state and first request."""
+        raise NotImplementedError
+
+    def memory_setup(self, sock: socket.socket) -> None:
+        self.producer_setup(sock)
+
+
+# MQKS
+
+
+class MqksAckState(ConsumerState):
+    ID_RE = re.compile(rb"c0 ok (\S+) event=")
+
+    def feed(self, body: bytes) -> tuple[int, bytes]:
+        ids = self.ID_RE.findall(body)
+        if b" error " in body:
+            self.errors += body.count(b" error ")
+        if not ids:
+            return 0, b""
+        # one batch ack per chunk (MQKS extension): a C join, not a loop
+        return len(ids), b"a ack c0 " + b" ".join(ids) + b"\n"
+
+
+class MqksAutoState(ConsumerState):
+    def feed(self, body: bytes) -> tuple[int, bytes]:
+        if b" error " in body:
+            self.errors += body.count(b" error ")
+        return body.count(MARKER), b""
+
+
+class Mqks(Proto):
+    name = "mqks"
+    producer_error = b" error "
+    barrier_request = b"z ping done\n"
+    barrier_reply = b"z ok done"
+
+    def __init__(self, manual_ack: bool = False, event: bytes = b"bench.ev") -> None:
+        self.manual_ack = manual_ack
+        self.event = event
+
+    def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
+        tail = b" publish " + self.event + b" " + payload(ts_ns) + b"\n"
+        return b"".join([b"m%d%s" % (i, tail) for i in range(start, start + count)])
+
+    def consumer_setup(self, sock: socket.socket, index: int) -> tuple[ConsumerState, bytes]:
+        if index < 10:
+            queue, binding = b"bench.qx%d" % index, self.event
+        else:
+            queue, binding = b"bench.qm%d" % index, self.event.rsplit(b".", 1)[0] + b".*"
+        flags = b" --manual-ack" if self.manual_ack else b""
+        sock.sendall(b"c0 consume --confirm " + queue + b" " + binding + flags + b"\n")
+        buf = b""
+        while True:
+            buf = read_until(sock, b"\n", buf)
+            line, _, buf = buf.partition(b"\n")
+            if line.rstrip() == b"c0 ok":
+                break
+            if b" error " in line:
+                raise RuntimeError(f"mqks consume failed: {line!r}")
+        return (MqksAckState() if self.manual_ack else MqksAutoState()), b""
+
+    def memory_setup(self, sock: socket.socket) -> None:
+        sock.sendall(b"r rebind --confirm bench.w4q " + self.event + b"\n")
+        buf = read_until(sock, b"\n")
+        if not buf.startswith(b"r ok"):
+            raise RuntimeError(f"mqks rebind failed: {buf!r}")
+
+
+# NATS core
+
+
+class Nats(Proto):
+    name = "nats"
+    barrier_request = b"PING\r\n"
+    barrier_reply = b"PONG"
+
+    def __init__(self, subject: bytes = b"bench.ev") -> None:
+        self.subject = subject
+
+    def _handshake(self, sock: socket.socket) -> None:
+        read_until(sock, b"\r\n")  # INFO
+        sock.sendall(b'CONNECT {"verbose":false,"pedantic":false,"echo":false}\r\nPING\r\n')
+        read_until(sock, b"PONG")
+
+    def producer_setup(self, sock: socket.socket) -> None:
+        self._handshake(sock)
+
+    def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
+        return (b"PUB " + self.subject + b" 100\r\n" + payload(ts_ns) + b"\r\n") * count
+
+    def consumer_setup(self, sock: socket.socket, index: int) -> tuple[ConsumerState, bytes]:
+        self._handshake(sock)
+        subject = self.subject if index < 10 else self.subject.rsplit(b".", 1)[0] + b".*"
+        sock.sendall(b"SUB " + subject + b" 1\r\nPING\r\n")
+        read_until(sock, b"PONG")
+        return ConsumerState(), b""
+
+
+# Redis pub/sub
+
+
+class RedisPubSub(Proto):
+    name = "redis-pubsub"
+    barrier_request = resp(b"PING")
+    barrier_reply = b"+PONG"
+
+    def __init__(self, channel: bytes = b"bench.ev") -> None:
+        self.channel = channel
+
+    def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
+        return resp(b"PUBLISH", self.channel, payload(ts_ns)) * count
+
+    def consumer_setup(self, sock: socket.socket, index: int) -> tuple[ConsumerState, bytes]:
+        if index < 10:
+            sock.sendall(resp(b"SUBSCRIBE", self.channel))
+        else:
+            sock.sendall(resp(b"PSUBSCRIBE", self.channel.rsplit(b".", 1)[0] + b".*"))
+        read_until(sock, b":1\r\n")
+        return ConsumerState(), b""
+
+
+# Redis Streams
+
+
+class RedisStreamState(ConsumerState):
+    """One XREADGROUP in flight; a reply is complete when it holds as many markers as its header says."""
+
+    HEADER_RE = re.compile(rb"\*1\r\n\*2\r\n\$\d+\r\n[^\r]*\r\n\*(\d+)\r\n")
+    ID_RE = re.compile(rb"\r\n\*2\r\n\$\d+\r\n(\d+-\d+)\r\n")
+
+    def __init__(self, proto: "RedisStreams") -> None:
+        self.proto = proto
+        self.parts: list[bytes] = []
+        self.expected = -1
+        self.seen = 0
+
+    def feed(self, body: bytes) -> tuple[int, bytes]:
+        self.parts.append(body)
+        n = body.count(MARKER)
+        self.seen += n
+        if self.expected < 0:
+            head = b"".join(self.parts) if len(self.parts) > 1 else body
+            m = self.HEADER_RE.search(head)
+            if m is None:
+                if b"-ERR" in head or b"-NOGROUP" in head:
+                    self.errors += 1
+                if b"*-1\r\n" in head:  # timed out empty: ask again
+                    self.parts.clear()
+                    return n, self.proto.read_request
+                return n, b""
+            self.expected = int(m.group(1))
+        if self.seen < self.expected:
+            return n, b""
+        reply = b"".join(self.parts) if len(self.parts) > 1 else body
+        self.parts.clear()
+        self.expected = -1
+        self.seen = 0
+        if not self.proto.ack:
+            return n, self.proto.read_request
+        ids = self.ID_RE.findall(reply)
+        return n, resp(b"XACK", self.proto.stream, b"g", *ids) + self.proto.read_request
+
+
+class RedisStreams(Proto):
+    name = "redis-streams"
+    barrier_request = resp(b"PING")
+    barrier_reply = b"+PONG"
+    READ_COUNT = 2000
+
+    def __init__(self, ack: bool = False, stream: bytes = b"bench.ev") -> None:
+        self.ack = ack
+        self.stream = stream
+        noack = () if ack else (b"NOACK",)
+        self.read_request = resp(b"XREADGROUP", b"GROUP", b"g", b"c", b"COUNT", b"%d" % self.READ_COUNT,
+                                 b"BLOCK", b"1000", *noack, b"STREAMS", stream, b">")
+
+    def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
+        return resp(b"XADD", self.stream, b"*", b"p", payload(ts_ns)) * count
+
+    def consumer_setup(self, sock: socket.socket, index: int) -> tuple[ConsumerState, bytes]:
+        sock.sendall(resp(b"XGROUP", b"CREATE", self.stream, b"g", b"$", b"MKSTREAM"))
+        got = read_until(sock, b"\r\n")
+        if not got.startswith(b"+OK"):
+            raise RuntimeError(f"XGROUP CREATE failed: {got!r}")
+        return RedisStreamState(self), self.read_request
+
+
+# beanstalkd
+
+
+class BeanstalkState(ConsumerState):
+    """Keeps `credit` reserves outstanding; deletes every job it got, in one write per chunk."""
+
+    ID_RE = re.compile(rb"RESERVED (\d+) ")
+
+    def feed(self, body: bytes) -> tuple[int, bytes]:
+        ids = self.ID_RE.findall(body)
+        if not ids:
+            return 0, b""
+        return len(ids), b"delete " + b"\r\ndelete ".join(ids) + b"\r\n" + b"reserve\r\n" * len(ids)
+
+
+class Beanstalkd(Proto):
+    name = "beanstalkd"
+    producer_error = b"_"  # OUT_OF_MEMORY, JOB_TOO_BIG, BAD_FORMAT, EXPECTED_CRLF, UNKNOWN_COMMAND
+    barrier_request = b"stats-tube bench\r\n"
+    barrier_reply = b"OK "
+    CREDIT = 1000
+
+    def producer_setup(self, sock: socket.socket) -> None:
+        sock.sendall(b"use bench\r\n")
+        read_until(sock, b"USING bench\r\n")
+
+    def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
+        return (b"put 0 0 60 100\r\n" + payload(ts_ns) + b"\r\n") * count
+
+    def consumer_setup(self, sock: socket.socket, index: int) -> tuple[ConsumerState, bytes]:
+        sock.sendall(b"watch bench\r\nignore default\r\n")
+        read_until(sock, b"WATCHING", count=2)
+        return BeanstalkState(), b"reserve\r\n" * self.CREDIT
+
+
+# Processes
+
+
+@dataclass
+class Flow:
+    """What one run sends and expects."""
+
+    proto: Proto
+    host: str
+    port: int
+    n: int                      # messages the producer publishes
+    fanout: int = 1             # consumer connections; each gets every message
+    window: int = 50_000        # max messages the producer may be ahead of the slowest delivery
+    core: int | None = None     # generator core, None = unpinned
+    timeout_s: float = 60.0
+    rate: int = 0               # > 0: paced at this many msg/s, timestamped (w3)
+    chunk: int = CHUNK_MESSAGES
+
+
+def _drain(sock: socket.socket, proto: Proto, stats: dict, barrier: threading.Event) -> None:
+    """Reads the producer's replies and only counts them."""
+    tail = b""
+    errors = 0
+    needle = proto.barrier_reply
+    while True:
+        try:
+            chunk = sock.recv(RECV_BYTES)
+        except OSError:
+            break
+        if not chunk:
+            break
+        errors += chunk.count(proto.producer_error)
+        if needle and not barrier.is_set():
+            if needle in tail + chunk[: len(needle)] or needle in chunk:
+                barrier.set()
+            tail = chunk[-len(needle):]
+        stats["reply_bytes"] += len(chunk)
+    stats["errors"] = errors
+
+
+def producer_main(flow: Flow, counter, ready, go, stop, results) -> None:
+    try:
+        pin(flow.core)
+        sock = connect(flow.host, flow.port)
+        flow.proto.producer_setup(sock)
+        sock.settimeout(None)
+        stats = {"reply_bytes": 0, "errors": 0}
+        barrier = threading.Event()
+        drain = threading.Thread(target=_drain, args=(sock, flow.proto, stats, barrier), daemon=True)
+        chunks = []
+        if not flow.rate:
+            for start in range(0, flow.n, flow.chunk):
+                chunks.append(flow.proto.publish(start, min(flow.chunk, flow.n - start)))
+        drain.start()
+        ready.send("ready")
+        go.wait()
+        t0 = now_ns()
+        sent = 0
+        per_event = flow.fanout
+        if flow.rate:
+            while sent < flow.n:
+                now = now_ns()
+                due = min(flow.n, (now - t0) * flow.rate // 1_000_000_000 + 1)
+                if due > sent:
+                    sock.sendall(flow.proto.publish(sent, due - sent, now))
+                    sent = due
+                time.sleep(0.0002)
+        else:
+            window = flow.window
+            deadline = t0 + int(flow.timeout_s * 1e9)
+            for data in chunks:
+                while sent - counter.value // per_event > window:
+                    time.sleep(0.0002)
+                    if now_ns() > deadline:
+                        break
+                sock.sendall(data)
+                sent += flow.chunk
+        t_sent = now_ns()
+        results.send({"t0": t0, "t_sent": t_sent})
+        stop.wait(flow.timeout_s + 30)
+        results.send({"producer_errors": stats["errors"], "reply_bytes": stats["reply_bytes"]})
+        sock.close()
+    except Exception as e:  # the parent reports it
+        results.send({"error": f"producer: {type(e).__name__}: {e}"})
+
+
+def consumer_main(flow: Flow, counter, ready, stop, results, latency: bool) -> None:
+    try:
+        pin(flow.core)
+        sel = selectors.DefaultSelector()
+        states = []
+        for index in range(flow.fanout):
+            sock = connect(flow.host, flow.port)
+            index_for = index if flow.fanout > 1 else 0
+            state, first = flow.proto.consumer_setup(sock, index_for)
+            sock.settimeout(flow.timeout_s)
+            if first:
+                sock.sendall(first)
+            state.tail = b""
+            states.append(state)
+            sel.register(sock, selectors.EVENT_READ, state)
+        ready.send("ready")
+        target = flow.n * flow.fanout
+        got = 0
+        lat: list[int] = []
+        ts_findall = TS_RE.findall
+        t_end = 0
+        deadline = time.monotonic() + flow.timeout_s + 30
+        while got < target:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in sel.select(min(left, 1.0)):
+                state = key.data
+                sock = key.fileobj
+                try:
+                    chunk = sock.recv(RECV_BYTES)
+                except (BlockingIOError, socket.timeout):
+                    continue
+                if not chunk:
+                    raise ConnectionError(f"server closed a consumer connection after {got} deliveries")
+                data = state.tail + chunk if state.tail else chunk
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:
+                    state.tail = data
+                    continue
+                if cut < len(data):
+                    body, state.tail = data[:cut], data[cut:]
+                else:
+                    body, state.tail = data, b""
+                n, reply = state.feed(body)
+                if reply:
+                    sock.sendall(reply)
+                if n:
+                    got += n
+                    t_end = now_ns()
+                    counter.value = got
+                    if latency:
+                        lat.extend([t_end - int(ts) for ts in ts_findall(body)])
+        results.send({"t_end": t_end, "got": got, "target": target,
+                      "consumer_errors": sum(s.errors for s in states), "latencies_ns": lat})
+        stop.wait(flow.timeout_s + 30)
+        for key in list(sel.get_map().values()):
+            key.fileobj.close()
+    except Exception as e:
+        results.send({"error": f"consumer: {type(e).__name__}: {e}"})
+
+
+@dataclass
+class RunResult:
+    ok: bool
+    rate: float = 0.0                 # deliveries/s, end to end
+    got: int = 0
+    target: int = 0
+    seconds: float = 0.0
+    send_rate: float = 0.0            # messages/s the producer managed to write
+    errors: int = 0
+    note: str = ""
+    latencies_ns: list[int] = field(default_factory=list)
+
+
+def _recv(conn, timeout: float) -> dict:
+    if not conn.poll(timeout):
+        return {"error": f"no answer within {timeout:.0f}s"}
+    return conn.recv()
+
+
+def run_flow(flow: Flow, latency: bool = False, check=None) -> RunResult:
+    """Fork consumer + producer, start the clock, return end-to-end figures.
+
+    `check()`, if given, runs after the consumer is done and before any connection closes
+    (so un-acked counts are still meaningful); its string goes into `note`.
+    """
+    ctx = mp.get_context("fork")
+    counter = ctx.RawValue("q", 0)
+    go, stop = ctx.Event(), ctx.Event()
+    c_ready_r, c_ready_w = ctx.Pipe(False)
+    c_res_r, c_res_w = ctx.Pipe(False)
+    p_ready_r, p_ready_w = ctx.Pipe(False)
+    p_res_r, p_res_w = ctx.Pipe(False)
+    consumer = ctx.Process(target=consumer_main, args=(flow, counter, c_ready_w, stop, c_res_w, latency), daemon=True)
+    producer = ctx.Process(target=producer_main, args=(flow, counter, p_ready_w, go, stop, p_res_w), daemon=True)
+    result = RunResult(ok=False, target=flow.n * flow.fanout)
+    try:
+        consumer.start()
+        if not c_ready_r.poll(SETUP_TIMEOUT_SECONDS * 2):
+            result.note = "consumer setup timed out"
+            return result
+        if c_res_r.poll(0):
+            result.note = c_res_r.recv().get("error", "consumer failed")
+            return result
+        c_ready_r.recv()
+        producer.start()
+        if not p_ready_r.poll(SETUP_TIMEOUT_SECONDS * 2):
+            result.note = "producer setup timed out"
+            return result
+        if p_res_r.poll(0):
+            result.note = p_res_r.recv().get("error", "producer failed")
+            return result
+        p_ready_r.recv()
+        go.set()
+        c = _recv(c_res_r, flow.timeout_s + 40)
+        p = _recv(p_res_r, 10)
+        if "error" in c or "error" in p:
+            result.note = "; ".join(x["error"] for x in (c, p) if "error" in x)
+            return result
+        result.got = c["got"]
+        result.seconds = max(1e-9, (c["t_end"] - p["t0"]) / 1e9) if c["t_end"] else 0.0
+        result.rate = result.got / result.seconds if result.seconds else 0.0
+        result.send_rate = flow.n / max(1e-9, (p["t_sent"] - p["t0"]) / 1e9)
+        result.latencies_ns = c["latencies_ns"]
+        result.errors = c["consumer_errors"]
+        result.ok = result.got >= result.target
+        if not result.ok:
+            result.note = f"timeout: {result.got}/{result.target} delivered"
+        if check is not None:
+            note = check()
+            if note:
+                result.note = (result.note + "; " if result.note else "") + note
+        stop.set()
+        p2 = _recv(p_res_r, 10)
+        result.errors += p2.get("producer_errors", 0)
+        if result.errors:
+            result.note = (result.note + "; " if result.note else "") + f"{result.errors} error replies"
+        return result
+    finally:
+        stop.set()
+        go.set()
+        for proc in (producer, consumer):
+            if proc.pid is not None:
+                proc.join(5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(2)
+
+
+def memory_main(proto: Proto, host: str, port: int, n: int, core: int | None, server_pid: int,
+                timeout_s: float, results) -> None:
+    """Queue `n` messages with no consumer; report the server's VmRSS before and after."""
+    try:
+        pin(core)
+        sock = connect(host, port)
+        proto.memory_setup(sock)
+        sock.settimeout(None)
+        stats = {"reply_bytes": 0, "errors": 0}
+        barrier = threading.Event()
+        drain = threading.Thread(target=_drain, args=(sock, proto, stats, barrier), daemon=True)
+        time.sleep(0.2)  # let the server settle after setup before the baseline
+        rss0 = vm_rss(server_pid)
+        drain.start()
+        t0 = now_ns()
+        step = 10_000
+        for start in range(0, n, step):
+            sock.sendall(proto.publish(start, min(step, n - start)))
+        sock.sendall(proto.barrier_request)
+        if not barrier.wait(timeout_s):
+            raise TimeoutError(f"no barrier reply within {timeout_s}s")
+        t1 = now_ns()
+        time.sleep(0.2)
+        rss1 = vm_rss(server_pid)
+        results.send({"rss0": rss0, "rss1": rss1, "seconds": (t1 - t0) / 1e9})
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        drain.join(5)
+        results.send({"errors": stats["errors"]})
+    except Exception as e:
+        results.send({"error": f"memory: {type(e).__name__}: {e}"})
+
+
+def vm_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def run_memory(proto: Proto, host: str, port: int, n: int, core: int | None, server_pid: int,
+               timeout_s: float) -> dict:
+    ctx = mp.get_context("fork")
+    r, w = ctx.Pipe(False)
+    proc = ctx.Process(target=memory_main, args=(proto, host, port, n, core, server_pid, timeout_s, w), daemon=True)
+    proc.start()
+    try:
+        first = _recv(r, timeout_s + 30)
+        if "error" in first:
+            return first
+        second = _recv(r, 10)
+        first["errors"] = second.get("errors", 0)
+        return first
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2)

@@ -1,0 +1,556 @@
+"""MQKS beside Redis, NATS and beanstalkd: one command, one table, one JSON file.
+
+    .venv/bin/python bench/run.py [--quick] [--pinned|--unpinned|--both] [--workloads w1,w2,w3,w4]
+                                  [--json PATH] [--profile]
+
+Starts every server itself on 127.0.0.1 (a fresh one per run, stopped by pid), measures the
+load generator's ceiling against a trivial sink, runs each cell `--reps` times, prints medians
+with ranges and the MQKS/peer ratios the issue targets, and writes the same as JSON into
+bench/results/. `--profile` runs mqksd under cProfile through w1 and w2 instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import json
+import os
+import platform
+import pstats
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import loadgen  # noqa: E402
+import peers  # noqa: E402
+from loadgen import Beanstalkd, Flow, Mqks, Nats, RedisPubSub, RedisStreams  # noqa: E402
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+RESULTS_DIR = os.path.join(BENCH_DIR, "results")
+LOG_DIR = os.path.join(RESULTS_DIR, "logs")
+SERVER_CORE, GENERATOR_CORE = 0, 1
+PEER_BINARIES = {"redis": "redis-server", "nats": "nats-server", "beanstalkd": "beanstalkd"}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    quick: bool
+    modes: tuple[str, ...]
+    workloads: tuple[str, ...]
+    reps: int
+    w4_reps: int
+    w1_messages: int
+    w2_events: int
+    w3_seconds: float
+    w3_rates: tuple[int, ...]
+    w4_messages: int
+    window: int
+    timeout_seconds: float
+    json_path: str
+    install: bool
+    profile: bool
+
+
+def build_config(argv: list[str] | None = None) -> Config:
+    parser = argparse.ArgumentParser(description="MQKS benchmark beside Redis, NATS and beanstalkd.")
+    parser.add_argument("--quick", action="store_true", help="small counts, one repetition (smoke run)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--pinned", dest="modes", action="store_const", const=("pinned",),
+                      help="server on core 0, generator on core 1 (default)")
+    mode.add_argument("--unpinned", dest="modes", action="store_const", const=("unpinned",))
+    mode.add_argument("--both", dest="modes", action="store_const", const=("pinned", "unpinned"))
+    parser.add_argument("--workloads", default="w1,w2,w3,w4", help="comma list of w1,w2,w3,w4")
+    parser.add_argument("--reps", type=int, help="repetitions per cell (default 3, quick 1)")
+    parser.add_argument("--w4-reps", type=int, help="repetitions of the 1M-message memory cells (default 2, quick 1)")
+    parser.add_argument("--messages", type=int, help="w1 messages per run (default 200000, quick 50000)")
+    parser.add_argument("--w4-messages", type=int, help="w4 queued messages (default 1000000, quick 200000)")
+    parser.add_argument("--window", type=int, default=50_000, help="max messages the producer runs ahead")
+    parser.add_argument("--timeout", type=float, help="seconds one run may take (default 60, quick 30)")
+    parser.add_argument("--json", dest="json_path", help="where to write the JSON (default bench/results/...)")
+    parser.add_argument("--no-install", action="store_true", help="skip peers that are missing instead of apt-get")
+    parser.add_argument("--profile", action="store_true", help="profile mqksd under cProfile through w1 and w2")
+    a = parser.parse_args(argv)
+    quick = a.quick
+    workloads = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
+    bad = [w for w in workloads if w not in ("w1", "w2", "w3", "w4")]
+    if bad:
+        parser.error(f"unknown workloads: {bad}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Config(
+        quick=quick,
+        modes=a.modes or ("pinned",),
+        workloads=workloads,
+        reps=a.reps or (1 if quick else 3),
+        w4_reps=a.w4_reps or (1 if quick else 2),
+        w1_messages=a.messages or (50_000 if quick else 200_000),
+        w2_events=(a.messages or (50_000 if quick else 200_000)) // 10,
+        w3_seconds=1.0 if quick else 2.0,
+        w3_rates=(5_000, 20_000),
+        w4_messages=a.w4_messages or (200_000 if quick else 1_000_000),
+        window=a.window,
+        timeout_seconds=a.timeout or (30.0 if quick else 60.0),
+        json_path=a.json_path or os.path.join(RESULTS_DIR, f"bench-{stamp}{'-quick' if quick else ''}.json"),
+        install=not a.no_install,
+        profile=a.profile,
+    )
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+# Servers
+
+
+class Servers:
+    """Starts a fresh server of a kind on demand; knows which peers were skipped and why."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.finder = peers.PeerFinder(install=cfg.install, log=say)
+        self.finder.resolve(list(PEER_BINARIES.values()))
+        self.skipped = {kind: self.finder.skipped[b] for kind, b in PEER_BINARIES.items() if b in self.finder.skipped}
+        self.versions = {kind: _version(self.finder.paths[b]) for kind, b in PEER_BINARIES.items()
+                         if b in self.finder.paths}
+        self.versions["mqks"] = _mqks_version()
+
+    def available(self, kind: str) -> bool:
+        return kind not in self.skipped
+
+    def start(self, kind: str, core: int | None) -> peers.Server:
+        if kind == "mqks":
+            return peers.start_mqks(core, LOG_DIR)
+        path = self.finder.paths[PEER_BINARIES[kind]]
+        return {"redis": peers.start_redis, "nats": peers.start_nats,
+                "beanstalkd": peers.start_beanstalkd}[kind](path, core, LOG_DIR)
+
+
+def _version(path: str) -> str:
+    flag = "-v" if path.endswith("beanstalkd") else "--version"
+    try:
+        out = subprocess.run([path, flag], capture_output=True, timeout=5).stdout.decode(errors="replace")
+        return out.strip().splitlines()[0][:80] if out.strip() else "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+def _mqks_version() -> str:
+    try:
+        out = subprocess.run([sys.executable, "-c", "import mqks; print(getattr(mqks, '__version__', '?'))"],
+                             capture_output=True, timeout=10, cwd="/tmp")
+        return "mqks " + out.stdout.decode().strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "mqks ?"
+
+
+def mqks_stats(server: peers.Server) -> dict:
+    """`state.stats()` through `_eval` on a fresh connection."""
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(b"e _eval state.stats()\n")
+        buf = loadgen.read_until(sock, b"\n")
+    line = buf.split(b"\n", 1)[0]
+    if not line.startswith(b"e ok "):
+        raise RuntimeError(f"_eval failed: {line[:300]!r}")
+    return ast.literal_eval(line[5:].decode())
+
+
+def mqks_check(server: peers.Server, n: int, fanout: int, manual_ack: bool) -> Callable[[], str]:
+    """A post-run check of the broker's own counters; returns '' when they add up."""
+
+    def check() -> str:
+        deadline = time.monotonic() + 3
+        while True:
+            try:
+                st = mqks_stats(server)
+            except Exception as e:  # report, do not crash the benchmark
+                return f"stats unavailable: {e}"
+            problems = []
+            if st.get("published") != n:
+                problems.append(f"published={st.get('published')} (sent {n})")
+            if st.get("messages_waiting"):
+                problems.append(f"messages_waiting={st.get('messages_waiting')}")
+            if manual_ack and (st.get("messages_unacked") or st.get("acked") != n * fanout):
+                problems.append(f"acked={st.get('acked')} unacked={st.get('messages_unacked')}")
+            if not problems or time.monotonic() > deadline:
+                return ("stats: " + ", ".join(problems)) if problems else ""
+            time.sleep(0.1)  # acks are fire-and-forget: give the last batch a moment
+
+    return check
+
+
+# Cells
+
+
+@dataclass
+class Cell:
+    workload: str
+    server: str
+    variant: str
+    make: Callable[[], loadgen.Proto]
+    fanout: int = 1
+    manual_ack: bool = False
+    rate: int = 0
+
+    @property
+    def key(self) -> str:
+        rate = f"@{self.rate // 1000}k" if self.rate else ""
+        return f"{self.workload}{rate} {self.server} {self.variant}"
+
+
+def cells_for(workload: str, cfg: Config) -> list[Cell]:
+    if workload == "w1":
+        return [
+            Cell("w1", "mqks", "auto-ack", lambda: Mqks()),
+            Cell("w1", "mqks", "manual-ack", lambda: Mqks(manual_ack=True), manual_ack=True),
+            Cell("w1", "redis", "pubsub", lambda: RedisPubSub()),
+            Cell("w1", "redis", "streams", lambda: RedisStreams(ack=False)),
+            Cell("w1", "redis", "streams+xack", lambda: RedisStreams(ack=True)),
+            Cell("w1", "nats", "core", lambda: Nats()),
+            Cell("w1", "beanstalkd", "put/reserve/delete", lambda: Beanstalkd()),
+        ]
+    if workload == "w2":
+        return [
+            Cell("w2", "mqks", "10 exact + 10 mask queues", lambda: Mqks(), fanout=20),
+            Cell("w2", "redis", "10 SUBSCRIBE + 10 PSUBSCRIBE", lambda: RedisPubSub(), fanout=20),
+            Cell("w2", "nats", "10 exact + 10 * subs", lambda: Nats(), fanout=20),
+        ]
+    if workload == "w3":
+        out = []
+        for rate in cfg.w3_rates:
+            out += [
+                Cell("w3", "mqks", "auto-ack", lambda: Mqks(), rate=rate),
+                Cell("w3", "mqks", "manual-ack", lambda: Mqks(manual_ack=True), manual_ack=True, rate=rate),
+                Cell("w3", "redis", "pubsub", lambda: RedisPubSub(), rate=rate),
+                Cell("w3", "redis", "streams", lambda: RedisStreams(ack=False), rate=rate),
+                Cell("w3", "nats", "core", lambda: Nats(), rate=rate),
+                Cell("w3", "beanstalkd", "put/reserve/delete", lambda: Beanstalkd(), rate=rate),
+            ]
+        return out
+    if workload == "w4":
+        return [
+            Cell("w4", "mqks", "1 queue, no consumer", lambda: Mqks(event=b"bench.w4")),
+            Cell("w4", "redis", "streams XADD", lambda: RedisStreams()),
+            Cell("w4", "beanstalkd", "put", lambda: Beanstalkd()),
+        ]
+    raise ValueError(workload)
+
+
+def percentile(sorted_values: list[int], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    i = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
+    return sorted_values[i]
+
+
+def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
+    """One repetition of one cell on a fresh server; returns a sample dict."""
+    server_core = SERVER_CORE if pinned else None
+    gen_core = GENERATOR_CORE if pinned else None
+    server = servers.start(cell.server, server_core)
+    try:
+        proto = cell.make()
+        if cell.workload == "w4":
+            n = cfg.w4_messages
+            r = loadgen.run_memory(proto, server.host, server.port, n, gen_core, server.pid,
+                                   cfg.timeout_seconds * 2)
+            if "error" in r:
+                return {"ok": False, "note": r["error"] + f" | server log: {server.log_tail(300)}"}
+            note = ""
+            if cell.server == "mqks":
+                st = mqks_stats(server)
+                if st.get("messages_waiting") != n:
+                    note = f"stats: messages_waiting={st.get('messages_waiting')} (sent {n})"
+            if r.get("errors"):
+                note += f" {r['errors']} error replies"
+            return {"ok": not note, "value": (r["rss1"] - r["rss0"]) / n, "rss0": r["rss0"], "rss1": r["rss1"],
+                    "seconds": r["seconds"], "note": note.strip()}
+        if cell.workload == "w3":
+            n = int(cell.rate * cfg.w3_seconds)
+        elif cell.workload == "w2":
+            n = cfg.w2_events
+        else:
+            n = cfg.w1_messages
+        flow = Flow(proto=proto, host=server.host, port=server.port, n=n, fanout=cell.fanout,
+                    window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds, rate=cell.rate)
+        check = mqks_check(server, n, cell.fanout, cell.manual_ack) if cell.server == "mqks" else None
+        r = loadgen.run_flow(flow, latency=cell.workload == "w3", check=check)
+        if not server.alive():
+            r.note = (r.note + "; " if r.note else "") + f"server died: {server.log_tail(300)}"
+            r.ok = False
+        sample = {"ok": r.ok and not r.errors, "value": r.rate, "got": r.got, "target": r.target,
+                  "seconds": r.seconds, "send_rate": r.send_rate, "note": r.note}
+        if cell.workload == "w3":
+            lat = sorted(r.latencies_ns)
+            sample.update(value=percentile(lat, 0.5) / 1e6, p50_ms=percentile(lat, 0.5) / 1e6,
+                          p99_ms=percentile(lat, 0.99) / 1e6, max_ms=(lat[-1] / 1e6 if lat else float("nan")),
+                          samples=len(lat))
+        return sample
+    except Exception as e:
+        return {"ok": False, "note": f"{type(e).__name__}: {e}"}
+    finally:
+        code = server.stop()
+        if cell.server == "mqks" and code not in (0, None):
+            say(f"  ! mqksd exited {code} on SIGTERM (expected 0)")
+
+
+def summarize(values: list[float]) -> dict:
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def unit_of(cell: Cell) -> str:
+    return {"w1": "msg/s", "w2": "deliveries/s", "w3": "ms", "w4": "bytes/msg"}[cell.workload]
+
+
+def run_mode(mode: str, cfg: Config, servers: Servers) -> dict:
+    pinned = mode == "pinned"
+    say(f"\n## mode: {mode}" + (" (server: taskset -c 0, generator: core 1)" if pinned else ""))
+    out = {"ceiling": measure_ceiling(cfg, pinned), "cells": []}
+    for workload in cfg.workloads:
+        cells = [c for c in cells_for(workload, cfg) if servers.available(c.server)]
+        reps = cfg.w4_reps if workload == "w4" else cfg.reps
+        samples: dict[str, list[dict]] = {c.key: [] for c in cells}
+        for rep in range(reps):  # interleaved, so a noisy minute hits every server alike
+            for cell in cells:
+                s = run_cell(cell, cfg, servers, pinned)
+                samples[cell.key].append(s)
+                say(f"  {mode} rep {rep + 1}/{reps} {cell.key:<48} {_sample_text(cell, s)}")
+        for cell in cells:
+            ss = samples[cell.key]
+            good = [s for s in ss if s.get("ok")]
+            entry = {"key": cell.key, "workload": cell.workload, "server": cell.server, "variant": cell.variant,
+                     "rate": cell.rate, "unit": unit_of(cell), "samples": ss,
+                     "failed": len(ss) - len(good),
+                     "notes": sorted({s["note"] for s in ss if s.get("note")})}
+            if cell.workload == "w3":
+                entry["p50_ms"] = summarize([s["p50_ms"] for s in good])
+                entry["p99_ms"] = summarize([s["p99_ms"] for s in good])
+            entry.update(summarize([s["value"] for s in good]))
+            out["cells"].append(entry)
+    out["ratios"] = ratios(out["cells"])
+    return out
+
+
+def _sample_text(cell: Cell, s: dict) -> str:
+    if not s.get("ok") and "value" not in s:
+        return f"FAILED {s.get('note', '')}"
+    if cell.workload == "w3":
+        text = f"p50 {s['p50_ms']:.3f} ms  p99 {s['p99_ms']:.3f} ms  max {s['max_ms']:.1f} ms  ({s['samples']} msgs)"
+    elif cell.workload == "w4":
+        text = f"{s['value']:.1f} bytes/msg (RSS {s['rss0'] / 2**20:.1f} -> {s['rss1'] / 2**20:.1f} MiB)"
+    else:
+        text = f"{s['value']:>12,.0f} {unit_of(cell)}  (producer wrote {s['send_rate']:,.0f} msg/s)"
+    if s.get("note"):
+        text += f"  [{s['note'][:200]}]"
+    return text
+
+
+# Generator ceiling
+
+
+def measure_ceiling(cfg: Config, pinned: bool) -> dict:
+    """The generator against a sink that does nothing: the most any server could show here."""
+    server_core = SERVER_CORE if pinned else None
+    gen_core = GENERATOR_CORE if pinned else None
+    n = cfg.w1_messages * 2
+    shapes = [("w1 auto-ack", Mqks(), 1, n), ("w1 manual-ack", Mqks(manual_ack=True), 1, n),
+              ("w2 fan-out 20", Mqks(), 20, n // 20)]
+    result = {}
+    for label, proto, fanout, count in shapes:
+        values = []
+        for _ in range(max(1, min(cfg.reps, 2))):
+            sink = peers.start_sink(server_core, LOG_DIR, deliver=count)
+            try:
+                flow = Flow(proto=proto, host=sink.host, port=sink.port, n=count, fanout=fanout,
+                            window=10**12, core=gen_core, timeout_s=cfg.timeout_seconds)
+                r = loadgen.run_flow(flow)
+                if r.ok:
+                    values.append(r.rate)
+                else:
+                    say(f"  ! ceiling {label}: {r.note}")
+            finally:
+                sink.stop()
+        result[label] = summarize(values)
+        s = result[label]
+        if s["n"]:
+            say(f"  generator ceiling {label:<16} {s['median']:>12,.0f} /s  [{s['min']:,.0f} .. {s['max']:,.0f}]")
+    return result
+
+
+# Ratios
+
+
+RATIOS = [
+    # label, numerator key, denominator key, target, higher_is_better
+    ("w1 auto-ack: MQKS / Redis Streams (no ack)", "w1 mqks auto-ack", "w1 redis streams", 1.0, True),
+    ("w1 manual-ack: MQKS / Redis Streams + XACK", "w1 mqks manual-ack", "w1 redis streams+xack", 1.0, True),
+    ("w2: MQKS / Redis pub/sub (PSUBSCRIBE)", "w2 mqks 10 exact + 10 mask queues",
+     "w2 redis 10 SUBSCRIBE + 10 PSUBSCRIBE", 0.3, True),
+    ("w4 bytes/msg: MQKS / Redis Streams", "w4 mqks 1 queue, no consumer", "w4 redis streams XADD", 1.5, False),
+    ("w1 auto-ack: MQKS / beanstalkd", "w1 mqks auto-ack", "w1 beanstalkd put/reserve/delete", 1.0, True),
+    ("w1 manual-ack: MQKS / beanstalkd", "w1 mqks manual-ack", "w1 beanstalkd put/reserve/delete", 1.0, True),
+    ("w3@5k p99: MQKS / beanstalkd", "w3@5k mqks auto-ack", "w3@5k beanstalkd put/reserve/delete", 1.0, False),
+    ("w3@20k p99: MQKS / beanstalkd", "w3@20k mqks auto-ack", "w3@20k beanstalkd put/reserve/delete", 1.0, False),
+    ("w4 bytes/msg: MQKS / beanstalkd", "w4 mqks 1 queue, no consumer", "w4 beanstalkd put", 1.0, False),
+    ("w1 auto-ack: MQKS / Redis pub/sub", "w1 mqks auto-ack", "w1 redis pubsub", None, True),
+    ("w1 auto-ack: MQKS / NATS core", "w1 mqks auto-ack", "w1 nats core", None, True),
+    ("w2: MQKS / NATS", "w2 mqks 10 exact + 10 mask queues", "w2 nats 10 exact + 10 * subs", None, True),
+]
+
+
+def ratios(cells: list[dict]) -> list[dict]:
+    by_key = {c["key"]: c for c in cells}
+    out = []
+    for label, num, den, target, higher in RATIOS:
+        a, b = by_key.get(num), by_key.get(den)
+        if not a or not b:
+            continue
+        if a["workload"] == "w3":
+            va, vb = a["p99_ms"]["median"], b["p99_ms"]["median"]
+        else:
+            va, vb = a["median"], b["median"]
+        if va is None or not vb:
+            out.append({"label": label, "ratio": None, "target": target, "met": None})
+            continue
+        ratio = va / vb
+        met = None if target is None else (ratio >= target if higher else ratio <= target)
+        out.append({"label": label, "ratio": ratio, "target": target, "higher_is_better": higher, "met": met})
+    return out
+
+
+# Output
+
+
+def fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit in ("ms",):
+        return f"{v:.3f}"
+    if unit == "bytes/msg":
+        return f"{v:.1f}"
+    return f"{v:,.0f}"
+
+
+def print_tables(results: dict, cfg: Config) -> None:
+    for mode, res in results["modes"].items():
+        say(f"\n### {mode}\n")
+        ceil = res["ceiling"]
+        say("generator ceiling (trivial sink, MQKS protocol): " + ", ".join(
+            f"{k} {fmt(v['median'], 'msg/s')}/s" for k, v in ceil.items() if v["n"]))
+        say("")
+        say("| workload | server | variant | unit | median | range (min .. max) | runs | notes |")
+        say("|---|---|---|---|---:|---|---:|---|")
+        for c in res["cells"]:
+            wl = c["workload"] + (f"@{c['rate'] // 1000}k/s" if c["rate"] else "")
+            runs = f"{c['n']}" + (f" (+{c['failed']} failed)" if c["failed"] else "")
+            notes = "; ".join(c["notes"])[:160]
+            if c["workload"] == "w3":
+                for q in ("p50_ms", "p99_ms"):
+                    s = c[q]
+                    say(f"| {wl} | {c['server']} | {c['variant']} | {q[:3]} ms | {fmt(s['median'], 'ms')} | "
+                        f"{fmt(s['min'], 'ms')} .. {fmt(s['max'], 'ms')} | {runs} | {notes} |")
+                continue
+            u = c["unit"]
+            say(f"| {wl} | {c['server']} | {c['variant']} | {u} | {fmt(c['median'], u)} | "
+                f"{fmt(c['min'], u)} .. {fmt(c['max'], u)} | {runs} | {notes} |")
+        say("")
+        say("| ratio (medians) | value | target | verdict |")
+        say("|---|---:|---|---|")
+        for r in res["ratios"]:
+            if r["ratio"] is None:
+                say(f"| {r['label']} | - | - | no data |")
+                continue
+            tgt = "-" if r["target"] is None else ("≥ " if r["higher_is_better"] else "≤ ") + f"{r['target']:.1f}"
+            verdict = "info" if r["met"] is None else ("met" if r["met"] else "MISSED")
+            say(f"| {r['label']} | {r['ratio']:.2f}x | {tgt} | {verdict} |")
+        near = []
+        top = max((v["median"] or 0 for v in ceil.values()), default=0)
+        for c in res["cells"]:
+            if c["workload"] in ("w1", "w2") and c["median"] and top and c["median"] > 0.7 * top:
+                near.append(c["key"])
+        if near:
+            say(f"\nnote: within 70% of the generator ceiling (figures are a floor): {', '.join(near)}")
+
+
+def run_benchmark(cfg: Config) -> int:
+    os.makedirs(LOG_DIR, exist_ok=True)
+    say(f"# MQKS benchmark  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  quick={cfg.quick}  "
+        f"modes={','.join(cfg.modes)}  workloads={','.join(cfg.workloads)}")
+    say(f"# w1 {cfg.w1_messages:,} msgs, w2 {cfg.w2_events:,} events x 20, w3 {cfg.w3_seconds:g}s at "
+        f"{'/'.join(str(r) for r in cfg.w3_rates)} msg/s, w4 {cfg.w4_messages:,} msgs; "
+        f"reps {cfg.reps} (w4 {cfg.w4_reps}); payload 100 bytes")
+    servers = Servers(cfg)
+    for kind, why in servers.skipped.items():
+        say(f"# SKIPPED peer {kind}: {why}")
+    say("# versions: " + "; ".join(f"{k}: {v}" for k, v in servers.versions.items()))
+    started = time.monotonic()
+    results = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
+                        "cpus": os.cpu_count(), "python": sys.version.split()[0], "config": cfg.__repr__(),
+                        "versions": servers.versions, "skipped": servers.skipped},
+               "modes": {}}
+    for mode in cfg.modes:
+        results["modes"][mode] = run_mode(mode, cfg, servers)
+    results["meta"]["seconds"] = time.monotonic() - started
+    print_tables(results, cfg)
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.json_path)), exist_ok=True)
+    for res in results["modes"].values():
+        for c in res["cells"]:
+            for s in c["samples"]:
+                s.pop("latencies_ns", None)
+    with open(cfg.json_path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1, default=str)
+    say(f"\n# done in {results['meta']['seconds']:.0f}s; JSON: {cfg.json_path}")
+    return 0
+
+
+# Profile
+
+
+def run_profile(cfg: Config) -> int:
+    """mqksd under cProfile through w1 auto-ack, w1 manual-ack and w2; prints the top 15 by tottime."""
+    os.makedirs(LOG_DIR, exist_ok=True)
+    pinned = cfg.modes[0] == "pinned"
+    gen_core = GENERATOR_CORE if pinned else None
+    prof_path = os.path.join(RESULTS_DIR, f"mqksd-{time.strftime('%Y%m%d-%H%M%S')}.prof")
+    server = peers.start_mqks(SERVER_CORE if pinned else None, LOG_DIR, profile_path=prof_path)
+    n = cfg.w1_messages
+    runs = [("w1 auto-ack", Mqks(event=b"p1.ev"), 1, n, False),
+            ("w1 manual-ack", Mqks(manual_ack=True, event=b"p2.ev"), 1, n, True),
+            ("w2 10 exact + 10 mask", Mqks(event=b"p3.ev"), 20, max(1, n // 20), False)]
+    try:
+        for label, proto, fanout, count, _ack in runs:
+            flow = Flow(proto=proto, host=server.host, port=server.port, n=count, fanout=fanout,
+                        window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds * 2)
+            r = loadgen.run_flow(flow)
+            say(f"  profiled {label:<24} {r.rate:>12,.0f} /s under cProfile" + (f"  [{r.note}]" if r.note else ""))
+    finally:
+        code = server.stop(grace_seconds=30)
+    if code != 0 or not os.path.exists(prof_path):
+        say(f"! mqksd exited {code} on SIGTERM; profile written: {os.path.exists(prof_path)}")
+        say(server.log_tail(1500))
+        if not os.path.exists(prof_path):
+            return 1
+    text = io.StringIO()
+    stats = pstats.Stats(prof_path, stream=text)
+    stats.strip_dirs().sort_stats("tottime").print_stats(15)
+    say(text.getvalue())
+    say(f"# profile: {prof_path}  (python -m pstats {prof_path})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = build_config(argv)
+    if cfg.profile:
+        return run_profile(cfg)
+    return run_benchmark(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
