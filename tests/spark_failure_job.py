@@ -1,0 +1,72 @@
+"""A streaming query for test_spark's failure test, run in its own process so the test can SIGKILL it.
+
+It reads an mqks queue and records each micro-batch's `msg_id retry` lines into `--out`, one file
+per batch and process, fsynced. With `--block-batch K`, the first non-empty batch with id >= K is
+recorded, then the job writes `{out}/blocked` and sleeps: that batch was read but never committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--queue", required=True)
+    parser.add_argument("--events", default="")
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-records-per-batch", type=int, default=100)
+    parser.add_argument("--block-batch", type=int, default=None)
+    args = parser.parse_args()
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    from mqks.spark import MqksDataSource
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("mqks-failure-job")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("WARN")
+    spark.dataSource.register(MqksDataSource)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def record(batch_df, batch_id: int) -> None:
+        rows = batch_df.select("msg_id", "retry").collect()
+        path = out / f"batch-{batch_id}-{os.getpid()}.txt"
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("".join(f"{row.msg_id} {row.retry}\n" for row in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        if args.block_batch is not None and batch_id >= args.block_batch and rows:
+            (out / "blocked").write_text(f"{batch_id} {len(rows)}\n")
+            time.sleep(3600)  # the test SIGKILLs this process group here
+
+    stream = (
+        spark.readStream.format("mqks")
+        .option("port", str(args.port))
+        .option("queue", args.queue)
+        .option("events", args.events)
+        .option("maxRecordsPerBatch", str(args.max_records_per_batch))
+        .option("idleAckSeconds", "1")
+        .load()
+    )
+    query = stream.writeStream.foreachBatch(record).option("checkpointLocation", args.checkpoint).start()
+    (out / f"started-{os.getpid()}").write_text(query.id)
+    query.awaitTermination()
+
+
+if __name__ == "__main__":
+    main()
