@@ -1,0 +1,350 @@
+"""The Python client against a real mqksd: callbacks, confirms, acks, keepalive, reconnect and replay.
+
+Every wait polls with a deadline or blocks on a gevent event; absence is proven with a later
+message on the same queue or a ping on the same connection, never with a sleep.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import gevent
+import pytest
+from gevent.event import Event
+
+from conftest import Broker, free_port
+from mqks.client import Client, Message, MqksError
+from mqks.client.client import MqksConnectionError
+
+WAIT_SECONDS = 10.0
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = WAIT_SECONDS) -> None:
+    """Poll `predicate` (yielding to gevent) until true, or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        gevent.sleep(0.01)
+
+
+class Inbox:
+    """A consumer callback that records messages; `handle` decides what to do with each."""
+
+    def __init__(self, handle: Callable[[Message], object] | None = None) -> None:
+        self.messages: list[Message] = []
+        self.handle = handle
+
+    def __call__(self, message: Message) -> None:
+        self.messages.append(message)
+        if self.handle is not None:
+            self.handle(message)
+
+    def wait(self, count: int) -> list[Message]:
+        wait_until(lambda: len(self.messages) >= count, f"{count} messages, have {self.messages}")
+        return self.messages
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def make_client(server: Broker, **kwargs: float) -> Client:
+    options = {"ping_seconds": 0.5, "timeout_seconds": 5.0, "reconnect_max_seconds": 0.2}
+    options.update(kwargs)
+    client = Client(server.host, server.port, **options)
+    client.connect()
+    return client
+
+
+@pytest.fixture
+def client(broker: Broker) -> Iterator[Client]:
+    client = make_client(broker)
+    yield client
+    client.close()
+
+
+def test_callback_gets_published_message(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox()
+    consumer_id = client.consume(queue, [event], inbox)
+    msg_id = client.publish(event, "hello world")
+    [message] = inbox.wait(1)
+    assert (message.id, message.event, message.data, message.retry, message.consumer_id) == (
+        msg_id, event, "hello world", 0, consumer_id)
+
+
+def test_mask_subscription_gets_json_with_newlines_and_tabs(client: Client) -> None:
+    queue, prefix = unique("q"), unique("user")
+    inbox = Inbox()
+    client.consume(queue, [f"{prefix}.*.created"], inbox, json=True)
+    payload = {"text": "line one\nline two\tafter a tab", "n": [1, 2]}
+    client.publish(f"{prefix}.42.created", payload, json=True)
+    [message] = inbox.wait(1)
+    assert message.event == f"{prefix}.42.created"
+    assert message.data == payload
+
+
+def test_data_with_newline_or_bad_event_is_refused_before_sending(client: Client) -> None:
+    with pytest.raises(ValueError):
+        client.publish("e1", "two\nlines")
+    with pytest.raises(ValueError):
+        client.publish("has space", "data")
+    with pytest.raises(TypeError):
+        client.consume(unique("q"), "e1", Inbox())  # a bare string instead of a list of events
+
+
+def test_publish_confirm_returns_after_ok(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox()
+    client.consume(queue, [event], inbox)
+    msg_id = client.publish(event, "confirmed", confirm=True)
+    assert inbox.wait(1)[0].id == msg_id
+
+
+def test_confirm_error_raises_mqks_error_with_error_id(client: Client) -> None:
+    with pytest.raises(MqksError) as caught:
+        client.ack("no-such-consumer", "m1", confirm=True)
+    assert caught.value.error_id
+    assert "no-such-consumer" in caught.value.reason
+    with pytest.raises(MqksError) as caught:
+        client.reject("no-such-consumer", all=True, confirm=True)
+    assert caught.value.error_id
+    assert client.ping("still alive") == "still alive"
+
+
+def test_manual_ack_through_message_ack_is_not_redelivered(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    first = Inbox(lambda message: message.ack())
+    consumer_id = client.consume(queue, [event], first, manual_ack=True)
+    client.publish(event, "acked")
+    first.wait(1)
+    assert client.ping("acks sent") == "acks sent"  # the ack line is ahead of this pong
+    client.delete_consumer(consumer_id)
+    second = Inbox(lambda message: message.ack())
+    client.consume(queue, [event], second, manual_ack=True)
+    client.publish(event, "marker")
+    # an un-acked "acked" would be back in the queue ahead of the marker
+    assert [message.data for message in second.wait(1)] == ["marker"]
+
+
+def test_reject_redelivers_with_retry_1(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox(lambda message: message.reject() if message.retry == 0 else message.ack())
+    client.consume(queue, [event], inbox, manual_ack=True)
+    msg_id = client.publish(event, "again")
+    first, second = inbox.wait(2)[:2]
+    assert (first.id, first.retry) == (msg_id, 0)
+    assert (second.id, second.retry, second.data) == (msg_id, 1, "again")
+
+
+def test_raising_callback_rejects_manual_ack_message(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+
+    def fail_first(message: Message) -> None:
+        if message.retry == 0:
+            raise RuntimeError("callback bug (expected by the test)")
+        message.ack()
+
+    inbox = Inbox(fail_first)
+    client.consume(queue, [event], inbox, manual_ack=True)
+    client.publish(event, "boom")
+    assert [message.retry for message in inbox.wait(2)[:2]] == [0, 1]
+
+
+def test_raising_callback_does_not_stop_the_consumer(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+
+    def fail_on_bad(message: Message) -> None:
+        if message.data == "bad":
+            raise RuntimeError("callback bug (expected by the test)")
+
+    inbox = Inbox(fail_on_bad)
+    client.consume(queue, [event], inbox)
+    client.publish(event, "bad")
+    client.publish(event, "good")
+    assert [message.data for message in inbox.wait(2)] == ["bad", "good"]
+    assert client.ping("reader alive") == "reader alive"
+
+
+def test_slow_callback_does_not_block_answers(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    release = Event()
+    inbox = Inbox(lambda message: release.wait())
+    client.consume(queue, [event], inbox)
+    client.publish(event, "slow")
+    inbox.wait(1)
+    # the callback is stuck; confirms and pongs still come back through the reader
+    client.publish(event, "queued behind it", confirm=True)
+    assert client.ping("not stuck") == "not stuck"
+    release.set()
+    assert [message.data for message in inbox.wait(2)] == ["slow", "queued behind it"]
+
+
+def test_update_lines_keep_the_client_view_of_events(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    consumer_id = client.consume(queue, [event], Inbox())
+    client.rebind(queue, add=[f"{event}-added"])
+    wait_until(lambda: client.consumer_events(consumer_id) == [event, f"{event}-added"], "the --update")
+    client.rebind(queue, remove=[event])
+    wait_until(lambda: client.consumer_events(consumer_id) == [f"{event}-added"], "the second --update")
+
+
+def test_ack_several_msg_ids_in_one_call(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox()
+    consumer_id = client.consume(queue, [event], inbox, manual_ack=True)
+    client.publish(event, "one")
+    client.publish(event, "two")
+    first, second = inbox.wait(2)
+    client.ack(consumer_id, first.id, second.id, confirm=True)
+    client.delete_consumer(consumer_id)
+    again = Inbox()
+    client.consume(queue, [event], again, manual_ack=True)
+    client.publish(event, "marker")
+    assert [message.data for message in again.wait(1)] == ["marker"]
+
+
+def test_delete_consumer_stops_its_callbacks(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    deleted = Inbox()
+    consumer_id = client.consume(queue, [event], deleted)
+    client.delete_consumer(consumer_id)
+    kept = Inbox()
+    client.consume(queue, [event], kept)
+    client.publish(event, "after delete")
+    kept.wait(1)
+    assert deleted.messages == []
+
+
+def test_fifty_greenlets_publish_with_confirm_each_confirmed_once(sharded_broker: Broker) -> None:
+    client = make_client(sharded_broker)
+    try:
+        queue, event = unique("q"), unique("e")
+        inbox = Inbox()
+        client.consume(queue, [event], inbox)
+        results: list[str] = []
+
+        def publish(n: int) -> None:
+            results.append(client.publish(event, f"message {n}", confirm=True))
+
+        greenlets = [gevent.spawn(publish, n) for n in range(50)]
+        gevent.joinall(greenlets, raise_error=True)
+        assert len(results) == 50 and len(set(results)) == 50
+        assert client._conn is not None and client._conn.futures == {}  # no answer left waiting
+        messages = inbox.wait(50)
+        assert sorted(message.data for message in messages) == sorted(f"message {n}" for n in range(50))
+        assert {message.id for message in messages} == set(results)
+        assert client.ping("no more") == "no more"
+        assert len(inbox.messages) == 50
+    finally:
+        client.close()
+
+
+def test_ping_and_eval(client: Client) -> None:
+    assert client.ping("hello there") == "hello there"
+    assert client.ping() == ""
+    assert client.eval("1 + 1") == "2"
+    assert client.eval("state.stats()['worker']", worker=0) == "0"
+    with pytest.raises(MqksError):
+        client.eval("1 +")
+
+
+def test_eval_refused_without_eval_flag(make_broker: Callable[..., Broker]) -> None:
+    client = make_client(make_broker())
+    try:
+        with pytest.raises(MqksError) as caught:
+            client.eval("1")
+        assert caught.value.error_id
+    finally:
+        client.close()
+
+
+def test_connect_raises_after_its_timeout() -> None:
+    client = Client("127.0.0.1", free_port(), connect_timeout_seconds=0.5, reconnect_max_seconds=0.1)
+    with pytest.raises(MqksConnectionError):
+        client.connect()
+
+
+def test_close_flushes_fire_and_forget_publishes(broker: Broker, client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox()
+    client.consume(queue, [event], inbox)
+    publisher = make_client(broker)
+    for n in range(500):  # no yield in between: one batch, sent by close()
+        publisher.publish(event, f"m{n}")
+    publisher.close()
+    assert [message.data for message in inbox.wait(500)] == [f"m{n}" for n in range(500)]
+
+
+def test_publish_while_disconnected_raises_after_timeout(make_broker: Callable[..., Broker]) -> None:
+    server = make_broker()
+    client = make_client(server)
+    try:
+        server.kill()
+        wait_until(lambda: not client.connected, "the client to notice the kill")
+        with pytest.raises(MqksConnectionError):
+            client.publish("e1", "nowhere to go", timeout=0.3)
+        with pytest.raises(MqksConnectionError):
+            client.publish("e1", "nowhere to go", confirm=True, timeout=0.3)
+    finally:
+        client.close()
+
+
+def test_sigkill_and_restart_replays_consumers_with_current_events(make_broker: Callable[..., Broker]) -> None:
+    server = make_broker("--eval")
+    client = make_client(server)
+    try:
+        queue, event = unique("q"), unique("e")
+        inbox = Inbox(lambda message: message.ack())
+        reconnects: list[tuple[str, str]] = []
+        disconnects: list[str] = []
+        consumer_id = client.consume(queue, [event], inbox, manual_ack=True,
+                                     on_disconnect=disconnects.append,
+                                     on_reconnect=lambda old, new: reconnects.append((old, new)))
+        client.rebind(queue, add=[f"{event}-added"])
+        wait_until(lambda: f"{event}-added" in client.consumer_events(consumer_id), "the --update")
+
+        server.kill()
+        wait_until(lambda: disconnects == [consumer_id], "on_disconnect")
+        # published while the broker is down: waits for the reconnect, then goes through
+        late = gevent.spawn(client.publish, f"{event}-added", "sent while down", confirm=True, timeout=WAIT_SECONDS)
+        make_broker("--eval", port=server.port)
+
+        wait_until(lambda: reconnects, "on_reconnect")
+        [(old_id, new_id)] = reconnects
+        assert old_id == consumer_id and new_id != consumer_id
+        late.get(timeout=WAIT_SECONDS)
+        client.publish(event, "after restart", confirm=True)
+        messages = inbox.wait(2)
+        assert sorted(message.data for message in messages) == ["after restart", "sent while down"]
+        assert {message.consumer_id for message in messages} == {new_id}
+        assert client.consumer_events(consumer_id) == [event, f"{event}-added"]
+    finally:
+        client.close()
+
+
+def test_sigstop_is_detected_by_missed_pong_then_resumed(make_broker: Callable[..., Broker]) -> None:
+    server = make_broker()
+    client = make_client(server, ping_seconds=0.2, ping_timeout_seconds=0.5, timeout_seconds=1.0)
+    try:
+        queue, event = unique("q"), unique("e")
+        inbox = Inbox()
+        disconnected = Event()
+        reconnected = Event()
+        client.consume(queue, [event], inbox, on_disconnect=lambda consumer_id: disconnected.set(),
+                       on_reconnect=lambda old, new: reconnected.set())
+        server.signal(signal.SIGSTOP)
+        try:
+            assert disconnected.wait(WAIT_SECONDS), "the frozen broker was not detected"
+            assert not client.connected
+        finally:
+            server.signal(signal.SIGCONT)
+        assert reconnected.wait(WAIT_SECONDS), "no reconnect after SIGCONT"
+        client.publish(event, "after resume", confirm=True)
+        assert [message.data for message in inbox.wait(1)] == ["after resume"]
+    finally:
+        client.close()
