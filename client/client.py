@@ -281,7 +281,9 @@ class Client:
             except (OSError, MqksError) as e:
                 delay = self._backoff_seconds(attempt)
                 attempt += 1
-                log.warning("mqks %s:%s: connect failed (%s); retrying in %.2fs", self.host, self.port, e, delay)
+                # before the first connection connect() is waiting and will raise: no need to shout
+                log.log(logging.WARNING if self.reconnects else logging.INFO,
+                        "mqks %s:%s: connect failed (%s); retrying in %.2fs", self.host, self.port, e, delay)
                 gevent.sleep(delay)
                 continue
             if attempt or self.reconnects:
