@@ -240,7 +240,7 @@ def run_lines(conn: Connection, lines: list) -> None:
         rid, _, rest = line.partition(b" ")
         action, _, args = rest.partition(b" ")
         handler = actions.get(action)
-        if handler is None:
+        if handler is None or not rid:
             unknown_action(conn, rid, action, line)
             continue
         confirm = False

@@ -1,0 +1,126 @@
+"""The mqksd process: flags, safe defaults, signals, logs and shards."""
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from mqks.server import actions
+from mqks.server.protocol import ProtocolError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_sigterm_flushes_what_is_owed_and_exits_zero(make_broker):
+    server = make_broker()
+    consumer, publisher = server.wire(), server.wire()
+    consumer.send(b"c consume q e")
+    consumer.barrier()
+    publisher.send_raw(b"".join(b"m%d publish e %d\n" % (i, i) for i in range(3000)))
+    publisher.barrier()
+    assert server.stop() == 0
+    for i in range(3000):
+        consumer.expect(b"c ok m%d event=e %d" % (i, i))
+    assert consumer.closed_by_server()
+    assert "stopping" in server.log()
+
+
+def test_sigint_exits_zero(make_broker):
+    server = make_broker()
+    server.signal(signal.SIGINT)
+    assert server.proc.wait(10) == 0
+
+
+def test_eval_is_off_by_default_and_the_refusal_names_the_flag(make_broker):
+    wire = make_broker().wire()
+    wire.send(b"ev _eval len(state.queues)")
+    wire.expect_error(b"ev", b"--eval")
+
+
+def test_eval_refuses_peers_that_are_not_loopback():
+    class RemoteConn:
+        peer_is_loopback = False
+        shards = [object()]
+
+        class server:
+            class config:
+                eval_enabled = True
+
+    with pytest.raises(ProtocolError, match="loopback"):
+        actions.handle_eval(RemoteConn(), b"ev", b"1+1", False)
+
+
+def test_eval_answers_repr_on_one_line(broker, wire):
+    wire.send(b"ev _eval 'a\\nb'", b"ev2 _eval --worker=0 state.worker")
+    wire.expect(b"ev ok 'a\\nb'")
+    wire.expect(b"ev2 ok 0")
+
+
+def test_logs_have_timestamps_and_one_line_per_connect_and_disconnect(make_broker):
+    server = make_broker()
+    wire = server.wire()
+    wire.send(b"p ping")
+    wire.expect(b"p ok ")
+    wire.close()
+    probe = server.wire()
+    probe.barrier()  # the earlier disconnect was logged before this connection's ping answer
+    log = server.log()
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO .*connected 127\.0\.0\.1:\d+", log, re.M)
+    assert "disconnected 127.0.0.1:" in log
+    assert "ping" not in log  # nothing per message at info
+
+
+def test_mqksd_console_script_defaults_are_safe():
+    mqksd = shutil.which("mqksd") or str(__import__("pathlib").Path(sys.executable).with_name("mqksd"))
+    out = subprocess.run([mqksd, "--help"], capture_output=True, text=True, timeout=30).stdout
+    assert "default: 127.0.0.1" in out and "--eval" in out and "--max-line-bytes" in out
+
+
+def test_bad_flag_value_exits_with_usage_error():
+    result = subprocess.run([sys.executable, "-m", "mqks.server", "--workers", "0"], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2 and "--workers must be at least 1" in result.stderr
+
+
+def queue_on_shard(shard: int, workers: int, prefix: str) -> bytes:
+    for i in range(1000):
+        name = f"{prefix}{i}".encode()
+        if zlib.crc32(name) % workers == shard:
+            return name
+    raise AssertionError("no name found")
+
+
+def test_queues_live_on_their_crc32_shard_and_publish_reaches_all(sharded_broker):
+    wire = sharded_broker.wire()
+    wire.send(b"w _eval state.workers")
+    workers = int(wire.recv_line().split()[2])
+    names = [queue_on_shard(shard, workers, "shardq") for shard in range(workers)]
+    for n, name in enumerate(names):
+        wire.send(b"c%d consume %b shard.*.event" % (n, name))
+    wire.send(b"m1 publish shard.1.event hi")
+    got = sorted(wire.barrier())
+    assert got == [b"c%d ok m1 event=shard.1.event hi" % n for n in range(workers)]
+    for shard, name in enumerate(names):
+        wire.send(b"ev _eval --worker=%d sorted(q.decode() for q in state.queues)" % shard)
+        line = wire.recv_line()
+        assert name.decode() in line.decode()
+        others = [other for other in names if other != name]
+        assert not any(other.decode() in line.decode() for other in others)
+
+
+def test_manual_ack_across_shards(sharded_broker):
+    wire = sharded_broker.wire()
+    wire.send(b"w _eval state.workers")
+    workers = int(wire.recv_line().split()[2])
+    names = [queue_on_shard(shard, workers, "ackq") for shard in range(workers)]
+    for n, name in enumerate(names):
+        wire.send(b"c%d consume %b ack-e --manual-ack" % (n, name))
+    wire.send(b"m1 publish ack-e x")
+    assert len(wire.barrier()) == workers
+    for n in range(workers):
+        wire.send(b"a%d ack --confirm c%d m1" % (n, n))
+        wire.expect(b"a%d ok " % n)
