@@ -1,0 +1,8 @@
+# The MQKS broker. Inside a container it must listen on every interface; publish the
+# port only where you mean to (for example `-p 127.0.0.1:25000:25000`).
+FROM python:3.11-slim
+WORKDIR /opt/mqks
+COPY . .
+RUN pip install --no-cache-dir .
+EXPOSE 25000
+CMD ["mqksd", "--host", "0.0.0.0", "--port", "25000"]
