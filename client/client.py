@@ -86,6 +86,10 @@ class Message:
         if self._settled or consumer is None or not consumer.manual_ack:
             return
         self._settled = True
+        if self.consumer_id != consumer.id:
+            # delivered on an earlier connection: the broker already requeued it, and the same
+            # msg id may be in flight again under the new consumer id
+            return
         consumer.client._settle(action, self.consumer_id, (self.id,), False, confirm)
 
     def __repr__(self) -> str:
@@ -219,6 +223,7 @@ class Client:
         self._conn: _Connection | None = None
         self._connected = Event()
         self._closed = False
+        self._closing = Event()  # wakes callers waiting for a reconnect that will never come
         self._manager: gevent.Greenlet | None = None
         self._unsent_publishes: list[bytes] = []
         self.reconnects = 0
@@ -256,7 +261,10 @@ class Client:
             except MqksError as e:
                 log.warning("mqks %s:%s: close could not flush: %s", self.host, self.port, e)
         self._closed = True
+        self._closing.set()
         self._connected.clear()
+        for consumer in self._consumers_by_id.values():
+            consumer.active = False
         current = gevent.getcurrent()
         greenlets = [self._manager] if self._manager is not None and self._manager is not current else []
         greenlets += [consumer.greenlet for consumer in set(self._consumers_by_id.values())
@@ -547,8 +555,12 @@ class Client:
             raise MqksConnectionError("client closed")
         if self._manager is None:
             raise MqksConnectionError("not connected: call connect() first")
-        if not self._connected.wait(max(0.0, deadline - time.monotonic())):
-            raise MqksConnectionError(f"not connected to {self.host}:{self.port} in time")
+        if not self._connected.is_set():
+            gevent.wait([self._connected, self._closing], timeout=max(0.0, deadline - time.monotonic()), count=1)
+            if self._closed:
+                raise MqksConnectionError("client closed")
+            if not self._connected.is_set():
+                raise MqksConnectionError(f"not connected to {self.host}:{self.port} in time")
         conn = self._conn
         assert conn is not None  # _connected is set only with a connection
         return conn

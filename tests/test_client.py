@@ -244,6 +244,16 @@ def test_fifty_greenlets_publish_with_confirm_each_confirmed_once(sharded_broker
         client.close()
 
 
+def test_big_message_spanning_many_reads_arrives_whole(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox()
+    client.consume(queue, [event], inbox)
+    big = "".join(chr(ord("a") + n % 26) for n in range(600_000))  # past the write high-water mark too
+    client.publish(event, big, confirm=True)
+    client.publish(event, "small after big")
+    assert [message.data for message in inbox.wait(2)] == [big, "small after big"]
+
+
 def test_ping_and_eval(client: Client) -> None:
     assert client.ping("hello there") == "hello there"
     assert client.ping() == ""
@@ -290,6 +300,11 @@ def test_publish_while_disconnected_raises_after_timeout(make_broker: Callable[.
             client.publish("e1", "nowhere to go", timeout=0.3)
         with pytest.raises(MqksConnectionError):
             client.publish("e1", "nowhere to go", confirm=True, timeout=0.3)
+        waiting = gevent.spawn(client.publish, "e1", "waits for a reconnect", timeout=WAIT_SECONDS * 10)
+        gevent.sleep(0)  # let it start waiting
+        client.close()
+        with pytest.raises(MqksConnectionError, match="closed"):
+            waiting.get(timeout=WAIT_SECONDS)  # close wakes it long before its own timeout
     finally:
         client.close()
 
