@@ -296,12 +296,18 @@ class Client:
                 continue
             if attempt or self.reconnects:
                 log.info("mqks %s:%s: connected", self.host, self.port)
-            attempt = 0
             self._connected.set()
+            opened_at = time.monotonic()
             conn.lost.wait()
             self._connected.clear()
             self._teardown(conn)
             self.reconnects += 1
+            if time.monotonic() - opened_at >= self.reconnect_max_seconds:
+                attempt = 0  # it was a good connection: try again at once
+            else:
+                # a broker that accepts, answers and drops us again must not get a reconnect storm
+                gevent.sleep(self._backoff_seconds(attempt))
+                attempt += 1
 
     def _backoff_seconds(self, attempt: int) -> float:
         """Exponential backoff capped at reconnect_max_seconds, with jitter so clients do not stampede."""

@@ -314,12 +314,17 @@ def test_sigkill_and_restart_replays_consumers_with_current_events(make_broker: 
     client = make_client(server)
     try:
         queue, event = unique("q"), unique("e")
-        inbox = Inbox(lambda message: message.ack())
+        timeline: list[str] = []  # callbacks and hooks in the order the consumer ran them
+        inbox = Inbox(lambda message: (timeline.append(f"message {message.consumer_id}"), message.ack()))
         reconnects: list[tuple[str, str]] = []
         disconnects: list[str] = []
+
+        def on_reconnect(old: str, new: str) -> None:
+            reconnects.append((old, new))
+            timeline.append(f"reconnect {new}")
+
         consumer_id = client.consume(queue, [event], inbox, manual_ack=True,
-                                     on_disconnect=disconnects.append,
-                                     on_reconnect=lambda old, new: reconnects.append((old, new)))
+                                     on_disconnect=disconnects.append, on_reconnect=on_reconnect)
         client.rebind(queue, add=[f"{event}-added"])
         wait_until(lambda: f"{event}-added" in client.consumer_events(consumer_id), "the --update")
 
@@ -337,6 +342,7 @@ def test_sigkill_and_restart_replays_consumers_with_current_events(make_broker: 
         messages = inbox.wait(2)
         assert sorted(message.data for message in messages) == ["after restart", "sent while down"]
         assert {message.consumer_id for message in messages} == {new_id}
+        assert timeline == [f"reconnect {new_id}", f"message {new_id}", f"message {new_id}"]
         assert client.consumer_events(consumer_id) == [event, f"{event}-added"]
     finally:
         client.close()
