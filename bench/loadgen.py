@@ -65,12 +65,17 @@ def resp(*parts: bytes) -> bytes:
 
 
 class ConsumerState:
-    """Per-connection parsing state; `feed` takes newline-aligned bytes, returns (count, reply)."""
+    """Per-connection parsing state.
+
+    `feed(data, start, end)` gets whole lines `data[start:end]` (offsets, so a big chunk is
+    never copied) and returns (deliveries counted, bytes to send back).
+    """
 
     errors = 0
+    tail = b""
 
-    def feed(self, body: bytes) -> tuple[int, bytes]:
-        return body.count(MARKER), b""
+    def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
+        return data.count(MARKER, start, end), b""
 
 
 class Proto:
@@ -101,10 +106,10 @@ class Proto:
 class MqksAckState(ConsumerState):
     ID_RE = re.compile(rb"c0 ok (\S+) event=")
 
-    def feed(self, body: bytes) -> tuple[int, bytes]:
-        ids = self.ID_RE.findall(body)
-        if b" error " in body:
-            self.errors += body.count(b" error ")
+    def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
+        ids = self.ID_RE.findall(data, start, end)
+        if data.find(b" error ", start, end) >= 0:
+            self.errors += data.count(b" error ", start, end)
         if not ids:
             return 0, b""
         # one batch ack per chunk (MQKS extension): a C join, not a loop
@@ -112,10 +117,10 @@ class MqksAckState(ConsumerState):
 
 
 class MqksAutoState(ConsumerState):
-    def feed(self, body: bytes) -> tuple[int, bytes]:
-        if b" error " in body:
-            self.errors += body.count(b" error ")
-        return body.count(MARKER), b""
+    def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
+        if data.find(b" error ", start, end) >= 0:
+            self.errors += data.count(b" error ", start, end)
+        return data.count(MARKER, start, end), b""
 
 
 class Mqks(Proto):
@@ -224,7 +229,8 @@ class RedisStreamState(ConsumerState):
         self.expected = -1
         self.seen = 0
 
-    def feed(self, body: bytes) -> tuple[int, bytes]:
+    def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
+        body = data[start:end] if start or end < len(data) else data
         self.parts.append(body)
         n = body.count(MARKER)
         self.seen += n
@@ -283,8 +289,8 @@ class BeanstalkState(ConsumerState):
 
     ID_RE = re.compile(rb"RESERVED (\d+) ")
 
-    def feed(self, body: bytes) -> tuple[int, bytes]:
-        ids = self.ID_RE.findall(body)
+    def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
+        ids = self.ID_RE.findall(data, start, end)
         if not ids:
             return 0, b""
         return len(ids), b"delete " + b"\r\ndelete ".join(ids) + b"\r\n" + b"reserve\r\n" * len(ids)
@@ -408,14 +414,13 @@ def consumer_main(flow: Flow, counter, ready, stop, results, latency: bool) -> N
             sock.settimeout(flow.timeout_s)
             if first:
                 sock.sendall(first)
-            state.tail = b""
             states.append(state)
             sel.register(sock, selectors.EVENT_READ, state)
         ready.send("ready")
         target = flow.n * flow.fanout
         got = 0
         lat: list[int] = []
-        ts_findall = TS_RE.findall
+        ts_findall = TS_RE.findall  # pattern.findall(data, pos, endpos)
         t_end = 0
         deadline = time.monotonic() + flow.timeout_s + 30
         while got < target:
@@ -431,24 +436,37 @@ def consumer_main(flow: Flow, counter, ready, stop, results, latency: bool) -> N
                     continue
                 if not chunk:
                     raise ConnectionError(f"server closed a consumer connection after {got} deliveries")
-                data = state.tail + chunk if state.tail else chunk
-                cut = data.rfind(b"\n") + 1
-                if cut == 0:
-                    state.tail = data
-                    continue
-                if cut < len(data):
-                    body, state.tail = data[:cut], data[cut:]
-                else:
-                    body, state.tail = data, b""
-                n, reply = state.feed(body)
+                # whole lines only; the partial last line waits in `tail`. Offsets, not slices:
+                # a 1 MiB chunk is never copied in Python.
+                n = 0
+                reply = b""
+                start = 0
+                if state.tail:
+                    first = chunk.find(b"\n")
+                    if first < 0:
+                        state.tail += chunk
+                        continue
+                    head = state.tail + chunk[: first + 1]
+                    n, reply = state.feed(head, 0, len(head))
+                    if latency:
+                        stamp = now_ns()
+                        lat.extend([stamp - int(ts) for ts in ts_findall(head)])
+                    start = first + 1
+                end = chunk.rfind(b"\n") + 1
+                if end > start:
+                    n2, reply2 = state.feed(chunk, start, end)
+                    n += n2
+                    reply += reply2
+                    if latency:
+                        stamp = now_ns()
+                        lat.extend([stamp - int(ts) for ts in ts_findall(chunk, start, end)])
+                state.tail = chunk[end:] if end < len(chunk) else b""
                 if reply:
                     sock.sendall(reply)
                 if n:
                     got += n
                     t_end = now_ns()
                     counter.value = got
-                    if latency:
-                        lat.extend([t_end - int(ts) for ts in ts_findall(body)])
         results.send({"t_end": t_end, "got": got, "target": target,
                       "consumer_errors": sum(s.errors for s in states), "latencies_ns": lat})
         stop.wait(flow.timeout_s + 30)

@@ -69,7 +69,7 @@ def build_config(argv: list[str] | None = None) -> Config:
     parser.add_argument("--workloads", default="w1,w2,w3,w4", help="comma list of w1,w2,w3,w4")
     parser.add_argument("--reps", type=int, help="repetitions per cell (default 3, quick 1)")
     parser.add_argument("--w4-reps", type=int, help="repetitions of the 1M-message memory cells (default 2, quick 1)")
-    parser.add_argument("--messages", type=int, help="w1 messages per run (default 200000, quick 50000)")
+    parser.add_argument("--messages", type=int, help="w1 messages per run, w2 takes a tenth as events (default 500000, quick 100000)")
     parser.add_argument("--w4-messages", type=int, help="w4 queued messages (default 1000000, quick 200000)")
     parser.add_argument("--window", type=int, default=50_000, help="max messages the producer runs ahead")
     parser.add_argument("--timeout", type=float, help="seconds one run may take (default 60, quick 30)")
@@ -89,8 +89,8 @@ def build_config(argv: list[str] | None = None) -> Config:
         workloads=workloads,
         reps=a.reps or (1 if quick else 3),
         w4_reps=a.w4_reps or (1 if quick else 2),
-        w1_messages=a.messages or (50_000 if quick else 200_000),
-        w2_events=(a.messages or (50_000 if quick else 200_000)) // 10,
+        w1_messages=a.messages or (100_000 if quick else 500_000),
+        w2_events=(a.messages or (100_000 if quick else 500_000)) // 10,
         w3_seconds=1.0 if quick else 2.0,
         w3_rates=(5_000, 20_000),
         w4_messages=a.w4_messages or (200_000 if quick else 1_000_000),
@@ -196,6 +196,7 @@ class Cell:
     fanout: int = 1
     manual_ack: bool = False
     rate: int = 0
+    divisor: int = 1  # a slow peer runs fewer messages so a cell stays within seconds
 
     @property
     def key(self) -> str:
@@ -212,7 +213,7 @@ def cells_for(workload: str, cfg: Config) -> list[Cell]:
             Cell("w1", "redis", "streams", lambda: RedisStreams(ack=False)),
             Cell("w1", "redis", "streams+xack", lambda: RedisStreams(ack=True)),
             Cell("w1", "nats", "core", lambda: Nats()),
-            Cell("w1", "beanstalkd", "put/reserve/delete", lambda: Beanstalkd()),
+            Cell("w1", "beanstalkd", "put/reserve/delete", lambda: Beanstalkd(), divisor=5),
         ]
     if workload == "w2":
         return [
@@ -276,6 +277,7 @@ def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
             n = cfg.w2_events
         else:
             n = cfg.w1_messages
+        n //= cell.divisor
         flow = Flow(proto=proto, host=server.host, port=server.port, n=n, fanout=cell.fanout,
                     window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds, rate=cell.rate)
         check = mqks_check(server, n, cell.fanout, cell.manual_ack) if cell.server == "mqks" else None
@@ -359,9 +361,9 @@ def measure_ceiling(cfg: Config, pinned: bool) -> dict:
     """The generator against a sink that does nothing: the most any server could show here."""
     server_core = SERVER_CORE if pinned else None
     gen_core = GENERATOR_CORE if pinned else None
-    n = cfg.w1_messages * 2
+    n = cfg.w1_messages * 2  # long enough that start-up is noise
     shapes = [("w1 auto-ack", Mqks(), 1, n), ("w1 manual-ack", Mqks(manual_ack=True), 1, n),
-              ("w2 fan-out 20", Mqks(), 20, n // 20)]
+              ("w2 fan-out 20", Mqks(), 20, cfg.w2_events * 2)]
     result = {}
     for label, proto, fanout, count in shapes:
         values = []
