@@ -242,6 +242,8 @@ def run_lines(conn: Connection, lines: list) -> None:
         handler = actions.get(action)
         if handler is None or not rid:
             unknown_action(conn, rid, action, line)
+            if conn.closed:
+                return  # nothing after an HTTP header may run: it could be a browser's payload
             continue
         confirm = False
         if args.startswith(b"--confirm") and (len(args) == 9 or args[9] == 32):

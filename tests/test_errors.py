@@ -92,10 +92,12 @@ def test_overlong_line_is_discarded_with_error_and_connection_kept(broker, wire)
     assert_others_served(broker)
 
 
-def test_http_request_is_closed_at_once(broker):
+def test_http_request_is_closed_at_once_and_its_body_never_runs(broker, wire):
+    wire.send(b"c consume http-q http-e")
     browser = broker.wire()
-    browser.send_raw(b"POST / HTTP/1.1\r\nHost: localhost:25000\r\n\r\nm publish e x\n")
+    browser.send_raw(b"POST / HTTP/1.1\r\nHost: localhost:25000\r\n\r\nm publish http-e from-a-web-page\n")
     assert browser.closed_by_server()
+    assert wire.barrier() == []
     assert_others_served(broker)
 
 
