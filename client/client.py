@@ -128,9 +128,19 @@ class _Consumer:
         self.pending: deque[Message | Callable[[], Any]] = deque()
         self.wakeup = Event()
         self.greenlet: gevent.Greenlet | None = None
-        self.unacked: set[str] = set()  # msg ids delivered on the current connection, not yet settled
+        # msg id -> deliveries on the current connection not yet settled; a count, not a set,
+        # because msg ids are the publishers' and two publishers may both send "m1"
+        self.unacked: dict[str, int] = {}
         self.replaying = False
         self.active = True
+
+    def take_unacked(self, msg_id: str) -> bool:
+        """Settle one delivery of `msg_id`; False when none is pending on this connection."""
+        count = self.unacked.get(msg_id, 0)
+        if count <= 1:
+            return self.unacked.pop(msg_id, None) is not None
+        self.unacked[msg_id] = count - 1
+        return True
 
     def consume_line(self, confirm: bool) -> bytes:
         """The consume request that (re)creates this consumer with the queue's current events."""
@@ -474,7 +484,7 @@ class Client:
         msg_id, event, retry, body = wire.split_delivery(data)
         message = Message(msg_id.decode(), event.decode(), body, retry, consumer.id, consumer)
         if consumer.manual_ack:
-            consumer.unacked.add(message.id)
+            consumer.unacked[message.id] = consumer.unacked.get(message.id, 0) + 1
         consumer.pending.append(message)
         consumer.wakeup.set()
 
@@ -689,10 +699,9 @@ class Client:
             if all:
                 consumer.unacked.clear()
             else:
-                msg_ids = tuple(msg_id for msg_id in msg_ids if msg_id in consumer.unacked)
+                msg_ids = tuple(msg_id for msg_id in msg_ids if consumer.take_unacked(msg_id))
                 if not msg_ids:
                     return
-                consumer.unacked.difference_update(msg_ids)
             consumer_id = consumer.id
         args = [wire.encode_token(consumer_id, "consumer id")]
         args += [b"--all"] if all else wire.encode_tokens(list(msg_ids), "msg id")

@@ -208,6 +208,26 @@ def test_ack_several_msg_ids_in_one_call(client: Client) -> None:
     assert [message.data for message in again.wait(1)] == ["marker"]
 
 
+def test_two_messages_with_the_same_msg_id_are_both_acked(broker: Broker, client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox(lambda message: message.ack())
+    consumer_id = client.consume(queue, [event], inbox, manual_ack=True)
+    wire = broker.wire()
+    try:
+        # msg ids are the publishers' own: two publishers may well both say "m1"
+        wire.send(f"m1 publish {event} first".encode(), f"m1 publish {event} second".encode())
+        wire.barrier()
+    finally:
+        wire.close()
+    assert [message.id for message in inbox.wait(2)] == ["m1", "m1"]
+    assert client.ping("acks sent") == "acks sent"
+    client.delete_consumer(consumer_id)
+    again = Inbox()
+    client.consume(queue, [event], again, manual_ack=True)
+    client.publish(event, "marker")
+    assert [message.data for message in again.wait(1)] == ["marker"]
+
+
 def test_delete_consumer_stops_its_callbacks(client: Client) -> None:
     queue, event = unique("q"), unique("e")
     deleted = Inbox()
