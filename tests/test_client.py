@@ -53,7 +53,9 @@ def unique(prefix: str) -> str:
 
 
 def make_client(server: Broker, **kwargs: float) -> Client:
-    options = {"ping_seconds": 0.5, "timeout_seconds": 5.0, "reconnect_max_seconds": 0.2}
+    # frequent pings exercise the keepalive; a generous pong timeout keeps a loaded CI machine
+    # from seeing a dead connection where there is none
+    options = {"ping_seconds": 0.5, "ping_timeout_seconds": 5.0, "timeout_seconds": 5.0, "reconnect_max_seconds": 0.2}
     options.update(kwargs)
     client = Client(server.host, server.port, **options)
     client.connect()
@@ -228,6 +230,20 @@ def test_two_messages_with_the_same_msg_id_are_both_acked(broker: Broker, client
     assert [message.data for message in again.wait(1)] == ["marker"]
 
 
+def test_prefetch_caps_messages_in_flight(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox()
+    consumer_id = client.consume(queue, [event], inbox, manual_ack=True, prefetch=1)
+    for n in range(3):
+        client.publish(event, f"m{n}", confirm=True)
+    assert client.ping("barrier") == "barrier"  # every delivery sent before the pong has been read
+    assert client._consumers_by_any_id[consumer_id].unacked.keys() == {inbox.wait(1)[0].id}
+    inbox.messages[0].ack()
+    assert [message.data for message in inbox.wait(2)] == ["m0", "m1"]
+    with pytest.raises(ValueError):
+        client.consume(queue, [event], Inbox(), prefetch=2)  # prefetch needs manual_ack
+
+
 def test_delete_consumer_stops_its_callbacks(client: Client) -> None:
     queue, event = unique("q"), unique("e")
     deleted = Inbox()
@@ -370,7 +386,7 @@ def test_sigkill_and_restart_replays_consumers_with_current_events(make_broker: 
 
 def test_sigstop_is_detected_by_missed_pong_then_resumed(make_broker: Callable[..., Broker]) -> None:
     server = make_broker()
-    client = make_client(server, ping_seconds=0.2, ping_timeout_seconds=0.5, timeout_seconds=1.0)
+    client = make_client(server, ping_seconds=0.2, ping_timeout_seconds=1.0, timeout_seconds=1.0)
     try:
         queue, event = unique("q"), unique("e")
         inbox = Inbox()
