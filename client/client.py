@@ -19,7 +19,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import gevent
 import gevent.socket
@@ -97,7 +97,7 @@ class Message:
                 f"retry={self.retry}, consumer_id={self.consumer_id!r})")
 
 
-MessageCallback = Callable[[Message], Any]
+MessageCallback: TypeAlias = Callable[[Message], Any]
 
 
 class _Consumer:
@@ -481,6 +481,7 @@ class Client:
         consumer.events_known = True
 
     def _on_delivery(self, consumer: _Consumer, data: bytes) -> None:
+        """Queue a delivery for the consumer's greenlet; data stays bytes until that greenlet decodes it."""
         msg_id, event, retry, body = wire.split_delivery(data)
         message = Message(msg_id.decode(), event.decode(), body, retry, consumer.id, consumer)
         if consumer.manual_ack:

@@ -1,0 +1,72 @@
+"""The client's pure line helpers (client/wire.py): no broker, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from mqks.client import wire
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b"m1 event=e1 d1", (b"m1", b"e1", 0, b"d1")),
+    (b"m1 event=e1,retry=3 two words", (b"m1", b"e1", 3, b"two words")),
+    (b"m1 event=e1 ", (b"m1", b"e1", 0, b"")),
+    (b"m1 event=e1", (b"m1", b"e1", 0, b"")),
+    (b"m1 event=a,b,retry=1 x", (b"m1", b"a,b", 1, b"x")),
+    (b"--update event=e1 d", (b"--update", b"e1", 0, b"d")),
+])
+def test_split_delivery(data: bytes, expected: tuple) -> None:
+    assert wire.split_delivery(data) == expected
+
+
+def test_split_delivery_refuses_other_lines() -> None:
+    with pytest.raises(ValueError):
+        wire.split_delivery(b"--update q1 e1")
+
+
+def test_update_lines_are_told_from_deliveries() -> None:
+    assert wire.is_update(b"--update q1 e1 e2 --manual-ack")
+    assert not wire.is_update(b"--update event=e1 data")
+    assert wire.split_update(b"--update q1 e1 user.*.x --delete-queue-when-unused=5.0 --manual-ack") == (
+        "q1", ["e1", "user.*.x"])
+    assert wire.split_update(b"--update q1") == ("q1", [])
+
+
+def test_split_answer_accepts_ok_with_or_without_trailing_space() -> None:
+    assert wire.split_answer(b"r1 ok ") == (b"r1", b"ok", b"")
+    assert wire.split_answer(b"r1 ok") == (b"r1", b"ok", b"")
+    assert wire.split_answer(b"r1 error x7 bad thing") == (b"r1", b"error", b"x7 bad thing")
+    assert wire.split_error(b"x7 bad thing") == ("x7", "bad thing")
+    assert wire.split_error(b"x7") == ("x7", "")
+
+
+@pytest.mark.parametrize("bad", ["", "two words", "tab\there", "--flag", "new\nline"])
+def test_tokens_refuse_what_would_break_the_line(bad: str) -> None:
+    with pytest.raises(ValueError):
+        wire.encode_token(bad, "event")
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "a\rb", "a\tb", b"a\nb"])
+def test_data_refuses_line_breaks_and_tabs(bad: str | bytes) -> None:
+    with pytest.raises(ValueError):
+        wire.encode_data(bad)
+
+
+def test_data_keeps_spaces_and_unicode() -> None:
+    assert wire.encode_data("héllo wörld  ") == "héllo wörld  ".encode()
+    with pytest.raises(TypeError):
+        wire.encode_data(42)
+
+
+def test_consume_flags_as_the_broker_prints_them() -> None:
+    assert wire.consume_flags(True, 5, 10) == [b"--delete-queue-when-unused=5.0", b"--manual-ack", b"--prefetch=10"]
+    assert wire.consume_flags(False, True, 0) == [b"--delete-queue-when-unused"]
+    assert wire.consume_flags(False, None, 0) == []
+    with pytest.raises(ValueError):
+        wire.consume_flags(False, None, 3)
+
+
+def test_only_plain_publishes_are_resent_after_a_reconnect() -> None:
+    assert wire.is_fire_and_forget_publish(b"m1 publish e1 data\n")
+    assert not wire.is_fire_and_forget_publish(b"m1 publish --confirm e1 data\n")
+    assert not wire.is_fire_and_forget_publish(b"a1 ack c1 m1\n")
