@@ -68,13 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     publish = commands.add_parser("publish", parents=[common], help="publish one message")
-    publish.add_argument("event")
-    publish.add_argument("data", nargs="?", default="", help="the message text (may hold spaces, not newlines)")
+    publish.add_argument("event", metavar="EVENT")
+    publish.add_argument("data", nargs="?", default="", metavar="DATA", help="the message text (may hold spaces, not newlines)")
     publish.add_argument("--confirm", action="store_true", help="wait for the broker's ok and print the msg id")
     publish.set_defaults(run=cmd_publish)
 
     consume = commands.add_parser("consume", parents=[common], help="print each message of a queue until Ctrl-C")
-    consume.add_argument("queue")
+    consume.add_argument("queue", metavar="QUEUE")
     consume.add_argument("events", nargs="*", metavar="EVENT",
                          help="events or masks (user.*.created) that replace the queue's bindings")
     consume.add_argument("--add", action="store_true", help="add the events to the queue's bindings instead")
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     consume.set_defaults(run=cmd_consume)
 
     ping = commands.add_parser("ping", parents=[common], help="check the broker answers")
-    ping.add_argument("data", nargs="?", default="pong")
+    ping.add_argument("data", nargs="?", default="pong", metavar="DATA", help="what the broker echoes (default pong)")
     ping.set_defaults(run=cmd_ping)
 
     stats_parser = commands.add_parser("stats", parents=[common],
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats_parser.set_defaults(run=None)
 
     eval_parser = commands.add_parser("eval", parents=[common], help="evaluate a Python expression in the broker")
-    eval_parser.add_argument("code")
+    eval_parser.add_argument("code", metavar="EXPRESSION")
     eval_parser.add_argument("--worker", type=int, default=None)
     eval_parser.set_defaults(run=cmd_eval)
     return parser

@@ -35,8 +35,9 @@ FIGURES: tuple[tuple[str, str], ...] = (
 # counted once per process and repeated in each worker's dict: the total is one of them, not their sum
 PROCESS_WIDE_FIGURES = frozenset({"published", "clients"})
 TOP_QUEUES = 10
-EVAL_HINT = ("Start mqksd with --eval to enable it (it then answers loopback peers only), e.g.\n"
-             "    mqksd --host 127.0.0.1 --port 25000 --eval")
+EVAL_HINT = ("Start mqksd with --eval to enable it; it then answers loopback peers only, so run this\n"
+             "on the broker's machine:\n"
+             "    mqksd --host {host} --port {port} --eval")
 
 
 class StatsUnavailable(Exception):
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             gevent.sleep(args.watch)
     except StatsUnavailable as e:
-        print(f"stats: {e}.\n{EVAL_HINT}", file=sys.stderr)
+        print(f"stats: {e}.\n" + EVAL_HINT.format(host=args.host, port=args.port), file=sys.stderr)
         return 3
     except MqksError as e:
         print(f"stats: {address}: {e}", file=sys.stderr)
