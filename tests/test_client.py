@@ -290,6 +290,34 @@ def test_big_message_spanning_many_reads_arrives_whole(client: Client) -> None:
     assert [message.data for message in inbox.wait(2)] == [big, "small after big"]
 
 
+class CountingSocket:
+    """A socket proxy that counts sendall calls."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.sendalls = 0
+
+    def sendall(self, data: bytes) -> None:
+        self.sendalls += 1
+        self.sock.sendall(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_publishes_in_a_loop_go_out_in_few_writes(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox()
+    client.consume(queue, [event], inbox)
+    counting = CountingSocket(client._conn.sock)
+    client._conn.sock = counting
+    for n in range(1000):
+        client.publish(event, f"m{n}")
+    assert client.ping("flushed") == "flushed"
+    assert counting.sendalls <= 5, counting.sendalls  # one batch, plus the ping's
+    assert [message.data for message in inbox.wait(1000)] == [f"m{n}" for n in range(1000)]
+
+
 def test_ping_and_eval(client: Client) -> None:
     assert client.ping("hello there") == "hello there"
     assert client.ping() == ""
