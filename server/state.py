@@ -180,6 +180,16 @@ class Queue:
         """Hand waiting messages to ready consumers; returns how many were delivered."""
         messages = self.messages
         delivered = 0
+        if len(self.consumers) == 1:
+            # one consumer: no round-robin, and the message id is parsed only if it will be acked
+            consumer = self.consumers[0]
+            outbox, prefetch, unacked = consumer.outbox, consumer.prefetch, consumer.unacked
+            manual_ack = consumer.manual_ack
+            while messages and not outbox.paused and (not prefetch or len(unacked) < prefetch):
+                tail = messages.popleft()
+                consumer.deliver(tail, msg_id_of(tail) if manual_ack else b"")
+                delivered += 1
+            return delivered
         while messages:
             consumer = self.ready_consumer()
             if consumer is None:
@@ -304,9 +314,15 @@ class Broker:
     def ack(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
         """Forget acked messages; returns the ids that were not in flight."""
         unknown = []
-        for msg_id in msg_ids:
-            if consumer.take_unacked(msg_id) is None:
-                unknown.append(msg_id)
+        if consumer.duplicates:
+            for msg_id in msg_ids:
+                if consumer.take_unacked(msg_id) is None:
+                    unknown.append(msg_id)
+        else:
+            pop = consumer.unacked.pop
+            for msg_id in msg_ids:
+                if pop(msg_id, None) is None:
+                    unknown.append(msg_id)
         self.acked += len(msg_ids) - len(unknown)
         if consumer.prefetch:
             self.pump(consumer.queue)
