@@ -30,13 +30,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("mqks.connection")
 
 RECV_BYTES = 65536
+LOG_FIRST_ERRORS = 100
+LOG_EVERY_NTH_ERROR = 1000
 
 
 class Connection(Outbox):
     """A client: its socket, its line splitter, its consumers and the bytes owed to it."""
 
     __slots__ = ("sock", "peer", "peer_is_loopback", "server", "shards", "splitter", "wake", "closed",
-                 "max_output_bytes")
+                 "max_output_bytes", "errors")
 
     def __init__(self, sock: socket.socket, address: tuple, server: Server) -> None:
         config = server.config
@@ -50,6 +52,7 @@ class Connection(Outbox):
         self.wake = Event()
         self.closed = False
         self.max_output_bytes = config.max_output_bytes
+        self.errors = 0
 
     def write(self, data: bytes) -> None:
         Outbox.write(self, data)
@@ -63,7 +66,12 @@ class Connection(Outbox):
 
     def error(self, rid: bytes, reason: str, line: bytes) -> None:
         error_id = self.server.next_error_id()
-        log.warning("error %s for %s: %s; line %r", error_id, self.peer, reason, line[:200])
+        self.errors += 1
+        # a client looping on a bad line must not flood the log: the first ones in full,
+        # then one line per LOG_EVERY_NTH_ERROR
+        if self.errors <= LOG_FIRST_ERRORS or self.errors % LOG_EVERY_NTH_ERROR == 0:
+            log.warning("error %s for %s: %s; line %r (error %d of this client)", error_id, self.peer, reason,
+                        line[:200], self.errors)
         self.write(format_error(rid, error_id, reason))
 
     def close(self) -> None:
