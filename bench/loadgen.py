@@ -72,6 +72,7 @@ class ConsumerState:
     """
 
     errors = 0
+    got = 0
     tail = b""
 
     def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
@@ -465,10 +466,12 @@ def consumer_main(flow: Flow, counter, ready, stop, results, latency: bool) -> N
                     sock.sendall(reply)
                 if n:
                     got += n
+                    state.got += n
                     t_end = now_ns()
                     counter.value = got
         results.send({"t_end": t_end, "got": got, "target": target,
-                      "consumer_errors": sum(s.errors for s in states), "latencies_ns": lat})
+                      "consumer_errors": sum(s.errors for s in states), "latencies_ns": lat,
+                      "per_connection": [s.got for s in states]})
         stop.wait(flow.timeout_s + 30)
         for key in list(sel.get_map().values()):
             key.fileobj.close()
@@ -543,6 +546,10 @@ def run_flow(flow: Flow, latency: bool = False, check=None) -> RunResult:
         result.ok = result.got >= result.target
         if not result.ok:
             result.note = f"timeout: {result.got}/{result.target} delivered"
+        per = c["per_connection"]
+        if result.ok and flow.fanout > 1 and (min(per) != flow.n or max(per) != flow.n):
+            result.note = f"uneven deliveries per connection: {min(per)}..{max(per)} (each should get {flow.n})"
+            result.ok = False
         if check is not None:
             note = check()
             if note:

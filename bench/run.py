@@ -90,7 +90,7 @@ def build_config(argv: list[str] | None = None) -> Config:
         reps=a.reps or (1 if quick else 3),
         w4_reps=a.w4_reps or (1 if quick else 2),
         w1_messages=a.messages or (100_000 if quick else 500_000),
-        w2_events=(a.messages or (100_000 if quick else 500_000)) // 10,
+        w2_events=(a.messages or (250_000 if quick else 500_000)) // 10,
         w3_seconds=1.0 if quick else 2.0,
         w3_rates=(5_000, 20_000),
         w4_messages=a.w4_messages or (200_000 if quick else 1_000_000),
@@ -175,6 +175,8 @@ def mqks_check(server: peers.Server, n: int, fanout: int, manual_ack: bool) -> C
                 problems.append(f"published={st.get('published')} (sent {n})")
             if st.get("messages_waiting"):
                 problems.append(f"messages_waiting={st.get('messages_waiting')}")
+            if st.get("consumed") != n * fanout:
+                problems.append(f"consumed={st.get('consumed')} (expected {n * fanout})")
             if manual_ack and (st.get("messages_unacked") or st.get("acked") != n * fanout):
                 problems.append(f"acked={st.get('acked')} unacked={st.get('messages_unacked')}")
             if not problems or time.monotonic() > deadline:
