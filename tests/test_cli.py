@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -49,7 +50,7 @@ def stats_py(server: Broker, *args: str) -> subprocess.CompletedProcess:
 class LineReader:
     """Lines from a subprocess pipe, each awaited with a deadline."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: IO[bytes]) -> None:
         self.fd = stream.fileno()
         self.buffer = b""
 
@@ -79,7 +80,9 @@ def consumer_process(broker: Broker) -> Iterator[Callable[..., tuple[subprocess.
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         started.append(proc)
         stderr = LineReader(proc.stderr)
-        assert "consuming queue" in stderr.line()
+        deadline = time.monotonic() + LINE_TIMEOUT_SECONDS
+        while "consuming queue" not in stderr.line(max(0.01, deadline - time.monotonic())):
+            pass  # a log line before it, e.g. a connect retry
         return proc, LineReader(proc.stdout)
 
     yield start
