@@ -103,7 +103,7 @@ MessageCallback: TypeAlias = Callable[[Message], Any]
 class _Consumer:
     """What the client needs to replay a consumer: queue, its current events, flags, callbacks."""
 
-    __slots__ = ("client", "id", "reported_id", "queue", "events", "events_known", "manual_ack",
+    __slots__ = ("client", "id", "first_id", "aliases", "reported_id", "queue", "events", "events_known", "manual_ack",
                  "delete_queue_when_unused", "prefetch", "callback", "json", "on_disconnect",
                  "on_reconnect", "pending", "wakeup", "greenlet", "unacked", "replaying", "active")
 
@@ -113,6 +113,8 @@ class _Consumer:
                  on_reconnect: Callable[[str, str], Any] | None) -> None:
         self.client = client
         self.id = consumer_id
+        self.first_id = consumer_id  # what consume() returned: valid for good
+        self.aliases = [consumer_id]  # the ids `Client._consumers_by_any_id` knows it by
         self.reported_id = consumer_id  # the id the caller last heard of
         self.queue = queue
         self.events = list(events)
@@ -229,7 +231,7 @@ class Client:
         self._rid_counter = itertools.count(1)
         self._random = random.Random()
         self._consumers_by_id: dict[str, _Consumer] = {}  # current ids only
-        self._consumers_by_any_id: dict[str, _Consumer] = {}  # every id a consumer ever had
+        self._consumers_by_any_id: dict[str, _Consumer] = {}  # current and recent ids (see _keep_recent_aliases)
         self._conn: _Connection | None = None
         self._connected = Event()
         self._closed = False
@@ -352,6 +354,7 @@ class Client:
         for consumer in list(self._consumers_by_id.values()):
             del self._consumers_by_id[consumer.id]
             consumer.id = self._new_rid().decode()
+            self._keep_recent_aliases(consumer)
             consumer.unacked.clear()
             consumer.replaying = True
             self._consumers_by_id[consumer.id] = consumer
@@ -371,6 +374,18 @@ class Client:
                 log.error("mqks %s:%s: replay of consumer %s on queue %s failed, consumer dropped: %s",
                           self.host, self.port, consumer.reported_id, consumer.queue, e)
                 self._forget_consumer(consumer)
+
+    def _keep_recent_aliases(self, consumer: _Consumer) -> None:
+        """Know the consumer by its new id, its first, its reported and its last few ids only.
+
+        An alias kept per reconnect would pile up over months of a flapping network.
+        """
+        consumer.aliases.append(consumer.id)
+        keep = {consumer.first_id, consumer.reported_id, *consumer.aliases[-3:]}
+        for consumer_id in consumer.aliases:
+            if consumer_id not in keep:
+                self._consumers_by_any_id.pop(consumer_id, None)
+        consumer.aliases = [consumer_id for consumer_id in consumer.aliases if consumer_id in keep]
 
     def _lose(self, conn: _Connection, reason: str) -> None:
         """Mark `conn` dead once: fail its pending answers and wake the manager."""
@@ -558,8 +573,8 @@ class Client:
         consumer.pending.clear()
         consumer.wakeup.set()  # let its greenlet see `active` and end
         self._consumers_by_id.pop(consumer.id, None)
-        for consumer_id in [cid for cid, known in self._consumers_by_any_id.items() if known is consumer]:
-            del self._consumers_by_any_id[consumer_id]
+        for consumer_id in consumer.aliases:
+            self._consumers_by_any_id.pop(consumer_id, None)
 
     # requests
 

@@ -412,6 +412,23 @@ def test_sigkill_and_restart_replays_consumers_with_current_events(make_broker: 
         client.close()
 
 
+def test_many_reconnects_keep_consuming_and_forget_old_ids(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox()
+    reconnects: list[tuple[str, str]] = []
+    first_id = client.consume(queue, [event], inbox, on_reconnect=lambda old, new: reconnects.append((old, new)))
+    for flap in range(1, 7):
+        client._lose(client._conn, "dropped by the test")
+        wait_until(lambda: len(reconnects) == flap, f"reconnect {flap}")
+    assert [old for old, _ in reconnects] == [first_id] + [new for _, new in reconnects[:-1]]
+    client.publish(event, "after six reconnects", confirm=True)
+    [message] = inbox.wait(1)
+    assert message.consumer_id == reconnects[-1][1]
+    assert len(client._consumers_by_any_id) <= 5  # not one alias per reconnect
+    client.delete_consumer(first_id)  # the id consume() returned still names it
+    assert client._consumers_by_any_id == {} and client._consumers_by_id == {}
+
+
 def test_sigstop_is_detected_by_missed_pong_then_resumed(make_broker: Callable[..., Broker]) -> None:
     server = make_broker()
     client = make_client(server, ping_seconds=0.2, ping_timeout_seconds=1.0, timeout_seconds=1.0)
