@@ -185,8 +185,8 @@ class _Connection:
             return
         try:
             self.flush()
-        except OSError as e:
-            self.on_error(f"send failed: {e}")
+        except OSError:
+            pass  # flush has marked the connection lost
 
     def request(self, rid: bytes, line: bytes) -> AsyncResult:
         """Queue a line whose answer is awaited; the future gets the ok data or an MqksError."""
@@ -203,7 +203,13 @@ class _Connection:
             batch = b"".join(self.out)
             self.out = []
             self.out_bytes = 0
-            self.sock.sendall(batch)
+            try:
+                self.sock.sendall(batch)
+            except BaseException as e:
+                # a sendall cut short (error, or a caller's gevent.Timeout) may leave half a line
+                # on the wire: this stream can no longer be trusted
+                self.on_error(f"send failed: {e!r}")
+                raise
 
 
 class Client:
@@ -350,7 +356,7 @@ class Client:
     def _replay(self, conn: _Connection) -> None:
         """Recreate every live consumer under a new id, then wait for a pong: the broker is alive."""
         deadline = time.monotonic() + self.timeout_seconds
-        replays: list[tuple[_Consumer, AsyncResult]] = []
+        replays: list[tuple[_Consumer, bytes, AsyncResult]] = []
         for consumer in list(self._consumers_by_id.values()):
             del self._consumers_by_id[consumer.id]
             consumer.id = self._new_rid().decode()
@@ -360,13 +366,13 @@ class Client:
             self._consumers_by_id[consumer.id] = consumer
             self._consumers_by_any_id[consumer.id] = consumer
             rid = consumer.id.encode()
-            replays.append((consumer, conn.request(rid, consumer.consume_line(confirm=True))))
+            replays.append((consumer, rid, conn.request(rid, consumer.consume_line(confirm=True))))
         rid = self._new_rid()
         pong = conn.request(rid, rid + b" ping handshake\n")
-        self._wait(pong, deadline, "handshake ping")
-        for consumer, future in replays:
+        self._wait(conn, rid, pong, deadline, "handshake ping")
+        for consumer, rid, future in replays:
             try:
-                self._wait(future, deadline, "consumer replay")
+                self._wait(conn, rid, future, deadline, "consumer replay")
             except MqksConnectionError:
                 raise
             except MqksError as e:
@@ -519,8 +525,8 @@ class Client:
                 conn.wakeup.wait()
                 conn.wakeup.clear()
                 conn.flush()
-        except OSError as e:
-            self._lose(conn, f"send failed: {e}")
+        except OSError:
+            pass  # flush has marked the connection lost
 
     def _ping_loop(self, conn: _Connection) -> None:
         """Keepalive: a pong missing for ping_timeout_seconds means a dead connection."""
@@ -529,9 +535,8 @@ class Client:
             rid = self._new_rid()
             future = conn.request(rid, rid + b" ping keepalive\n")
             try:
-                future.get(timeout=self.ping_timeout_seconds)
-            except gevent.Timeout:
-                conn.futures.pop(rid, None)
+                self._wait(conn, rid, future, time.monotonic() + self.ping_timeout_seconds, "keepalive ping")
+            except MqksTimeoutError:
                 self._lose(conn, f"no pong within {self.ping_timeout_seconds}s")
                 return
             except MqksError:
@@ -597,11 +602,20 @@ class Client:
         assert conn is not None  # _connected is set only with a connection
         return conn
 
-    def _wait(self, future: AsyncResult, deadline: float, what: str) -> bytes:
+    def _wait(self, conn: _Connection, rid: bytes, future: AsyncResult, deadline: float, what: str) -> bytes:
+        """The ok data of `future`; MqksError for an error answer, MqksTimeoutError after `deadline`.
+
+        However the wait ends (a caller's own gevent.Timeout included), `rid` no longer waits in `conn`.
+        """
         try:
-            return future.get(timeout=max(0.0, deadline - time.monotonic()))
-        except gevent.Timeout:
-            raise MqksTimeoutError(f"no answer to {what} from {self.host}:{self.port} in time") from None
+            # wait(), not get(timeout): a caller's gevent.Timeout must stay theirs, not become ours
+            future.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            if not future.ready():
+                conn.futures.pop(rid, None)
+        if not future.ready():
+            raise MqksTimeoutError(f"no answer to {what} from {self.host}:{self.port} in time")
+        return future.get()
 
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout_seconds if timeout is None else timeout)
@@ -614,13 +628,10 @@ class Client:
             rid = self._new_rid()
             future = conn.request(rid, b"".join((rid, b" ", action, b" ", args, b"\n")))
             try:
-                return self._wait(future, deadline, action.decode())
+                return self._wait(conn, rid, future, deadline, action.decode())
             except MqksConnectionError:
                 if not retry or self._closed or time.monotonic() >= deadline:
                     raise
-            except MqksTimeoutError:
-                conn.futures.pop(rid, None)
-                raise
 
     def _send(self, line: bytes, deadline: float) -> None:
         """Queue a line that gets no answer, waiting for a connection until `deadline`."""
@@ -647,14 +658,11 @@ class Client:
             msg_id = self._new_rid()
             future = conn.request(msg_id, b"".join((msg_id, b" publish --confirm ", event_bytes, b" ", body, b"\n")))
             try:
-                self._wait(future, deadline, "publish")
+                self._wait(conn, msg_id, future, deadline, "publish")
                 return msg_id.decode()
             except MqksConnectionError:
                 if self._closed or time.monotonic() >= deadline:
                     raise
-            except MqksTimeoutError:
-                conn.futures.pop(msg_id, None)
-                raise
 
     def consume(self, queue: str, events: list[str] | None, callback: MessageCallback, manual_ack: bool = False,
                 delete_queue_when_unused: float | bool | None = None, add: bool = False, confirm: bool = True,
@@ -681,14 +689,19 @@ class Client:
         if not confirm:
             conn.write(consumer.consume_line(confirm=False))
             return consumer.id
-        future = conn.request(consumer.id.encode(), consumer.consume_line(confirm=True))
+        rid = consumer.id.encode()
+        future = conn.request(rid, consumer.consume_line(confirm=True))
         try:
-            self._wait(future, deadline, "consume")
+            self._wait(conn, rid, future, deadline, "consume")
         except MqksConnectionError:
             # still registered: the reconnect replays it and calls on_reconnect(id, new_id)
             return consumer.reported_id
+        except MqksTimeoutError:
+            self._forget_consumer(consumer)
+            # the broker may yet start it: a consumer nobody listens to would swallow messages
+            conn.write(b"".join((self._new_rid(), b" delete_consumer ", rid, b"\n")))
+            raise
         except MqksError:
-            conn.futures.pop(consumer.id.encode(), None)
             self._forget_consumer(consumer)
             raise
         return consumer.id

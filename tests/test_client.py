@@ -17,7 +17,7 @@ from gevent.event import Event
 
 from conftest import Broker, free_port
 from mqks.client import Client, Message, MqksError
-from mqks.client.client import MqksConnectionError
+from mqks.client.client import MqksConnectionError, MqksTimeoutError
 
 WAIT_SECONDS = 10.0
 
@@ -427,6 +427,34 @@ def test_many_reconnects_keep_consuming_and_forget_old_ids(client: Client) -> No
     assert len(client._consumers_by_any_id) <= 5  # not one alias per reconnect
     client.delete_consumer(first_id)  # the id consume() returned still names it
     assert client._consumers_by_any_id == {} and client._consumers_by_id == {}
+
+
+def test_timeouts_leave_no_answer_waiting_and_no_stray_consumer(make_broker: Callable[..., Broker]) -> None:
+    server = make_broker()
+    client = make_client(server, ping_seconds=60.0)  # no keepalive verdict during the freeze
+    try:
+        queue, event = unique("q"), unique("e")
+        server.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(gevent.Timeout):
+                with gevent.Timeout(0.2):  # the caller's own timeout stays the caller's
+                    client.publish(event, "frozen", confirm=True)
+            with pytest.raises(MqksTimeoutError):
+                client.consume(queue, [event], Inbox(), timeout=0.2)
+            with pytest.raises(MqksTimeoutError):
+                client.ping("frozen", timeout=0.2)
+            assert client._conn.futures == {}
+        finally:
+            server.signal(signal.SIGCONT)
+        assert client.ping("thawed") == "thawed"
+        inbox = Inbox()
+        client.consume(queue, [event], inbox)
+        client.publish(event, "one")
+        client.publish(event, "two")
+        # a consumer left over from the timed-out consume would take one of them
+        assert [message.data for message in inbox.wait(2)] == ["one", "two"]
+    finally:
+        client.close()
 
 
 def test_sigstop_is_detected_by_missed_pong_then_resumed(make_broker: Callable[..., Broker]) -> None:
