@@ -20,7 +20,7 @@ from typing import IO
 
 import pytest
 
-from conftest import Broker, Wire, free_port
+from conftest import Broker, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MQKS = Path(sys.executable).parent / "mqks"
