@@ -403,7 +403,7 @@ def producer_main(flow: Flow, counter, ready, go, stop, results) -> None:
         results.send({"error": f"producer: {type(e).__name__}: {e}"})
 
 
-def consumer_main(flow: Flow, counter, ready, stop, results, latency: bool) -> None:
+def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latency: bool) -> None:
     try:
         pin(flow.core)
         sel = selectors.DefaultSelector()
@@ -423,12 +423,13 @@ def consumer_main(flow: Flow, counter, ready, stop, results, latency: bool) -> N
         lat: list[int] = []
         ts_findall = TS_RE.findall  # pattern.findall(data, pos, endpos)
         t_end = 0
-        deadline = time.monotonic() + flow.timeout_s + 30
+        setup_deadline = now_ns() + int(SETUP_TIMEOUT_SECONDS * 3e9)
         while got < target:
-            left = deadline - time.monotonic()
+            # the parent sets `deadline_ns` to go + timeout when it starts the producer
+            left = ((deadline_ns.value or setup_deadline) - now_ns()) / 1e9
             if left <= 0:
                 break
-            for key, _ in sel.select(min(left, 1.0)):
+            for key, _ in sel.select(min(left, 0.5)):
                 state = key.data
                 sock = key.fileobj
                 try:
@@ -506,12 +507,13 @@ def run_flow(flow: Flow, latency: bool = False, check=None) -> RunResult:
     """
     ctx = mp.get_context("fork")
     counter = ctx.RawValue("q", 0)
+    deadline_ns = ctx.RawValue("q", 0)
     go, stop = ctx.Event(), ctx.Event()
     c_ready_r, c_ready_w = ctx.Pipe(False)
     c_res_r, c_res_w = ctx.Pipe(False)
     p_ready_r, p_ready_w = ctx.Pipe(False)
     p_res_r, p_res_w = ctx.Pipe(False)
-    consumer = ctx.Process(target=consumer_main, args=(flow, counter, c_ready_w, stop, c_res_w, latency), daemon=True)
+    consumer = ctx.Process(target=consumer_main, args=(flow, counter, deadline_ns, c_ready_w, stop, c_res_w, latency), daemon=True)
     producer = ctx.Process(target=producer_main, args=(flow, counter, p_ready_w, go, stop, p_res_w), daemon=True)
     result = RunResult(ok=False, target=flow.n * flow.fanout)
     try:
@@ -531,8 +533,9 @@ def run_flow(flow: Flow, latency: bool = False, check=None) -> RunResult:
             result.note = p_res_r.recv().get("error", "producer failed")
             return result
         p_ready_r.recv()
+        deadline_ns.value = now_ns() + int(flow.timeout_s * 1e9)
         go.set()
-        c = _recv(c_res_r, flow.timeout_s + 40)
+        c = _recv(c_res_r, flow.timeout_s + 10)
         p = _recv(p_res_r, 10)
         if "error" in c or "error" in p:
             result.note = "; ".join(x["error"] for x in (c, p) if "error" in x)

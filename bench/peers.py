@@ -65,7 +65,7 @@ class PeerFinder:
         missing = [n for n in names if not find_binary(n)]
         if missing and self.install and not self._apt_tried:
             self._apt_tried = True
-            self._apt_install([PEER_PACKAGES[n] for n in missing])
+            self._apt_install([PEER_PACKAGES.get(n, n) for n in missing])
         for name in names:
             path = find_binary(name)
             if path:

@@ -313,10 +313,28 @@ def unit_of(cell: Cell) -> str:
     return {"w1": "msg/s", "w2": "deliveries/s", "w3": "ms", "w4": "bytes/msg"}[cell.workload]
 
 
+def idle_percent(seconds: float = 0.5) -> float:
+    """How idle the machine is right now (others share it): 100 = nothing else runs."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields)
+
+    idle0, total0 = sample()
+    time.sleep(seconds)
+    idle1, total1 = sample()
+    return 100.0 * (idle1 - idle0) / max(1, total1 - total0)
+
+
 def run_mode(mode: str, cfg: Config, servers: Servers) -> dict:
     pinned = mode == "pinned"
-    say(f"\n## mode: {mode}" + (" (server: taskset -c 0, generator: core 1)" if pinned else ""))
-    out = {"ceiling": measure_ceiling(cfg, pinned), "cells": []}
+    idle = idle_percent()
+    say(f"\n## mode: {mode}" + (" (server: taskset -c 0, generator: core 1)" if pinned else "")
+        + f"; machine {idle:.0f}% idle before it, load average {os.getloadavg()[0]:.2f}")
+    if idle < 80:
+        say("  ! other work is running on this machine: expect wide ranges")
+    out = {"ceiling": measure_ceiling(cfg, pinned), "cells": [], "idle_percent_before": idle}
     for workload in cfg.workloads:
         cells = [c for c in cells_for(workload, cfg) if servers.available(c.server)]
         reps = cfg.w4_reps if workload == "w4" else cfg.reps
@@ -483,6 +501,39 @@ def print_tables(results: dict, cfg: Config) -> None:
             say(f"\nnote: within 70% of the generator ceiling (figures are a floor): {', '.join(near)}")
 
 
+def print_ratio_summary(results: dict) -> None:
+    """Pinned and unpinned side by side, for the targets."""
+    modes = list(results["modes"])
+    if len(modes) < 2:
+        return
+    say("\n### targets, " + " vs ".join(modes) + "\n")
+    say("| ratio (medians) | " + " | ".join(modes) + " | target |")
+    say("|---|" + "---:|" * len(modes) + "---|")
+    by_mode = {m: {r["label"]: r for r in results["modes"][m]["ratios"]} for m in modes}
+    for label, _num, _den, target, higher in RATIOS:
+        cells = []
+        for m in modes:
+            r = by_mode[m].get(label)
+            if not r or r["ratio"] is None:
+                cells.append("-")
+            else:
+                mark = "" if r["met"] is None else (" met" if r["met"] else " MISSED")
+                cells.append(f"{r['ratio']:.2f}x{mark}")
+        if all(c == "-" for c in cells):
+            continue
+        tgt = "-" if target is None else ("≥ " if higher else "≤ ") + f"{target:.1f}"
+        say(f"| {label} | " + " | ".join(cells) + f" | {tgt} |")
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "-C", BENCH_DIR, "describe", "--always", "--dirty"],
+                             capture_output=True, timeout=10).stdout.decode().strip()
+        return rev or "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
 def run_benchmark(cfg: Config) -> int:
     os.makedirs(LOG_DIR, exist_ok=True)
     say(f"# MQKS benchmark  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  quick={cfg.quick}  "
@@ -493,6 +544,7 @@ def run_benchmark(cfg: Config) -> int:
     servers = Servers(cfg)
     for kind, why in servers.skipped.items():
         say(f"# SKIPPED peer {kind}: {why}")
+    servers.versions["mqks"] += f" (git {git_revision()})"
     say("# versions: " + "; ".join(f"{k}: {v}" for k, v in servers.versions.items()))
     started = time.monotonic()
     results = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
@@ -503,6 +555,7 @@ def run_benchmark(cfg: Config) -> int:
         results["modes"][mode] = run_mode(mode, cfg, servers)
     results["meta"]["seconds"] = time.monotonic() - started
     print_tables(results, cfg)
+    print_ratio_summary(results)
     os.makedirs(os.path.dirname(os.path.abspath(cfg.json_path)), exist_ok=True)
     for res in results["modes"].values():
         for c in res["cells"]:
