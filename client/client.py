@@ -246,8 +246,6 @@ class Client:
         self._unsent_publishes: list[bytes] = []
         self.reconnects = 0
 
-    # connection lifecycle
-
     @property
     def connected(self) -> bool:
         """True while a live, handshaken connection exists."""
@@ -431,8 +429,6 @@ class Client:
                 consumer.pending.append(_notice(consumer.on_disconnect, consumer.reported_id))
                 consumer.wakeup.set()
 
-    # greenlets of one connection
-
     def _read_loop(self, conn: _Connection) -> None:
         """Split the stream into lines and route each; ends when the socket does."""
         parts: list[bytes] = []  # a line longer than one recv, kept whole until its newline comes
@@ -542,8 +538,6 @@ class Client:
             except MqksError:
                 return
 
-    # consumers
-
     def _run_consumer(self, consumer: _Consumer) -> None:
         """Run this consumer's callbacks one by one, in delivery order."""
         while consumer.active:
@@ -580,8 +574,6 @@ class Client:
         self._consumers_by_id.pop(consumer.id, None)
         for consumer_id in consumer.aliases:
             self._consumers_by_any_id.pop(consumer_id, None)
-
-    # requests
 
     def _new_rid(self) -> bytes:
         return f"{self._rid_prefix}{next(self._rid_counter):x}".encode()
@@ -636,8 +628,6 @@ class Client:
     def _send(self, line: bytes, deadline: float) -> None:
         """Queue a line that gets no answer, waiting for a connection until `deadline`."""
         self._live_conn(deadline).write(line)
-
-    # public API
 
     def publish(self, event: str, data: Any = "", confirm: bool = False, json: bool = False,
                 timeout: float | None = None) -> str:
