@@ -329,7 +329,7 @@ class Flow:
     port: int
     n: int                      # messages the producer publishes
     fanout: int = 1             # consumer connections; each gets every message
-    window: int = 50_000        # max messages the producer may be ahead of the slowest delivery
+    window: int = 50_000        # max messages the producer may be ahead of the consumers (per connection)
     core: int | None = None     # generator core, None = unpinned
     timeout_s: float = 60.0
     rate: int = 0               # > 0: paced at this many msg/s, timestamped (w3)
@@ -377,8 +377,11 @@ def producer_main(flow: Flow, counter, ready, go, stop, results) -> None:
         sent = 0
         per_event = flow.fanout
         if flow.rate:
+            deadline = t0 + int(flow.timeout_s * 1e9)
             while sent < flow.n:
                 now = now_ns()
+                if now > deadline:
+                    break
                 due = min(flow.n, (now - t0) * flow.rate // 1_000_000_000 + 1)
                 if due > sent:
                     sock.sendall(flow.proto.publish(sent, due - sent, now))

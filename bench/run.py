@@ -142,7 +142,7 @@ def _version(path: str) -> str:
 
 def _mqks_version() -> str:
     try:
-        out = subprocess.run([sys.executable, "-c", "import mqks; print(getattr(mqks, '__version__', '?'))"],
+        out = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('mqks'))"],
                              capture_output=True, timeout=10, cwd="/tmp")
         return "mqks " + out.stdout.decode().strip()
     except (OSError, subprocess.TimeoutExpired):
