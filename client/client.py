@@ -425,7 +425,10 @@ class Client:
                 kept = [item for item in consumer.pending if not isinstance(item, Message)]
                 consumer.pending.clear()
                 consumer.pending.extend(kept)
-            if consumer.on_disconnect is not None and notify:
+            # after a failed handshake, a consumer already confirmed (and announced by on_reconnect)
+            # on it hears about the loss too, so the hooks always alternate
+            confirmed_here = not self._closed and consumer.reported_id == consumer.id
+            if consumer.on_disconnect is not None and (notify or confirmed_here):
                 consumer.pending.append(_notice(consumer.on_disconnect, consumer.reported_id))
                 consumer.wakeup.set()
 

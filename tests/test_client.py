@@ -416,17 +416,49 @@ def test_many_reconnects_keep_consuming_and_forget_old_ids(client: Client) -> No
     queue, event = unique("q"), unique("e")
     inbox = Inbox()
     reconnects: list[tuple[str, str]] = []
-    first_id = client.consume(queue, [event], inbox, on_reconnect=lambda old, new: reconnects.append((old, new)))
+    hooks: list[str] = []
+
+    def on_reconnect(old: str, new: str) -> None:
+        reconnects.append((old, new))
+        hooks.append("reconnect")
+
+    first_id = client.consume(queue, [event], inbox, on_reconnect=on_reconnect,
+                              on_disconnect=lambda consumer_id: hooks.append("disconnect"))
     for flap in range(1, 7):
+        # right after on_reconnect the handshake may still wait for its pong: both cases get dropped
         client._lose(client._conn, "dropped by the test")
         wait_until(lambda: len(reconnects) == flap, f"reconnect {flap}")
     assert [old for old, _ in reconnects] == [first_id] + [new for _, new in reconnects[:-1]]
+    assert hooks == ["disconnect", "reconnect"] * 6
     client.publish(event, "after six reconnects", confirm=True)
     [message] = inbox.wait(1)
     assert message.consumer_id == reconnects[-1][1]
     assert len(client._consumers_by_any_id) <= 5  # not one alias per reconnect
     client.delete_consumer(first_id)  # the id consume() returned still names it
     assert client._consumers_by_any_id == {} and client._consumers_by_id == {}
+
+
+def test_connection_lost_during_the_handshake_keeps_hooks_alternating(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox()
+    hooks: list[str] = []
+    handshaking: list[bool] = []
+
+    def on_reconnect(old: str, new: str) -> None:
+        hooks.append("reconnect")
+        if len(handshaking) == 0:
+            # on_reconnect runs as soon as the replayed consume is confirmed, before the handshake's pong
+            handshaking.append(not client.connected)
+            client._lose(client._conn, "dropped by the test during the handshake")
+
+    client.consume(queue, [event], inbox, on_reconnect=on_reconnect,
+                   on_disconnect=lambda consumer_id: hooks.append("disconnect"))
+    client._lose(client._conn, "dropped by the test")
+    wait_until(lambda: len(hooks) == 4 and client.connected, "the second reconnect")
+    assert handshaking == [True]
+    assert hooks == ["disconnect", "reconnect", "disconnect", "reconnect"]
+    client.publish(event, "still consuming", confirm=True)
+    assert [message.data for message in inbox.wait(1)] == ["still consuming"]
 
 
 def test_timeouts_leave_no_answer_waiting_and_no_stray_consumer(make_broker: Callable[..., Broker]) -> None:
