@@ -340,6 +340,8 @@ class Client:
         conn.greenlets = [gevent.spawn(self._read_loop, conn), gevent.spawn(self._write_loop, conn)]
         try:
             self._replay(conn)
+            if conn.lost.is_set():
+                raise MqksConnectionError(f"connection lost during the handshake: {conn.reason}")
         except BaseException:
             self._lose(conn, "handshake failed")
             self._teardown(conn, notify=False)
@@ -587,12 +589,14 @@ class Client:
             raise MqksConnectionError("client closed")
         if self._manager is None:
             raise MqksConnectionError("not connected: call connect() first")
-        if not self._connected.is_set():
-            gevent.wait([self._connected, self._closing], timeout=max(0.0, deadline - time.monotonic()), count=1)
+        # a loop: a connection may be up and lost again before this greenlet gets to run
+        while not self._connected.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MqksConnectionError(f"not connected to {self.host}:{self.port} in time")
+            gevent.wait([self._connected, self._closing], timeout=left, count=1)
             if self._closed:
                 raise MqksConnectionError("client closed")
-            if not self._connected.is_set():
-                raise MqksConnectionError(f"not connected to {self.host}:{self.port} in time")
         conn = self._conn
         assert conn is not None  # _connected is set only with a connection
         return conn
