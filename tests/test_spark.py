@@ -282,6 +282,7 @@ def _recorded(out: Path) -> list[tuple[str, str, int]]:
     return rows
 
 
+@pytest.mark.timeout(300)  # two Spark processes start one after the other
 def test_killed_query_restarts_from_checkpoint_without_loss(broker, tmp_path):
     queue = "spark.crash"
     bind(broker, queue, "crash.e")
@@ -321,3 +322,74 @@ def test_killed_query_restarts_from_checkpoint_without_loss(broker, tmp_path):
     assert set(duplicates) <= blocked_ids
     assert all(c == 2 for c in duplicates.values())
     assert all(retry > 0 for name, m, retry in recorded if m in duplicates and f"-{second.pid}." in name)
+
+
+def _reader(broker, queue: str, **options: str):
+    """The stream reader without Spark: the calls Spark's driver-side runner makes, made by hand."""
+    from mqks.spark.source import MqksStreamReader, SourceOptions
+
+    return MqksStreamReader(SourceOptions.parse({"host": broker.host, "port": str(broker.port), "queue": queue, **options}), None)
+
+
+def test_reader_ignores_offsets_of_another_session(broker):
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    queue = "spark.sessions"
+    bind(broker, queue, "sessions.e")
+    publish(broker, [(f"s{i}", "sessions.e", "x") for i in range(10)])
+    reader = _reader(broker, queue)
+    try:
+        start = reader.initialOffset()
+        end = wait_for(lambda: (lambda e: e if e != start else None)(reader.latestOffset(start, ReadMaxRows(10))),
+                       "10 deliveries")
+        assert end["seq"] == 10 and end["session"] == reader.session
+        earlier_run = {"session": "an-earlier-run", "seq": 10, "tick": 0}
+        # a batch re-run or a commit from an earlier run: no rows, no acks
+        assert reader.partitions({"session": "an-earlier-run", "seq": 4, "tick": 0}, earlier_run) == []
+        reader.commit(earlier_run)
+        assert queue_depths(broker, queue) == (0, 10)
+        partitions = reader.partitions(start, end)
+        assert sum(len(p.msg_ids) for p in partitions) == 10
+        assert len(partitions) == 2  # numPartitions defaults to 2
+        reader.commit(end)
+        assert queue_depths(broker, queue) == (0, 0)
+    finally:
+        reader.stop()
+
+
+def test_reader_starts_a_new_session_when_the_broker_restarts(make_broker):
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    server = make_broker("--eval")
+    queue = "spark.restart"
+    bind(server, queue, "restart.e")
+    publish(server, [("r1", "restart.e", "x")])
+    reader = _reader(server, queue)
+    try:
+        start = reader.initialOffset()
+        end = wait_for(lambda: (lambda e: e if e != start else None)(reader.latestOffset(start, ReadMaxRows(10))),
+                       "a delivery")
+        server.kill()
+        server.restart()
+        bind(server, queue, "restart.e")
+        publish(server, [("r2", "restart.e", "y")])
+        # the batch planned before the restart now belongs to a dead session
+        after = wait_for(lambda: (lambda e: e if e != end else None)(reader.latestOffset(end, ReadMaxRows(10))),
+                         "a delivery after the restart")
+        assert after["session"] != end["session"] and after["seq"] == 1
+        assert reader.partitions(start, end) == []
+        rows = [m for p in reader.partitions(end, after) for m in p.msg_ids]
+        assert rows == [b"r2"]
+        reader.commit(end)  # the dead session's commit acks nothing and does not fail
+        reader.commit(after)
+        assert queue_depths(server, queue) == (0, 0)
+    finally:
+        reader.stop()
+
+
+def test_prefetch_must_exceed_max_records_per_batch():
+    from mqks.spark.source import SourceOptions
+
+    with pytest.raises(ValueError, match="prefetch"):
+        SourceOptions.parse({"queue": "q", "maxRecordsPerBatch": "100", "prefetch": "100"})
+    assert SourceOptions.parse({"queue": "q", "maxRecordsPerBatch": "100"}).prefetch == 200
