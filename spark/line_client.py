@@ -1,9 +1,10 @@
-"""A small blocking-socket MQKS line client for Spark processes.
+"""A small blocking-call MQKS line client for Spark processes (plain sockets, no gevent).
 
 Spark's driver and executor Python workers must not import gevent or monkey-patch anything,
 so the data source speaks the wire protocol (`{rid} {action} {data}\\n`) over a plain socket.
-It sends pipelined lines and reads whole lines back; it never interprets them: the reader and
-the writer decide what each answer means.
+The client sends pipelined lines and reads whole lines back; it never interprets them.
+While a long send waits for room, it keeps reading: the server may be writing deliveries to us
+at the same time, and a client that only writes could deadlock with a server that only writes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import socket
 import time
 
 RECV_BYTES = 65536
-CONNECT_TIMEOUT_SECONDS = 10.0
+IO_TIMEOUT_SECONDS = 60.0  # no progress for this long on a send: the connection is dead
+MAX_LINES_PER_READ = 100_000  # bounds one read_lines() call; the rest waits in the kernel
 
 
 class MqksError(Exception):
@@ -27,58 +29,74 @@ class MqksConnectionError(MqksError):
 class LineClient:
     """One TCP connection: `send()` whole lines, `read_lines()` whole lines back (bytes, no newline)."""
 
-    __slots__ = ("host", "port", "sock", "tail")
+    __slots__ = ("host", "port", "sock", "tail", "ready", "closed")
 
-    def __init__(self, host: str, port: int, timeout_seconds: float = CONNECT_TIMEOUT_SECONDS) -> None:
+    def __init__(self, host: str, port: int, timeout_seconds: float = 10.0) -> None:
         self.host = host
         self.port = port
         self.sock = socket.create_connection((host, port), timeout=timeout_seconds)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(None)
+        self.sock.setblocking(False)
         self.tail = b""
+        self.ready: list[bytes] = []  # lines read but not yet returned
+        self.closed = False
+
+    def _fail(self, what: str) -> MqksConnectionError:
+        return MqksConnectionError(f"mqks {self.host}:{self.port}: {what}")
 
     def send(self, lines: list[bytes]) -> None:
-        """Write every line, newline-terminated, with one `sendall`."""
-        if lines:
-            try:
-                self.sock.sendall(b"\n".join(lines) + b"\n")
-            except OSError as e:
-                raise MqksConnectionError(f"mqks {self.host}:{self.port}: send failed: {e}") from e
+        """Write every line, newline-terminated; reads incoming lines while the socket is full."""
+        if not lines:
+            return
+        data = memoryview(b"\n".join(lines) + b"\n")
+        deadline = time.monotonic() + IO_TIMEOUT_SECONDS
+        while data:
+            readable, writable, _ = select.select([] if self.closed else [self.sock], [self.sock], [], 1.0)
+            if readable:
+                self._receive()
+            if writable:
+                try:
+                    sent = self.sock.send(data)
+                except BlockingIOError:
+                    continue
+                except OSError as e:
+                    raise self._fail(f"send failed: {e}") from e
+                data = data[sent:]
+                deadline = time.monotonic() + IO_TIMEOUT_SECONDS
+            elif time.monotonic() > deadline:
+                raise self._fail(f"send made no progress for {IO_TIMEOUT_SECONDS}s")
 
     def read_lines(self, timeout_seconds: float) -> list[bytes]:
         """Every complete line that has arrived, waiting at most `timeout_seconds` for the first.
 
-        Returns [] on timeout; raises MqksError if the server closed the connection.
+        Returns [] on timeout; raises MqksConnectionError once the server closed the connection
+        and every line it sent before closing was returned.
         """
-        deadline = time.monotonic() + timeout_seconds
-        while True:
-            wait = max(0.0, deadline - time.monotonic())
-            readable, _, _ = select.select([self.sock], [], [], wait)
-            if not readable:
-                return []
-            try:
-                chunk = self.sock.recv(RECV_BYTES)
-            except OSError as e:
-                raise MqksConnectionError(f"mqks {self.host}:{self.port}: recv failed: {e}") from e
-            if not chunk:
-                raise MqksConnectionError(f"mqks {self.host}:{self.port}: server closed the connection")
-            lines = (self.tail + chunk).split(b"\n")
-            self.tail = lines.pop()
-            if lines:
-                # drain whatever else is already in the kernel buffer, without waiting
-                while select.select([self.sock], [], [], 0)[0]:
-                    try:
-                        chunk = self.sock.recv(RECV_BYTES)
-                    except OSError as e:
-                        raise MqksConnectionError(f"mqks {self.host}:{self.port}: recv failed: {e}") from e
-                    if not chunk:
-                        break  # the next call reports the close
-                    more = (self.tail + chunk).split(b"\n")
-                    self.tail = more.pop()
-                    lines.extend(more)
-                    if len(lines) >= 100_000:
-                        break  # bound one call's memory; the rest waits in the kernel
-                return lines
+        if not self.ready and not self.closed:
+            if select.select([self.sock], [], [], timeout_seconds)[0]:
+                self._receive()
+        while not self.closed and len(self.ready) < MAX_LINES_PER_READ and self._receive():
+            pass
+        if not self.ready and self.closed:
+            raise self._fail("server closed the connection")
+        lines, self.ready = self.ready, []
+        return lines
+
+    def _receive(self) -> bool:
+        """Read one chunk without blocking; False if nothing was there or the peer closed."""
+        try:
+            chunk = self.sock.recv(RECV_BYTES)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            raise self._fail(f"recv failed: {e}") from e
+        if not chunk:
+            self.closed = True
+            return False
+        lines = (self.tail + chunk).split(b"\n")
+        self.tail = lines.pop()
+        self.ready.extend(lines)
+        return True
 
     def close(self) -> None:
         try:

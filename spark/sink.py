@@ -17,12 +17,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import ujson
 from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
 from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, error_reason, split_answer
+
+try:
+    import ujson as _json  # the server's own dependency; escapes newlines as json does
+except ImportError:  # a cluster node without ujson still works
+    import json as _json  # type: ignore[no-redef]
 
 log = logging.getLogger("mqks.spark")
 
@@ -97,9 +101,12 @@ def encode_data(value: Any) -> bytes:
         if "\n" in value:
             raise ValueError("mqks sink: a str data value contains a newline; JSON-encode it or strip it")
         return value.encode("utf-8")
-    return ujson.dumps(
-        _jsonable(value), ensure_ascii=False, escape_forward_slashes=False, default=_json_default
-    ).encode("utf-8")
+    value = _jsonable(value)
+    if _json.__name__ == "ujson":
+        text = _json.dumps(value, ensure_ascii=False, escape_forward_slashes=False, default=_json_default)
+    else:
+        text = _json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=_json_default)
+    return text.encode("utf-8")
 
 
 def _check_id(kind: str, value: Any) -> bytes:

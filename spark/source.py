@@ -149,8 +149,7 @@ class MqksStreamReader(DataSourceStreamReader):
         self.msg_ids: list[bytes] = []
         self.bodies: list[bytes] = []
         self.received_at_us: list[int] = []
-        self.planned_seq = 0  # end of the last batch handed to Spark in this session
-        self.last_planned_at = time.monotonic()
+        self.last_planned_at = time.monotonic()  # when the last batch with rows was handed to Spark
 
     def __getstate__(self) -> dict:
         # the planner pickles this reader for read(); never ship a socket or a buffer
@@ -176,7 +175,6 @@ class MqksStreamReader(DataSourceStreamReader):
         end = min(self.received_seq, base + cap)
         now = time.monotonic()
         if end > base:
-            self.planned_seq = end
             self.last_planned_at = now
             return {"session": self.session, "seq": end, "tick": tick}
         if own and self.acked_seq < base and now - self.last_planned_at >= self.options.idle_ack_seconds:
