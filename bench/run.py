@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import pstats
+import resource
 import socket
 import statistics
 import subprocess
@@ -327,6 +328,19 @@ def idle_percent(seconds: float = 0.5) -> float:
     return 100.0 * (idle1 - idle0) / max(1, total1 - total0)
 
 
+def busy_seconds() -> tuple[float, float]:
+    """(CPU seconds every process on the machine has used, CPU seconds we and our children used)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    machine = (fields[0] + fields[1] + fields[2]) / tick  # user, nice, system: no irq/softirq, no steal
+    own = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        r = resource.getrusage(who)
+        own += r.ru_utime + r.ru_stime
+    return machine, own
+
+
 def run_mode(mode: str, cfg: Config, servers: Servers) -> dict:
     pinned = mode == "pinned"
     idle = idle_percent()
@@ -334,6 +348,8 @@ def run_mode(mode: str, cfg: Config, servers: Servers) -> dict:
         + f"; machine {idle:.0f}% idle before it, load average {os.getloadavg()[0]:.2f}")
     if idle < 80:
         say("  ! other work is running on this machine: expect wide ranges")
+    machine0, own0 = busy_seconds()
+    wall0 = time.monotonic()
     out = {"ceiling": measure_ceiling(cfg, pinned), "cells": [], "idle_percent_before": idle}
     for workload in cfg.workloads:
         cells = [c for c in cells_for(workload, cfg) if servers.available(c.server)]
@@ -357,6 +373,11 @@ def run_mode(mode: str, cfg: Config, servers: Servers) -> dict:
             entry.update(summarize([s["value"] for s in good]))
             out["cells"].append(entry)
     out["ratios"] = ratios(out["cells"])
+    machine1, own1 = busy_seconds()
+    cores = os.cpu_count() or 1
+    foreign = max(0.0, (machine1 - machine0) - (own1 - own0)) / max(1e-9, time.monotonic() - wall0) / cores
+    out["foreign_cpu_percent"] = 100 * foreign
+    say(f"  other processes used {100 * foreign:.0f}% of the machine's {cores} cores during this mode")
     return out
 
 
@@ -462,7 +483,7 @@ def fmt(v: float | None, unit: str) -> str:
 
 def print_tables(results: dict, cfg: Config) -> None:
     for mode, res in results["modes"].items():
-        say(f"\n### {mode}\n")
+        say(f"\n### {mode}  (other processes used {res.get('foreign_cpu_percent', 0):.0f}% of the CPUs meanwhile)\n")
         ceil = res["ceiling"]
         say("generator ceiling (trivial sink, MQKS protocol): " + ", ".join(
             f"{k} {fmt(v['median'], 'msg/s')}/s" for k, v in ceil.items() if v["n"]))
