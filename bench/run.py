@@ -1,12 +1,13 @@
 """MQKS beside Redis, NATS and beanstalkd: one command, one table, one JSON file.
 
     .venv/bin/python bench/run.py [--quick] [--pinned|--unpinned|--both] [--workloads w1,w2,w3,w4]
-                                  [--json PATH] [--profile]
+                                  [--json PATH] [--profile] [--compare BEFORE.json AFTER.json]
 
 Starts every server itself on 127.0.0.1 (a fresh one per run, stopped by pid), measures the
 load generator's ceiling against a trivial sink, runs each cell `--reps` times, prints medians
 with ranges and the MQKS/peer ratios the issue targets, and writes the same as JSON into
-bench/results/. `--profile` runs mqksd under cProfile through w1 and w2 instead.
+bench/results/. `--profile` runs mqksd under cProfile through w1 and w2 instead;
+`--compare` prints two result files side by side.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Config:
     json_path: str
     install: bool
     profile: bool
+    compare: tuple[str, ...] = ()
 
 
 def build_config(argv: list[str] | None = None) -> Config:
@@ -77,6 +79,8 @@ def build_config(argv: list[str] | None = None) -> Config:
     parser.add_argument("--json", dest="json_path", help="where to write the JSON (default bench/results/...)")
     parser.add_argument("--no-install", action="store_true", help="skip peers that are missing instead of apt-get")
     parser.add_argument("--profile", action="store_true", help="profile mqksd under cProfile through w1 and w2")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="print two result JSON files side by side and exit (runs nothing)")
     a = parser.parse_args(argv)
     quick = a.quick
     workloads = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
@@ -100,6 +104,7 @@ def build_config(argv: list[str] | None = None) -> Config:
         json_path=a.json_path or os.path.join(RESULTS_DIR, f"bench-{stamp}{'-quick' if quick else ''}.json"),
         install=not a.no_install,
         profile=a.profile,
+        compare=tuple(a.compare or ()),
     )
 
 
@@ -623,8 +628,32 @@ def run_profile(cfg: Config) -> int:
     return 0
 
 
+def compare(before_path: str, after_path: str) -> int:
+    """Medians of two runs side by side, per mode and cell, with after/before."""
+    with open(before_path, encoding="utf-8") as f:
+        before = json.load(f)
+    with open(after_path, encoding="utf-8") as f:
+        after = json.load(f)
+    for mode, res in after["modes"].items():
+        old = {c["key"]: c for c in before.get("modes", {}).get(mode, {}).get("cells", [])}
+        say(f"\n### {mode}: {before_path} -> {after_path}\n")
+        say("| cell | unit | before | after | after/before |")
+        say("|---|---|---:|---:|---:|")
+        for c in res["cells"]:
+            b = old.get(c["key"])
+            for q in (("p50_ms", "p99_ms") if c["workload"] == "w3" else (None,)):
+                va = c[q]["median"] if q else c["median"]
+                vb = (b[q]["median"] if q else b["median"]) if b else None
+                unit = f"{q[:3]} ms" if q else c["unit"]
+                change = f"{va / vb:.2f}x" if va is not None and vb else "-"
+                say(f"| {c['key']} | {unit} | {fmt(vb, c['unit'])} | {fmt(va, c['unit'])} | {change} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = build_config(argv)
+    if cfg.compare:
+        return compare(*cfg.compare)
     if cfg.profile:
         return run_profile(cfg)
     return run_benchmark(cfg)
