@@ -244,6 +244,25 @@ def test_stream_write_publishes_with_deterministic_ids(spark, broker):
         assert prefix == query_prefix and batch.isdigit() and partition.isdigit() and row.isdigit(), msg_id
 
 
+def test_batch_write_uses_the_msg_id_column_when_given(spark, broker):
+    queue = "spark.ids"
+    bind(broker, queue, "ids.e")
+    wire = broker.wire()
+    try:
+        consume(wire, b"c3", queue)
+        df = spark.createDataFrame(
+            [("own.1", "ids.e", "plain text, with spaces"), (None, "ids.e", "")], "msg_id STRING, event STRING, data STRING"
+        ).coalesce(1)
+        df.write.format("mqks").mode("append").option("host", broker.host).option("port", str(broker.port)).save()
+        got = collect_deliveries(wire, b"c3", 2)
+    finally:
+        wire.close()
+    assert got[0] == (b"own.1", b"event=ids.e", b"plain text, with spaces")
+    default_id, head, data = got[1]
+    assert (head, data) == (b"event=ids.e", b"")
+    assert default_id.endswith(b".0.1")  # {write id}.{partition}.{row}: the second row of partition 0
+
+
 def test_sink_fails_with_the_server_reason(spark, broker):
     df = spark.createDataFrame([("--not-an-event", "x")], "event STRING, data STRING")
     with pytest.raises(Exception) as failure:
