@@ -604,11 +604,11 @@ def run_profile(cfg: Config) -> int:
     prof_path = os.path.join(RESULTS_DIR, f"mqksd-{time.strftime('%Y%m%d-%H%M%S')}.prof")
     server = peers.start_mqks(SERVER_CORE if pinned else None, LOG_DIR, profile_path=prof_path)
     n = cfg.w1_messages
-    runs = [("w1 auto-ack", Mqks(event=b"p1.ev"), 1, n, False),
-            ("w1 manual-ack", Mqks(manual_ack=True, event=b"p2.ev"), 1, n, True),
-            ("w2 10 exact + 10 mask", Mqks(event=b"p3.ev"), 20, max(1, n // 20), False)]
+    runs = [("w1 auto-ack", Mqks(event=b"p1.ev"), 1, n),
+            ("w1 manual-ack", Mqks(manual_ack=True, event=b"p2.ev"), 1, n),
+            ("w2 10 exact + 10 mask", Mqks(event=b"p3.ev"), 20, max(1, n // 20))]
     try:
-        for label, proto, fanout, count, _ack in runs:
+        for label, proto, fanout, count in runs:
             flow = Flow(proto=proto, host=server.host, port=server.port, n=count, fanout=fanout,
                         window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds * 2)
             r = loadgen.run_flow(flow)
