@@ -187,6 +187,19 @@ def _spawn(kind: str, cmd: list[str], port: int, core: int | None, log_dir: str)
     return Server(kind=kind, port=port, proc=proc, workdir=workdir, log_path=log_path)
 
 
+def mqks_python() -> str | None:
+    """A Python that can `import mqks.server`: this one, else the repo's .venv; None if neither."""
+    repo_venv = os.path.join(os.path.dirname(BENCH_DIR), ".venv", "bin", "python")
+    for python in (sys.executable, repo_venv):
+        if not os.access(python, os.X_OK):
+            continue
+        done = subprocess.run([python, "-c", "import mqks.server.app"], cwd=tempfile.gettempdir(),
+                              capture_output=True, timeout=60)
+        if done.returncode == 0:
+            return python
+    return None
+
+
 def start_mqks(core: int | None, log_dir: str, python: str = sys.executable,
                extra_args: tuple[str, ...] = (), profile_path: str | None = None) -> Server:
     """mqksd on a free port, with --eval so the benchmark can check its stats."""

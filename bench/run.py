@@ -20,6 +20,7 @@ import os
 import platform
 import pstats
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
@@ -83,6 +84,10 @@ def build_config(argv: list[str] | None = None) -> Config:
                         help="print two result JSON files side by side and exit (runs nothing)")
     a = parser.parse_args(argv)
     quick = a.quick
+    modes = a.modes or ("pinned",)
+    if "pinned" in modes and (not shutil.which("taskset") or (os.cpu_count() or 1) < 2):
+        print("# pinned mode needs taskset and 2 cores: running unpinned only", flush=True)
+        modes = ("unpinned",)
     workloads = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
     bad = [w for w in workloads if w not in ("w1", "w2", "w3", "w4")]
     if bad:
@@ -90,7 +95,7 @@ def build_config(argv: list[str] | None = None) -> Config:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Config(
         quick=quick,
-        modes=a.modes or ("pinned",),
+        modes=modes,
         workloads=workloads,
         reps=a.reps or (1 if quick else 3),
         w4_reps=a.w4_reps or (1 if quick else 2),
@@ -124,14 +129,18 @@ class Servers:
         self.skipped = {kind: self.finder.skipped[b] for kind, b in PEER_BINARIES.items() if b in self.finder.skipped}
         self.versions = {kind: _version(self.finder.paths[b]) for kind, b in PEER_BINARIES.items()
                          if b in self.finder.paths}
-        self.versions["mqks"] = _mqks_version()
+        self.mqks_python = peers.mqks_python()
+        if self.mqks_python is None:
+            self.skipped["mqks"] = (f"{sys.executable} cannot import mqks.server: "
+                                    "run with the repo's venv (.venv/bin/python) or `pip install -e .`")
+        self.versions["mqks"] = _mqks_version(self.mqks_python or sys.executable)
 
     def available(self, kind: str) -> bool:
         return kind not in self.skipped
 
     def start(self, kind: str, core: int | None) -> peers.Server:
         if kind == "mqks":
-            return peers.start_mqks(core, LOG_DIR)
+            return peers.start_mqks(core, LOG_DIR, python=self.mqks_python)
         path = self.finder.paths[PEER_BINARIES[kind]]
         return {"redis": peers.start_redis, "nats": peers.start_nats,
                 "beanstalkd": peers.start_beanstalkd}[kind](path, core, LOG_DIR)
@@ -146,9 +155,9 @@ def _version(path: str) -> str:
         return "?"
 
 
-def _mqks_version() -> str:
+def _mqks_version(python: str) -> str:
     try:
-        out = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('mqks'))"],
+        out = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('mqks'))"],
                              capture_output=True, timeout=10, cwd="/tmp")
         return "mqks " + out.stdout.decode().strip()
     except (OSError, subprocess.TimeoutExpired):
@@ -561,6 +570,7 @@ def git_revision() -> str:
 
 
 def run_benchmark(cfg: Config) -> int:
+    shutil.rmtree(LOG_DIR, ignore_errors=True)  # logs of the last run only
     os.makedirs(LOG_DIR, exist_ok=True)
     say(f"# MQKS benchmark  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  quick={cfg.quick}  "
         f"modes={','.join(cfg.modes)}  workloads={','.join(cfg.workloads)}")
@@ -568,6 +578,8 @@ def run_benchmark(cfg: Config) -> int:
         f"{'/'.join(str(r) for r in cfg.w3_rates)} msg/s, w4 {cfg.w4_messages:,} msgs; "
         f"reps {cfg.reps} (w4 {cfg.w4_reps}); payload 100 bytes")
     servers = Servers(cfg)
+    if servers.mqks_python and servers.mqks_python != sys.executable:
+        say(f"# mqksd runs under {servers.mqks_python} ({sys.executable} cannot import mqks.server)")
     for kind, why in servers.skipped.items():
         say(f"# SKIPPED peer {kind}: {why}")
     servers.versions["mqks"] += f" (git {git_revision()})"
@@ -602,7 +614,11 @@ def run_profile(cfg: Config) -> int:
     pinned = cfg.modes[0] == "pinned"
     gen_core = GENERATOR_CORE if pinned else None
     prof_path = os.path.join(RESULTS_DIR, f"mqksd-{time.strftime('%Y%m%d-%H%M%S')}.prof")
-    server = peers.start_mqks(SERVER_CORE if pinned else None, LOG_DIR, profile_path=prof_path)
+    python = peers.mqks_python()
+    if python is None:
+        say(f"! {sys.executable} cannot import mqks.server: run with the repo's venv (.venv/bin/python)")
+        return 1
+    server = peers.start_mqks(SERVER_CORE if pinned else None, LOG_DIR, python=python, profile_path=prof_path)
     n = cfg.w1_messages
     runs = [("w1 auto-ack", Mqks(event=b"p1.ev"), 1, n),
             ("w1 manual-ack", Mqks(manual_ack=True, event=b"p2.ev"), 1, n),
