@@ -213,7 +213,7 @@ def test_batch_write_publishes_each_row_once(spark, broker):
     assert len({msg_id for _, _, msg_id in by_i.values()}) == n  # one id per row
 
 
-def test_stream_write_publishes_with_deterministic_ids(spark, broker):
+def test_stream_write_publishes_with_deterministic_ids(spark, broker, tmp_path):
     source_queue, out_queue = "spark.pipe.in", "spark.pipe.out"
     bind(broker, source_queue, "pipe.in")
     bind(broker, out_queue, "piped.pipe.in")
@@ -227,7 +227,7 @@ def test_stream_write_publishes_with_deterministic_ids(spark, broker):
             .writeStream.format("mqks")
             .option("host", broker.host)
             .option("port", str(broker.port))
-            .option("checkpointLocation", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"mqks-pipe-{os.getpid()}"))
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
             .start()
         )
         try:
