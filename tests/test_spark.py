@@ -412,3 +412,58 @@ def test_prefetch_must_exceed_max_records_per_batch():
     with pytest.raises(ValueError, match="prefetch"):
         SourceOptions.parse({"queue": "q", "maxRecordsPerBatch": "100", "prefetch": "100"})
     assert SourceOptions.parse({"queue": "q", "maxRecordsPerBatch": "100"}).prefetch == 200
+
+
+@pytest.mark.timeout(240)
+def test_example_pipeline_publishes_window_counts(broker, tmp_path):
+    counts_queue = "spark.counts.printer"
+    bind(broker, counts_queue, "stats.events.counted")
+    log = tmp_path / "pipeline.log"
+    cmd = [
+        sys.executable, str(HERE.parent / "pipelines" / "event_counts.py"),
+        "--port", str(broker.port), "--queue", "spark.pipeline", "--events", "page.* tick.*",
+        "--window", "2 seconds", "--watermark", "1 second", "--trigger", "1 second",
+        "--checkpoint", str(tmp_path / "checkpoint"), "--run-seconds", "200",
+    ]
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+    with open(log, "wb") as log_file:
+        job = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    wire = broker.wire()
+    try:
+        consume(wire, b"c4", counts_queue)
+        # the pipeline binds its queue before Spark starts: events published from then on are counted
+        wait_for(lambda: _queue_exists(broker, "spark.pipeline") or job.poll() is not None,
+                 "the pipeline to bind its queue")
+        publish(broker, [(f"v{i}", "page.viewed", "{}") for i in range(300)])
+        counted = 0
+        deadline = time.monotonic() + 180
+        ticks = 0
+        while counted < 300:
+            assert job.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"counted {counted} of 300; {log.read_text()[-3000:]}"
+            # later events move the watermark, so that append mode emits the finished windows
+            publish(broker, [(f"t{ticks}", "tick.now", "{}")])
+            ticks += 1
+            try:
+                line = wire.recv_line(timeout=1.0)
+            except TimeoutError:
+                continue
+            msg_id, head, data = line[len(b"c4 ok ") :].split(b" ", 2)
+            assert head == b"event=stats.events.counted", line
+            count = json.loads(data)
+            assert set(count) == {"window_start", "window_end", "event", "count"}, count
+            if count["event"] == "page.viewed":
+                counted += count["count"]
+        assert counted == 300
+    finally:
+        wire.close()
+        _kill_group(job)
+
+
+def _queue_exists(broker, queue: str) -> bool:
+    wire = broker.wire()
+    try:
+        wire.send(b"qe _eval %r in state.queues" % queue.encode())
+        return wire.recv_line() == b"qe ok True"
+    finally:
+        wire.close()
