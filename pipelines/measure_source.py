@@ -12,8 +12,6 @@ Both figures are rows / sum of triggerExecution over the batches after the first
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 import uuid
 
@@ -66,21 +64,9 @@ def main() -> None:
     parser.add_argument("--rate-seconds", type=float, default=30.0)
     args = parser.parse_args()
 
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
+    from mqks.spark.session import local_session
 
-    from mqks.spark import MqksDataSource
-
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("mqks-measure")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("WARN")
-    spark.dataSource.register(MqksDataSource)
+    spark = local_session("mqks-measure")
 
     queue = f"measure.{uuid.uuid4().hex[:8]}"
     event = f"{queue}.e"

@@ -145,23 +145,22 @@ def parse_ack(conn: Connection, action: str, args: bytes) -> tuple[Consumer, lis
 
 
 def handle_ack(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
-    consumer, msg_ids = parse_ack(conn, "ack", args)
-    shard = shard_for(conn, consumer.queue.name)
-    if msg_ids is None:
-        shard.ack_all(consumer)
-    elif unknown := shard.ack(consumer, msg_ids):
-        raise ProtocolError(f"ack: no un-acked message {text(b' '.join(unknown))!r} for consumer {text(consumer.consumer_id)!r}")
-    if confirm:
-        conn.ok(rid)
+    settle(conn, rid, args, confirm, "ack")
 
 
 def handle_reject(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
-    consumer, msg_ids = parse_ack(conn, "reject", args)
+    settle(conn, rid, args, confirm, "reject")
+
+
+def settle(conn: Connection, rid: bytes, args: bytes, confirm: bool, action: str) -> None:
+    """`ack` or `reject` one, several or all un-acked messages of a consumer."""
+    consumer, msg_ids = parse_ack(conn, action, args)
     shard = shard_for(conn, consumer.queue.name)
     if msg_ids is None:
-        shard.reject_all(consumer)
-    elif unknown := shard.reject(consumer, msg_ids):
-        raise ProtocolError(f"reject: no un-acked message {text(b' '.join(unknown))!r} for consumer {text(consumer.consumer_id)!r}")
+        (shard.ack_all if action == "ack" else shard.reject_all)(consumer)
+    elif unknown := (shard.ack if action == "ack" else shard.reject)(consumer, msg_ids):
+        raise ProtocolError(f"{action}: no un-acked message {text(b' '.join(unknown))!r} "
+                            f"for consumer {text(consumer.consumer_id)!r}")
     if confirm:
         conn.ok(rid)
 

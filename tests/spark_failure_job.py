@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,21 +24,9 @@ def main() -> None:
     parser.add_argument("--block-batch", type=int, default=None)
     args = parser.parse_args()
 
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
+    from mqks.spark.session import local_session
 
-    from mqks.spark import MqksDataSource
-
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("mqks-failure-job")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("WARN")
-    spark.dataSource.register(MqksDataSource)
+    spark = local_session("mqks-failure-job")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

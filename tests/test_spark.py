@@ -30,21 +30,9 @@ WAIT_SECONDS = 90.0
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
+    from mqks.spark.session import local_session
 
-    from mqks.spark import MqksDataSource
-
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("mqks-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("WARN")
-    session.dataSource.register(MqksDataSource)
+    session = local_session("mqks-tests")
     yield session
     session.stop()
 
