@@ -15,7 +15,9 @@ import multiprocessing as mp
 import os
 import re
 import selectors
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +28,9 @@ MARKER = b"|EOM|"
 FILLER = b"." * 75
 TS_RE = re.compile(rb"T(\d{19})\.")
 SETUP_TIMEOUT_SECONDS = 20.0
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+COUNTER_SOURCE = os.path.join(BENCH_DIR, "count.c")
+COUNTER_BINARY = os.path.join(BENCH_DIR, "bin", "count")
 
 now_ns = time.monotonic_ns  # CLOCK_MONOTONIC: one clock for every process on the machine
 
@@ -64,6 +69,21 @@ def resp(*parts: bytes) -> bytes:
     return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
 
 
+def build_counter() -> str | None:
+    """Compile bench/count.c into bench/bin/count if needed; None (Python counts) without gcc."""
+    try:
+        if os.path.exists(COUNTER_BINARY) and os.path.getmtime(COUNTER_BINARY) >= os.path.getmtime(COUNTER_SOURCE):
+            return COUNTER_BINARY
+        gcc = shutil.which("gcc") or shutil.which("cc")
+        if not gcc:
+            return None
+        os.makedirs(os.path.dirname(COUNTER_BINARY), exist_ok=True)
+        done = subprocess.run([gcc, "-O2", "-o", COUNTER_BINARY, COUNTER_SOURCE], capture_output=True, timeout=60)
+        return COUNTER_BINARY if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 class ConsumerState:
     """Per-connection parsing state.
 
@@ -74,6 +94,8 @@ class ConsumerState:
     errors = 0
     got = 0
     tail = b""
+    push_only = True  # nothing to send back: bench/bin/count may count these bytes instead
+    error_needle = b""
 
     def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
         return data.count(MARKER, start, end), b""
@@ -105,6 +127,7 @@ class Proto:
 
 
 class MqksAckState(ConsumerState):
+    push_only = False
     ID_RE = re.compile(rb"c0 ok (\S+) event=")
 
     def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
@@ -118,6 +141,8 @@ class MqksAckState(ConsumerState):
 
 
 class MqksAutoState(ConsumerState):
+    error_needle = b" error "
+
     def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
         if data.find(b" error ", start, end) >= 0:
             self.errors += data.count(b" error ", start, end)
@@ -221,6 +246,7 @@ class RedisPubSub(Proto):
 class RedisStreamState(ConsumerState):
     """One XREADGROUP in flight; a reply is complete when it holds as many markers as its header says."""
 
+    push_only = False
     HEADER_RE = re.compile(rb"\*1\r\n\*2\r\n\$\d+\r\n[^\r]*\r\n\*(\d+)\r\n")
     ID_RE = re.compile(rb"\r\n\*2\r\n\$\d+\r\n(\d+-\d+)\r\n")
 
@@ -288,6 +314,7 @@ class RedisStreams(Proto):
 class BeanstalkState(ConsumerState):
     """Keeps `credit` reserves outstanding; deletes every job it got, in one write per chunk."""
 
+    push_only = False
     ID_RE = re.compile(rb"RESERVED (\d+) ")
 
     def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
@@ -334,6 +361,7 @@ class Flow:
     timeout_s: float = 60.0
     rate: int = 0               # > 0: paced at this many msg/s, timestamped (w3)
     chunk: int = CHUNK_MESSAGES
+    counter_binary: str | None = None  # count push deliveries in C (bench/count.c) when set
 
 
 def _drain(sock: socket.socket, proto: Proto, stats: dict, barrier: threading.Event) -> None:
@@ -422,6 +450,9 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
             sel.register(sock, selectors.EVENT_READ, state)
         ready.send("ready")
         target = flow.n * flow.fanout
+        if flow.counter_binary and not latency and all(s.push_only for s in states):
+            _count_in_c(flow, states, sel, counter, deadline_ns, stop, results, target)
+            return
         got = 0
         lat: list[int] = []
         ts_findall = TS_RE.findall  # pattern.findall(data, pos, endpos)
@@ -481,6 +512,55 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
             key.fileobj.close()
     except Exception as e:
         results.send({"error": f"consumer: {type(e).__name__}: {e}"})
+
+
+def _count_in_c(flow: Flow, states: list, sel, counter, deadline_ns, stop, results, target: int) -> None:
+    """Hand the subscribed sockets to bench/bin/count; relay its progress into the shared counter."""
+    socks = [key.fileobj for key in sel.get_map().values()]
+    fds = [s.fileno() for s in socks]
+    step = max(1, min(flow.window * flow.fanout // 4, 10_000))
+    proc = subprocess.Popen([flow.counter_binary, MARKER, states[0].error_needle or b"", str(target), str(step),
+                             *map(str, fds)], pass_fds=fds, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    done = None
+    setup_deadline = now_ns() + int(SETUP_TIMEOUT_SECONDS * 3e9)
+    got = 0
+    try:
+        out = proc.stdout
+        waiter = selectors.DefaultSelector()
+        waiter.register(out, selectors.EVENT_READ)
+        buf = b""
+        while done is None:
+            left = ((deadline_ns.value or setup_deadline) - now_ns()) / 1e9
+            if left <= 0:
+                proc.stdin.close()  # tells it to stop and report what it has
+                left = 5
+            if not waiter.select(min(left, 0.5)):
+                continue
+            data = os.read(out.fileno(), 65536)
+            if not data:
+                break
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if line.startswith(b"p "):
+                    got = int(line[2:])
+                    counter.value = got
+                elif line.startswith(b"done "):
+                    done = [int(x) for x in line.split()[1:]]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    if done is None:
+        results.send({"error": f"consumer: bench/bin/count ended without a result after {got}"})
+        return
+    got, errors, t_end, *per_connection = done
+    counter.value = got
+    results.send({"t_end": t_end, "got": got, "target": target, "consumer_errors": errors, "latencies_ns": [],
+                  "per_connection": per_connection})
+    stop.wait(flow.timeout_s + 30)
+    for sock in socks:
+        sock.close()
 
 
 @dataclass

@@ -60,6 +60,7 @@ class Config:
     install: bool
     profile: bool
     compare: tuple[str, ...] = ()
+    counter_binary: str | None = None
 
 
 def build_config(argv: list[str] | None = None) -> Config:
@@ -83,6 +84,8 @@ def build_config(argv: list[str] | None = None) -> Config:
     parser.add_argument("--json", dest="json_path", help="where to write the JSON (default bench/results/...)")
     parser.add_argument("--no-install", action="store_true", help="skip peers that are missing instead of apt-get")
     parser.add_argument("--profile", action="store_true", help="profile mqksd under cProfile through w1 and w2")
+    parser.add_argument("--py-consumer", action="store_true",
+                        help="count push deliveries in Python too, not with the gcc-built bench/bin/count")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
                         help="print two result JSON files side by side and exit (runs nothing)")
     a = parser.parse_args(argv)
@@ -113,6 +116,7 @@ def build_config(argv: list[str] | None = None) -> Config:
         install=not a.no_install,
         profile=a.profile,
         compare=tuple(a.compare or ()),
+        counter_binary=None if a.py_consumer or a.compare else loadgen.build_counter(),
     )
 
 
@@ -299,7 +303,8 @@ def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
             n = cfg.w1_messages
         n //= cell.divisor
         flow = Flow(proto=proto, host=server.host, port=server.port, n=n, fanout=cell.fanout,
-                    window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds, rate=cell.rate)
+                    window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds, rate=cell.rate,
+                    counter_binary=cfg.counter_binary)
         check = mqks_check(server, n, cell.fanout, cell.manual_ack) if cell.server == "mqks" else None
         r = loadgen.run_flow(flow, latency=cell.workload == "w3", check=check)
         if not server.alive():
@@ -429,7 +434,8 @@ def measure_ceiling(cfg: Config, pinned: bool) -> dict:
             sink = peers.start_sink(server_core, LOG_DIR, deliver=count)
             try:
                 flow = Flow(proto=proto, host=sink.host, port=sink.port, n=count, fanout=fanout,
-                            window=10**12, core=gen_core, timeout_s=cfg.timeout_seconds)
+                            window=10**12, core=gen_core, timeout_s=cfg.timeout_seconds,
+                            counter_binary=cfg.counter_binary)
                 r = loadgen.run_flow(flow)
                 if r.ok:
                     values.append(r.rate)
@@ -587,6 +593,9 @@ def run_benchmark(cfg: Config) -> int:
         say(f"# SKIPPED peer {kind}: {why}")
     servers.versions["mqks"] += f" (git {git_revision()})"
     say("# versions: " + "; ".join(f"{k}: {v}" for k, v in servers.versions.items()))
+    say("# push deliveries (MQKS auto-ack, Redis pub/sub, NATS) counted by "
+        + (f"{cfg.counter_binary} (bench/count.c)" if cfg.counter_binary else "Python (no gcc, or --py-consumer)")
+        + "; acks, XREADGROUP, reserve/delete and w3 timestamps are parsed in Python")
     started = time.monotonic()
     results = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
                         "cpus": os.cpu_count(), "python": sys.version.split()[0], "config": cfg.__repr__(),
@@ -629,7 +638,8 @@ def run_profile(cfg: Config) -> int:
     try:
         for label, proto, fanout, count in runs:
             flow = Flow(proto=proto, host=server.host, port=server.port, n=count, fanout=fanout,
-                        window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds * 2)
+                        window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds * 2,
+                        counter_binary=cfg.counter_binary)
             r = loadgen.run_flow(flow)
             say(f"  profiled {label:<24} {r.rate:>12,.0f} /s under cProfile" + (f"  [{r.note}]" if r.note else ""))
     finally:
