@@ -42,10 +42,10 @@ def handle_publish(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> 
     if space < 0:
         event = args
         # the spec's delivery always has a space before {data}, even an empty one
-        tail = b"".join((b" ok ", rid, b" event=", args, b" \n"))
+        tail = b"".join((b" ok ", rid, b" event=", args, b" "))
     else:
         event = args[:space]
-        tail = b"".join((b" ok ", rid, b" event=", args, b"\n"))
+        tail = b"".join((b" ok ", rid, b" event=", args))
     if not event or event[0] == 45 and event.startswith(b"--"):
         check_name(event, "publish: event")
     for shard in conn.shards:

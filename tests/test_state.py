@@ -2,7 +2,7 @@
 
 import pytest
 
-from mqks.server.state import Broker, Consumer, Outbox, update_line, with_retry_raised
+from mqks.server.state import PACK_MIN_DEPTH, Broker, Consumer, Outbox, Packed, update_line, with_retry_raised
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -26,7 +26,7 @@ class FakeClock:
 
 
 def tail(msg_id: bytes, event: bytes, data: bytes) -> bytes:
-    return b" ok %b event=%b %b\n" % (msg_id, event, data)
+    return b" ok %b event=%b %b" % (msg_id, event, data)
 
 
 def publish(broker: Broker, msg_id: bytes, event: bytes, data: bytes = b"d") -> None:
@@ -34,7 +34,7 @@ def publish(broker: Broker, msg_id: bytes, event: bytes, data: bytes = b"d") -> 
 
 
 def delivered(outbox: Outbox) -> list[bytes]:
-    lines = b"".join(outbox.out).splitlines()
+    lines = b"".join(outbox.out).split(b"\n")[:-1]
     outbox.out.clear()
     outbox.out_bytes = 0
     return lines
@@ -63,7 +63,7 @@ def outbox():
 def test_message_waits_in_queue_until_a_consumer_comes(broker, outbox):
     broker.rebind(broker.queue(b"q1"), replace=[b"e1"])
     publish(broker, b"m1", b"e1")
-    assert len(broker.queues[b"q1"].messages) == 1
+    assert broker.queues[b"q1"].depth() == 1
     consume(broker, outbox, b"c1", b"q1")
     assert delivered(outbox) == [b"c1 ok m1 event=e1 d"]
     assert broker.stats()["messages_waiting"] == 0
@@ -198,12 +198,12 @@ def test_high_water_pauses_deliveries_until_resumed(broker):
     outbox.paused = False
     broker.pump(broker.queues[b"q"])
     assert len(delivered(outbox)) + sent <= 20
-    assert broker.stats()["consumed"] + len(broker.queues[b"q"].messages) == 20
+    assert broker.stats()["consumed"] + broker.queues[b"q"].depth() == 20
 
 
 def test_retry_header_is_raised_in_place():
-    assert with_retry_raised(b" ok m1 event=e1 a b c\n") == b" ok m1 event=e1,retry=1 a b c\n"
-    assert with_retry_raised(b" ok m1 event=e1,retry=9 \n") == b" ok m1 event=e1,retry=10 \n"
+    assert with_retry_raised(b" ok m1 event=e1 a b c") == b" ok m1 event=e1,retry=1 a b c"
+    assert with_retry_raised(b" ok m1 event=e1,retry=9 ") == b" ok m1 event=e1,retry=10 "
 
 
 def test_stats_count_the_flow(broker, outbox):
@@ -214,3 +214,27 @@ def test_stats_count_the_flow(broker, outbox):
     stats = broker.stats()
     assert (stats["published"], stats["queued"], stats["rejected"], stats["messages_unacked"]) == (2, 1, 1, 1)
     assert stats["top_queues"] == [("q", 0)]
+
+
+def test_deep_queue_packs_messages_and_still_delivers_all_in_order(broker, outbox):
+    count = PACK_MIN_DEPTH * 3
+    broker.rebind(broker.queue(b"q"), replace=[b"e"])
+    for i in range(count):
+        publish(broker, b"m%d" % i, b"e", b"data with\rcarriage return %d" % i)
+    queue = broker.queues[b"q"]
+    assert any(type(item) is Packed for item in queue.messages)
+    assert len(queue.messages) < count  # packed: fewer objects than messages
+    assert broker.stats()["messages_waiting"] == count
+    consumer = consume(broker, outbox, b"c1", b"q", manual_ack=True, prefetch=1000)
+    got = delivered(outbox)
+    broker.reject(consumer, [b"m0"])  # back at the very front, before every packed run
+    got += delivered(outbox)
+    assert got[-1].startswith(b"c1 ok m0 event=e,retry=1 data with\rcarriage")
+    order = [line.split(b" ")[2] for line in got]
+    while len(order) < count + 1:
+        broker.ack_all(consumer)
+        order += [line.split(b" ")[2] for line in delivered(outbox)]
+    assert order[:1000] == [b"m%d" % i for i in range(1000)]
+    assert order[1000] == b"m0"  # the rejected one came back first
+    assert order[1001:] == [b"m%d" % i for i in range(1000, count)]
+    assert broker.stats()["messages_waiting"] == 0
