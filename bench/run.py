@@ -75,7 +75,7 @@ def build_config(argv: list[str] | None = None) -> Config:
                       help="pinned, then unpinned")
     parser.add_argument("--workloads", default="w1,w2,w3,w4", help="comma list of w1,w2,w3,w4")
     parser.add_argument("--reps", type=int, help="repetitions per cell (default 3, quick 1)")
-    parser.add_argument("--w4-reps", type=int, help="repetitions of the 1M-message memory cells (default 2, quick 1)")
+    parser.add_argument("--w4-reps", type=int, help="repetitions of the 1M-message memory cells (default 3, quick 1)")
     parser.add_argument("--messages", type=int, help="w1 messages per run (default 500000, quick 100000); w2 publishes a tenth "
                              "as many events (quick: 25000), each delivered 20 times")
     parser.add_argument("--w4-messages", type=int, help="w4 queued messages (default 1000000, quick 200000)")
@@ -104,7 +104,7 @@ def build_config(argv: list[str] | None = None) -> Config:
         modes=modes,
         workloads=workloads,
         reps=a.reps or (1 if quick else 3),
-        w4_reps=a.w4_reps or (1 if quick else 2),
+        w4_reps=a.w4_reps or (1 if quick else 3),
         w1_messages=a.messages or (100_000 if quick else 500_000),
         w2_events=(a.messages or (250_000 if quick else 500_000)) // 10,
         w3_seconds=1.0 if quick else 2.0,
