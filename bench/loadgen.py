@@ -4,8 +4,11 @@ A run forks a consumer process (one or many connections behind one selector) and
 process, pinned to the generator core when asked. The producer pre-builds its whole pipelined
 buffer before the clock starts; replies are drained by a thread and only counted. The consumer
 cuts each recv at its last newline and counts or parses whole chunks (`bytes.count`, one regex
-per chunk), never one message at a time in Python. A shared counter lets the producer stay at
-most `window` messages ahead, so no broker has to drop or buffer without bound.
+per chunk), never one message at a time in Python. Push deliveries that need no answer
+(MQKS auto-ack, Redis pub/sub, NATS) are counted by bench/bin/count, built from count.c with
+gcc, after Python subscribed the sockets: Python's own receive path capped the fastest peers.
+A shared counter lets the producer stay at most `window` messages ahead, so no broker has to
+drop or buffer without bound.
 Every payload is 100 bytes: `T` + 19-digit monotonic ns + filler + the marker `|EOM|`.
 """
 
