@@ -66,7 +66,7 @@ def queue_depths(broker, queue: str) -> tuple[int, int]:
     wire = broker.wire()
     try:
         wire.send(
-            b"qd _eval (lambda q: (len(q.messages), sum(len(c.unacked) for c in q.consumers)) if q else (0, 0))"
+            b"qd _eval (lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)) if q else (0, 0))"
             b"(state.queues.get(%r))" % name
         )
         line = wire.recv_line()
