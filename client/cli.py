@@ -62,9 +62,13 @@ def cmd_eval(client: Client, args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mqks", description="Talk to an MQKS broker.")
+    stats.add_connection_arguments(parser)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the client's connection events")
+    # the same options after the command name: `mqks --port 1 ping` and `mqks ping --port 1` both work
     common = argparse.ArgumentParser(add_help=False)
-    stats.add_connection_arguments(common)
-    common.add_argument("-v", "--verbose", action="store_true", help="log the client's connection events")
+    stats.add_connection_arguments(common, defaults=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log the client's connection events")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     publish = commands.add_parser("publish", parents=[common], help="publish one message")

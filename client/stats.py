@@ -136,11 +136,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per print instead of a table")
 
 
-def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
-    """--host and --port, shared by every command."""
-    parser.add_argument("--host", default="127.0.0.1", help="broker host (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=25000, help="broker port (default 25000)")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+def add_connection_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """--host, --port and --timeout, shared by every command.
+
+    `defaults=False` leaves an option unset when it is not given, so that a subcommand's copy
+    does not overwrite the value given before the subcommand (`mqks --port 1 ping`).
+    """
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument("--host", default=default("127.0.0.1"), help="broker host (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=default(25000), help="broker port (default 25000)")
+    parser.add_argument("--timeout", type=float, default=default(10.0), metavar="SECONDS",
                         help="connect and answer timeout (default 10)")
 
 

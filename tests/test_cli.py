@@ -101,6 +101,15 @@ def test_mqks_ping_prints_the_answer(broker: Broker) -> None:
     assert done.stdout == "hello there\n"
 
 
+def test_connection_options_work_before_and_after_the_command(broker: Broker) -> None:
+    before = subprocess.run([str(MQKS), "--port", str(broker.port), "ping", "before"], capture_output=True, text=True,
+                            timeout=30)
+    after = subprocess.run([str(MQKS), "ping", "after", "--port", str(broker.port)], capture_output=True, text=True,
+                           timeout=30)
+    assert (before.returncode, before.stdout) == (0, "before\n"), before.stderr
+    assert (after.returncode, after.stdout) == (0, "after\n"), after.stderr
+
+
 def test_mqks_consume_sees_what_mqks_publish_sends(broker: Broker, consumer_process) -> None:
     queue, event = unique("q"), unique("e")
     proc, stdout = consumer_process(queue, event, f"{event}.*.created")
