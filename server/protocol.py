@@ -55,15 +55,19 @@ class LineSplitter:
                 return []
             chunk = chunk[end + 1 :]
             self.discarding = False
-        data = self.tail + chunk if self.tail else chunk
-        lines: list = data.split(b"\n")
+        lines: list = chunk.split(b"\n")
+        tail = self.tail
+        if tail:
+            # join the partial line to its rest, not the whole chunk to the tail: a 64 KiB
+            # copy per read was both work and the main source of heap fragmentation
+            lines[0] = tail + lines[0]
         self.tail = lines.pop()
-        if len(data) > self.max_line_bytes:
+        if len(chunk) + len(tail) > self.max_line_bytes:
             self._reject_overlong(lines)
         # C-speed scans of the whole chunk keep the common case free of per-line work
-        if b"\r" in data:
+        if b"\r" in chunk or b"\r" in tail:
             lines = [line[:-1] if line and line[-1] == 13 else line for line in lines]
-        if not data.isascii():
+        if not (chunk.isascii() and tail.isascii()):
             self._reject_non_utf8(lines)
         return lines
 

@@ -23,7 +23,10 @@ from .routing import Routing, compile_mask
 
 Schedule = Callable[[float, Callable[[], None]], Callable[[], None]]  # (seconds, fn) -> cancel
 DEFAULT_HIGH_WATER_BYTES = 4 << 20
-PACK_TAILS = 256  # tails per Packed run
+# tails per Packed run: ~128 KiB of 100-byte messages, past glibc's mmap threshold, so a run
+# gets pages of its own instead of pinning holes in the heap (measured, 1M queued messages:
+# 256-tail runs gave 134 or 183 bytes/msg from run to run, 1024-tail runs 128 every time)
+PACK_TAILS = 1024
 PACK_MIN_DEPTH = 4096  # shallower queues are left alone: they drain soon anyway
 NEWLINE = b"\n"
 
