@@ -86,6 +86,13 @@ def test_bad_flag_value_exits_with_usage_error():
     assert result.returncode == 2 and "--workers must be at least 1" in result.stderr
 
 
+def queues_one_per_shard(wire, prefix: str) -> list[bytes]:
+    """A queue name for each shard of the broker behind `wire`, in shard order."""
+    wire.send(b"w _eval state.workers")
+    workers = int(wire.recv_line().split()[2])
+    return [queue_on_shard(shard, workers, prefix) for shard in range(workers)]
+
+
 def queue_on_shard(shard: int, workers: int, prefix: str) -> bytes:
     for i in range(1000):
         name = f"{prefix}{i}".encode()
@@ -96,9 +103,8 @@ def queue_on_shard(shard: int, workers: int, prefix: str) -> bytes:
 
 def test_queues_live_on_their_crc32_shard_and_publish_reaches_all(sharded_broker):
     wire = sharded_broker.wire()
-    wire.send(b"w _eval state.workers")
-    workers = int(wire.recv_line().split()[2])
-    names = [queue_on_shard(shard, workers, "shardq") for shard in range(workers)]
+    names = queues_one_per_shard(wire, "shardq")
+    workers = len(names)
     for n, name in enumerate(names):
         wire.send(b"c%d consume %b shard.*.event" % (n, name))
     wire.send(b"m1 publish shard.1.event hi")
@@ -114,9 +120,8 @@ def test_queues_live_on_their_crc32_shard_and_publish_reaches_all(sharded_broker
 
 def test_manual_ack_across_shards(sharded_broker):
     wire = sharded_broker.wire()
-    wire.send(b"w _eval state.workers")
-    workers = int(wire.recv_line().split()[2])
-    names = [queue_on_shard(shard, workers, "ackq") for shard in range(workers)]
+    names = queues_one_per_shard(wire, "ackq")
+    workers = len(names)
     for n, name in enumerate(names):
         wire.send(b"c%d consume %b ack-e --manual-ack" % (n, name))
     wire.send(b"m1 publish ack-e x")
