@@ -57,11 +57,11 @@ class Server:
         return f"{self.error_prefix}{self.errors:x}"
 
     def flush_pending(self) -> None:
-        """Wake the writer of every connection that has output since the last flush."""
+        """Flush every connection that has output since the last flush."""
         pending = self.pending
         for outbox in pending:
             outbox.flush_pending = False
-            outbox.wake.set()
+            outbox.flush()
         pending.clear()
 
     def resume(self, conn: Connection) -> None:
