@@ -1,9 +1,10 @@
 """Steps 1 and 6 of the flow: one client's socket, read in big chunks, written in batches.
 
 The reader greenlet does `recv(65536)`, splits every complete line, runs them all, then
-wakes the writer of every connection the batch touched (`Outbox.pending`): one flush per
-connection per batch, never a `sendall` per message. Each connection's writer joins its
-whole output and sends it at once, so a slow client blocks only its own writer.
+flushes every connection the batch touched (`Outbox.pending`): one `b"".join` and one
+`os.write` on the non-blocking fd per connection per batch, never a write per message.
+What a socket does not take goes to that connection's writer greenlet, so a slow client
+blocks only its own writer.
 
 Memory stays bounded: past the high-water mark a connection gets no more deliveries
 (messages wait in their queues), and past `max_output_bytes` of unsent replies (a client
