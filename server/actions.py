@@ -236,6 +236,7 @@ def run_lines(conn: Connection, lines: list) -> None:
                 rid, reason = conn.splitter.rejected.popleft()
                 conn.error(rid, reason, line=b"")
             continue  # an empty line is ignored
+        # `{rid} {action} {data}`, split inline: a helper call per line costs measurably here
         rid, _, rest = line.partition(b" ")
         action, _, args = rest.partition(b" ")
         handler = actions.get(action)

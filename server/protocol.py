@@ -95,15 +95,6 @@ class LineSplitter:
                 lines[i] = None
 
 
-def split_request(line: bytes) -> tuple[bytes, bytes, bytes]:
-    """`{rid} {action} {data}` -> (rid, action, data); data may be empty."""
-    rid, _, rest = line.partition(b" ")
-    action, _, args = rest.partition(b" ")
-    if not rid or not action:
-        raise ProtocolError("expected {request_id} {action} {data}")
-    return rid, action, args
-
-
 def format_ok(rid: bytes, data: bytes = b"") -> bytes:
     return b"%b ok %b\n" % (rid, data)
 

@@ -4,12 +4,10 @@ import pytest
 
 from mqks.server.protocol import (
     LineSplitter,
-    ProtocolError,
     format_error,
     format_ok,
     looks_like_http,
     rid_of,
-    split_request,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -73,17 +71,6 @@ def test_garbage_bytes_never_raise():
     for start in range(0, len(junk), 37):
         splitter.feed(junk[start : start + 37])
     assert all(isinstance(rid, bytes) for rid, _ in splitter.rejected)
-
-
-def test_split_request_keeps_spaces_in_data():
-    assert split_request(b"m1 publish e1 hello big world") == (b"m1", b"publish", b"e1 hello big world")
-    assert split_request(b"p1 ping") == (b"p1", b"ping", b"")
-
-
-@pytest.mark.parametrize("line", [b"nospace", b" ping x", b"rid "])
-def test_split_request_rejects_lines_without_id_and_action(line):
-    with pytest.raises(ProtocolError):
-        split_request(line)
 
 
 def test_rid_of_broken_lines():
