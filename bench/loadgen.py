@@ -603,22 +603,11 @@ def run_flow(flow: Flow, latency: bool = False, check=None) -> RunResult:
     producer = ctx.Process(target=producer_main, args=(flow, counter, p_ready_w, go, stop, p_res_w), daemon=True)
     result = RunResult(ok=False, target=flow.n * flow.fanout)
     try:
-        consumer.start()
-        if not c_ready_r.poll(SETUP_TIMEOUT_SECONDS * 2):
-            result.note = "consumer setup timed out"
-            return result
-        if c_res_r.poll(0):
-            result.note = c_res_r.recv().get("error", "consumer failed")
-            return result
-        c_ready_r.recv()
-        producer.start()
-        if not p_ready_r.poll(SETUP_TIMEOUT_SECONDS * 2):
-            result.note = "producer setup timed out"
-            return result
-        if p_res_r.poll(0):
-            result.note = p_res_r.recv().get("error", "producer failed")
-            return result
-        p_ready_r.recv()
+        for proc, ready_r, res_r, what in ((consumer, c_ready_r, c_res_r, "consumer"),
+                                           (producer, p_ready_r, p_res_r, "producer")):
+            result.note = _start_and_wait_ready(proc, ready_r, res_r, what)
+            if result.note:
+                return result
         deadline_ns.value = now_ns() + int(flow.timeout_s * 1e9)
         go.set()
         c = _recv(c_res_r, flow.timeout_s + 10)
@@ -658,6 +647,17 @@ def run_flow(flow: Flow, latency: bool = False, check=None) -> RunResult:
                 if proc.is_alive():
                     proc.kill()
                     proc.join(2)
+
+
+def _start_and_wait_ready(proc, ready_r, res_r, what: str) -> str:
+    """Start a generator process and wait for its set-up; returns "" or why it failed."""
+    proc.start()
+    if not ready_r.poll(SETUP_TIMEOUT_SECONDS * 2):
+        return f"{what} setup timed out"
+    if res_r.poll(0):
+        return res_r.recv().get("error", f"{what} failed")
+    ready_r.recv()
+    return ""
 
 
 def memory_main(proto: Proto, host: str, port: int, n: int, core: int | None, server_pid: int,
