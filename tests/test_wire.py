@@ -176,11 +176,17 @@ def test_ack_for_unknown_consumer_or_message_is_an_error(wire):
     wire.expect_error(b"a3", b"never-delivered")
 
 
-def test_delete_consumer_requeues_to_the_other_consumer(broker):
+def one_unacked_message(broker):
+    """Two clients; the first holds m1 un-acked as consumer c1. Returns (leaving, staying, queue, event)."""
     leaving, staying = broker.wire(), broker.wire()
     queue, event = unique("q"), unique("e")
     leaving.send(b"c1 consume %b %b --manual-ack" % (queue, event), b"m1 publish %b d" % event)
     leaving.expect(b"c1 ok m1 event=%b d" % event)
+    return leaving, staying, queue, event
+
+
+def test_delete_consumer_requeues_to_the_other_consumer(broker):
+    leaving, staying, queue, event = one_unacked_message(broker)
     staying.send(b"c2 consume --confirm %b --manual-ack" % queue)
     staying.recv_line()  # its --update
     staying.expect(b"c2 ok ")
@@ -192,10 +198,7 @@ def test_delete_consumer_requeues_to_the_other_consumer(broker):
 
 
 def test_disconnect_requeues_unacked_with_retry(broker):
-    leaving, staying = broker.wire(), broker.wire()
-    queue, event = unique("q"), unique("e")
-    leaving.send(b"c1 consume %b %b --manual-ack" % (queue, event), b"m1 publish %b d" % event)
-    leaving.expect(b"c1 ok m1 event=%b d" % event)
+    leaving, staying, queue, event = one_unacked_message(broker)
     leaving.close()
     staying.send(b"c2 consume %b --manual-ack" % queue)
     staying.expect(b"c2 ok m1 event=%b,retry=1 d" % event)
