@@ -66,12 +66,29 @@ def split_delivery(data: bytes) -> tuple[bytes, bytes, int, bytes]:
     meta, _, body = rest.partition(b" ")
     if not msg_id or not meta.startswith(b"event="):
         raise ValueError(f"not a delivery: {data[:200]!r}")
-    meta = meta[6:]
-    # rpartition: an event may itself hold a comma, the retry suffix is always last
-    event, sep, retry = meta.rpartition(b",retry=")
-    if not sep:
-        return msg_id, meta, 0, body
-    return msg_id, event, int(retry), body
+    event, fields = split_header_fields(meta[6:])
+    return msg_id, event, fields.get(b"retry", 0), body
+
+
+def split_header_fields(meta: bytes) -> tuple[bytes, dict[bytes, int]]:
+    """`{event}[,{name}={n}]...` -> (event, {name: n}): the fields the server appends after the event.
+
+    The server's fields come last and look like `,retry=2` (lowercase name, digits); they are
+    read from the right, each name once, so an event holding a comma, an `=` or even
+    `,retry=z` comes back whole, and a field a newer server adds (`,seq=7`) is skipped, not
+    glued to the event. Only an event that itself ends in `,{name}={digits}` is ambiguous.
+    """
+    fields: dict[bytes, int] = {}
+    while True:
+        cut = meta.rfind(b",")
+        if cut < 0:
+            break
+        name, equals, value = meta[cut + 1 :].partition(b"=")
+        if not equals or not value.isdigit() or not name.isalpha() or not name.islower() or name in fields:
+            break
+        fields[name] = int(value)
+        meta = meta[:cut]
+    return meta, fields
 
 
 def is_update(data: bytes) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
 from .protocol import ProtocolError, looks_like_http, parse_count, parse_flag_value, parse_seconds, text
-from .state import Broker, Consumer, update_line
+from .state import Broker, Consumer
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -54,14 +54,14 @@ def handle_publish(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> 
         conn.ok(rid)
 
 
-def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes], dict]:
-    """`{queue} [events] [--add events] [flags]` -> (queue, events, added, flags)."""
+def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, dict]:
+    """`{queue} [events] [--add events] [flags]` -> (queue, events, added or None without --add, flags)."""
     tokens = args.split()
     if not tokens:
         raise ProtocolError("consume: queue expected: {consumer_id} consume {queue} [{event} ...] [flags]")
     queue = check_name(tokens[0], "consume: queue")
     events: list[bytes] = []
-    added: list[bytes] = []
+    added: list[bytes] | None = None
     flags: dict = {"manual_ack": False, "prefetch": 0, "delete_when_unused_seconds": None}
     target: list[bytes] | None = events
     for token in tokens[1:]:
@@ -72,7 +72,7 @@ def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes], dict]:
             continue
         target = None
         if token == b"--add":
-            target = added
+            target = added = added if added is not None else []
         elif token == b"--manual-ack":
             flags["manual_ack"] = True
         elif (value := parse_flag_value(token, b"--delete-queue-when-unused")) is not None:
@@ -92,14 +92,9 @@ def handle_consume(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> 
         raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
     shard = shard_for(conn, name)
     queue = shard.queue(name)
-    if shard.rebind(queue, replace=events or None, add=added):
-        shard.updates(queue)
     consumer = Consumer(rid, queue, conn, **flags)
-    shard.add_consumer(consumer)
+    shard.consume(consumer, events, added)
     if confirm:
-        # the confirmed handshake carries the queue's full state (spec example); without
-        # --confirm the consumer gets no line of its own, so the hello world stays as shown
-        conn.write(update_line(consumer))
         conn.ok(rid)
     shard.pump(queue)
 
@@ -113,7 +108,7 @@ def handle_rebind(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> N
     target = lists[b""]
     for token in tokens[1:]:
         if token.startswith(b"--"):
-            if token not in lists or token == b"":
+            if token not in lists:
                 raise ProtocolError(f"rebind: unknown flag {text(token)!r}")
             target = lists[token]
         else:

@@ -8,24 +8,56 @@ flush. SIGTERM or SIGINT stops accepting, flushes what is owed, and exits 0.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import gevent
+from gevent.event import Event
 from gevent.server import StreamServer
 
 from .actions import shard_for
 from .connection import Connection
 from .protocol import DEFAULT_MAX_LINE_BYTES
 from .state import Broker, Outbox
+from .timers import Timers
 
 log = logging.getLogger("mqks.server")
 
 SHUTDOWN_FLUSH_SECONDS = 5.0
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class AcceptFailed(Exception):
+    """accept() ran out of descriptors or memory; gevent backs off and retries (up to 1 s apart)."""
+
+
+class Listener(StreamServer):
+    """The StreamServer, reporting a burst of failed accepts in one log line, not a traceback each."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.failed_accepts = 0
+
+    def do_read(self):
+        try:
+            accepted = super().do_read()
+        except OSError as e:
+            if e.errno not in OUT_OF_RESOURCES:
+                raise
+            if not self.failed_accepts:
+                log.error("cannot accept new connections: %s; retrying, existing clients are still served", e)
+            self.failed_accepts += 1
+            raise AcceptFailed(str(e)) from None
+        if accepted and self.failed_accepts:
+            log.warning("accepting again after %d failed accepts", self.failed_accepts)
+            self.failed_accepts = 0
+        return accepted
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +78,36 @@ class Server:
         self.config = config
         self.connections: set[Connection] = set()
         self.pending: list[Outbox] = []
-        self.shards = [Broker(worker, config.workers, schedule, self.connections)
+        self.timers_due = Event()
+        self.timers = Timers(on_earlier=self.timers_due.set)
+        self.shards = [Broker(worker, config.workers, self.timers.call_later, self.connections)
                        for worker in range(config.workers)]
-        self.error_prefix = os.urandom(2).hex()
         self.errors = 0
-        self.stream_server: StreamServer | None = None
+        self.last_error_us = 0
+        self.stream_server: Listener | None = None
 
     def next_error_id(self) -> str:
+        """24 characters, unique over the server's life and sortable by time, as the original's.
+
+        UTC to the microsecond, kept strictly increasing (one id per microsecond at most,
+        and a clock stepped back never repeats one), then 4 random hex digits that keep
+        ids of separate processes apart.
+        """
         self.errors += 1
-        return f"{self.error_prefix}{self.errors:x}"
+        now_us = max(time.time_ns() // 1000, self.last_error_us + 1)
+        self.last_error_us = now_us
+        seconds, micros = divmod(now_us, 1_000_000)
+        stamp = datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y%m%d%H%M%S")
+        return f"{stamp}{micros:06d}{os.urandom(2).hex()}"
+
+    def run_timers(self) -> None:
+        """The process's one timer greenlet: sleep until the earliest deadline, run what is due."""
+        timers, due = self.timers, self.timers_due
+        while True:
+            due.wait(timers.next_delay())
+            due.clear()
+            if timers.run_due():
+                self.flush_pending()
 
     def flush_pending(self) -> None:
         """Flush every connection that has output since the last flush."""
@@ -75,8 +128,11 @@ class Server:
 
     def serve_forever(self) -> None:
         config = self.config
-        self.stream_server = StreamServer((config.host, config.port), self.handle, backlog=1024)
+        self.stream_server = Listener((config.host, config.port), self.handle, backlog=1024)
         self.stream_server.init_socket()
+        hub = gevent.get_hub()
+        hub.NOT_ERROR = (*hub.NOT_ERROR, AcceptFailed)  # logged by Listener, once per burst
+        gevent.spawn(self.run_timers)
         for signum in (signal.SIGTERM, signal.SIGINT):
             gevent.signal_handler(signum, gevent.spawn, self.shutdown)
         log.info("mqksd listening on %s:%d (workers=%d, eval=%s)", config.host, self.stream_server.server_port,
@@ -97,11 +153,6 @@ class Server:
         for conn in list(self.connections):
             conn.close()
         self.stream_server.stop(timeout=1)
-
-
-def schedule(seconds: float, fn) -> object:
-    """Run `fn` after `seconds`; returns the cancel callable the broker keeps."""
-    return gevent.spawn_later(seconds, fn).kill
 
 
 def parse_args(argv: list[str] | None = None) -> Config:

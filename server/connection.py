@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("mqks.connection")
 
 RECV_BYTES = 65536
+# a connection that keeps the socket full never blocks, so gevent would never switch away
+# from it: after this many bytes in a row it yields, and every other client gets a turn
+# (4 reads of 64 KiB: one switch per ~2,600 100-byte lines, too rare to measure)
+FAIR_SHARE_BYTES = 4 * RECV_BYTES
 LOG_FIRST_ERRORS = 100
 LOG_EVERY_NTH_ERROR = 1000
 
@@ -94,6 +98,8 @@ class Connection(Outbox):
         out = self.out
         data = b"".join(out) if len(out) != 1 else out[0]
         try:
+            # self.fd is -1 once the connection closed: a descriptor number the kernel has
+            # handed to a newer client must never receive this one's bytes
             sent = os.write(self.fd, data)
         except BlockingIOError:
             sent = 0
@@ -130,14 +136,40 @@ class Connection(Outbox):
         except OSError as e:
             log.info("read from %s failed: %s", self.peer, e)
         finally:
-            server.connections.discard(self)
-            for consumer in list(self.consumers_by_id.values()):
+            self._clean_up(writer)
+
+    def _clean_up(self, writer: gevent.Greenlet) -> None:
+        """Detach every consumer (their un-acked messages go back), then release the socket.
+
+        Runs to the end whatever one consumer's clean-up raises: a consumer left attached
+        to a closed connection would keep taking messages nobody can receive.
+        """
+        server = self.server
+        self.closed = True
+        self.fd = -1
+        server.connections.discard(self)
+        for consumer in list(self.consumers_by_id.values()):
+            try:
                 shard_for(self, consumer.queue.name).remove_consumer(consumer)
+            except Exception:
+                log.exception("clean-up of consumer %r of %s failed; detaching it", consumer.consumer_id, self.peer)
+                self._detach(consumer)
+        self.consumers_by_id.clear()
+        self.out.clear()
+        try:
             server.flush_pending()
-            self.closed = True
-            writer.kill(block=False)
-            self.sock.close()
-            log.info("disconnected %s (%d clients)", self.peer, len(server.connections))
+        except Exception:
+            log.exception("flush after %s left failed", self.peer)
+        writer.kill(block=False)
+        self.sock.close()
+        log.info("disconnected %s (%d clients)", self.peer, len(server.connections))
+
+    def _detach(self, consumer) -> None:
+        """Last resort after a failed clean-up: the consumer's queue forgets it, whatever else broke."""
+        queue = getattr(consumer, "queue", None)
+        consumers = getattr(queue, "consumers", None)
+        if isinstance(consumers, list) and consumer in consumers:
+            consumers.remove(consumer)
 
     def _read_loop(self) -> None:
         recv = self.sock.recv
@@ -145,6 +177,7 @@ class Connection(Outbox):
         pending = self.pending
         flush_pending = self.server.flush_pending
         debug = log.isEnabledFor(logging.DEBUG)
+        unyielded_bytes = 0
         while not self.closed:
             chunk = recv(RECV_BYTES)
             if not chunk:
@@ -156,6 +189,10 @@ class Connection(Outbox):
                 run_lines(self, lines)
             if pending:
                 flush_pending()
+            unyielded_bytes += len(chunk)
+            if unyielded_bytes >= FAIR_SHARE_BYTES:
+                unyielded_bytes = 0
+                gevent.sleep(0)
 
     def _write_loop(self) -> None:
         wake = self.wake

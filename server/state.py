@@ -1,12 +1,19 @@
 """Step 5 of the flow: the broker core of one shard. No sockets, no gevent.
 
 A message is stored and delivered as its *tail*, the bytes between the consumer id and
-the newline: `b" ok {msg_id} event={event}[,retry={n}] {data}"`. The tail is built once
-per publish and shared by every queue that gets a copy; a delivery only adds the
-consumer id before it and a newline after. A deep queue packs runs of tails into one
-`Packed` bytes object (tails never hold a newline), which saves the ~45 bytes of object
-and deque overhead each message would cost on its own. Deliveries are appended to the consumer's `Outbox`; the connection layer
-flushes every outbox in `Outbox.pending` once per batch.
+the newline: `b" ok {msg_id} event={event} {data}"`, built once per publish and shared
+by every queue that gets a copy; a delivery only adds the consumer id before it and a
+newline after. A deep queue packs runs of tails into one `Packed` bytes object (tails
+never hold a newline), which saves the ~45 bytes of object and deque overhead each
+message would cost on its own. Deliveries are appended to the consumer's `Outbox`; the
+connection layer flushes every outbox in `Outbox.pending` once per batch.
+
+Every copy put into a queue gets the queue's next sequence number (`seq`). A message
+never delivered is a bare tail whose seq is implicit (waiting tails hold consecutive
+seqs, oldest first); a requeued one is a `Message` record that carries its seq and its
+retry counter as fields, so the counter is never parsed back out of client text.
+Un-acked messages are keyed by seq; `ack {msg_id}` finds the seq in O(1) however
+publishers repeat their ids.
 
 Ordering: a queue hands out messages in the order they were put; a rejected or
 requeued message goes back to the front, with its retry counter raised.
@@ -17,7 +24,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeAlias
 
 from .routing import Routing, compile_mask
 
@@ -59,11 +66,37 @@ class Outbox:
             self.pending.append(self)
 
 
+class Message:
+    """A message copy that came back to its queue: the tail as published, its seq, its retry counter."""
+
+    __slots__ = ("seq", "retry", "tail")
+
+    def __init__(self, seq: int, retry: int, tail: bytes) -> None:
+        self.seq = seq
+        self.retry = retry
+        self.tail = tail  # as published: never holds a retry field
+
+    def delivery_tail(self) -> bytes:
+        """The tail with `,retry={n}` after the event, built from the fields."""
+        tail = self.tail
+        # msg_id and event never hold a space (the parser splits on them), so the second
+        # space after " ok " ends the header whatever characters the event holds
+        header_end = tail.index(b" ", tail.index(b" ", 4) + 1)
+        return b"%b,retry=%d%b" % (tail[:header_end], self.retry, tail[header_end:])
+
+
+Item: TypeAlias = "bytes | Message"  # what a queue holds and un-acked maps keep
+
+
+def msg_id_of(tail: bytes) -> bytes:
+    return tail[4 : tail.index(b" ", 4)]
+
+
 class Consumer:
     """One `consume` of one connection: a queue, flags, and its un-acked messages."""
 
-    __slots__ = ("consumer_id", "queue", "outbox", "manual_ack", "prefetch", "unacked", "duplicates",
-                 "delete_when_unused_seconds")
+    __slots__ = ("consumer_id", "queue", "outbox", "manual_ack", "prefetch", "unacked", "seq_by_msg_id",
+                 "later_seqs_by_msg_id", "delete_when_unused_seconds")
 
     def __init__(self, consumer_id: bytes, queue: Queue, outbox: Outbox, manual_ack: bool = False,
                  prefetch: int = 0, delete_when_unused_seconds: float | None = None) -> None:
@@ -72,50 +105,67 @@ class Consumer:
         self.outbox = outbox
         self.manual_ack = manual_ack
         self.prefetch = prefetch  # 0: no limit
-        # msg_id -> tail, in delivery order; a duplicate msg_id is kept under (msg_id, n)
-        self.unacked: dict[Any, bytes] = {}
-        self.duplicates = 0
+        self.unacked: dict[int, Item] = {}  # seq -> message, in delivery order
+        self.seq_by_msg_id: dict[bytes, int] = {}  # the oldest un-acked seq of each msg_id
+        # the younger seqs of a msg_id delivered again before its first copy was settled
+        # (two publishers counting from 1); empty unless that happens
+        self.later_seqs_by_msg_id: dict[bytes, deque[int]] = {}
         self.delete_when_unused_seconds = delete_when_unused_seconds
 
     def ready(self) -> bool:
         return not self.outbox.paused and (not self.prefetch or len(self.unacked) < self.prefetch)
 
-    def deliver(self, tail: bytes, msg_id: bytes) -> None:
+    def deliver(self, item: Item, seq: int, msg_id: bytes) -> None:
+        """Owe the client this message; with manual ack, hold it un-acked under `seq`."""
         outbox = self.outbox
+        tail = item if type(item) is bytes else item.delivery_tail()
         out = outbox.out
         out.append(self.consumer_id)
         out.append(tail)
         out.append(NEWLINE)
-        outbox.out_bytes += len(tail)
+        outbox.out_bytes += len(self.consumer_id) + len(tail) + 1
         if outbox.out_bytes > outbox.high_water_bytes:
             outbox.paused = True
         if not outbox.flush_pending:
             outbox.flush_pending = True
             outbox.pending.append(outbox)
         if self.manual_ack:
-            unacked = self.unacked
-            if msg_id in unacked:
-                self.duplicates += 1
-                unacked[(msg_id, self.duplicates)] = tail
+            self.unacked[seq] = item
+            seq_by_msg_id = self.seq_by_msg_id
+            if msg_id in seq_by_msg_id:
+                later = self.later_seqs_by_msg_id.get(msg_id)
+                if later is None:
+                    later = self.later_seqs_by_msg_id[msg_id] = deque()
+                later.append(seq)
             else:
-                unacked[msg_id] = tail
+                seq_by_msg_id[msg_id] = seq
 
-    def take_unacked(self, msg_id: bytes) -> bytes | None:
-        """Remove and return one un-acked message by id, or None."""
-        tail = self.unacked.pop(msg_id, None)
-        if tail is not None and self.duplicates:
-            # promote the oldest duplicate so the next ack of this id finds it
-            for key in self.unacked:
-                if type(key) is tuple and key[0] == msg_id:
-                    self.unacked[msg_id] = self.unacked.pop(key)
-                    break
-        return tail
+    def take_unacked(self, msg_id: bytes) -> tuple[int, Item] | None:
+        """Remove the oldest un-acked copy of `msg_id`: (seq, message), or None. O(1)."""
+        seq = self.seq_by_msg_id.pop(msg_id, None)
+        if seq is None:
+            return None
+        if self.later_seqs_by_msg_id:
+            later = self.later_seqs_by_msg_id.get(msg_id)
+            if later is not None:
+                self.seq_by_msg_id[msg_id] = later.popleft()
+                if not later:
+                    del self.later_seqs_by_msg_id[msg_id]
+        return seq, self.unacked.pop(seq)
+
+    def take_all_unacked(self) -> list[tuple[int, Item]]:
+        """Remove every un-acked message, oldest delivery first."""
+        taken = list(self.unacked.items())
+        self.unacked.clear()
+        self.seq_by_msg_id.clear()
+        self.later_seqs_by_msg_id.clear()
+        return taken
 
     def flags(self) -> list[bytes]:
-        """The consume flags, as `--update` lines repeat them."""
+        """The consume flags, as `--update` lines repeat them: the queue's setting, then this consumer's."""
         flags = []
-        if self.delete_when_unused_seconds is not None:
-            seconds = self.delete_when_unused_seconds
+        seconds = self.queue.delete_when_unused_seconds
+        if seconds is not None:
             flags.append(b"--delete-queue-when-unused=%r" % seconds if seconds else b"--delete-queue-when-unused")
         if self.manual_ack:
             flags.append(b"--manual-ack")
@@ -125,39 +175,31 @@ class Consumer:
 
 
 def update_line(consumer: Consumer) -> bytes:
-    """`{consumer_id} ok --update {queue} {events...} [flags]`: all a client needs to replay it."""
+    """`{consumer_id} ok --update {queue} {events...} [flags]`: all a client needs to replay it.
+
+    Events are sorted, as the original MQKS sent them.
+    """
     queue = consumer.queue
-    return b" ".join([consumer.consumer_id, b"ok --update", queue.name, *queue.events, *consumer.flags()]) + NEWLINE
-
-
-def msg_id_of(tail: bytes) -> bytes:
-    return tail[4 : tail.index(b" ", 4)]
-
-
-def with_retry_raised(tail: bytes) -> bytes:
-    """The same message with `retry=n+1` in its header."""
-    id_end = tail.index(b" ", 4)
-    header_end = tail.index(b" ", id_end + 1)
-    event_part, found, retry = tail[id_end + 1 : header_end].rpartition(b",retry=")
-    if not found:
-        event_part, retry = tail[id_end + 1 : header_end], b"0"
-    return b"%b%b,retry=%d%b" % (tail[: id_end + 1], event_part, int(retry) + 1, tail[header_end:])
+    return b" ".join([consumer.consumer_id, b"ok --update", queue.name, *sorted(queue.events),
+                      *consumer.flags()]) + NEWLINE
 
 
 class Queue:
     """Messages waiting for consumers, the consumers competing for them, and the queue's events."""
 
-    __slots__ = ("name", "messages", "packed_extra", "appended_since_pack", "consumers", "next_consumer", "events",
-                 "delete_when_unused_seconds", "cancel_delete")
+    __slots__ = ("name", "messages", "packed_extra", "appended_since_pack", "next_seq", "requeued", "consumers",
+                 "next_consumer", "events", "delete_when_unused_seconds", "cancel_delete")
 
     def __init__(self, name: bytes) -> None:
         self.name = name
-        self.messages: deque[bytes] = deque()  # tails, and Packed runs of tails
+        self.messages: deque[Any] = deque()  # requeued Messages first, then tails and Packed runs of tails
         self.packed_extra = 0  # messages inside Packed items beyond one per item
         self.appended_since_pack = 0
+        self.next_seq = 0  # the seq the next copy put into this queue gets
+        self.requeued = 0  # Message records waiting (all at the front)
         self.consumers: list[Consumer] = []
         self.next_consumer = 0  # round-robin position
-        self.events: dict[bytes, None] = {}  # an ordered set: `--update` lists them in bind order
+        self.events: dict[bytes, None] = {}  # an ordered set
         self.delete_when_unused_seconds: float | None = None
         self.cancel_delete: Callable[[], None] | None = None
 
@@ -177,19 +219,23 @@ class Queue:
 
     def put(self, tail: bytes, msg_id: bytes) -> bool:
         """Deliver now if a consumer is ready and nothing waits ahead; else keep. True if delivered."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
         if not self.messages:
             consumers = self.consumers
             if len(consumers) == 1:
                 # the common case, inlined: a call less per message is measurable here
                 consumer = consumers[0]
                 if not consumer.outbox.paused and (not consumer.prefetch or len(consumer.unacked) < consumer.prefetch):
-                    consumer.deliver(tail, msg_id)
+                    consumer.deliver(tail, seq, msg_id)
                     return True
             elif consumers:
                 consumer = self.ready_consumer()
                 if consumer is not None:
-                    consumer.deliver(tail, msg_id)
+                    consumer.deliver(tail, seq, msg_id)
                     return True
+        # waiting tails hold consecutive seqs ending at next_seq - 1: only an empty queue
+        # delivers directly, so no seq is skipped between them
         messages = self.messages
         messages.append(tail)
         self.appended_since_pack += 1
@@ -216,36 +262,58 @@ class Queue:
         """Messages waiting in the queue."""
         return len(self.messages) + self.packed_extra
 
+    def pop(self) -> tuple[int, Item]:
+        """The front message with its seq (the queue must not be empty)."""
+        messages = self.messages
+        if type(messages[0]) is Packed:
+            self._unpack_front()
+        item = messages.popleft()
+        if type(item) is Message:
+            self.requeued -= 1
+            return item.seq, item
+        # the waiting tails, this one included, end at next_seq - 1
+        return self.next_seq - (len(messages) + self.packed_extra + 1 - self.requeued), item
+
     def pump(self) -> int:
         """Hand waiting messages to ready consumers; returns how many were delivered."""
         messages = self.messages
         delivered = 0
         if len(self.consumers) == 1:
-            # one consumer: no round-robin, and the message id is parsed only if it will be acked
+            # one consumer, inlined: no round-robin, and the seq and message id are worked
+            # out only if the message will be held for an ack
             consumer = self.consumers[0]
             outbox, prefetch, unacked = consumer.outbox, consumer.prefetch, consumer.unacked
             manual_ack = consumer.manual_ack
+            seq, msg_id = 0, b""
             while messages and not outbox.paused and (not prefetch or len(unacked) < prefetch):
                 if type(messages[0]) is Packed:
                     self._unpack_front()
-                tail = messages.popleft()
-                consumer.deliver(tail, msg_id_of(tail) if manual_ack else b"")
+                item = messages.popleft()
+                if type(item) is Message:
+                    self.requeued -= 1
+                    if manual_ack:
+                        seq, msg_id = item.seq, msg_id_of(item.tail)
+                elif manual_ack:
+                    seq = self.next_seq - (len(messages) + self.packed_extra + 1 - self.requeued)
+                    msg_id = msg_id_of(item)
+                consumer.deliver(item, seq, msg_id)
                 delivered += 1
             return delivered
         while messages:
             consumer = self.ready_consumer()
             if consumer is None:
                 break
-            if type(messages[0]) is Packed:
-                self._unpack_front()
-            tail = messages.popleft()
-            consumer.deliver(tail, msg_id_of(tail))
+            seq, item = self.pop()
+            consumer.deliver(item, seq, msg_id_of(item if type(item) is bytes else item.tail))
             delivered += 1
         return delivered
 
-    def requeue(self, tails: Iterable[bytes]) -> None:
-        """Put messages back at the front, in their original order, with retry raised."""
-        self.messages.extendleft(reversed([with_retry_raised(tail) for tail in tails]))
+    def requeue(self, taken: list[tuple[int, Item]]) -> None:
+        """Put messages back at the front, in the order given, with retry raised."""
+        records = [Message(seq, 1, item) if type(item) is bytes else Message(seq, item.retry + 1, item.tail)
+                   for seq, item in taken]
+        self.messages.extendleft(reversed(records))
+        self.requeued += len(records)
 
 
 class Broker:
@@ -308,17 +376,33 @@ class Broker:
         queue.events = wanted
         return True
 
-    def updates(self, queue: Queue) -> None:
-        """Tell every consumer of `queue` its current events and flags (`--update`)."""
+    def consume(self, consumer: Consumer, replace: list[bytes], add: list[bytes] | None) -> None:
+        """Bind, set the queue's delete-when-unused, attach the consumer, tell the others.
+
+        A change of events or setting sends `--update` to every consumer of the queue but
+        the new one, unless it used `--add` (`add` is not None): only the server knows the
+        merged list. Nothing changed: no `--update` to anyone (the original MQKS's rule).
+        """
+        queue = consumer.queue
+        changed = self.rebind(queue, replace=replace or None, add=add or ())
+        if queue.delete_when_unused_seconds != consumer.delete_when_unused_seconds:
+            queue.delete_when_unused_seconds = consumer.delete_when_unused_seconds
+            changed = True
+        self.add_consumer(consumer)
+        if changed:
+            self.updates(queue, skip=None if add is not None else consumer)
+
+    def updates(self, queue: Queue, skip: Consumer | None = None) -> None:
+        """Tell every consumer of `queue` (but `skip`) its current events and flags (`--update`)."""
         for consumer in queue.consumers:
-            consumer.outbox.write(update_line(consumer))
+            if consumer is not skip:
+                consumer.outbox.write(update_line(consumer))
 
     def add_consumer(self, consumer: Consumer) -> None:
         queue = consumer.queue
         if queue.cancel_delete is not None:
             queue.cancel_delete()
             queue.cancel_delete = None
-        queue.delete_when_unused_seconds = consumer.delete_when_unused_seconds
         queue.consumers.append(consumer)
         consumer.outbox.consumers_by_id[consumer.consumer_id] = consumer
 
@@ -331,12 +415,12 @@ class Broker:
         queue = consumer.queue
         if consumer in queue.consumers:
             queue.consumers.remove(consumer)
-        if consumer.unacked:
-            self.rejected += len(consumer.unacked)
-            queue.requeue(consumer.unacked.values())
-            consumer.unacked.clear()
+        taken = consumer.take_all_unacked()
         if self.queues.get(queue.name) is not queue:
             return  # the queue was deleted under it
+        if taken:
+            self.rejected += len(taken)
+            queue.requeue(taken)
         if queue.consumers:
             self.pump(queue)
         elif queue.delete_when_unused_seconds is not None:
@@ -353,69 +437,70 @@ class Broker:
             if not queue.consumers and self.queues.get(queue.name) is queue:
                 self.delete_queue(queue.name)
 
+        if queue.cancel_delete is not None:
+            queue.cancel_delete()
         queue.cancel_delete = self.schedule(seconds, delete_if_still_unused)
 
     def ack(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
-        """Forget acked messages; returns the ids that were not in flight."""
+        """Forget acked messages; returns the ids that were not in flight. O(1) per id."""
         unknown = []
-        if consumer.duplicates:
-            for msg_id in msg_ids:
-                if consumer.take_unacked(msg_id) is None:
-                    unknown.append(msg_id)
-        else:
-            pop = consumer.unacked.pop
-            for msg_id in msg_ids:
-                if pop(msg_id, None) is None:
-                    unknown.append(msg_id)
+        take = consumer.take_unacked
+        for msg_id in msg_ids:
+            if take(msg_id) is None:
+                unknown.append(msg_id)
         self.acked += len(msg_ids) - len(unknown)
         if consumer.prefetch:
             self.pump(consumer.queue)
         return unknown
 
     def ack_all(self, consumer: Consumer) -> None:
-        self.acked += len(consumer.unacked)
-        consumer.unacked.clear()
+        self.acked += len(consumer.take_all_unacked())
         self.pump(consumer.queue)
 
     def reject(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
         """Return messages to the front of the queue with retry+1; returns the unknown ids."""
-        unknown, tails = [], []
+        unknown, taken = [], []
         for msg_id in msg_ids:
-            tail = consumer.take_unacked(msg_id)
-            if tail is None:
+            found = consumer.take_unacked(msg_id)
+            if found is None:
                 unknown.append(msg_id)
             else:
-                tails.append(tail)
-        self._requeue(consumer, tails)
+                taken.append(found)
+        self._requeue(consumer, taken)
         return unknown
 
     def reject_all(self, consumer: Consumer) -> None:
-        tails = list(consumer.unacked.values())
-        consumer.unacked.clear()
-        self._requeue(consumer, tails)
+        self._requeue(consumer, consumer.take_all_unacked())
 
-    def _requeue(self, consumer: Consumer, tails: list[bytes]) -> None:
-        self.rejected += len(tails)
-        if tails and self.queues.get(consumer.queue.name) is consumer.queue:
-            consumer.queue.requeue(tails)
+    def _requeue(self, consumer: Consumer, taken: list[tuple[int, Item]]) -> None:
+        self.rejected += len(taken)
+        if taken and self.queues.get(consumer.queue.name) is consumer.queue:
+            consumer.queue.requeue(taken)
             self.pump(consumer.queue)
 
     def delete_queue(self, name: bytes) -> bool:
-        """Drop a queue with its bindings, messages and consumers; False if there was none."""
+        """Drop a queue with its bindings, messages and consumers; False if there was none.
+
+        Its consumers first get `--update {queue}` with no events (the original MQKS
+        unbinds everything before it deletes), then get nothing more.
+        """
         queue = self.queues.pop(name, None)
         if queue is None:
             return False
         for event in queue.events:
             self.routing.unbind(queue, event)
+        queue.events = {}
         if queue.cancel_delete is not None:
             queue.cancel_delete()
             queue.cancel_delete = None
         for consumer in queue.consumers:
+            consumer.outbox.write(update_line(consumer))
             consumer.outbox.consumers_by_id.pop(consumer.consumer_id, None)
-            consumer.unacked.clear()
+            consumer.take_all_unacked()
         queue.consumers.clear()
         queue.messages.clear()
         queue.packed_extra = 0
+        queue.requeued = 0
         return True
 
     def stats(self) -> dict[str, Any]:

@@ -105,13 +105,6 @@ class LineClient:
             pass
 
 
-def split_answer(line: bytes) -> tuple[bytes, bytes, bytes]:
-    """`{rid} ok|error {data}` -> (rid, status, data); tolerates `{rid} ok` without the space."""
-    rid, _, rest = line.partition(b" ")
-    status, _, data = rest.partition(b" ")
-    return rid, status, data
-
-
 def error_reason(data: bytes) -> str:
     """The text of an error answer's data (`{error_id} {reason}`), for exceptions."""
     return data.decode("utf-8", "replace")

@@ -21,7 +21,8 @@ from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
-from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, error_reason, split_answer
+from mqks.client.wire import split_answer
+from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, error_reason
 
 try:
     import ujson as _json  # the server's own dependency; escapes newlines as json does

@@ -22,6 +22,7 @@ from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows
 from pyspark.sql.types import StructType
 
+from mqks.client.wire import split_header_fields
 from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, error_reason
 
 log = logging.getLogger("mqks.spark")
@@ -116,15 +117,10 @@ def _strings(values: list[bytes]):
 
 
 def parse_body(body: bytes) -> tuple[bytes, int, bytes]:
-    """`event={event}[,retry={n}] {data}` -> (event, retry, data)."""
+    """`event={event}[,retry={n}] {data}` -> (event, retry, data), read as the Python client reads it."""
     head, _, data = body.partition(b" ")
-    event = head[6:] if head.startswith(b"event=") else head
-    retry = 0
-    cut = event.rfind(b",retry=")
-    if cut >= 0 and event[cut + 7 :].isdigit():
-        retry = int(event[cut + 7 :])
-        event = event[:cut]
-    return event, retry, data
+    event, fields = split_header_fields(head[6:] if head.startswith(b"event=") else head)
+    return event, fields.get(b"retry", 0), data
 
 
 class MqksStreamReader(DataSourceStreamReader):

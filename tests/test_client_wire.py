@@ -14,6 +14,14 @@ from mqks.client import wire
     (b"m1 event=e1", (b"m1", b"e1", 0, b"")),
     (b"m1 event=a,b,retry=1 x", (b"m1", b"a,b", 1, b"x")),
     (b"--update event=e1 d", (b"--update", b"e1", 0, b"d")),
+    # events holding retry-like text (issue 16): read whole, never int() of client text
+    (b"m1 event=x,retry=z hello", (b"m1", b"x,retry=z", 0, b"hello")),
+    (b"m1 event=y,retry=5,retry=1 hi", (b"m1", b"y,retry=5", 1, b"hi")),
+    (b"m1 event=x,retry= d", (b"m1", b"x,retry=", 0, b"d")),
+    (b"m1 event=x,RETRY=2 d", (b"m1", b"x,RETRY=2", 0, b"d")),
+    # a field a newer server appends is skipped, not glued to the event
+    (b"m1 event=e1,retry=2,seq=7 d", (b"m1", b"e1", 2, b"d")),
+    (b"m1 event=e1,seq=7 d", (b"m1", b"e1", 0, b"d")),
 ])
 def test_split_delivery(data: bytes, expected: tuple) -> None:
     assert wire.split_delivery(data) == expected
@@ -70,3 +78,20 @@ def test_only_plain_publishes_are_resent_after_a_reconnect() -> None:
     assert wire.is_fire_and_forget_publish(b"m1 publish e1 data\n")
     assert not wire.is_fire_and_forget_publish(b"m1 publish --confirm e1 data\n")
     assert not wire.is_fire_and_forget_publish(b"a1 ack c1 m1\n")
+
+
+def test_spark_source_reads_headers_with_the_clients_parser() -> None:
+    pytest.importorskip("pyspark")
+    from mqks.spark.source import parse_body
+
+    assert parse_body(b"event=x,retry=z hello") == (b"x,retry=z", 0, b"hello")
+    assert parse_body(b"event=y,retry=5,retry=1 hi") == (b"y,retry=5", 1, b"hi")
+    assert parse_body(b"event=e1,retry=2,seq=7 d e") == (b"e1", 2, b"d e")
+
+
+def test_the_line_helpers_import_without_gevent() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, mqks.client.wire; assert 'gevent' not in sys.modules, 'gevent was imported'"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

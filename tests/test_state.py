@@ -2,27 +2,23 @@
 
 import pytest
 
-from mqks.server.state import PACK_MIN_DEPTH, Broker, Consumer, Outbox, Packed, update_line, with_retry_raised
+from mqks.server.timers import Timers
+from mqks.server.state import PACK_MIN_DEPTH, Broker, Consumer, Message, Outbox, Packed, update_line
 
 pytestmark = pytest.mark.timeout(10)
 
 
 class FakeClock:
-    """A schedule() that runs timers only when the test says time has passed."""
+    """The server's timer heap on a clock that moves only when the test says so."""
 
     def __init__(self):
-        self.timers = []
+        self.now = 0.0
+        self.timers = Timers(clock=lambda: self.now)
+        self.schedule = self.timers.call_later
 
-    def schedule(self, seconds, fn):
-        timer = [seconds, fn, True]
-        self.timers.append(timer)
-        return lambda: timer.__setitem__(2, False)
-
-    def run_all(self):
-        for _, fn, live in self.timers:
-            if live:
-                fn()
-        self.timers.clear()
+    def advance(self, seconds: float) -> int:
+        self.now += seconds
+        return self.timers.run_due()
 
 
 def tail(msg_id: bytes, event: bytes, data: bytes) -> bytes:
@@ -40,12 +36,10 @@ def delivered(outbox: Outbox) -> list[bytes]:
     return lines
 
 
-def consume(broker, outbox, consumer_id, queue, events=(), **flags) -> Consumer:
+def consume(broker, outbox, consumer_id, queue, events=(), add=None, **flags) -> Consumer:
     queue = broker.queue(queue)
-    if events:
-        broker.rebind(queue, replace=list(events))
     consumer = Consumer(consumer_id, queue, outbox, **flags)
-    broker.add_consumer(consumer)
+    broker.consume(consumer, list(events), add)
     broker.pump(queue)
     return consumer
 
@@ -129,12 +123,35 @@ def test_removed_consumer_returns_unacked_to_the_other_consumer(broker, outbox):
 
 def test_duplicate_msg_ids_are_acked_one_by_one(broker, outbox):
     consumer = consume(broker, outbox, b"c1", b"q", [b"e"], manual_ack=True)
-    publish(broker, b"same", b"e")
-    publish(broker, b"same", b"e")
-    assert len(consumer.unacked) == 2
+    publish(broker, b"same", b"e", b"first")
+    publish(broker, b"other", b"e")
+    publish(broker, b"same", b"e", b"second")
+    assert len(consumer.unacked) == 3
     assert broker.ack(consumer, [b"same"]) == []
+    assert list(consumer.unacked) == [1, 2]  # the oldest copy went first
+    assert broker.reject(consumer, [b"same"]) == []
+    assert delivered(outbox)[-1] == b"c1 ok same event=e,retry=1 second"
     assert broker.ack(consumer, [b"same"]) == []
     assert broker.ack(consumer, [b"same"]) == [b"same"]
+    # nothing is left behind for repeated ids: later acks stay O(1) (issue 16)
+    assert consumer.later_seqs_by_msg_id == {} and consumer.seq_by_msg_id == {b"other": 1}
+
+
+def test_each_copy_gets_the_next_seq_of_its_queue_through_packing_and_requeues(broker, outbox):
+    broker.rebind(broker.queue(b"q"), replace=[b"e"])
+    count = PACK_MIN_DEPTH + 2000  # some of it packed
+    for i in range(count):
+        publish(broker, b"m%d" % i, b"e")
+    consumer = consume(broker, outbox, b"c1", b"q", manual_ack=True, prefetch=10)
+    assert list(consumer.unacked) == list(range(10))
+    broker.reject(consumer, [b"m3", b"m4"])  # back at the front, with their own seqs
+    broker.ack(consumer, [b"m%d" % i for i in (0, 1, 2, 5, 6, 7, 8, 9)])
+    assert list(consumer.unacked) == [3, 4] + list(range(10, 18))
+    while consumer.unacked:
+        broker.ack_all(consumer)
+    assert broker.queues[b"q"].next_seq == count
+    publish(broker, b"late", b"e")
+    assert list(consumer.unacked) == [count]
 
 
 def test_rebind_replace_remove_add_and_remove_mask(broker):
@@ -149,9 +166,9 @@ def test_rebind_replace_remove_add_and_remove_mask(broker):
     assert broker.routing.route(b"e8") == (queue,)
 
 
-def test_update_line_lists_events_and_the_consumers_flags(broker, outbox):
-    consumer = consume(broker, outbox, b"c1", b"q1", [b"e1", b"e2"], manual_ack=True,
-                       delete_when_unused_seconds=5.0)
+def test_update_line_lists_sorted_events_the_queues_setting_and_the_consumers_flags(broker, outbox):
+    consumer = consume(broker, outbox, b"c1", b"q1", [b"e2", b"e1"], manual_ack=True)
+    consumer.queue.delete_when_unused_seconds = 5.0
     assert update_line(consumer) == b"c1 ok --update q1 e1 e2 --delete-queue-when-unused=5.0 --manual-ack\n"
 
 
@@ -166,14 +183,37 @@ def test_delete_queue_when_unused_after_seconds_keeps_it_if_a_consumer_returns(o
     clock = FakeClock()
     broker = Broker(schedule=clock.schedule)
     first = consume(broker, outbox, b"c1", b"q", [b"e"], delete_when_unused_seconds=5.0)
+    broker.remove_consumer(first)  # armed
+    assert clock.advance(4.9) == 0 and b"q" in broker.queues
+    second = consume(broker, outbox, b"c2", b"q", delete_when_unused_seconds=5.0)  # cancelled
+    assert clock.advance(10) == 0 and b"q" in broker.queues
+    broker.remove_consumer(second)  # armed again: a timer that re-arms after a cancel (issue 18)
+    assert clock.advance(4.9) == 0 and b"q" in broker.queues
+    assert clock.advance(0.2) == 1
+    assert b"q" not in broker.queues and broker.routing.route(b"e") == ()
+
+
+def test_delete_queue_when_unused_rearms_from_the_last_consumer_leaving(outbox):
+    clock = FakeClock()
+    broker = Broker(schedule=clock.schedule)
+    first = consume(broker, outbox, b"c1", b"q", [b"e"], delete_when_unused_seconds=5.0)
+    second = consume(broker, outbox, b"c2", b"q", delete_when_unused_seconds=5.0)
     broker.remove_consumer(first)
-    assert b"q" in broker.queues
-    consume(broker, outbox, b"c2", b"q", delete_when_unused_seconds=5.0)
-    clock.run_all()
-    assert b"q" in broker.queues
-    broker.remove_consumer(broker.queues[b"q"].consumers[0])
-    clock.run_all()
-    assert b"q" not in broker.queues
+    assert len(clock.timers) == 0  # a consumer is left: nothing armed
+    clock.advance(3)
+    broker.remove_consumer(second)
+    assert clock.advance(4.9) == 0 and b"q" in broker.queues  # counted from the last one leaving
+    assert clock.advance(0.2) == 1 and b"q" not in broker.queues
+
+
+def test_consume_without_the_flag_clears_the_queues_setting_and_disarms(outbox):
+    clock = FakeClock()
+    broker = Broker(schedule=clock.schedule)
+    first = consume(broker, outbox, b"c1", b"q", [b"e"], delete_when_unused_seconds=5.0)
+    broker.remove_consumer(first)
+    plain = consume(broker, outbox, b"c2", b"q")
+    broker.remove_consumer(plain)
+    assert clock.advance(60) == 0 and b"q" in broker.queues
 
 
 def test_delete_queue_drops_messages_bindings_and_consumers(broker, outbox):
@@ -195,15 +235,32 @@ def test_high_water_pauses_deliveries_until_resumed(broker):
     assert outbox.paused
     sent = len(delivered(outbox))
     assert 0 < sent < 20
-    outbox.paused = False
-    broker.pump(broker.queues[b"q"])
-    assert len(delivered(outbox)) + sent <= 20
     assert broker.stats()["consumed"] + broker.queues[b"q"].depth() == 20
+    while broker.queues[b"q"].depth():
+        outbox.paused = False
+        outbox.out_bytes = 0
+        broker.pump(broker.queues[b"q"])  # each resume must deliver, or this loops until the timeout
+        batch = len(delivered(outbox))
+        assert batch > 0
+        sent += batch
+    assert sent == 20
 
 
-def test_retry_header_is_raised_in_place():
-    assert with_retry_raised(b" ok m1 event=e1 a b c") == b" ok m1 event=e1,retry=1 a b c"
-    assert with_retry_raised(b" ok m1 event=e1,retry=9 ") == b" ok m1 event=e1,retry=10 "
+def test_retry_is_a_field_inserted_after_the_event_whatever_the_event_holds():
+    assert Message(0, 1, b" ok m1 event=e1 a b c").delivery_tail() == b" ok m1 event=e1,retry=1 a b c"
+    assert Message(0, 10, b" ok m1 event=e1 ").delivery_tail() == b" ok m1 event=e1,retry=10 "
+    assert Message(0, 2, b" ok m1 event=x,retry=z d,retry=5").delivery_tail() == b" ok m1 event=x,retry=z,retry=2 d,retry=5"
+
+
+def test_event_holding_retry_text_is_requeued_intact(broker, outbox):
+    consumer = consume(broker, outbox, b"c1", b"q", [b"x,retry=z", b"y,retry=5"], manual_ack=True)
+    publish(broker, b"m1", b"x,retry=z", b"hello")
+    publish(broker, b"m2", b"y,retry=5", b"hi")
+    delivered(outbox)
+    assert broker.reject(consumer, [b"m1", b"m2"]) == []
+    assert delivered(outbox) == [b"c1 ok m1 event=x,retry=z,retry=1 hello", b"c1 ok m2 event=y,retry=5,retry=1 hi"]
+    broker.reject(consumer, [b"m2"])
+    assert delivered(outbox) == [b"c1 ok m2 event=y,retry=5,retry=2 hi"]
 
 
 def test_stats_count_the_flow(broker, outbox):

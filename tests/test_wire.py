@@ -49,7 +49,6 @@ def test_spec_hello_world(broker):
 def test_publish_confirm_and_data_with_spaces_or_empty(wire):
     queue, event = unique("q"), unique("e")
     wire.send(b"c1 consume --confirm " + queue + b" " + event)
-    wire.expect(b"c1 ok --update " + queue + b" " + event)
     wire.expect(b"c1 ok ")
     wire.send(b"m1 publish --confirm " + event + b" hello big  world ")
     # the copy is queued (here: delivered) before the confirm goes out
@@ -59,18 +58,22 @@ def test_publish_confirm_and_data_with_spaces_or_empty(wire):
     wire.expect(b"c1 ok m2 event=" + event + b" ")
 
 
-def test_consume_confirm_update_shows_every_flag(wire):
+def test_update_shows_the_queues_setting_and_each_consumers_own_flags(wire):
     queue, e1, e2 = unique("q"), unique("e"), unique("e")
-    wire.send(b"c1 consume --confirm %b %b %b --delete-queue-when-unused=5 --manual-ack --prefetch=3" % (queue, e1, e2))
-    wire.expect(b"c1 ok --update %b %b %b --delete-queue-when-unused=5.0 --manual-ack --prefetch=3" % (queue, e1, e2))
+    wire.send(b"c1 consume --confirm %b %b --delete-queue-when-unused=5 --manual-ack --prefetch=3" % (queue, e1))
     wire.expect(b"c1 ok ")
+    wire.send(b"c2 consume --confirm %b --add %b --delete-queue-when-unused=5" % (queue, e2))
+    # every consumer of the queue in the order they came, the one that used --add included
+    wire.expect(b"c1 ok --update %b %b %b --delete-queue-when-unused=5.0 --manual-ack --prefetch=3" % (queue, e1, e2))
+    wire.expect(b"c2 ok --update %b %b %b --delete-queue-when-unused=5.0" % (queue, e1, e2))
+    wire.expect(b"c2 ok ")
+    assert wire.barrier() == []
 
 
 def test_consume_with_add_keeps_bindings_and_updates_other_consumers(broker):
     first, second, publisher = broker.wire(), broker.wire(), broker.wire()
     queue, e1, e2 = unique("q"), unique("e"), unique("e")
     first.send(b"c1 consume --confirm %b %b" % (queue, e1))
-    first.expect(b"c1 ok --update %b %b" % (queue, e1))
     first.expect(b"c1 ok ")
     second.send(b"c2 consume --confirm %b --add %b" % (queue, e2))
     second.expect(b"c2 ok --update %b %b %b" % (queue, e1, e2))
@@ -98,7 +101,6 @@ def test_rebind_replace_remove_add_and_remove_mask(broker):
     conn, publisher = broker.wire(), broker.wire()
     queue = unique("q")
     conn.send(b"c1 consume --confirm " + queue)
-    conn.expect(b"c1 ok --update " + queue)
     conn.expect(b"c1 ok ")
     conn.send(b"rb1 rebind --confirm %b e3 e4 e5.id1.a1 e5.id2.a2" % queue)
     conn.expect(b"c1 ok --update %b e3 e4 e5.id1.a1 e5.id2.a2" % queue)
@@ -188,7 +190,6 @@ def one_unacked_message(broker):
 def test_delete_consumer_requeues_to_the_other_consumer(broker):
     leaving, staying, queue, event = one_unacked_message(broker)
     staying.send(b"c2 consume --confirm %b --manual-ack" % queue)
-    staying.recv_line()  # its --update
     staying.expect(b"c2 ok ")
     leaving.send(b"dc delete_consumer --confirm c1")
     leaving.expect(b"dc ok ")
@@ -204,16 +205,31 @@ def test_disconnect_requeues_unacked_with_retry(broker):
     staying.expect(b"c2 ok m1 event=%b,retry=1 d" % event)
 
 
-def test_delete_queue_drops_it_instantly(wire):
+def test_delete_queue_tells_its_consumers_then_drops_them(broker, wire):
     queue, event = unique("q"), unique("e")
-    wire.send(b"c1 consume --confirm %b %b" % (queue, event))
-    wire.recv_line()
+    other = broker.wire()
+    other.send(b"c2 consume --confirm %b %b --manual-ack --delete-queue-when-unused=30" % (queue, event))
+    other.expect(b"c2 ok ")
+    wire.send(b"c1 consume --confirm %b %b --delete-queue-when-unused=30" % (queue, event))
     wire.expect(b"c1 ok ")
+    wire.send(b"m0 publish %b held" % event)
+    held = wire.barrier() + other.barrier()
+    assert len(held) == 1 and held[0].endswith(b" ok m0 event=%b held" % event)
     wire.send(b"dq delete_queue --confirm " + queue)
+    wire.expect(b"c1 ok --update %b --delete-queue-when-unused=30.0" % queue)  # unbound: no events
     wire.expect(b"dq ok ")
+    other.expect(b"c2 ok --update %b --delete-queue-when-unused=30.0 --manual-ack" % queue)
     wire.send(b"m1 publish %b d" % event)
-    assert wire.barrier() == []
+    assert wire.barrier() == [] and other.barrier() == []
     assert eval_on(wire, b"%r in state.queues" % queue) == b"False"
+    # the consumers are gone: a settle is refused, and the un-acked m0 went with the queue
+    other.send(b"a1 ack c2 m0")
+    other.expect_error(b"a1", b"unknown consumer")
+    wire.send(b"c3 consume --confirm %b" % queue)
+    wire.expect(b"c3 ok ")
+    assert wire.barrier() == []  # a new, empty queue: no old bindings, no old messages
+    assert eval_on(wire, b"list(state.queues[%r].events)" % queue) == b"[]"
+    other.close()
 
 
 def test_delete_queue_when_unused_immediately_and_after_seconds(wire, broker):
@@ -235,7 +251,6 @@ def test_delete_queue_when_unused_keeps_queue_if_consumer_returns_in_time(broker
     first.barrier()
     first.close()
     wire.send(b"c2 consume --confirm %b --delete-queue-when-unused=1.0" % queue)
-    wire.recv_line()
     wire.expect(b"c2 ok ")
     # a later queue that dies after the same wait proves the timer of the first one has run
     marker = unique("q")
@@ -283,3 +298,75 @@ def test_ten_thousand_pipelined_messages_are_delivered_exactly_once(broker):
     assert len(seen) == 10_000
     assert set(seen) == {b"m%d" % i for i in range(10_000)}
     assert eval_on(publisher, b"state.queues[%r].depth()" % queue) == b"0"
+
+
+def test_consume_confirm_answers_ok_alone_unless_it_used_add(broker):
+    """The original MQKS's handshake: the consumer that named its events gets no --update of its own."""
+    first, second, third = broker.wire(), broker.wire(), broker.wire()
+    queue, e1, e2 = unique("q"), unique("e"), unique("e")
+    first.send(b"c1 consume --confirm %b %b" % (queue, e1))
+    first.expect(b"c1 ok ")
+    second.send(b"c2 consume --confirm %b --add %b" % (queue, e2))
+    second.expect(b"c2 ok --update %b %b %b" % (queue, e1, e2))
+    second.expect(b"c2 ok ")
+    first.expect(b"c1 ok --update %b %b %b" % (queue, e1, e2))
+    third.send(b"c3 consume --confirm %b %b %b" % (queue, e1, e2))
+    third.expect(b"c3 ok ")  # nothing changed: no --update to anyone
+    assert first.barrier() == [] and second.barrier() == [] and third.barrier() == []
+    for conn in (first, second, third):
+        conn.close()
+
+
+def test_consume_with_add_gets_its_own_update_without_confirm_too(broker):
+    first, second = broker.wire(), broker.wire()
+    queue, e1, e2 = unique("q"), unique("e"), unique("e")
+    first.send(b"c1 consume %b %b" % (queue, e1))
+    assert first.barrier() == []
+    second.send(b"c2 consume %b --add %b --manual-ack" % (queue, e2))
+    assert second.barrier() == [b"c2 ok --update %b %b %b --manual-ack" % (queue, e1, e2)]
+    assert first.barrier() == [b"c1 ok --update %b %b %b" % (queue, e1, e2)]
+    first.close()
+    second.close()
+
+
+def test_consume_that_only_changes_the_delete_setting_updates_the_others(broker):
+    first, second = broker.wire(), broker.wire()
+    queue, event = unique("q"), unique("e")
+    first.send(b"c1 consume --confirm %b %b" % (queue, event))
+    first.expect(b"c1 ok ")
+    second.send(b"c2 consume --confirm %b %b --delete-queue-when-unused=2" % (queue, event))
+    second.expect(b"c2 ok ")
+    assert first.barrier() == [b"c1 ok --update %b %b --delete-queue-when-unused=2.0" % (queue, event)]
+    first.close()
+    second.close()
+
+
+def test_delete_when_unused_timer_arms_again_after_a_consumer_came_back(broker, wire):
+    queue, event = unique("q"), unique("e")
+    wire.send(b"c1 consume --confirm %b %b --delete-queue-when-unused=0.5" % (queue, event))
+    wire.expect(b"c1 ok ")
+    wire.send(b"d1 delete_consumer --confirm c1")  # armed
+    wire.expect(b"d1 ok ")
+    wire.send(b"c2 consume --confirm %b %b --delete-queue-when-unused=0.5" % (queue, event))  # cancelled
+    wire.expect(b"c2 ok ")
+    wire.send(b"d2 delete_consumer --confirm c2")  # armed again
+    wire.expect(b"d2 ok ")
+    poll(lambda: eval_on(wire, b"%r in state.queues" % queue) == b"False", what="the re-armed delete")
+    publisher = broker.wire()
+    publisher.send(b"p3 publish --confirm %b 3" % event)
+    publisher.expect(b"p3 ok ")
+    wire.send(b"c3 consume --confirm %b %b --delete-queue-when-unused=0.5" % (queue, event))
+    wire.expect(b"c3 ok ")
+    assert wire.barrier() == []  # p3 was published while no queue was bound: it must not appear
+    publisher.close()
+
+
+def test_error_ids_are_24_characters_unique_and_in_time_order(wire):
+    wire.send(*(b"x%d blabla" % i for i in range(500)))
+    ids = []
+    for i in range(500):
+        line = wire.expect_error(b"x%d" % i, b'unknown action "blabla"')
+        ids.append(line.split(b" ")[2])
+    assert all(len(error_id) == 24 and error_id.isalnum() for error_id in ids), ids[:3]
+    assert len(set(ids)) == 500
+    assert sorted(ids) == ids
