@@ -95,12 +95,13 @@ def msg_id_of(tail: bytes) -> bytes:
 class Consumer:
     """One `consume` of one connection: a queue, flags, and its un-acked messages."""
 
-    __slots__ = ("consumer_id", "queue", "outbox", "manual_ack", "prefetch", "unacked", "seq_by_msg_id",
-                 "later_seqs_by_msg_id", "delete_when_unused_seconds")
+    __slots__ = ("consumer_id", "line_overhead", "queue", "outbox", "manual_ack", "prefetch", "unacked",
+                 "seq_by_msg_id", "later_seqs_by_msg_id", "delete_when_unused_seconds")
 
     def __init__(self, consumer_id: bytes, queue: Queue, outbox: Outbox, manual_ack: bool = False,
                  prefetch: int = 0, delete_when_unused_seconds: float | None = None) -> None:
         self.consumer_id = consumer_id
+        self.line_overhead = len(consumer_id) + 1  # a delivery line is consumer id + tail + newline
         self.queue = queue
         self.outbox = outbox
         self.manual_ack = manual_ack
@@ -115,22 +116,21 @@ class Consumer:
     def ready(self) -> bool:
         return not self.outbox.paused and (not self.prefetch or len(self.unacked) < self.prefetch)
 
-    def deliver(self, item: Item, seq: int, msg_id: bytes) -> None:
-        """Owe the client this message; with manual ack, hold it un-acked under `seq`."""
+    def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Message | None = None) -> None:
+        """Owe the client this tail; with manual ack, hold the message (`held`, else the tail) under `seq`."""
         outbox = self.outbox
-        tail = item if type(item) is bytes else item.delivery_tail()
         out = outbox.out
         out.append(self.consumer_id)
         out.append(tail)
         out.append(NEWLINE)
-        outbox.out_bytes += len(self.consumer_id) + len(tail) + 1
+        outbox.out_bytes += len(tail) + self.line_overhead
         if outbox.out_bytes > outbox.high_water_bytes:
             outbox.paused = True
         if not outbox.flush_pending:
             outbox.flush_pending = True
             outbox.pending.append(outbox)
         if self.manual_ack:
-            self.unacked[seq] = item
+            self.unacked[seq] = tail if held is None else held
             seq_by_msg_id = self.seq_by_msg_id
             if msg_id in seq_by_msg_id:
                 later = self.later_seqs_by_msg_id.get(msg_id)
@@ -218,24 +218,34 @@ class Queue:
         return None
 
     def put(self, tail: bytes, msg_id: bytes) -> bool:
-        """Deliver now if a consumer is ready and nothing waits ahead; else keep. True if delivered."""
-        seq = self.next_seq
-        self.next_seq = seq + 1
+        """Deliver now if a consumer is ready and nothing waits ahead; else keep. True if delivered.
+
+        A copy that waits or is held for an ack takes the queue's next seq; one delivered at
+        once to an auto-ack consumer is gone at once and needs none.
+        """
         if not self.messages:
             consumers = self.consumers
             if len(consumers) == 1:
                 # the common case, inlined: a call less per message is measurable here
                 consumer = consumers[0]
                 if not consumer.outbox.paused and (not consumer.prefetch or len(consumer.unacked) < consumer.prefetch):
-                    consumer.deliver(tail, seq, msg_id)
+                    if consumer.manual_ack:
+                        seq = self.next_seq
+                        self.next_seq = seq + 1
+                        consumer.deliver(tail, seq, msg_id)
+                    else:
+                        consumer.deliver(tail, 0, msg_id)
                     return True
             elif consumers:
                 consumer = self.ready_consumer()
                 if consumer is not None:
+                    seq = self.next_seq
+                    self.next_seq = seq + 1
                     consumer.deliver(tail, seq, msg_id)
                     return True
         # waiting tails hold consecutive seqs ending at next_seq - 1: only an empty queue
         # delivers directly, so no seq is skipped between them
+        self.next_seq += 1
         messages = self.messages
         messages.append(tail)
         self.appended_since_pack += 1
@@ -293,10 +303,12 @@ class Queue:
                     self.requeued -= 1
                     if manual_ack:
                         seq, msg_id = item.seq, msg_id_of(item.tail)
-                elif manual_ack:
-                    seq = self.next_seq - (len(messages) + self.packed_extra + 1 - self.requeued)
-                    msg_id = msg_id_of(item)
-                consumer.deliver(item, seq, msg_id)
+                    consumer.deliver(item.delivery_tail(), seq, msg_id, item)
+                else:
+                    if manual_ack:
+                        seq = self.next_seq - (len(messages) + self.packed_extra + 1 - self.requeued)
+                        msg_id = msg_id_of(item)
+                    consumer.deliver(item, seq, msg_id)
                 delivered += 1
             return delivered
         while messages:
@@ -304,7 +316,10 @@ class Queue:
             if consumer is None:
                 break
             seq, item = self.pop()
-            consumer.deliver(item, seq, msg_id_of(item if type(item) is bytes else item.tail))
+            if type(item) is Message:
+                consumer.deliver(item.delivery_tail(), seq, msg_id_of(item.tail), item)
+            else:
+                consumer.deliver(item, seq, msg_id_of(item))
             delivered += 1
         return delivered
 
@@ -444,10 +459,20 @@ class Broker:
     def ack(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
         """Forget acked messages; returns the ids that were not in flight. O(1) per id."""
         unknown = []
-        take = consumer.take_unacked
-        for msg_id in msg_ids:
-            if take(msg_id) is None:
-                unknown.append(msg_id)
+        if consumer.later_seqs_by_msg_id:
+            take = consumer.take_unacked
+            for msg_id in msg_ids:
+                if take(msg_id) is None:
+                    unknown.append(msg_id)
+        else:
+            # no repeated ids in flight (the usual case), inlined: a call per ack is measurable
+            pop_seq, pop_unacked = consumer.seq_by_msg_id.pop, consumer.unacked.pop
+            for msg_id in msg_ids:
+                seq = pop_seq(msg_id, None)
+                if seq is None:
+                    unknown.append(msg_id)
+                else:
+                    pop_unacked(seq)
         self.acked += len(msg_ids) - len(unknown)
         if consumer.prefetch:
             self.pump(consumer.queue)
