@@ -1,34 +1,57 @@
-"""Steps 3-4 of the flow: one small handler per action, and the dispatcher that runs lines.
+"""Steps 3-4 of the flow: the declared actions, one small handler each, and the dispatcher.
 
-`run_lines` does the checks every action shares (a line that will not split, an unknown
-action, `--confirm` as the first word, protected actions); each `handle_<action>` parses
-only its own arguments and calls the broker of the shard that owns the queue. A handler
-answers through the connection (`ok`, `write`) and reports client mistakes by raising
-`ProtocolError`.
+`ACTIONS` declares every action: its handler, its error for a missing argument, and what the dispatcher must
+know (needs arguments, protected like `_eval`, needs auth, writes to the log). Each
+session runs lines against a table built once from those declarations for what it may
+do (`actions_for`), so a protected action a session may not run is simply absent and the
+hot path pays nothing for the check. `run_lines` splits each line, strips a leading
+`--confirm`, refuses an empty argument list for actions that need one, and calls the
+handler; a handler parses only its own arguments, calls the shard that owns the queue,
+answers through its `Session`, and reports client mistakes by raising `ProtocolError`.
 """
 
 from __future__ import annotations
 
 import logging
-import zlib
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeAlias
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
 
+from .outbox import Outbox
 from .protocol import ProtocolError, looks_like_http, parse_count, parse_flag_value, parse_seconds, text
-from .state import Broker, Consumer
-
-if TYPE_CHECKING:
-    from .connection import Connection
+from .shards import Shards
+from .state import Consumer
 
 log = logging.getLogger("mqks.actions")
 
-Handler: TypeAlias = Callable[["Connection", bytes, bytes, bool], None]
+DASH = 45  # b"-"[0]: the first byte of a flag
+SPACE = 32  # b" "[0]
+CONFIRM = b"--confirm"
 
 
-def shard_for(conn: Connection, queue: bytes) -> Broker:
-    """The shard that owns `queue`: crc32 is stable across processes, unlike hash()."""
-    shards = conn.shards
-    return shards[zlib.crc32(queue) % len(shards)] if len(shards) > 1 else shards[0]
+class Session(Protocol):
+    """What a handler may use of the client that sent the line."""
+
+    peer: str
+    peer_is_loopback: bool
+    eval_enabled: bool
+    shards: Shards
+    outbox: Outbox
+    consumers_by_id: dict[bytes, Consumer]
+    actions: dict[bytes, Action]
+    closed: bool
+
+    def write(self, data: bytes) -> None: ...
+
+    def ok(self, rid: bytes, data: bytes = b"") -> None: ...
+
+    def error(self, rid: bytes, reason: str, line: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Handler: TypeAlias = Callable[[Session, bytes, bytes, bool], None]
 
 
 def check_name(name: bytes, what: str) -> bytes:
@@ -37,7 +60,7 @@ def check_name(name: bytes, what: str) -> bytes:
     return name
 
 
-def handle_publish(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
+def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     space = args.find(b" ")
     if space < 0:
         event = args
@@ -46,12 +69,12 @@ def handle_publish(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> 
     else:
         event = args[:space]
         tail = b"".join((b" ok ", rid, b" event=", args))
-    if not event or event[0] == 45 and event.startswith(b"--"):
+    if not event or event[0] == DASH and event.startswith(b"--"):
         check_name(event, "publish: event")
-    for shard in conn.shards:
+    for shard in session.shards.brokers:
         shard.publish(rid, event, tail)
     if confirm:
-        conn.ok(rid)
+        session.ok(rid)
 
 
 def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, dict]:
@@ -86,20 +109,20 @@ def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, 
     return queue, events, added, flags
 
 
-def handle_consume(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
+def handle_consume(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     name, events, added, flags = parse_consume(args)
-    if rid in conn.consumers_by_id:
+    if rid in session.consumers_by_id:
         raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
-    shard = shard_for(conn, name)
+    shard = session.shards.shard_for(name)
     queue = shard.queue(name)
-    consumer = Consumer(rid, queue, conn, **flags)
+    consumer = Consumer(rid, queue, session.outbox, **flags)
     shard.consume(consumer, events, added)
     if confirm:
-        conn.ok(rid)
+        session.ok(rid)
     shard.pump(queue)
 
 
-def handle_rebind(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
+def handle_rebind(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     tokens = args.split()
     if not tokens:
         raise ProtocolError("rebind: queue expected: {id} rebind {queue} [{event} ...] [--remove ...] [--remove-mask ...] [--add ...]")
@@ -113,21 +136,21 @@ def handle_rebind(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> N
             target = lists[token]
         else:
             target.append(token)
-    shard = shard_for(conn, name)
+    shard = session.shards.shard_for(name)
     queue = shard.queue(name)
     if shard.rebind(queue, replace=lists[b""] or None, add=lists[b"--add"], remove=lists[b"--remove"],
                     remove_masks=lists[b"--remove-mask"]):
         shard.updates(queue)
     if confirm:
-        conn.ok(rid)
+        session.ok(rid)
 
 
-def parse_ack(conn: Connection, action: str, args: bytes) -> tuple[Consumer, list[bytes] | None]:
+def parse_ack(session: Session, action: str, args: bytes) -> tuple[Consumer, list[bytes] | None]:
     """`{consumer_id} {msg_id} ...|--all` -> (consumer, msg ids or None for --all)."""
     tokens = args.split()
     if len(tokens) < 2:
         raise ProtocolError(f"{action}: expected {{consumer_id}} {{msg_id}}|--all")
-    consumer = conn.consumers_by_id.get(tokens[0])
+    consumer = session.consumers_by_id.get(tokens[0])
     if consumer is None:
         raise ProtocolError(f"{action}: unknown consumer {text(tokens[0])!r} on this connection")
     if tokens[1] == b"--all":
@@ -139,126 +162,159 @@ def parse_ack(conn: Connection, action: str, args: bytes) -> tuple[Consumer, lis
     return consumer, tokens[1:]
 
 
-def handle_ack(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
-    settle(conn, rid, args, confirm, "ack")
+def handle_ack(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    settle(session, rid, args, confirm, "ack")
 
 
-def handle_reject(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
-    settle(conn, rid, args, confirm, "reject")
+def handle_reject(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    settle(session, rid, args, confirm, "reject")
 
 
-def settle(conn: Connection, rid: bytes, args: bytes, confirm: bool, action: str) -> None:
+def settle(session: Session, rid: bytes, args: bytes, confirm: bool, action: str) -> None:
     """`ack` or `reject` one, several or all un-acked messages of a consumer."""
-    consumer, msg_ids = parse_ack(conn, action, args)
-    shard = shard_for(conn, consumer.queue.name)
+    consumer, msg_ids = parse_ack(session, action, args)
+    shard = session.shards.shard_for(consumer.queue.name)
     if msg_ids is None:
         (shard.ack_all if action == "ack" else shard.reject_all)(consumer)
     elif unknown := (shard.ack if action == "ack" else shard.reject)(consumer, msg_ids):
         raise ProtocolError(f"{action}: no un-acked message {text(b' '.join(unknown))!r} "
                             f"for consumer {text(consumer.consumer_id)!r}")
     if confirm:
-        conn.ok(rid)
+        session.ok(rid)
 
 
-def handle_delete_consumer(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
+def handle_delete_consumer(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     tokens = args.split()
     if len(tokens) != 1:
         raise ProtocolError("delete_consumer: expected {consumer_id}")
-    consumer = conn.consumers_by_id.get(tokens[0])
+    consumer = session.consumers_by_id.get(tokens[0])
     if consumer is None:
         raise ProtocolError(f"delete_consumer: unknown consumer {text(tokens[0])!r} on this connection")
-    shard_for(conn, consumer.queue.name).remove_consumer(consumer)
+    session.shards.shard_for(consumer.queue.name).remove_consumer(consumer)
     if confirm:
-        conn.ok(rid)
+        session.ok(rid)
 
 
-def handle_delete_queue(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
+def handle_delete_queue(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     tokens = args.split()
     if len(tokens) != 1:
         raise ProtocolError("delete_queue: expected {queue}")
     name = check_name(tokens[0], "delete_queue: queue")
-    shard_for(conn, name).delete_queue(name)
+    session.shards.shard_for(name).delete_queue(name)
     if confirm:
-        conn.ok(rid)
+        session.ok(rid)
 
 
-def handle_ping(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
-    conn.ok(rid, args)
+def handle_ping(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    session.ok(rid, args)
 
 
-def handle_eval(conn: Connection, rid: bytes, args: bytes, confirm: bool) -> None:
-    if not conn.server.config.eval_enabled:
-        raise ProtocolError("_eval is disabled: start mqksd with --eval to enable it (loopback clients only)")
-    if not conn.peer_is_loopback:
-        raise ProtocolError("_eval answers loopback clients only")
+def handle_eval(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    shards = session.shards
     worker = 0
     first, _, code = args.partition(b" ")
     if (value := parse_flag_value(first, b"--worker")) is not None:
         worker = parse_count(value, "--worker")
-        if worker >= len(conn.shards):
-            raise ProtocolError(f"_eval: no worker {worker}: this server has {len(conn.shards)} (0..{len(conn.shards) - 1})")
+        if worker >= shards.count:
+            raise ProtocolError(f"_eval: no worker {worker}: this server has {shards.count} (0..{shards.count - 1})")
     else:
         code = args
     if not code.strip():
         raise ProtocolError("_eval: expected a Python expression")
-    namespace = {"state": conn.shards[worker], "server": conn.server}
+    namespace = {"state": shards.brokers[worker], "shards": shards}
     try:
         result = eval(code.decode(), namespace)  # noqa: S307 - operator-enabled, loopback-only backdoor
     except Exception as e:
         raise ProtocolError(f"_eval: {type(e).__name__}: {e}") from None
-    conn.ok(rid, repr(result).replace("\n", "\\n").encode())
+    session.ok(rid, repr(result).replace("\n", "\\n").encode())
 
 
-ACTIONS: dict[bytes, Handler] = {
-    b"publish": handle_publish,
-    b"consume": handle_consume,
-    b"ack": handle_ack,
-    b"reject": handle_reject,
-    b"rebind": handle_rebind,
-    b"delete_consumer": handle_delete_consumer,
-    b"delete_queue": handle_delete_queue,
-    b"ping": handle_ping,
-    b"_eval": handle_eval,
+@dataclass(frozen=True, slots=True)
+class Action:
+    """An action as the dispatcher sees it."""
+
+    handler: Handler
+    missing_args: str  # the error for a line with no {data}, when the action needs some
+    needs_args: bool = True
+    protected: bool = False  # only with `mqksd --eval`, and only for loopback peers
+    needs_auth: bool = True  # refused before `auth` once token auth lands (issue 11)
+    logged: bool = False  # changes durable state: goes through the log once it lands (issue 8)
+
+
+SETTLE_USAGE = "expected {consumer_id} {msg_id}|--all"
+
+ACTIONS: dict[bytes, Action] = {
+    b"publish": Action(handle_publish, "publish: event expected", logged=True),
+    b"consume": Action(handle_consume, "consume: queue expected: {consumer_id} consume {queue} [{event} ...] [flags]",
+                       logged=True),
+    b"ack": Action(handle_ack, "ack: " + SETTLE_USAGE, logged=True),
+    b"reject": Action(handle_reject, "reject: " + SETTLE_USAGE, logged=True),
+    b"rebind": Action(handle_rebind, "rebind: queue expected: {id} rebind {queue} [{event} ...] [--remove ...] "
+                                     "[--remove-mask ...] [--add ...]", logged=True),
+    b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", logged=True),
+    b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", logged=True),
+    b"ping": Action(handle_ping, "", needs_args=False, needs_auth=False),
+    b"_eval": Action(handle_eval, "_eval: expected a Python expression", protected=True),
+}
+
+_TABLES: dict[bool, dict[bytes, Action]] = {
+    allowed: {name: action for name, action in ACTIONS.items() if allowed or not action.protected}
+    for allowed in (False, True)
 }
 
 
-def run_lines(conn: Connection, lines: list) -> None:
-    """Run complete lines in order; a bad line costs only its own error answer."""
-    actions = ACTIONS
+def actions_for(eval_enabled: bool, peer_is_loopback: bool) -> dict[bytes, Action]:
+    """The actions a session may run, built once from the declarations (no per-line check)."""
+    return _TABLES[eval_enabled and peer_is_loopback]
+
+
+def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]]) -> None:
+    """Run complete lines in order; a bad line costs only its own error answer.
+
+    A `None` in `lines` is a line the splitter refused; its (rid, reason) waits in `rejected`.
+    """
+    actions = session.actions
     for line in lines:
         if not line:
             if line is None:
-                rid, reason = conn.splitter.rejected.popleft()
-                conn.error(rid, reason, line=b"")
+                rid, reason = rejected.popleft()
+                session.error(rid, reason, b"")
             continue  # an empty line is ignored
         # `{rid} {action} {data}`, split inline: a helper call per line costs measurably here
         rid, _, rest = line.partition(b" ")
-        action, _, args = rest.partition(b" ")
-        handler = actions.get(action)
-        if handler is None or not rid:
-            unknown_action(conn, rid, action, line)
-            if conn.closed:
+        action_name, _, args = rest.partition(b" ")
+        action = actions.get(action_name)
+        if action is None or not rid:
+            refuse(session, rid, action_name, line)
+            if session.closed:
                 return  # nothing after an HTTP header may run: it could be a browser's payload
             continue
         confirm = False
-        if args.startswith(b"--confirm") and (len(args) == 9 or args[9] == 32):
+        if args.startswith(CONFIRM) and (len(args) == 9 or args[9] == SPACE):
             confirm = True
             args = args[10:]
         try:
-            handler(conn, rid, args, confirm)
+            if not args and action.needs_args:
+                raise ProtocolError(action.missing_args)
+            action.handler(session, rid, args, confirm)
         except ProtocolError as e:
-            conn.error(rid, str(e), line)
+            session.error(rid, str(e), line)
         except Exception:
             log.exception("internal error on line %r", line[:200])
-            conn.error(rid, "internal error", line)
+            session.error(rid, "internal error", line)
 
 
-def unknown_action(conn: Connection, rid: bytes, action: bytes, line: bytes) -> None:
+def refuse(session: Session, rid: bytes, action_name: bytes, line: bytes) -> None:
+    """Answer a line whose action this session may not run: unknown, protected, or HTTP."""
     if looks_like_http(line):
         # a browser page must not be able to speak MQKS to a broker on localhost
-        log.warning("closing %s: its line looks like HTTP: %r", conn.peer, line[:80])
-        conn.close()
-    elif not rid or not action:
-        conn.error(b"-", "expected {request_id} {action} {data}", line)
+        log.warning("closing %s: its line looks like HTTP: %r", session.peer, line[:80])
+        session.close()
+    elif not rid or not action_name:
+        session.error(b"-", "expected {request_id} {action} {data}", line)
+    elif (action := ACTIONS.get(action_name)) is not None and action.protected:
+        reason = ("answers loopback clients only" if session.eval_enabled
+                  else "is disabled: start mqksd with --eval to enable it (loopback clients only)")
+        session.error(rid, f"{action_name.decode()} {reason}", line)
     else:
-        conn.error(rid, f'unknown action "{text(action)}"', line)
+        session.error(rid, f'unknown action "{text(action_name)}"', line)

@@ -1,8 +1,9 @@
-"""The `mqksd` process: command line, logging, the StreamServer, shards and signals.
+"""The `mqksd` process: command line, logging, the listener, timers and signals.
 
-One `Server` per process holds the shards (`Broker`s; a queue belongs to shard
-`crc32(queue) % workers`), the live connections and the list of outboxes waiting for a
-flush. SIGTERM or SIGINT stops accepting, flushes what is owed, and exits 0.
+One `Server` per process wires the parts together: the `Shards` (a queue belongs to
+shard `crc32(queue) % workers`), the one timer heap and its greenlet, the error ids, and
+a `Connection` per client, which gets the shards and an error-id source, never the
+server itself. SIGTERM or SIGINT stops accepting, flushes what is owed, and exits 0.
 """
 
 from __future__ import annotations
@@ -12,19 +13,18 @@ import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import gevent
 from gevent.event import Event
 from gevent.server import StreamServer
 
-from .actions import shard_for
+from .config import DEFAULTS, Config
 from .connection import Connection
-from .protocol import DEFAULT_MAX_LINE_BYTES
-from .state import Broker, Outbox
+from .shards import Shards
 from .timers import Timers
 
 log = logging.getLogger("mqks.server")
@@ -60,45 +60,38 @@ class Listener(StreamServer):
         return accepted
 
 
-@dataclass(frozen=True, slots=True)
-class Config:
-    host: str = "127.0.0.1"
-    port: int = 25000
-    workers: int = 1
-    log_level: str = "info"
-    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
-    max_output_bytes: int = 64 << 20
-    eval_enabled: bool = False
+class ErrorIds:
+    """24-character error ids, unique over the server's life and sortable by time, as the original's.
+
+    UTC to the microsecond, kept strictly increasing (one id per microsecond at most, and a
+    clock stepped back never repeats one), then 4 random hex digits that keep ids of
+    separate processes apart.
+    """
+
+    __slots__ = ("last_us",)
+
+    def __init__(self) -> None:
+        self.last_us = 0
+
+    def __call__(self) -> str:
+        now_us = max(time.time_ns() // 1000, self.last_us + 1)
+        self.last_us = now_us
+        seconds, micros = divmod(now_us, 1_000_000)
+        stamp = datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y%m%d%H%M%S")
+        return f"{stamp}{micros:06d}{os.urandom(2).hex()}"
 
 
 class Server:
-    """Process-wide state: config, shards, connections, pending flushes."""
+    """The process: config, shards, timers, error ids, live connections, the listener."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.connections: set[Connection] = set()
-        self.pending: list[Outbox] = []
         self.timers_due = Event()
         self.timers = Timers(on_earlier=self.timers_due.set)
-        self.shards = [Broker(worker, config.workers, self.timers.call_later, self.connections)
-                       for worker in range(config.workers)]
-        self.errors = 0
-        self.last_error_us = 0
+        self.shards = Shards(config.workers, self.timers.call_later)
+        self.next_error_id = ErrorIds()
         self.stream_server: Listener | None = None
-
-    def next_error_id(self) -> str:
-        """24 characters, unique over the server's life and sortable by time, as the original's.
-
-        UTC to the microsecond, kept strictly increasing (one id per microsecond at most,
-        and a clock stepped back never repeats one), then 4 random hex digits that keep
-        ids of separate processes apart.
-        """
-        self.errors += 1
-        now_us = max(time.time_ns() // 1000, self.last_error_us + 1)
-        self.last_error_us = now_us
-        seconds, micros = divmod(now_us, 1_000_000)
-        stamp = datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y%m%d%H%M%S")
-        return f"{stamp}{micros:06d}{os.urandom(2).hex()}"
 
     def run_timers(self) -> None:
         """The process's one timer greenlet: sleep until the earliest deadline, run what is due."""
@@ -107,24 +100,15 @@ class Server:
             due.wait(timers.next_delay())
             due.clear()
             if timers.run_due():
-                self.flush_pending()
+                self.shards.flush_pending()
 
-    def flush_pending(self) -> None:
-        """Flush every connection that has output since the last flush."""
-        pending = self.pending
-        for outbox in pending:
-            outbox.flush_pending = False
-            outbox.flush()
-        pending.clear()
-
-    def resume(self, conn: Connection) -> None:
-        """A paused connection drained: hand its consumers the messages that waited."""
-        for consumer in list(conn.consumers_by_id.values()):
-            shard_for(conn, consumer.queue.name).pump(consumer.queue)
-        self.flush_pending()
-
-    def handle(self, sock, address) -> None:
-        Connection(sock, address, self).serve()
+    def handle(self, sock: socket.socket, address: object) -> None:
+        conn = Connection(sock, address, self.config, self.shards, self.next_error_id)
+        self.connections.add(conn)
+        try:
+            conn.serve()
+        finally:
+            self.connections.discard(conn)
 
     def serve_forever(self) -> None:
         config = self.config
@@ -146,9 +130,9 @@ class Server:
             return
         log.info("stopping: no new connections, flushing %d clients", len(self.connections))
         self.stream_server.close()
-        self.flush_pending()
+        self.shards.flush_pending()
         deadline = time.monotonic() + SHUTDOWN_FLUSH_SECONDS
-        while any(conn.out for conn in self.connections) and time.monotonic() < deadline:
+        while any(conn.outbox.out for conn in self.connections) and time.monotonic() < deadline:
             gevent.sleep(0.01)
         for conn in list(self.connections):
             conn.close()
@@ -156,17 +140,21 @@ class Server:
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
+    """The command line as a Config; defaults and their help text come from `config.DEFAULTS`."""
+    d = DEFAULTS
     parser = argparse.ArgumentParser(prog="mqksd", description="MQKS broker: Message Queue Kept Simple.")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=25000, help="TCP port (default: 25000)")
-    parser.add_argument("--workers", type=int, default=1, help="shards; a queue belongs to crc32(queue) %% workers")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES,
-                        help="longest request line; longer lines are discarded with an error (default: 1 MiB)")
-    parser.add_argument("--max-output-bytes", type=int, default=64 << 20,
+    parser.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=d.workers,
+                        help="shards; a queue belongs to crc32(queue) %% workers (default: %(default)s)")
+    parser.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
+                        help="(default: %(default)s)")
+    parser.add_argument("--max-line-bytes", type=int, default=d.max_line_bytes,
+                        help="longest request line; longer lines are discarded with an error (default: %(default)s)")
+    parser.add_argument("--max-output-bytes", type=int, default=d.max_output_bytes,
                         help="unsent bytes after which a client that does not read is disconnected "
-                             "(deliveries pause at a quarter of it; default: 64 MiB)")
-    parser.add_argument("--eval", action="store_true", dest="eval_enabled",
+                             "(deliveries pause at a quarter of it; default: %(default)s)")
+    parser.add_argument("--eval", action="store_true", dest="eval_enabled", default=d.eval_enabled,
                         help="enable the _eval backdoor (remote code execution; loopback clients only)")
     args = parser.parse_args(argv)
     if args.workers < 1:

@@ -26,10 +26,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
+from .outbox import Outbox
 from .routing import Routing, compile_mask
 
 Schedule = Callable[[float, Callable[[], None]], Callable[[], None]]  # (seconds, fn) -> cancel
-DEFAULT_HIGH_WATER_BYTES = 4 << 20
 # tails per Packed run: ~128 KiB of 100-byte messages, past glibc's mmap threshold, so a run
 # gets pages of its own instead of pinning holes in the heap (measured, 1M queued messages:
 # 256-tail runs gave 134 or 183 bytes/msg from run to run, 1024-tail runs 128 every time)
@@ -42,28 +42,6 @@ class Packed(bytes):
     """Tails joined by newlines: one queue item standing for several messages."""
 
     __slots__ = ()
-
-
-class Outbox:
-    """Bytes owed to one client, gathered until the next flush."""
-
-    __slots__ = ("out", "out_bytes", "paused", "flush_pending", "pending", "high_water_bytes", "consumers_by_id")
-
-    def __init__(self, pending: list, high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES) -> None:
-        self.out: list[bytes] = []
-        self.out_bytes = 0
-        self.paused = False  # over the high-water mark: no deliveries until it drains
-        self.flush_pending = False
-        self.pending = pending  # shared by every outbox of the process
-        self.high_water_bytes = high_water_bytes
-        self.consumers_by_id: dict[bytes, Consumer] = {}
-
-    def write(self, data: bytes) -> None:
-        self.out.append(data)
-        self.out_bytes += len(data)
-        if not self.flush_pending:
-            self.flush_pending = True
-            self.pending.append(self)
 
 
 class Message:
@@ -335,11 +313,11 @@ class Broker:
     """The queues, bindings and consumers of one shard, and its counters."""
 
     def __init__(self, worker: int = 0, workers: int = 1, schedule: Schedule | None = None,
-                 connections: Any = (), cache_routes: bool = True) -> None:
+                 count_clients: Callable[[], int] = lambda: 0, cache_routes: bool = True) -> None:
         self.worker = worker
         self.workers = workers
         self.schedule = schedule
-        self.connections = connections  # the process's live connections, for stats only
+        self.count_clients = count_clients  # for stats only: a shard knows no connections
         self.queues: dict[bytes, Queue] = {}
         self.routing = Routing(cache_enabled=cache_routes)
         self.route_cache = self.routing.cache
@@ -544,7 +522,7 @@ class Broker:
             "consumers": sum(len(q.consumers) for q in queues),
             "messages_waiting": sum(q.depth() for q in queues),
             "messages_unacked": sum(len(c.unacked) for q in queues for c in q.consumers),
-            "clients": len(self.connections),
+            "clients": self.count_clients(),
             "events": self.routing.subscription_count(),
             "top_queues": [(name.decode(errors="replace"), depth) for depth, name in depths],
         }

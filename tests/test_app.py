@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import zlib
+from collections import deque
 
 import pytest
 
@@ -42,16 +43,27 @@ def test_eval_is_off_by_default_and_the_refusal_names_the_flag(make_broker):
 
 
 def test_eval_refuses_peers_that_are_not_loopback():
-    class RemoteConn:
-        peer_is_loopback = False
-        shards = [object()]
+    assert b"_eval" in actions.actions_for(eval_enabled=True, peer_is_loopback=True)
+    assert b"_eval" not in actions.actions_for(eval_enabled=True, peer_is_loopback=False)
+    assert b"_eval" not in actions.actions_for(eval_enabled=False, peer_is_loopback=True)
 
-        class server:
-            class config:
-                eval_enabled = True
+    class RemoteSession:
+        """What run_lines uses of a connection from another host (no loopback peer exists in CI)."""
 
-    with pytest.raises(ProtocolError, match="loopback"):
-        actions.handle_eval(RemoteConn(), b"ev", b"1+1", False)
+        peer = "192.0.2.7:4242"
+        eval_enabled = True
+        closed = False
+        actions = actions.actions_for(eval_enabled=True, peer_is_loopback=False)
+
+        def __init__(self):
+            self.errors = []
+
+        def error(self, rid, reason, line):
+            self.errors.append((rid, reason))
+
+    session = RemoteSession()
+    actions.run_lines(session, [b"ev _eval 1+1"], deque())
+    assert session.errors == [(b"ev", "_eval answers loopback clients only")]
 
 
 def test_eval_answers_repr_on_one_line(broker, wire):

@@ -3,7 +3,8 @@
 import pytest
 
 from mqks.server.timers import Timers
-from mqks.server.state import PACK_MIN_DEPTH, Broker, Consumer, Message, Outbox, Packed, update_line
+from mqks.server.outbox import Outbox
+from mqks.server.state import PACK_MIN_DEPTH, Broker, Consumer, Message, Packed, update_line
 
 pytestmark = pytest.mark.timeout(10)
 

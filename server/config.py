@@ -1,0 +1,25 @@
+"""The operator's settings for one `mqksd`, built once from the command line.
+
+Every default lives here and only here: `app.parse_args` takes its argparse defaults
+and help text from this dataclass, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .protocol import DEFAULT_MAX_LINE_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    host: str = "127.0.0.1"  # loopback only unless the operator says otherwise
+    port: int = 25000
+    workers: int = 1
+    log_level: str = "info"
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    max_output_bytes: int = 64 << 20
+    eval_enabled: bool = False  # _eval is remote code execution: off unless asked for
+
+
+DEFAULTS = Config()

@@ -1,0 +1,46 @@
+"""Step 6 of the flow, the state's side of it: the bytes owed to one client until the next flush.
+
+A `Consumer` appends deliveries to its outbox; a handler appends replies through its
+session. The first append of a batch puts the outbox on the process's `pending` list,
+and `Shards.flush_pending` calls each pending outbox's `flush` once (the connection sets
+it to its socket write). Past `high_water_bytes` the outbox is `paused`: no deliveries
+until the connection drains it and resumes its consumers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_HIGH_WATER_BYTES = 4 << 20
+
+
+def _no_flush() -> None:
+    """An outbox with no socket behind it (the state's unit tests) keeps what it is owed."""
+
+
+class Outbox:
+    """Bytes owed to one client, gathered until the next flush, and the consumers delivering into it."""
+
+    __slots__ = ("out", "out_bytes", "paused", "flush_pending", "pending", "high_water_bytes", "consumers_by_id",
+                 "flush")
+
+    def __init__(self, pending: list[Outbox], high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
+                 flush: Callable[[], None] = _no_flush) -> None:
+        self.out: list[Any] = []  # bytes, or one memoryview of what a partial write left
+        self.out_bytes = 0  # whole lines: consumer id, tail and newline
+        self.paused = False  # over the high-water mark: no deliveries until it drains
+        self.flush_pending = False
+        self.pending = pending  # shared by every outbox of the process
+        self.high_water_bytes = high_water_bytes
+        # the consumers whose deliveries come here: a resume pumps their queues, and a
+        # consumer id names one of them for ack, reject and delete_consumer
+        self.consumers_by_id: dict[bytes, Any] = {}
+        self.flush = flush
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+        self.out_bytes += len(data)
+        if not self.flush_pending:
+            self.flush_pending = True
+            self.pending.append(self)
