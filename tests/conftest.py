@@ -1,7 +1,8 @@
 """Shared fixtures: a real `mqksd` subprocess on a free port, and a line-level wire client.
 
 Tests talk to the broker over TCP exactly as `nc` would. Nothing here sleeps and hopes:
-every wait polls with a deadline or blocks on a socket with a timeout.
+every wait polls with a deadline or blocks on a socket with a timeout. Helpers that need no
+fixture (free ports, unique names, polling, `_eval`, RSS) live in helpers.py.
 """
 
 from __future__ import annotations
@@ -16,16 +17,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from helpers import free_port, wait_for
+
+__all__ = ["READY_TIMEOUT_SECONDS", "REPLY_TIMEOUT_SECONDS", "Broker", "Wire", "free_port"]
 
 READY_TIMEOUT_SECONDS = 15.0
 REPLY_TIMEOUT_SECONDS = 5.0
-
-
-def free_port() -> int:
-    """Ask the kernel for a port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Wire:
@@ -117,22 +114,23 @@ class Broker:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "mqks.server", "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log_file)
-        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mqksd exited {self.proc.returncode}: {self.log()}")
-            try:
-                wire = self.wire()
-            except OSError:
-                time.sleep(0.02)
-                continue
-            try:
-                wire.send(b"ready ping")
-                wire.expect(b"ready ok ")
-                return
-            finally:
-                wire.close()
-        raise RuntimeError("mqksd did not answer ping in time")
+        wait_for(self.answers_ping, "mqksd to answer ping", READY_TIMEOUT_SECONDS, interval=0.02)
+
+    def answers_ping(self) -> bool:
+        """True once the server answers a ping; raises if it has exited."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"mqksd exited {self.proc.returncode}: {self.log()}")
+        try:
+            wire = self.wire()
+        except OSError:
+            return False
+        try:
+            wire.send(b"ready ping")
+            wire.expect(b"ready ok ")
+            return True
+        finally:
+            wire.close()
 
     def log(self) -> str:
         """Everything the server has logged so far."""

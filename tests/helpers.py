@@ -1,0 +1,73 @@
+"""Helpers the test modules share: free ports, unique names, polling with a deadline, `_eval`, RSS.
+
+Nothing here sleeps and hopes: `wait_for` polls a condition until a deadline and fails naming
+what it waited for. Readings that can be missing (an RSS, an `_eval` answer) fail loudly
+instead of returning a default that an assertion would accept.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+WAIT_SECONDS = 10.0
+
+_names = itertools.count()
+
+
+def free_port() -> int:
+    """Ask the kernel for a port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def unique(prefix: str) -> str:
+    """A queue or event name no other test of this run uses: module brokers are shared."""
+    return f"{prefix}-{os.getpid()}-{next(_names)}"
+
+
+def wait_for(condition: Callable[[], T], what: str, timeout: float = WAIT_SECONDS, interval: float = 0.05) -> T:
+    """Poll `condition()` until it returns something truthy and return that; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def eval_value(broker, code: str, worker: int | None = None) -> Any:
+    """`_eval` `code` on a fresh connection to `broker` (started with --eval) and return the value."""
+    flag = f"--worker={worker} " if worker is not None else ""
+    wire = broker.wire()
+    try:
+        wire.send(f"ev _eval {flag}{code}".encode())
+        line = wire.recv_line()
+    finally:
+        wire.close()
+    assert line.startswith(b"ev ok "), f"_eval {code!r} failed: {line!r}"
+    return ast.literal_eval(line[len(b"ev ok "):].decode())
+
+
+def server_stats(broker, worker: int | None = None) -> dict:
+    """The figures `stats.py` shows, of one shard (0 by default)."""
+    return eval_value(broker, "state.stats()", worker)
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of a live process; raises if there is none (a zombie or a gone process has no RSS)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}: the process has exited")
