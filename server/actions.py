@@ -6,7 +6,7 @@ session runs lines against a table built once from those declarations for what i
 do (`actions_for`), so a protected action a session may not run is simply absent and the
 hot path pays nothing for the check. `run_lines` splits each line, strips a leading
 `--confirm`, refuses an empty argument list for actions that need one, and calls the
-handler; a handler parses only its own arguments, calls the shard that owns the queue,
+handler; a handler parses only its own arguments, calls the worker that owns the queue,
 answers through its `Session`, and reports client mistakes by raising `ProtocolError`.
 """
 
@@ -20,7 +20,7 @@ from typing import Protocol, TypeAlias
 
 from .outbox import Outbox
 from .protocol import ProtocolError, looks_like_http, parse_count, parse_flag_value, parse_seconds, text
-from .shards import Shards
+from .workers import Workers
 from .state import Consumer
 
 log = logging.getLogger("mqks.actions")
@@ -36,7 +36,7 @@ class Session(Protocol):
     peer: str
     peer_is_loopback: bool
     eval_enabled: bool
-    shards: Shards
+    workers: Workers
     outbox: Outbox
     consumers_by_id: dict[bytes, Consumer]
     actions: dict[bytes, Action]
@@ -71,8 +71,8 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
         tail = b"".join((b" ok ", rid, b" event=", args))
     if not event or event[0] == DASH and event.startswith(b"--"):
         check_name(event, "publish: event")
-    for shard in session.shards.brokers:
-        shard.publish(rid, event, tail)
+    for broker in session.workers.brokers:
+        broker.publish(rid, event, tail)
     if confirm:
         session.ok(rid)
 
@@ -113,13 +113,13 @@ def handle_consume(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
     name, events, added, flags = parse_consume(args)
     if rid in session.consumers_by_id:
         raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
-    shard = session.shards.shard_for(name)
-    queue = shard.queue(name)
+    broker = session.workers.worker_for(name)
+    queue = broker.queue(name)
     consumer = Consumer(rid, queue, session.outbox, **flags)
-    shard.consume(consumer, events, added)
+    broker.consume(consumer, events, added)
     if confirm:
         session.ok(rid)
-    shard.pump(queue)
+    broker.pump(queue)
 
 
 def handle_rebind(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
@@ -136,11 +136,11 @@ def handle_rebind(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
             target = lists[token]
         else:
             target.append(token)
-    shard = session.shards.shard_for(name)
-    queue = shard.queue(name)
-    if shard.rebind(queue, replace=lists[b""] or None, add=lists[b"--add"], remove=lists[b"--remove"],
+    broker = session.workers.worker_for(name)
+    queue = broker.queue(name)
+    if broker.rebind(queue, replace=lists[b""] or None, add=lists[b"--add"], remove=lists[b"--remove"],
                     remove_masks=lists[b"--remove-mask"]):
-        shard.updates(queue)
+        broker.updates(queue)
     if confirm:
         session.ok(rid)
 
@@ -173,10 +173,10 @@ def handle_reject(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
 def settle(session: Session, rid: bytes, args: bytes, confirm: bool, action: str) -> None:
     """`ack` or `reject` one, several or all un-acked messages of a consumer."""
     consumer, msg_ids = parse_ack(session, action, args)
-    shard = session.shards.shard_for(consumer.queue.name)
+    broker = session.workers.worker_for(consumer.queue.name)
     if msg_ids is None:
-        (shard.ack_all if action == "ack" else shard.reject_all)(consumer)
-    elif unknown := (shard.ack if action == "ack" else shard.reject)(consumer, msg_ids):
+        (broker.ack_all if action == "ack" else broker.reject_all)(consumer)
+    elif unknown := (broker.ack if action == "ack" else broker.reject)(consumer, msg_ids):
         raise ProtocolError(f"{action}: no un-acked message {text(b' '.join(unknown))!r} "
                             f"for consumer {text(consumer.consumer_id)!r}")
     if confirm:
@@ -190,7 +190,7 @@ def handle_delete_consumer(session: Session, rid: bytes, args: bytes, confirm: b
     consumer = session.consumers_by_id.get(tokens[0])
     if consumer is None:
         raise ProtocolError(f"delete_consumer: unknown consumer {text(tokens[0])!r} on this connection")
-    session.shards.shard_for(consumer.queue.name).remove_consumer(consumer)
+    session.workers.worker_for(consumer.queue.name).remove_consumer(consumer)
     if confirm:
         session.ok(rid)
 
@@ -200,7 +200,7 @@ def handle_delete_queue(session: Session, rid: bytes, args: bytes, confirm: bool
     if len(tokens) != 1:
         raise ProtocolError("delete_queue: expected {queue}")
     name = check_name(tokens[0], "delete_queue: queue")
-    session.shards.shard_for(name).delete_queue(name)
+    session.workers.worker_for(name).delete_queue(name)
     if confirm:
         session.ok(rid)
 
@@ -210,18 +210,18 @@ def handle_ping(session: Session, rid: bytes, args: bytes, confirm: bool) -> Non
 
 
 def handle_eval(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-    shards = session.shards
+    workers = session.workers
     worker = 0
     first, _, code = args.partition(b" ")
     if (value := parse_flag_value(first, b"--worker")) is not None:
         worker = parse_count(value, "--worker")
-        if worker >= shards.count:
-            raise ProtocolError(f"_eval: no worker {worker}: this server has {shards.count} (0..{shards.count - 1})")
+        if worker >= workers.count:
+            raise ProtocolError(f"_eval: no worker {worker}: this server has {workers.count} (0..{workers.count - 1})")
     else:
         code = args
     if not code.strip():
         raise ProtocolError("_eval: expected a Python expression")
-    namespace = {"state": shards.brokers[worker], "shards": shards}
+    namespace = {"state": workers.brokers[worker], "workers": workers}
     try:
         result = eval(code.decode(), namespace)  # noqa: S307 - operator-enabled, loopback-only backdoor
     except Exception as e:

@@ -1,8 +1,8 @@
 """The `mqksd` process: command line, logging, the listener, timers and signals.
 
-One `Server` per process wires the parts together: the `Shards` (a queue belongs to
-shard `crc32(queue) % workers`), the one timer heap and its greenlet, the error ids, and
-a `Connection` per client, which gets the shards and an error-id source, never the
+One `Server` per process wires the parts together: the `Workers` (a queue belongs to
+worker `crc32(queue) % workers`), the one timer heap and its greenlet, the error ids, and
+a `Connection` per client, which gets the workers and an error-id source, never the
 server itself. SIGTERM or SIGINT stops accepting, flushes what is owed, and exits 0.
 """
 
@@ -24,7 +24,7 @@ from gevent.server import StreamServer
 
 from .config import DEFAULTS, Config
 from .connection import Connection
-from .shards import Shards
+from .workers import Workers
 from .timers import Timers
 
 log = logging.getLogger("mqks.server")
@@ -82,14 +82,14 @@ class ErrorIds:
 
 
 class Server:
-    """The process: config, shards, timers, error ids, live connections, the listener."""
+    """The process: config, workers, timers, error ids, live connections, the listener."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.connections: set[Connection] = set()
         self.timers_due = Event()
         self.timers = Timers(on_earlier=self.timers_due.set)
-        self.shards = Shards(config.workers, self.timers.call_later)
+        self.workers = Workers(config.workers, self.timers.call_later)
         self.next_error_id = ErrorIds()
         self.stream_server: Listener | None = None
 
@@ -100,10 +100,10 @@ class Server:
             due.wait(timers.next_delay())
             due.clear()
             if timers.run_due():
-                self.shards.flush_pending()
+                self.workers.flush_pending()
 
     def handle(self, sock: socket.socket, address: object) -> None:
-        conn = Connection(sock, address, self.config, self.shards, self.next_error_id)
+        conn = Connection(sock, address, self.config, self.workers, self.next_error_id)
         self.connections.add(conn)
         try:
             conn.serve()
@@ -130,7 +130,7 @@ class Server:
             return
         log.info("stopping: no new connections, flushing %d clients", len(self.connections))
         self.stream_server.close()
-        self.shards.flush_pending()
+        self.workers.flush_pending()
         deadline = time.monotonic() + SHUTDOWN_FLUSH_SECONDS
         while any(conn.outbox.out for conn in self.connections) and time.monotonic() < deadline:
             gevent.sleep(0.01)
@@ -146,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=d.workers,
-                        help="shards; a queue belongs to crc32(queue) %% workers (default: %(default)s)")
+                        help="workers; a queue belongs to crc32(queue) %% workers (default: %(default)s)")
     parser.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
                         help="(default: %(default)s)")
     parser.add_argument("--max-line-bytes", type=int, default=d.max_line_bytes,

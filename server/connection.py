@@ -1,7 +1,7 @@
 """Steps 1 and 6 of the flow: one client's socket, read in big chunks, written in batches.
 
 The reader greenlet does `recv(65536)`, splits every complete line, runs them all, then
-flushes every outbox the batch touched (`Shards.flush_pending`): one `b"".join` and one
+flushes every outbox the batch touched (`Workers.flush_pending`): one `b"".join` and one
 `os.write` on the non-blocking fd per connection per batch, never a write per message.
 What a socket does not take goes to that connection's writer greenlet, so a slow client
 blocks only its own writer.
@@ -27,7 +27,7 @@ from .actions import Action, actions_for, run_lines
 from .config import Config
 from .outbox import Outbox
 from .protocol import LineSplitter, format_error, format_ok
-from .shards import Shards
+from .workers import Workers
 from .state import Consumer
 
 log = logging.getLogger("mqks.connection")
@@ -47,10 +47,10 @@ LOG_EVERY_NTH_ERROR = 1000
 class Connection:
     """A client: its socket, its line splitter, and the outbox its replies and deliveries go to."""
 
-    __slots__ = ("sock", "fd", "peer", "peer_is_loopback", "eval_enabled", "shards", "outbox", "consumers_by_id",
+    __slots__ = ("sock", "fd", "peer", "peer_is_loopback", "eval_enabled", "workers", "outbox", "consumers_by_id",
                  "actions", "splitter", "next_error_id", "wake", "writing", "closed", "max_output_bytes", "errors")
 
-    def __init__(self, sock: socket.socket, address: object, config: Config, shards: Shards,
+    def __init__(self, sock: socket.socket, address: object, config: Config, workers: Workers,
                  next_error_id: Callable[[], str]) -> None:
         # our writes are already batched; Nagle would only hold a lone delivery back
         # until the peer's delayed ACK (measured: 12 ms p50 at 20k msg/s without this)
@@ -61,8 +61,8 @@ class Connection:
         self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
         self.peer_is_loopback = _is_loopback(address)
         self.eval_enabled = config.eval_enabled
-        self.shards = shards
-        self.outbox = Outbox(shards.pending, config.max_output_bytes // 4, self.flush)
+        self.workers = workers
+        self.outbox = Outbox(workers.pending, config.max_output_bytes // 4, self.flush)
         self.consumers_by_id: dict[bytes, Consumer] = self.outbox.consumers_by_id
         self.actions: dict[bytes, Action] = actions_for(config.eval_enabled, self.peer_is_loopback)
         self.splitter = LineSplitter(config.max_line_bytes)
@@ -136,9 +136,9 @@ class Connection:
 
     def serve(self) -> None:
         """Run the connection until the client or the server closes it."""
-        shards = self.shards
-        shards.clients += 1
-        log.info("connected %s (%d clients)", self.peer, shards.clients)
+        workers = self.workers
+        workers.clients += 1
+        log.info("connected %s (%d clients)", self.peer, workers.clients)
         writer = gevent.spawn(self._write_loop)
         try:
             self._read_loop()
@@ -153,19 +153,19 @@ class Connection:
         Runs to the end whatever one consumer's clean-up raises: a consumer left attached
         to a closed connection would keep taking messages nobody can receive.
         """
-        shards = self.shards
+        workers = self.workers
         self.closed = True
         self.fd = -1
-        shards.clients -= 1
-        shards.detach(self.outbox, self._log_failed_detach)
+        workers.clients -= 1
+        workers.detach(self.outbox, self._log_failed_detach)
         self.outbox.out.clear()
         try:
-            shards.flush_pending()  # the requeued messages, to the consumers that remain
+            workers.flush_pending()  # the requeued messages, to the consumers that remain
         except Exception:
             log.exception("flush after %s left failed", self.peer)
         writer.kill(block=False)
         self.sock.close()
-        log.info("disconnected %s (%d clients)", self.peer, shards.clients)
+        log.info("disconnected %s (%d clients)", self.peer, workers.clients)
 
     def _log_failed_detach(self, consumer: Consumer, error: BaseException) -> None:
         log.error("clean-up of consumer %r of %s failed; detaching it anyway", consumer.consumer_id, self.peer,
@@ -175,8 +175,8 @@ class Connection:
         recv = self.sock.recv
         splitter = self.splitter
         feed, rejected = splitter.feed, splitter.rejected
-        pending = self.shards.pending
-        flush_pending = self.shards.flush_pending
+        pending = self.workers.pending
+        flush_pending = self.workers.flush_pending
         debug = log.isEnabledFor(logging.DEBUG)
         unyielded_bytes = 0
         while not self.closed:
@@ -212,7 +212,7 @@ class Connection:
                     self.writing = False
                     if outbox.paused and outbox.out_bytes < outbox.high_water_bytes // 2:
                         outbox.paused = False
-                        self.shards.resume(outbox)
+                        self.workers.resume(outbox)
         except OSError as e:
             log.info("write to %s failed: %s", self.peer, e)
             self.close()

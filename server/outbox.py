@@ -2,7 +2,7 @@
 
 A `Consumer` appends deliveries to its outbox; a handler appends replies through its
 session. The first append of a batch puts the outbox on the process's `pending` list,
-and `Shards.flush_pending` calls each pending outbox's `flush` once (the connection sets
+and `Workers.flush_pending` calls each pending outbox's `flush` once (the connection sets
 it to its socket write). Past `high_water_bytes` the outbox is `paused`: no deliveries
 until the connection drains it and resumes its consumers.
 """

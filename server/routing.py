@@ -25,7 +25,7 @@ def compile_mask(mask: bytes) -> re.Pattern[bytes]:
 
 
 class Routing:
-    """Bindings of one shard: event or mask -> queues, in bind order."""
+    """Bindings of one worker: event or mask -> queues, in bind order."""
 
     __slots__ = ("queues_by_event", "queues_by_mask", "masks_by_dots", "cache", "cache_enabled")
 

@@ -1,4 +1,4 @@
-"""Step 5 of the flow: the broker core of one shard. No sockets, no gevent.
+"""Step 5 of the flow: the broker core of one worker. No sockets, no gevent.
 
 A message is stored and delivered as its *tail*, the bytes between the consumer id and
 the newline: `b" ok {msg_id} event={event} {data}"`, built once per publish and shared
@@ -310,14 +310,14 @@ class Queue:
 
 
 class Broker:
-    """The queues, bindings and consumers of one shard, and its counters."""
+    """The queues, bindings and consumers of one worker, and its counters."""
 
     def __init__(self, worker: int = 0, workers: int = 1, schedule: Schedule | None = None,
                  count_clients: Callable[[], int] = lambda: 0, cache_routes: bool = True) -> None:
         self.worker = worker
         self.workers = workers
         self.schedule = schedule
-        self.count_clients = count_clients  # for stats only: a shard knows no connections
+        self.count_clients = count_clients  # for stats only: a worker knows no connections
         self.queues: dict[bytes, Queue] = {}
         self.routing = Routing(cache_enabled=cache_routes)
         self.route_cache = self.routing.cache
@@ -507,7 +507,7 @@ class Broker:
         return True
 
     def stats(self) -> dict[str, Any]:
-        """Counters and sizes of this shard, for `stats.py` (through `_eval`)."""
+        """Counters and sizes of this worker, for `stats.py` (through `_eval`)."""
         queues = self.queues.values()
         depths = heapq.nlargest(10, ((q.depth(), q.name) for q in queues))
         return {

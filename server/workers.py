@@ -1,8 +1,8 @@
-"""Step 5 of the flow, its front door: which shard owns a queue, and the flush after a batch.
+"""Step 5 of the flow, its front door: which worker owns a queue, and the flush after a batch.
 
-A queue belongs to shard `crc32(queue) % shards` (crc32 is stable across processes,
+A queue belongs to worker `crc32(queue) % workers` (crc32 is stable across processes,
 unlike `hash()` of a str, so the placement survives restarts and, later, worker
-processes). An event is routed by every shard, since any shard may hold a queue bound
+processes). An event is routed by every worker, since any worker may hold a queue bound
 to it. After a batch of lines, `flush_pending` hands every outbox that got bytes to its
 flush, once. No sockets here: an outbox's flush is whatever its owner set.
 """
@@ -17,8 +17,8 @@ from .outbox import Outbox
 from .state import Broker, Schedule
 
 
-class Shards:
-    """Every shard of this process, the placement of queues on them, and the outboxes owed a flush."""
+class Workers:
+    """Every worker of this process, the placement of queues on them, and the outboxes owed a flush."""
 
     __slots__ = ("brokers", "count", "pending", "clients")
 
@@ -26,13 +26,13 @@ class Shards:
         self.count = count
         self.pending: list[Outbox] = []
         self.clients = 0  # live connections, for stats
-        self.brokers = [Broker(shard, count, schedule, self.count_clients) for shard in range(count)]
+        self.brokers = [Broker(worker, count, schedule, self.count_clients) for worker in range(count)]
 
     def count_clients(self) -> int:
         return self.clients
 
-    def shard_for(self, queue: bytes) -> Broker:
-        """The shard that owns `queue`."""
+    def worker_for(self, queue: bytes) -> Broker:
+        """The worker that owns `queue`."""
         brokers = self.brokers
         return brokers[zlib.crc32(queue) % self.count] if self.count > 1 else brokers[0]
 
@@ -47,7 +47,7 @@ class Shards:
     def resume(self, outbox: Outbox) -> None:
         """A paused outbox drained: hand its consumers the messages that waited."""
         for consumer in list(outbox.consumers_by_id.values()):
-            self.shard_for(consumer.queue.name).pump(consumer.queue)
+            self.worker_for(consumer.queue.name).pump(consumer.queue)
         self.flush_pending()
 
     def detach(self, outbox: Outbox, on_failure: Callable[[Any, BaseException], None]) -> None:
@@ -58,7 +58,7 @@ class Shards:
         """
         for consumer in list(outbox.consumers_by_id.values()):
             try:
-                self.shard_for(consumer.queue.name).remove_consumer(consumer)
+                self.worker_for(consumer.queue.name).remove_consumer(consumer)
             except Exception as e:
                 on_failure(consumer, e)
                 consumers = getattr(getattr(consumer, "queue", None), "consumers", None)
