@@ -21,7 +21,7 @@ from typing import Protocol, TypeAlias
 from .outbox import Outbox
 from .protocol import ProtocolError, looks_like_http, parse_count, parse_flag_value, parse_seconds, text
 from .workers import Workers
-from .state import Consumer
+from .state import Consumer, SeqConsumer
 
 log = logging.getLogger("mqks.actions")
 
@@ -85,7 +85,7 @@ def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, 
     queue = check_name(tokens[0], "consume: queue")
     events: list[bytes] = []
     added: list[bytes] | None = None
-    flags: dict = {"manual_ack": False, "prefetch": 0, "delete_when_unused_seconds": None}
+    flags: dict = {"manual_ack": False, "prefetch": 0, "delete_when_unused_seconds": None, "seq": False}
     target: list[bytes] | None = events
     for token in tokens[1:]:
         if not token.startswith(b"--"):
@@ -98,6 +98,8 @@ def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, 
             target = added = added if added is not None else []
         elif token == b"--manual-ack":
             flags["manual_ack"] = True
+        elif token == b"--seq":
+            flags["seq"] = True
         elif (value := parse_flag_value(token, b"--delete-queue-when-unused")) is not None:
             flags["delete_when_unused_seconds"] = parse_seconds(value, "--delete-queue-when-unused") if value else 0.0
         elif (value := parse_flag_value(token, b"--prefetch")) is not None:
@@ -115,7 +117,7 @@ def handle_consume(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
         raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
     broker = session.workers.worker_for(name)
     queue = broker.queue(name)
-    consumer = Consumer(rid, queue, session.outbox, **flags)
+    consumer = (SeqConsumer if flags.pop("seq") else Consumer)(rid, queue, session.outbox, **flags)
     broker.consume(consumer, events, added)
     if confirm:
         session.ok(rid)

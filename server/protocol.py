@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
+CR = 13  # b"\r"[0]: telnet ends lines with \r\n
 RID_PEEK_BYTES = 64  # enough to recover a rid from the head of a rejected line
 HTTP_METHODS = (b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ")
 
@@ -66,7 +67,7 @@ class LineSplitter:
             self._reject_overlong(lines)
         # C-speed scans of the whole chunk keep the common case free of per-line work
         if b"\r" in chunk or b"\r" in tail:
-            lines = [line[:-1] if line and line[-1] == 13 else line for line in lines]
+            lines = [line[:-1] if line and line[-1] == CR else line for line in lines]
         if not (chunk.isascii() and tail.isascii()):
             self._reject_non_utf8(lines)
         return lines

@@ -73,7 +73,7 @@ def msg_id_of(tail: bytes) -> bytes:
 class Consumer:
     """One `consume` of one connection: a queue, flags, and its un-acked messages."""
 
-    __slots__ = ("consumer_id", "line_overhead", "queue", "outbox", "manual_ack", "prefetch", "unacked",
+    __slots__ = ("consumer_id", "line_overhead", "queue", "outbox", "manual_ack", "wants_seq", "prefetch", "unacked",
                  "seq_by_msg_id", "later_seqs_by_msg_id", "delete_when_unused_seconds")
 
     def __init__(self, consumer_id: bytes, queue: Queue, outbox: Outbox, manual_ack: bool = False,
@@ -83,6 +83,7 @@ class Consumer:
         self.queue = queue
         self.outbox = outbox
         self.manual_ack = manual_ack
+        self.wants_seq = manual_ack  # held messages are keyed by seq; SeqConsumer shows it too
         self.prefetch = prefetch  # 0: no limit
         self.unacked: dict[int, Item] = {}  # seq -> message, in delivery order
         self.seq_by_msg_id: dict[bytes, int] = {}  # the oldest un-acked seq of each msg_id
@@ -152,6 +153,27 @@ class Consumer:
         return flags
 
 
+class SeqConsumer(Consumer):
+    """A `consume --seq` (extension): every delivery shows `,seq={n}` after the event and retry.
+
+    A subclass, so consumers that did not ask pay nothing for the option.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wants_seq = True
+
+    def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Message | None = None) -> None:
+        header_end = tail.index(b" ", tail.index(b" ", 4) + 1)  # as in Message.delivery_tail
+        shown = b"%b,seq=%d%b" % (tail[:header_end], seq, tail[header_end:])
+        Consumer.deliver(self, shown, seq, msg_id, tail if held is None else held)
+
+    def flags(self) -> list[bytes]:
+        return [*Consumer.flags(self), b"--seq"]
+
+
 def update_line(consumer: Consumer) -> bytes:
     """`{consumer_id} ok --update {queue} {events...} [flags]`: all a client needs to replay it.
 
@@ -199,7 +221,7 @@ class Queue:
         """Deliver now if a consumer is ready and nothing waits ahead; else keep. True if delivered.
 
         A copy that waits or is held for an ack takes the queue's next seq; one delivered at
-        once to an auto-ack consumer is gone at once and needs none.
+        once to an auto-ack consumer that did not ask for `--seq` is gone at once and needs none.
         """
         if not self.messages:
             consumers = self.consumers
@@ -207,7 +229,7 @@ class Queue:
                 # the common case, inlined: a call less per message is measurable here
                 consumer = consumers[0]
                 if not consumer.outbox.paused and (not consumer.prefetch or len(consumer.unacked) < consumer.prefetch):
-                    if consumer.manual_ack:
+                    if consumer.wants_seq:
                         seq = self.next_seq
                         self.next_seq = seq + 1
                         consumer.deliver(tail, seq, msg_id)
@@ -271,7 +293,7 @@ class Queue:
             # out only if the message will be held for an ack
             consumer = self.consumers[0]
             outbox, prefetch, unacked = consumer.outbox, consumer.prefetch, consumer.unacked
-            manual_ack = consumer.manual_ack
+            wants_seq = consumer.wants_seq
             seq, msg_id = 0, b""
             while messages and not outbox.paused and (not prefetch or len(unacked) < prefetch):
                 if type(messages[0]) is Packed:
@@ -279,11 +301,11 @@ class Queue:
                 item = messages.popleft()
                 if type(item) is Message:
                     self.requeued -= 1
-                    if manual_ack:
+                    if wants_seq:
                         seq, msg_id = item.seq, msg_id_of(item.tail)
                     consumer.deliver(item.delivery_tail(), seq, msg_id, item)
                 else:
-                    if manual_ack:
+                    if wants_seq:
                         seq = self.next_seq - (len(messages) + self.packed_extra + 1 - self.requeued)
                         msg_id = msg_id_of(item)
                     consumer.deliver(item, seq, msg_id)

@@ -370,3 +370,25 @@ def test_error_ids_are_24_characters_unique_and_in_time_order(wire):
     assert all(len(error_id) == 24 and error_id.isalnum() for error_id in ids), ids[:3]
     assert len(set(ids)) == 500
     assert sorted(ids) == ids
+
+
+def test_consume_seq_shows_each_copys_sequence_number_after_event_and_retry(broker):
+    conn, publisher = broker.wire(), broker.wire()
+    queue, event = unique("q"), unique("e")
+    publisher.send(b"rb rebind --confirm %b %b" % (queue, event))
+    publisher.expect(b"rb ok ")
+    publisher.send(b"m0 publish %b waited" % event)
+    assert publisher.barrier() == []
+    conn.send(b"c1 consume --confirm %b --manual-ack --seq" % queue)
+    conn.expect(b"c1 ok ")
+    conn.expect(b"c1 ok m0 event=%b,seq=0 waited" % event)
+    publisher.send(b"m1 publish %b direct" % event, b"m1 publish %b same-id" % event)
+    conn.expect(b"c1 ok m1 event=%b,seq=1 direct" % event)
+    conn.expect(b"c1 ok m1 event=%b,seq=2 same-id" % event)
+    conn.send(b"r reject c1 m1")  # the oldest m1 comes back with its own seq, retry before seq
+    conn.expect(b"c1 ok m1 event=%b,retry=1,seq=1 direct" % event)
+    conn.send(b"c2 consume %b --add x.%b" % (queue, event))
+    assert conn.barrier() == [b"c1 ok --update %b %b x.%b --manual-ack --seq" % (queue, event, event),
+                              b"c2 ok --update %b %b x.%b" % (queue, event, event)]
+    conn.close()
+    publisher.close()
