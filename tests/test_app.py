@@ -7,11 +7,12 @@ import subprocess
 import sys
 import zlib
 from collections import deque
+from pathlib import Path
 
 import pytest
 
 from mqks.server import actions
-from mqks.server.protocol import ProtocolError
+from mqks.server.app import parse_args
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,8 +87,12 @@ def test_logs_have_timestamps_and_one_line_per_connect_and_disconnect(make_broke
     assert "ping" not in log  # nothing per message at info
 
 
-def test_mqksd_console_script_defaults_are_safe():
-    mqksd = shutil.which("mqksd") or str(__import__("pathlib").Path(sys.executable).with_name("mqksd"))
+def test_mqksd_defaults_are_safe():
+    config = parse_args([])  # what `mqksd` with no flags runs with
+    assert config.host == "127.0.0.1"  # loopback only
+    assert config.eval_enabled is False  # _eval is remote code execution
+    # the console script is installed and its help names the defaults and the flags
+    mqksd = shutil.which("mqksd") or str(Path(sys.executable).with_name("mqksd"))
     out = subprocess.run([mqksd, "--help"], capture_output=True, text=True, timeout=30).stdout
     assert "default: 127.0.0.1" in out and "--eval" in out and "--max-line-bytes" in out
 
