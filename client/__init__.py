@@ -2,18 +2,25 @@
 
 `from mqks.client import Client, Message, MqksError`. Importing it never monkey-patches:
 the client uses gevent's own sockets, so it works in any gevent program. The names load on
-first use, so `mqks.client.wire` (pure line helpers) can be imported without gevent, as the
-Spark data source does.
+first use, so `mqks.client.wire` (pure line helpers) and `mqks.client.errors` can be imported
+without gevent, as the Spark data source does.
 """
 
+from importlib import import_module
 from typing import Any
 
-__all__ = ["Client", "Message", "MqksError", "MqksConnectionError", "MqksTimeoutError"]
+_MODULE_BY_NAME = {
+    "Client": "client",
+    "Message": "client",
+    "MqksError": "errors",
+    "MqksConnectionError": "errors",
+    "MqksTimeoutError": "errors",
+}
+__all__ = list(_MODULE_BY_NAME)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import client
-
-        return getattr(client, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _MODULE_BY_NAME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{module}"), name)

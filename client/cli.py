@@ -17,7 +17,8 @@ import gevent
 from gevent.event import Event
 
 from . import stats
-from .client import Client, Message, MqksError
+from .client import Client, Message
+from .errors import MqksError
 
 
 def cmd_publish(client: Client, args: argparse.Namespace) -> int:

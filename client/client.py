@@ -28,6 +28,7 @@ from gevent.event import AsyncResult, Event
 from gevent.lock import Semaphore
 
 from . import wire
+from .errors import MqksConnectionError, MqksError, MqksTimeoutError
 
 log = logging.getLogger("mqks.client")
 
@@ -36,24 +37,6 @@ RECV_BYTES = 65536
 # still reaches the socket, and back-pressure from a full socket reaches the caller
 HIGH_WATER_BYTES = 256 * 1024
 KILL_TIMEOUT_SECONDS = 1.0
-
-
-class MqksError(Exception):
-    """The broker answered `error`, or the client got no answer; `error_id` is None for the latter."""
-
-    def __init__(self, reason: str, error_id: str | None = None, rid: str | None = None) -> None:
-        super().__init__(f"error {error_id}: {reason}" if error_id else reason)
-        self.reason = reason
-        self.error_id = error_id
-        self.rid = rid
-
-
-class MqksTimeoutError(MqksError, TimeoutError):
-    """No answer in time: the request may or may not have been done."""
-
-
-class MqksConnectionError(MqksError, ConnectionError):
-    """Not connected, or the connection died before the answer came."""
 
 
 class Message:

@@ -16,7 +16,8 @@ from typing import Any
 
 import gevent
 
-from .client import Client, MqksConnectionError, MqksError
+from .client import Client
+from .errors import MqksConnectionError, MqksError
 
 # (key in state.stats(), label) in the order a message lives: published, queued, consumed, acked
 FIGURES: tuple[tuple[str, str], ...] = (

@@ -13,17 +13,15 @@ import select
 import socket
 import time
 
+# the gevent client's own classes, so one `except MqksError` serves both clients; still importable
+# from here, where user code found them first
+from mqks.client.errors import MqksConnectionError, MqksError
+
+__all__ = ["LineClient", "MqksConnectionError", "MqksError"]
+
 RECV_BYTES = 65536
 IO_TIMEOUT_SECONDS = 60.0  # no progress for this long on a send: the connection is dead
 MAX_LINES_PER_READ = 100_000  # bounds one read_lines() call; the rest waits in the kernel
-
-
-class MqksError(Exception):
-    """The broker answered `{rid} error {error_id} {reason}`."""
-
-
-class MqksConnectionError(MqksError):
-    """The connection broke or timed out; the broker requeues the consumer's un-acked messages."""
 
 
 class LineClient:

@@ -177,6 +177,8 @@ class _Publisher:
                     client = LineClient(self.options.host, self.options.port)
                 client.send(lines)
                 _read_confirms(client, unconfirmed)
+        except MqksConnectionError:
+            raise  # an OSError too, and already says what broke
         except OSError as e:
             raise MqksConnectionError(f"mqks sink {self.options.host}:{self.options.port}: {e}") from e
         finally:

@@ -1,0 +1,26 @@
+"""The exceptions of both MQKS clients: the gevent `Client` and the Spark data source.
+
+Step in the flow: the end of a request that went wrong: the broker answered `error`, no answer
+came in time, or the connection was lost. Invariant: no imports at all (no gevent, no I/O), so
+Spark's Python workers can catch these without loading the gevent client.
+"""
+
+from __future__ import annotations
+
+
+class MqksError(Exception):
+    """The broker answered `error`, or the client got no answer; `error_id` is None for the latter."""
+
+    def __init__(self, reason: str, error_id: str | None = None, rid: str | None = None) -> None:
+        super().__init__(f"error {error_id}: {reason}" if error_id else reason)
+        self.reason = reason
+        self.error_id = error_id
+        self.rid = rid
+
+
+class MqksTimeoutError(MqksError, TimeoutError):
+    """No answer in time: the request may or may not have been done."""
+
+
+class MqksConnectionError(MqksError, ConnectionError):
+    """Not connected, or the connection died before the answer came; the broker requeues un-acked messages."""
