@@ -70,7 +70,9 @@ def test_update_shows_the_queues_setting_and_each_consumers_own_flags(wire):
     assert wire.barrier() == []
 
 
-def test_consume_with_add_keeps_bindings_and_updates_other_consumers(broker):
+def test_consume_confirm_answers_ok_alone_unless_it_used_add(broker):
+    """The original MQKS's handshake: the consumer that named its events gets no --update of its own;
+    one that used --add does, since only the server knows the merged list; --add keeps the bindings."""
     first, second, publisher = broker.wire(), broker.wire(), broker.wire()
     queue, e1, e2 = unique("q"), unique("e"), unique("e")
     first.send(b"c1 consume --confirm %b %b" % (queue, e1))
@@ -79,6 +81,11 @@ def test_consume_with_add_keeps_bindings_and_updates_other_consumers(broker):
     second.expect(b"c2 ok --update %b %b %b" % (queue, e1, e2))
     second.expect(b"c2 ok ")
     first.expect(b"c1 ok --update %b %b %b" % (queue, e1, e2))
+    publisher.send(b"c3 consume --confirm %b %b %b" % (queue, e1, e2))
+    publisher.expect(b"c3 ok ")  # nothing changed: no --update to anyone
+    assert first.barrier() == [] and second.barrier() == [] and publisher.barrier() == []
+    publisher.send(b"dc delete_consumer --confirm c3")
+    publisher.expect(b"dc ok ")
     publisher.send(b"m1 publish %b x" % e1, b"m2 publish %b y" % e2)
     publisher.barrier()  # both publishes are routed before the consumers' own barriers
     got = sorted(line.split(b" ", 2)[2] for line in first.barrier() + second.barrier())
@@ -298,23 +305,6 @@ def test_ten_thousand_pipelined_messages_are_delivered_exactly_once(broker):
     assert len(seen) == 10_000
     assert set(seen) == {b"m%d" % i for i in range(10_000)}
     assert eval_on(publisher, b"state.queues[%r].depth()" % queue) == b"0"
-
-
-def test_consume_confirm_answers_ok_alone_unless_it_used_add(broker):
-    """The original MQKS's handshake: the consumer that named its events gets no --update of its own."""
-    first, second, third = broker.wire(), broker.wire(), broker.wire()
-    queue, e1, e2 = unique("q"), unique("e"), unique("e")
-    first.send(b"c1 consume --confirm %b %b" % (queue, e1))
-    first.expect(b"c1 ok ")
-    second.send(b"c2 consume --confirm %b --add %b" % (queue, e2))
-    second.expect(b"c2 ok --update %b %b %b" % (queue, e1, e2))
-    second.expect(b"c2 ok ")
-    first.expect(b"c1 ok --update %b %b %b" % (queue, e1, e2))
-    third.send(b"c3 consume --confirm %b %b %b" % (queue, e1, e2))
-    third.expect(b"c3 ok ")  # nothing changed: no --update to anyone
-    assert first.barrier() == [] and second.barrier() == [] and third.barrier() == []
-    for conn in (first, second, third):
-        conn.close()
 
 
 def test_consume_with_add_gets_its_own_update_without_confirm_too(broker):
