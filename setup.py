@@ -1,7 +1,9 @@
 """MQKS: Message Queue Kept Simple.
 
 The top-level folders `server/`, `client/` and `spark/` install as the packages
-`mqks.server`, `mqks.client` and `mqks.spark`.
+`mqks.server`, `mqks.client` and `mqks.spark`. `mqks` itself is a namespace package
+assembled by `package_dir`: no `mqks/` folder in the checkout can shadow the installed
+code when a command runs from inside it.
 """
 
 from setuptools import setup
@@ -13,16 +15,17 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=["mqks", "mqks.server", "mqks.client", "mqks.spark"],
+    packages=["mqks.server", "mqks.client", "mqks.spark"],
     package_dir={
-        "mqks": "mqks",
         "mqks.server": "server",
         "mqks.client": "client",
         "mqks.spark": "spark",
     },
+    package_data={"mqks.server": ["py.typed"], "mqks.client": ["py.typed"], "mqks.spark": ["py.typed"]},
     install_requires=["gevent>=24.2", "ujson>=5.9"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "dev": ["mypy>=1.10", "ruff>=0.5"],
         "spark": ["pyspark>=4.2,<5", "pyarrow>=15"],
     },
     entry_points={

@@ -95,7 +95,7 @@ class Consumer:
     def ready(self) -> bool:
         return not self.outbox.paused and (not self.prefetch or len(self.unacked) < self.prefetch)
 
-    def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Message | None = None) -> None:
+    def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Item | None = None) -> None:
         """Owe the client this tail; with manual ack, hold the message (`held`, else the tail) under `seq`."""
         outbox = self.outbox
         out = outbox.out
@@ -165,7 +165,7 @@ class SeqConsumer(Consumer):
         super().__init__(*args, **kwargs)
         self.wants_seq = True
 
-    def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Message | None = None) -> None:
+    def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Item | None = None) -> None:
         header_end = tail.index(b" ", tail.index(b" ", 4) + 1)  # as in Message.delivery_tail
         shown = b"%b,seq=%d%b" % (tail[:header_end], seq, tail[header_end:])
         Consumer.deliver(self, shown, seq, msg_id, tail if held is None else held)
@@ -237,11 +237,11 @@ class Queue:
                         consumer.deliver(tail, 0, msg_id)
                     return True
             elif consumers:
-                consumer = self.ready_consumer()
-                if consumer is not None:
+                ready = self.ready_consumer()
+                if ready is not None:
                     seq = self.next_seq
                     self.next_seq = seq + 1
-                    consumer.deliver(tail, seq, msg_id)
+                    ready.deliver(tail, seq, msg_id)
                     return True
         # waiting tails hold consecutive seqs ending at next_seq - 1: only an empty queue
         # delivers directly, so no seq is skipped between them
@@ -312,20 +312,20 @@ class Queue:
                 delivered += 1
             return delivered
         while messages:
-            consumer = self.ready_consumer()
-            if consumer is None:
+            ready = self.ready_consumer()
+            if ready is None:
                 break
             seq, item = self.pop()
-            if type(item) is Message:
-                consumer.deliver(item.delivery_tail(), seq, msg_id_of(item.tail), item)
+            if isinstance(item, Message):
+                ready.deliver(item.delivery_tail(), seq, msg_id_of(item.tail), item)
             else:
-                consumer.deliver(item, seq, msg_id_of(item))
+                ready.deliver(item, seq, msg_id_of(item))
             delivered += 1
         return delivered
 
     def requeue(self, taken: list[tuple[int, Item]]) -> None:
         """Put messages back at the front, in the order given, with retry raised."""
-        records = [Message(seq, 1, item) if type(item) is bytes else Message(seq, item.retry + 1, item.tail)
+        records = [Message(seq, item.retry + 1, item.tail) if isinstance(item, Message) else Message(seq, 1, item)
                    for seq, item in taken]
         self.messages.extendleft(reversed(records))
         self.requeued += len(records)
