@@ -6,13 +6,15 @@ assembled by `package_dir`: no `mqks/` folder in the checkout can shadow the ins
 code when a command runs from inside it.
 """
 
+from pathlib import Path
+
 from setuptools import setup
 
 setup(
     name="mqks",
     version="0.1.0",
     description="Message Queue Kept Simple: a line-protocol message broker on gevent",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=["mqks.server", "mqks.client", "mqks.spark"],

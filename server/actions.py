@@ -20,14 +20,17 @@ from typing import Protocol, TypeAlias
 
 from .outbox import Outbox
 from .protocol import ProtocolError, looks_like_http, parse_count, parse_flag_value, parse_seconds, text
-from .workers import Workers
 from .state import Consumer, SeqConsumer
+from .workers import Workers
 
 log = logging.getLogger("mqks.actions")
 
 DASH = 45  # b"-"[0]: the first byte of a flag
 SPACE = 32  # b" "[0]
 CONFIRM = b"--confirm"
+CONSUME_MISSING = "consume: queue expected: {consumer_id} consume {queue} [{event} ...] [flags]"
+REBIND_MISSING = ("rebind: queue expected: {id} rebind {queue} [{event} ...] [--remove ...] [--remove-mask ...] "
+                  "[--add ...]")
 
 
 class Session(Protocol):
@@ -69,7 +72,7 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
     else:
         event = args[:space]
         tail = b"".join((b" ok ", rid, b" event=", args))
-    if not event or event[0] == DASH and event.startswith(b"--"):
+    if not event or (event[0] == DASH and event.startswith(b"--")):
         check_name(event, "publish: event")
     for broker in session.workers.brokers:
         broker.publish(rid, event, tail)
@@ -81,7 +84,7 @@ def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, 
     """`{queue} [events] [--add events] [flags]` -> (queue, events, added or None without --add, flags)."""
     tokens = args.split()
     if not tokens:
-        raise ProtocolError("consume: queue expected: {consumer_id} consume {queue} [{event} ...] [flags]")
+        raise ProtocolError(CONSUME_MISSING)
     queue = check_name(tokens[0], "consume: queue")
     events: list[bytes] = []
     added: list[bytes] | None = None
@@ -90,7 +93,8 @@ def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, 
     for token in tokens[1:]:
         if not token.startswith(b"--"):
             if target is None:
-                raise ProtocolError(f"consume: event {text(token)!r} after a flag; put events before flags or after --add")
+                raise ProtocolError(f"consume: event {text(token)!r} after a flag; "
+                                    "put events before flags or after --add")
             target.append(token)
             continue
         target = None
@@ -127,7 +131,7 @@ def handle_consume(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
 def handle_rebind(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     tokens = args.split()
     if not tokens:
-        raise ProtocolError("rebind: queue expected: {id} rebind {queue} [{event} ...] [--remove ...] [--remove-mask ...] [--add ...]")
+        raise ProtocolError(REBIND_MISSING)
     name = check_name(tokens[0], "rebind: queue")
     lists: dict[bytes, list[bytes]] = {b"": [], b"--remove": [], b"--remove-mask": [], b"--add": []}
     target = lists[b""]
@@ -225,7 +229,8 @@ def handle_eval(session: Session, rid: bytes, args: bytes, confirm: bool) -> Non
         raise ProtocolError("_eval: expected a Python expression")
     namespace = {"state": workers.brokers[worker], "workers": workers}
     try:
-        result = eval(code.decode(), namespace)  # noqa: S307 - operator-enabled, loopback-only backdoor
+        # remote code execution on purpose: the dispatcher lets only --eval servers' loopback peers here
+        result = eval(code.decode(), namespace)
     except Exception as e:
         raise ProtocolError(f"_eval: {type(e).__name__}: {e}") from None
     session.ok(rid, repr(result).replace("\n", "\\n").encode())
@@ -247,12 +252,10 @@ SETTLE_USAGE = "expected {consumer_id} {msg_id}|--all"
 
 ACTIONS: dict[bytes, Action] = {
     b"publish": Action(handle_publish, "publish: event expected", logged=True),
-    b"consume": Action(handle_consume, "consume: queue expected: {consumer_id} consume {queue} [{event} ...] [flags]",
-                       logged=True),
+    b"consume": Action(handle_consume, CONSUME_MISSING, logged=True),
     b"ack": Action(handle_ack, "ack: " + SETTLE_USAGE, logged=True),
     b"reject": Action(handle_reject, "reject: " + SETTLE_USAGE, logged=True),
-    b"rebind": Action(handle_rebind, "rebind: queue expected: {id} rebind {queue} [{event} ...] [--remove ...] "
-                                     "[--remove-mask ...] [--add ...]", logged=True),
+    b"rebind": Action(handle_rebind, REBIND_MISSING, logged=True),
     b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", logged=True),
     b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", logged=True),
     b"ping": Action(handle_ping, "", needs_args=False, needs_auth=False),

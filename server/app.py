@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import gevent
 from gevent.event import Event
@@ -24,8 +24,8 @@ from gevent.server import StreamServer
 
 from .config import DEFAULTS, Config
 from .connection import Connection
-from .workers import Workers
 from .timers import Timers
+from .workers import Workers
 
 log = logging.getLogger("mqks.server")
 
@@ -77,7 +77,7 @@ class ErrorIds:
         now_us = max(time.time_ns() // 1000, self.last_us + 1)
         self.last_us = now_us
         seconds, micros = divmod(now_us, 1_000_000)
-        stamp = datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y%m%d%H%M%S")
+        stamp = datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%d%H%M%S")
         return f"{stamp}{micros:06d}{os.urandom(2).hex()}"
 
 

@@ -27,8 +27,8 @@ from .actions import Action, actions_for, run_lines
 from .config import Config
 from .outbox import Outbox
 from .protocol import LineSplitter, format_error, format_ok
-from .workers import Workers
 from .state import Consumer
+from .workers import Workers
 
 log = logging.getLogger("mqks.connection")
 
