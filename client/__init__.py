@@ -11,7 +11,7 @@ from typing import Any
 
 _MODULE_BY_NAME = {
     "Client": "client",
-    "Message": "client",
+    "Message": "consumers",
     "MqksError": "errors",
     "MqksConnectionError": "errors",
     "MqksTimeoutError": "errors",

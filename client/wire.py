@@ -7,11 +7,28 @@ never holds a newline, carriage return or tab, so one request is always exactly 
 
 from __future__ import annotations
 
+import itertools
 import re
+import secrets
+from collections.abc import Callable
 
 # whitespace would split a token; a leading "--" would make the server read it as a flag
 _BAD_TOKEN = re.compile(r"\s|^--")
 _FORBIDDEN_IN_DATA = ("\n", "\r", "\t")
+
+
+def rid_maker() -> Callable[[], bytes]:
+    """A source of request and msg ids: `{random prefix}{counter in hex}`.
+
+    The prefix makes them unique across clients: the broker keys un-acked messages by msg id.
+    """
+    prefix = secrets.token_hex(6)
+    counter = itertools.count(1)
+
+    def new_rid() -> bytes:
+        return f"{prefix}{next(counter):x}".encode()
+
+    return new_rid
 
 
 def encode_token(value: str, kind: str) -> bytes:

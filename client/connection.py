@@ -1,0 +1,378 @@
+"""The client's link to the broker: one live TCP connection at a time, run by gevent greenlets.
+
+A line travels: caller -> `Connection.write` (batched) -> writer greenlet (one sendall per batch)
+-> broker -> reader greenlet (recv 64 KiB, bytes.split) -> a waiting future, or the `Session` (the
+consumers). Invariants: the reader never runs user code, so a slow callback cannot stall pongs or
+confirms; a lost connection fails every future waiting on it; on a new connection the session
+replays before the handshake pong, and no caller's line goes out before that pong.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import gevent
+import gevent.socket
+from gevent.event import AsyncResult, Event
+from gevent.lock import Semaphore
+
+from . import wire
+from .errors import MqksConnectionError, MqksError, MqksTimeoutError
+
+log = logging.getLogger("mqks.client")
+
+RECV_BYTES = 65536
+# past this many unsent bytes the caller flushes itself: a publish loop that never yields
+# still reaches the socket, and back-pressure from a full socket reaches the caller
+HIGH_WATER_BYTES = 256 * 1024
+KILL_TIMEOUT_SECONDS = 1.0
+
+
+class Session(Protocol):
+    """What runs on top of the link: replayed on every new connection, told of lines and of the loss."""
+
+    def replay(self, conn: Connection) -> Callable[[float], None]:
+        """Queue the requests a new connection needs first; returns what checks their answers by a deadline."""
+
+    def deliver(self, rid: bytes, data: bytes) -> bool:
+        """Take an `ok` line with data that answers no request; False when it is not the session's."""
+
+    def answered(self, rid: bytes) -> None:
+        """An `ok` answer to request `rid` is about to wake its caller."""
+
+    def refused(self, rid: bytes, error: MqksError) -> bool:
+        """Take an error answer nobody waits for; False when it is not the session's."""
+
+    def disconnected(self, notify: bool, closed: bool) -> None:
+        """The connection is gone; `notify` is False while handshaking or closing, `closed` when closing."""
+
+
+class Connection:
+    """One TCP connection: its output batch, its pending answers, its greenlets."""
+
+    __slots__ = ("sock", "where", "on_error", "out", "out_bytes", "wakeup", "send_lock", "futures", "lost", "reason",
+                 "greenlets")
+
+    def __init__(self, sock: socket.socket, where: str, on_error: Callable[[str], None]) -> None:
+        self.sock = sock
+        self.where = where  # host:port, for error texts
+        self.on_error = on_error  # marks this connection lost
+        self.out: list[bytes] = []
+        self.out_bytes = 0
+        self.wakeup = Event()
+        self.send_lock = Semaphore()
+        self.futures: dict[bytes, AsyncResult] = {}
+        self.lost = Event()
+        self.reason = ""
+        self.greenlets: list[gevent.Greenlet] = []
+
+    def write(self, line: bytes) -> None:
+        """Queue one line (with its newline) for the next batch."""
+        self.out.append(line)
+        self.out_bytes += len(line)
+        if self.out_bytes <= HIGH_WATER_BYTES:
+            self.wakeup.set()
+            return
+        try:
+            self.flush()
+        except OSError:
+            pass  # flush has marked the connection lost
+
+    def request(self, rid: bytes, line: bytes) -> AsyncResult:
+        """Queue a line whose answer is awaited; the future gets the ok data or an MqksError."""
+        future = AsyncResult()
+        self.futures[rid] = future
+        self.write(line)
+        return future
+
+    def wait(self, rid: bytes, future: AsyncResult, deadline: float, what: str) -> bytes:
+        """The ok data of `future`; MqksError for an error answer, MqksTimeoutError after `deadline`.
+
+        However the wait ends (a caller's own gevent.Timeout included), `rid` no longer waits here.
+        """
+        try:
+            # wait(), not get(timeout): a caller's gevent.Timeout must stay theirs, not become ours
+            future.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            if not future.ready():
+                self.futures.pop(rid, None)
+        if not future.ready():
+            raise MqksTimeoutError(f"no answer to {what} from {self.where} in time")
+        return future.get()
+
+    def flush(self) -> None:
+        """Send everything queued so far in one sendall; raises OSError when the socket is dead."""
+        with self.send_lock:
+            if not self.out:
+                return
+            batch = b"".join(self.out)
+            self.out = []
+            self.out_bytes = 0
+            try:
+                self.sock.sendall(batch)
+            except BaseException as e:
+                # a sendall cut short (error, or a caller's gevent.Timeout) may leave half a line
+                # on the wire: this stream can no longer be trusted
+                self.on_error(f"send failed: {e!r}")
+                raise
+
+
+class Link:
+    """Keeps one live, handshaken connection to host:port: connects, keeps alive, reconnects with backoff.
+
+    A send or call made while disconnected waits for the reconnect until its deadline, then raises
+    MqksConnectionError. Plain publishes that never reached a lost socket go out again on the next one.
+    """
+
+    def __init__(self, host: str, port: int, session: Session, new_rid: Callable[[], bytes], *, ping_seconds: float,
+                 ping_timeout_seconds: float, reconnect_min_seconds: float, reconnect_max_seconds: float,
+                 timeout_seconds: float, connect_timeout_seconds: float) -> None:
+        self.host = host
+        self.port = port
+        self.session = session
+        self.new_rid = new_rid
+        self.ping_seconds = ping_seconds
+        self.ping_timeout_seconds = ping_timeout_seconds
+        self.reconnect_min_seconds = reconnect_min_seconds
+        self.reconnect_max_seconds = reconnect_max_seconds
+        self.timeout_seconds = timeout_seconds
+        self.connect_timeout_seconds = connect_timeout_seconds
+        self._random = random.Random()
+        self.conn: Connection | None = None
+        self._connected = Event()
+        self.closed = False
+        self._closing = Event()  # wakes callers waiting for a reconnect that will never come
+        self._manager: gevent.Greenlet | None = None
+        self._unsent_publishes: list[bytes] = []
+        self.reconnects = 0
+
+    @property
+    def connected(self) -> bool:
+        """True while a live, handshaken connection exists."""
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        """Block until connected (or `timeout` passes); returns whether connected."""
+        return self._connected.wait(timeout)
+
+    def start(self, timeout: float) -> bool:
+        """Start connecting (retrying with backoff) unless started; returns whether connected within `timeout`."""
+        if self.closed:
+            raise MqksConnectionError("client closed")
+        if self._manager is None:
+            self._manager = gevent.spawn(self._run)
+        return self._connected.wait(timeout)
+
+    def close(self, greenlets: list[gevent.Greenlet]) -> None:
+        """Stop for good: kill the manager and `greenlets` (the consumers'), then drop the connection quietly."""
+        self.closed = True
+        self._closing.set()
+        self._connected.clear()
+        if self._manager is not None and self._manager is not gevent.getcurrent():
+            greenlets = [self._manager, *greenlets]
+        gevent.killall(greenlets, timeout=KILL_TIMEOUT_SECONDS)
+        if self.conn is not None:
+            self.lose(self.conn, "client closed")
+            self._teardown(self.conn, notify=False)
+
+    def live(self, deadline: float) -> Connection:
+        """The current connection, waiting for a reconnect until `deadline`."""
+        if self.closed:
+            raise MqksConnectionError("client closed")
+        if self._manager is None:
+            raise MqksConnectionError("not connected: call connect() first")
+        # a loop: a connection may be up and lost again before this greenlet gets to run
+        while not self._connected.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MqksConnectionError(f"not connected to {self.host}:{self.port} in time")
+            gevent.wait([self._connected, self._closing], timeout=left, count=1)
+            if self.closed:
+                raise MqksConnectionError("client closed")
+        conn = self.conn
+        assert conn is not None  # _connected is set only with a connection
+        return conn
+
+    def lose(self, conn: Connection, reason: str) -> None:
+        """Mark `conn` dead once: fail its pending answers and wake the manager."""
+        if conn.lost.is_set():
+            return
+        conn.reason = reason
+        if conn is self.conn:
+            self._connected.clear()
+        if not self.closed:
+            log.warning("mqks %s:%s: connection lost: %s", self.host, self.port, reason)
+        futures, conn.futures = conn.futures, {}
+        error = MqksConnectionError(f"connection lost: {reason}")
+        for future in futures.values():
+            future.set_exception(error)
+        conn.lost.set()
+
+    def _run(self) -> None:
+        """Keep one live connection: connect, handshake, wait until lost, back off, again."""
+        attempt = 0
+        while not self.closed:
+            try:
+                conn = self._open()
+            except (OSError, MqksError) as e:
+                delay = self._backoff_seconds(attempt)
+                attempt += 1
+                # before the first connection connect() is waiting and will raise: no need to shout
+                log.log(logging.WARNING if self.reconnects else logging.INFO,
+                        "mqks %s:%s: connect failed (%s); retrying in %.2fs", self.host, self.port, e, delay)
+                gevent.sleep(delay)
+                continue
+            if attempt or self.reconnects:
+                log.info("mqks %s:%s: connected", self.host, self.port)
+            self._connected.set()
+            opened_at = time.monotonic()
+            conn.lost.wait()
+            self._connected.clear()
+            self._teardown(conn)
+            self.reconnects += 1
+            if time.monotonic() - opened_at >= self.reconnect_max_seconds:
+                attempt = 0  # it was a good connection: try again at once
+            else:
+                # a broker that accepts, answers and drops us again must not get a reconnect storm
+                gevent.sleep(self._backoff_seconds(attempt))
+                attempt += 1
+
+    def _backoff_seconds(self, attempt: int) -> float:
+        """Exponential backoff capped at reconnect_max_seconds, with jitter so clients do not stampede."""
+        delay = min(self.reconnect_max_seconds, self.reconnect_min_seconds * (2 ** min(attempt, 30)))
+        return self._random.uniform(delay / 2, delay)
+
+    def _open(self) -> Connection:
+        """A new connection with the session replayed and a pong back; raises on failure."""
+        sock = gevent.socket.create_connection((self.host, self.port), timeout=self.connect_timeout_seconds)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection(sock, f"{self.host}:{self.port}", lambda reason: self.lose(conn, reason))
+        self.conn = conn
+        conn.greenlets = [gevent.spawn(self._read_loop, conn), gevent.spawn(self._write_loop, conn)]
+        try:
+            deadline = time.monotonic() + self.timeout_seconds
+            confirm_replays = self.session.replay(conn)
+            rid = self.new_rid()
+            pong = conn.request(rid, rid + b" ping handshake\n")
+            conn.wait(rid, pong, deadline, "handshake ping")
+            confirm_replays(deadline)
+            if conn.lost.is_set():
+                raise MqksConnectionError(f"connection lost during the handshake: {conn.reason}")
+        except BaseException:
+            self.lose(conn, "handshake failed")
+            self._teardown(conn, notify=False)
+            raise
+        # publishes that never reached the old socket go after the replay, before any new line
+        for line in self._unsent_publishes:
+            conn.write(line)
+        self._unsent_publishes = []
+        conn.greenlets.append(gevent.spawn(self._ping_loop, conn))
+        return conn
+
+    def _teardown(self, conn: Connection, notify: bool = True) -> None:
+        """Stop a lost connection's greenlets, keep its unsent publishes; `notify` runs on_disconnect hooks."""
+        current = gevent.getcurrent()
+        gevent.killall([g for g in conn.greenlets if g is not current], timeout=KILL_TIMEOUT_SECONDS)
+        conn.greenlets = []
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        if not self.closed:
+            self._unsent_publishes.extend(line for line in conn.out if wire.is_fire_and_forget_publish(line))
+        conn.out = []
+        self.session.disconnected(notify, self.closed)
+
+    def _read_loop(self, conn: Connection) -> None:
+        """Split the stream into lines and route each; ends when the socket does."""
+        parts: list[bytes] = []  # a line longer than one recv, kept whole until its newline comes
+        try:
+            while True:
+                chunk = conn.sock.recv(RECV_BYTES)
+                if not chunk:
+                    self.lose(conn, "closed by the broker")
+                    return
+                if b"\n" not in chunk:
+                    parts.append(chunk)
+                    continue
+                if parts:
+                    parts.append(chunk)
+                    chunk = b"".join(parts)
+                lines = chunk.split(b"\n")
+                tail = lines.pop()
+                parts = [tail] if tail else []
+                for line in lines:
+                    try:
+                        self._handle_line(conn, line)
+                    except Exception:
+                        log.exception("mqks %s:%s: cannot handle %r", self.host, self.port, line[:200])
+        except OSError as e:
+            self.lose(conn, f"receive failed: {e}")
+
+    def _handle_line(self, conn: Connection, line: bytes) -> None:
+        """Route one answer line: to the session, its waiting future, or the log."""
+        rid, status, data = wire.split_answer(line.rstrip(b"\r"))
+        if status == b"ok":
+            if data and self.session.deliver(rid, data):
+                return
+            future = conn.futures.pop(rid, None)
+            if future is not None:
+                self.session.answered(rid)
+                future.set(data)
+            return
+        if status == b"error":
+            error_id, reason = wire.split_error(data)
+            error = MqksError(reason, error_id, rid.decode(errors="replace"))
+            future = conn.futures.pop(rid, None)
+            if future is not None:
+                future.set_exception(error)
+            elif not self.session.refused(rid, error):
+                log.warning("mqks %s:%s: request %s failed: %s", self.host, self.port, error.rid, error)
+            return
+        log.warning("mqks %s:%s: unexpected line %r", self.host, self.port, line[:200])
+
+    def _write_loop(self, conn: Connection) -> None:
+        """Send each batch the callers queued, once they yield."""
+        try:
+            while True:
+                conn.wakeup.wait()
+                conn.wakeup.clear()
+                conn.flush()
+        except OSError:
+            pass  # flush has marked the connection lost
+
+    def _ping_loop(self, conn: Connection) -> None:
+        """Keepalive: a pong missing for ping_timeout_seconds means a dead connection."""
+        while not conn.lost.is_set():
+            gevent.sleep(self.ping_seconds)
+            rid = self.new_rid()
+            future = conn.request(rid, rid + b" ping keepalive\n")
+            try:
+                conn.wait(rid, future, time.monotonic() + self.ping_timeout_seconds, "keepalive ping")
+            except MqksTimeoutError:
+                self.lose(conn, f"no pong within {self.ping_timeout_seconds}s")
+                return
+            except MqksError:
+                return
+
+    def send(self, line: bytes, deadline: float) -> None:
+        """Queue a line that gets no answer, waiting for a connection until `deadline`."""
+        self.live(deadline).write(line)
+
+    def call(self, action: bytes, args: bytes, deadline: float, retry: bool = False) -> bytes:
+        """Send `{rid} {action} {args}` and return the ok data; `retry` resends after a reconnect."""
+        while True:
+            conn = self.live(deadline)
+            rid = self.new_rid()
+            future = conn.request(rid, b"".join((rid, b" ", action, b" ", args, b"\n")))
+            try:
+                return conn.wait(rid, future, deadline, action.decode())
+            except MqksConnectionError:
+                if not retry or self.closed or time.monotonic() >= deadline:
+                    raise
