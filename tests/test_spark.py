@@ -6,7 +6,6 @@ in a subprocess so that it can be SIGKILLed between reading a batch and committi
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import signal
@@ -18,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import eval_value, wait_for
 
 pytest.importorskip("pyspark", reason="pyspark is not installed: pip install -e '.[spark]'")
 pytest.importorskip("pyarrow", reason="pyarrow is not installed: pip install -e '.[spark]'")
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.spark
 
 HERE = Path(__file__).resolve().parent
 WAIT_SECONDS = 90.0
+POLL_SECONDS = 0.2  # a poll may run a Spark query: no need to ask more often
 
 
 @pytest.fixture(scope="session")
@@ -37,43 +38,18 @@ def spark() -> Iterator:
     session.stop()
 
 
-def wait_for(condition, what: str, timeout: float = WAIT_SECONDS):
-    """Poll `condition()` until it returns something truthy; fail with `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
-def server_stats(broker) -> dict:
-    wire = broker.wire()
-    try:
-        wire.send(b"st _eval state.stats()")
-        line = wire.recv_line()
-    finally:
-        wire.close()
-    assert line.startswith(b"st ok "), line
-    return ast.literal_eval(line[len(b"st ok ") :].decode())
+def eventually(condition, what: str, timeout: float = WAIT_SECONDS):
+    """`wait_for` with Spark's patience: batches take seconds, not milliseconds."""
+    return wait_for(condition, what, timeout, interval=POLL_SECONDS)
 
 
 def queue_depths(broker, queue: str) -> tuple[int, int]:
     """(messages waiting, messages un-acked) of one queue, read from the server's state."""
-    name = queue.encode()
-    wire = broker.wire()
-    try:
-        wire.send(
-            b"qd _eval (lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)) if q else (0, 0))"
-            b"(state.queues.get(%r))" % name
-        )
-        line = wire.recv_line()
-    finally:
-        wire.close()
-    assert line.startswith(b"qd ok "), line
-    return ast.literal_eval(line[len(b"qd ok ") :].decode())
+    return eval_value(
+        broker,
+        "(lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)) if q else (0, 0))"
+        f"(state.queues.get({queue.encode()!r}))",
+    )
 
 
 def bind(broker, queue: str, *events: str) -> None:
@@ -138,9 +114,9 @@ def test_stream_delivers_5000_events_and_acks_them_all(spark, broker):
     stream = mqks_stream(spark, broker, queue, "user.*.created", maxRecordsPerBatch="1000", idleAckSeconds="1")
     query = stream.writeStream.format("memory").queryName("spark_all").start()
     try:
-        wait_for(lambda: spark.sql("select count(*) from spark_all").first()[0] >= 5000, "5000 rows in the sink")
+        eventually(lambda: spark.sql("select count(*) from spark_all").first()[0] >= 5000, "5000 rows in the sink")
         # the last batch is acked by the idle tick, not by a later batch
-        wait_for(lambda: queue_depths(broker, queue) == (0, 0), "the queue to drain with nothing un-acked")
+        eventually(lambda: queue_depths(broker, queue) == (0, 0), "the queue to drain with nothing un-acked")
     finally:
         query.stop()
     rows = spark.sql("select * from spark_all").collect()
@@ -164,8 +140,8 @@ def test_max_records_per_batch_bounds_every_batch(spark, broker):
         def batch_sizes() -> list[int]:
             return [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
 
-        wait_for(lambda: sum(batch_sizes()) >= 1000, "1000 rows read")
-        wait_for(lambda: queue_depths(broker, queue) == (0, 0), "the queue to drain")
+        eventually(lambda: sum(batch_sizes()) >= 1000, "1000 rows read")
+        eventually(lambda: queue_depths(broker, queue) == (0, 0), "the queue to drain")
     finally:
         query.stop()
     sizes = batch_sizes()
@@ -238,7 +214,8 @@ def test_batch_write_uses_the_msg_id_column_when_given(spark, broker):
     try:
         consume(wire, b"c3", queue)
         df = spark.createDataFrame(
-            [("own.1", "ids.e", "plain text, with spaces"), (None, "ids.e", "")], "msg_id STRING, event STRING, data STRING"
+            [("own.1", "ids.e", "plain text, with spaces"), (None, "ids.e", "")],
+            "msg_id STRING, event STRING, data STRING",
         ).coalesce(1)
         df.write.format("mqks").mode("append").option("host", broker.host).option("port", str(broker.port)).save()
         got = collect_deliveries(wire, b"c3", 2)
@@ -258,18 +235,24 @@ def test_sink_fails_with_the_server_reason(spark, broker):
     assert "refused publish" in text and "publish: event" in text, text[-2000:]
 
 
+def _spark_process(cmd: list[str], log: Path) -> subprocess.Popen:
+    """A Python script that starts its own Spark, logging to `log`; stop it with `_kill_group`."""
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+    with open(log, "ab") as log_file:
+        # its own process group: SIGKILL takes the JVM and the Python workers with it
+        return subprocess.Popen([sys.executable, *cmd], stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
 def _run_job(broker, queue: str, checkpoint: Path, out: Path, log: Path, block_batch: int | None) -> subprocess.Popen:
     cmd = [
-        sys.executable, str(HERE / "spark_failure_job.py"),
+        str(HERE / "spark_failure_job.py"),
         "--port", str(broker.port), "--queue", queue,
         "--checkpoint", str(checkpoint), "--out", str(out), "--max-records-per-batch", "100",
     ]
     if block_batch is not None:
         cmd += ["--block-batch", str(block_batch)]
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
-    with open(log, "ab") as log_file:
-        # its own process group: SIGKILL takes the JVM and the Python workers with it
-        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return _spark_process(cmd, log)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -298,11 +281,12 @@ def test_killed_query_restarts_from_checkpoint_without_loss(broker, tmp_path):
 
     first = _run_job(broker, queue, checkpoint, out, log, block_batch=3)
     try:
-        blocked = wait_for(
-            lambda: (out / "blocked").exists() or first.poll() is not None, "the job to block in batch 3", 150
+        outcome = eventually(
+            lambda: "blocked" if (out / "blocked").exists() else "exited" if first.poll() is not None else None,
+            "the job to block in batch 3", 150,
         )
-        assert first.poll() is None, log.read_text()[-3000:]
-        assert blocked
+        assert outcome == "blocked", f"the job exited {first.returncode} before blocking: {log.read_text()[-3000:]}"
+        assert first.poll() is None, log.read_text()[-3000:]  # still holding the batch it read
         blocked_batch, blocked_rows = map(int, (out / "blocked").read_text().split())
     finally:
         _kill_group(first)
@@ -311,10 +295,10 @@ def test_killed_query_restarts_from_checkpoint_without_loss(broker, tmp_path):
 
     second = _run_job(broker, queue, checkpoint, out, log, block_batch=None)
     try:
-        wait_for(lambda: {m for _, m, _ in _recorded(out)} >= set(ids) or second.poll() is not None,
+        eventually(lambda: {m for _, m, _ in _recorded(out)} >= set(ids) or second.poll() is not None,
                  "every message to be processed after the restart", 150)
         assert second.poll() is None, log.read_text()[-3000:]
-        wait_for(lambda: queue_depths(broker, queue) == (0, 0), "the queue to drain after the restart")
+        eventually(lambda: queue_depths(broker, queue) == (0, 0), "the queue to drain after the restart")
     finally:
         _kill_group(second)
 
@@ -334,7 +318,8 @@ def _reader(broker, queue: str, **options: str):
     """The stream reader without Spark: the calls Spark's driver-side runner makes, made by hand."""
     from mqks.spark.source import MqksStreamReader, SourceOptions
 
-    return MqksStreamReader(SourceOptions.parse({"host": broker.host, "port": str(broker.port), "queue": queue, **options}), None)
+    options = {"host": broker.host, "port": str(broker.port), "queue": queue, **options}
+    return MqksStreamReader(SourceOptions.parse(options), None)
 
 
 def test_reader_ignores_offsets_of_another_session(broker):
@@ -346,7 +331,7 @@ def test_reader_ignores_offsets_of_another_session(broker):
     reader = _reader(broker, queue)
     try:
         start = reader.initialOffset()
-        end = wait_for(lambda: (lambda e: e if e != start else None)(reader.latestOffset(start, ReadMaxRows(10))),
+        end = eventually(lambda: (lambda e: e if e != start else None)(reader.latestOffset(start, ReadMaxRows(10))),
                        "10 deliveries")
         assert end["seq"] == 10 and end["session"] == reader.session
         earlier_run = {"session": "an-earlier-run", "seq": 10, "tick": 0}
@@ -373,14 +358,14 @@ def test_reader_starts_a_new_session_when_the_broker_restarts(make_broker):
     reader = _reader(server, queue)
     try:
         start = reader.initialOffset()
-        end = wait_for(lambda: (lambda e: e if e != start else None)(reader.latestOffset(start, ReadMaxRows(10))),
+        end = eventually(lambda: (lambda e: e if e != start else None)(reader.latestOffset(start, ReadMaxRows(10))),
                        "a delivery")
         server.kill()
         server.restart()
         bind(server, queue, "restart.e")
         publish(server, [("r2", "restart.e", "y")])
         # the batch planned before the restart now belongs to a dead session
-        after = wait_for(lambda: (lambda e: e if e != end else None)(reader.latestOffset(end, ReadMaxRows(10))),
+        after = eventually(lambda: (lambda e: e if e != end else None)(reader.latestOffset(end, ReadMaxRows(10))),
                          "a delivery after the restart")
         assert after["session"] != end["session"] and after["seq"] == 1
         assert reader.partitions(start, end) == []
@@ -407,19 +392,17 @@ def test_example_pipeline_publishes_window_counts(broker, tmp_path):
     bind(broker, counts_queue, "stats.events.counted")
     log = tmp_path / "pipeline.log"
     cmd = [
-        sys.executable, str(HERE.parent / "pipelines" / "event_counts.py"),
+        str(HERE.parent / "pipelines" / "event_counts.py"),
         "--port", str(broker.port), "--queue", "spark.pipeline", "--events", "page.* tick.*",
         "--window", "2 seconds", "--watermark", "1 second", "--trigger", "1 second",
         "--checkpoint", str(tmp_path / "checkpoint"), "--run-seconds", "200",
     ]
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
-    with open(log, "wb") as log_file:
-        job = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    job = _spark_process(cmd, log)
     wire = broker.wire()
     try:
         consume(wire, b"c4", counts_queue)
         # the pipeline binds its queue before Spark starts: events published from then on are counted
-        wait_for(lambda: _queue_exists(broker, "spark.pipeline") or job.poll() is not None,
+        eventually(lambda: _queue_exists(broker, "spark.pipeline") or job.poll() is not None,
                  "the pipeline to bind its queue")
         publish(broker, [(f"v{i}", "page.viewed", "{}") for i in range(300)])
         counted = 0
@@ -435,7 +418,7 @@ def test_example_pipeline_publishes_window_counts(broker, tmp_path):
                 line = wire.recv_line(timeout=1.0)
             except TimeoutError:
                 continue
-            msg_id, head, data = line[len(b"c4 ok ") :].split(b" ", 2)
+            _msg_id, head, data = line[len(b"c4 ok ") :].split(b" ", 2)
             assert head == b"event=stats.events.counted", line
             count = json.loads(data)
             assert set(count) == {"window_start", "window_end", "event", "count"}, count
@@ -448,9 +431,4 @@ def test_example_pipeline_publishes_window_counts(broker, tmp_path):
 
 
 def _queue_exists(broker, queue: str) -> bool:
-    wire = broker.wire()
-    try:
-        wire.send(b"qe _eval %r in state.queues" % queue.encode())
-        return wire.recv_line() == b"qe ok True"
-    finally:
-        wire.close()
+    return eval_value(broker, f"{queue.encode()!r} in state.queues")
