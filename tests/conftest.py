@@ -50,7 +50,7 @@ class Wire:
             self.sock.settimeout(left)
             try:
                 chunk = self.sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             if not chunk:
                 raise ConnectionError(f"server closed the connection; have {self.buffer[:200]!r}")
@@ -89,7 +89,7 @@ class Wire:
             try:
                 if not self.sock.recv(1 << 20):
                     return True
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return True
@@ -108,7 +108,7 @@ class Broker:
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
         # a file, not a pipe: a pipe nobody reads fills up and would freeze the server
-        self.log_file = tempfile.NamedTemporaryFile(prefix="mqksd-", suffix=".log", delete=False)
+        self.log_file = tempfile.NamedTemporaryFile(prefix="mqksd-", suffix=".log", delete=False)  # noqa: SIM115
         self.start()
 
     def start(self) -> None:
