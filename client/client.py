@@ -84,7 +84,7 @@ class Client:
             return
         if self._link.connected:
             try:
-                self._call(b"ping", b"close", timeout=timeout)
+                self._link.call(b"ping", b"close", self._deadline(timeout))
             except MqksError as e:
                 log.warning("mqks %s:%s: close could not flush: %s", self.host, self.port, e)
         self._link.close(self._consumers.stop())
@@ -98,13 +98,18 @@ class Client:
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout_seconds if timeout is None else timeout)
 
-    def _call(self, action: bytes, args: bytes, timeout: float | None = None, retry: bool = False) -> bytes:
-        """Send `{rid} {action} {args}` and return the ok data; `retry` resends after a reconnect."""
-        return self._link.call(action, args, self._deadline(timeout), retry)
+    def _request(self, action: bytes, args: list[bytes], confirm: bool, timeout: float | None, retry: bool) -> bytes:
+        """Send `{rid} {action} [--confirm] {args...}` and return its rid: at once, or with `confirm` after the ok.
 
-    def _send(self, line: bytes, deadline: float) -> None:
-        """Queue a line that gets no answer, waiting for a connection until `deadline`."""
-        self._link.send(line, deadline)
+        `retry` sends a confirmed request cut off by a lost connection again after the reconnect.
+        """
+        deadline = self._deadline(timeout)
+        if confirm:
+            rid, _ = self._link.call(action, b" ".join([b"--confirm", *args]), deadline, retry)
+            return rid
+        rid = self._new_rid()
+        self._link.send(b" ".join([rid, action, *args]) + b"\n", deadline)
+        return rid
 
     def publish(self, event: str, data: Any = "", confirm: bool = False, json: bool = False,
                 timeout: float | None = None) -> str:
@@ -115,21 +120,7 @@ class Client:
         """
         event_bytes = wire.encode_token(event, "event")
         body = wire.encode_data(ujson.dumps(data) if json else data)
-        deadline = self._deadline(timeout)
-        if not confirm:
-            msg_id = self._new_rid()
-            self._send(b"".join((msg_id, b" publish ", event_bytes, b" ", body, b"\n")), deadline)
-            return msg_id.decode()
-        while True:
-            conn = self._link.live(deadline)
-            msg_id = self._new_rid()
-            future = conn.request(msg_id, b"".join((msg_id, b" publish --confirm ", event_bytes, b" ", body, b"\n")))
-            try:
-                conn.wait(msg_id, future, deadline, "publish")
-                return msg_id.decode()
-            except MqksConnectionError:
-                if self._link.closed or time.monotonic() >= deadline:
-                    raise
+        return self._request(b"publish", [event_bytes, body], confirm, timeout, retry=True).decode()
 
     def consume(self, queue: str, events: list[str] | None, callback: MessageCallback, manual_ack: bool = False,
                 delete_queue_when_unused: float | bool | None = None, add: bool = False, confirm: bool = True,
@@ -199,11 +190,7 @@ class Client:
             consumer_id = consumer.id
         args = [wire.encode_token(consumer_id, "consumer id")]
         args += [b"--all"] if all else wire.encode_tokens(list(msg_ids), "msg id")
-        if confirm:
-            self._call(action, b" ".join([b"--confirm", *args]), timeout)
-        else:
-            rid = self._new_rid()
-            self._send(b" ".join([rid, action, *args]) + b"\n", self._deadline(timeout))
+        self._request(action, args, confirm, timeout, retry=False)
 
     def rebind(self, queue: str, events: list[str] | None = None, remove: list[str] | tuple[str, ...] = (),
                remove_mask: list[str] | tuple[str, ...] = (), add: list[str] | tuple[str, ...] = (),
@@ -214,7 +201,7 @@ class Client:
                                    (b"--add", add, "event")):
             if values:
                 args += [flag, *wire.encode_tokens(values, kind)]
-        self._request(b"rebind", args, confirm, timeout)
+        self._request(b"rebind", args, confirm, timeout, retry=True)
 
     def delete_consumer(self, consumer_id: str, confirm: bool = True, timeout: float | None = None) -> None:
         """Stop a consumer: no more callbacks, no replay; its un-acked messages go back to the queue."""
@@ -235,24 +222,18 @@ class Client:
         """Drop the queue with its bindings and messages; this client's consumers of it end too."""
         queue_bytes = wire.encode_token(queue, "queue")
         self._consumers.forget_queue(queue)
-        self._request(b"delete_queue", [queue_bytes], confirm, timeout)
+        self._request(b"delete_queue", [queue_bytes], confirm, timeout, retry=True)
 
     def ping(self, data: str = "", timeout: float | None = None) -> str:
         """Round trip to the broker; returns `data`."""
-        return self._call(b"ping", wire.encode_data(data), timeout).decode()
+        _, pong = self._link.call(b"ping", wire.encode_data(data), self._deadline(timeout))
+        return pong.decode()
 
     def eval(self, code: str, worker: int | None = None, timeout: float | None = None) -> str:
         """The repr of a Python expression evaluated in the broker (needs mqksd --eval)."""
         prefix = b"" if worker is None else b"--worker=%d " % int(worker)
-        return self._call(b"_eval", prefix + wire.encode_data(code, "code"), timeout).decode()
-
-    def _request(self, action: bytes, args: list[bytes], confirm: bool, timeout: float | None,
-                 retry: bool = True) -> None:
-        """Send an idempotent control request, waiting for its ok when `confirm`."""
-        if confirm:
-            self._call(action, b" ".join([b"--confirm", *args]), timeout, retry=retry)
-        else:
-            self._send(b" ".join([self._new_rid(), action, *args]) + b"\n", self._deadline(timeout))
+        _, result = self._link.call(b"_eval", prefix + wire.encode_data(code, "code"), self._deadline(timeout))
+        return result.decode()
 
     def consumer_events(self, consumer_id: str) -> list[str]:
         """The client's current view of the events of this consumer's queue (kept by --update)."""

@@ -365,14 +365,18 @@ class Link:
         """Queue a line that gets no answer, waiting for a connection until `deadline`."""
         self.live(deadline).write(line)
 
-    def call(self, action: bytes, args: bytes, deadline: float, retry: bool = False) -> bytes:
-        """Send `{rid} {action} {args}` and return the ok data; `retry` resends after a reconnect."""
+    def call(self, action: bytes, args: bytes, deadline: float, retry: bool = False) -> tuple[bytes, bytes]:
+        """Send `{rid} {action} {args}` and return (rid, ok data) once answered; MqksError for an error.
+
+        With `retry`, a request cut off by a lost connection goes again, under a new rid, on the next
+        connection until `deadline`: at least once, so only for requests that may be done twice.
+        """
         while True:
             conn = self.live(deadline)
             rid = self.new_rid()
             future = conn.request(rid, b"".join((rid, b" ", action, b" ", args, b"\n")))
             try:
-                return conn.wait(rid, future, deadline, action.decode())
+                return rid, conn.wait(rid, future, deadline, action.decode())
             except MqksConnectionError:
                 if not retry or self.closed or time.monotonic() >= deadline:
                     raise
