@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from .peers import free_port
+
 # a process of its own per flooder: a thread would share the side client's GIL and be measured with it
 FLOOD_SCRIPT = """
 import socket, sys
@@ -25,12 +27,6 @@ chunk = b"p publish nobody.listens x\\n" * 20_000
 while True:
     sock.sendall(chunk)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_broker(port: int) -> subprocess.Popen:

@@ -253,7 +253,7 @@ class RedisStreamState(ConsumerState):
     HEADER_RE = re.compile(rb"\*1\r\n\*2\r\n\$\d+\r\n[^\r]*\r\n\*(\d+)\r\n")
     ID_RE = re.compile(rb"\r\n\*2\r\n\$\d+\r\n(\d+-\d+)\r\n")
 
-    def __init__(self, proto: "RedisStreams") -> None:
+    def __init__(self, proto: RedisStreams) -> None:
         self.proto = proto
         self.parts: list[bytes] = []
         self.expected = -1
@@ -471,7 +471,7 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
                 sock = key.fileobj
                 try:
                     chunk = sock.recv(RECV_BYTES)
-                except (BlockingIOError, socket.timeout):
+                except (BlockingIOError, TimeoutError):
                     continue
                 if not chunk:
                     raise ConnectionError(f"server closed a consumer connection after {got} deliveries")
@@ -599,7 +599,8 @@ def run_flow(flow: Flow, latency: bool = False, check=None) -> RunResult:
     c_res_r, c_res_w = ctx.Pipe(False)
     p_ready_r, p_ready_w = ctx.Pipe(False)
     p_res_r, p_res_w = ctx.Pipe(False)
-    consumer = ctx.Process(target=consumer_main, args=(flow, counter, deadline_ns, c_ready_w, stop, c_res_w, latency), daemon=True)
+    consumer = ctx.Process(target=consumer_main, args=(flow, counter, deadline_ns, c_ready_w, stop, c_res_w, latency),
+                           daemon=True)
     producer = ctx.Process(target=producer_main, args=(flow, counter, p_ready_w, go, stop, p_res_w), daemon=True)
     result = RunResult(ok=False, target=flow.n * flow.fanout)
     try:

@@ -84,9 +84,9 @@ class PeerFinder:
         self.log(f"# installing peers with apt-get: {' '.join(packages)}")
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         try:
-            subprocess.run(prefix + ["apt-get", "update", "-q"], env=env, check=False,
+            subprocess.run([*prefix, "apt-get", "update", "-q"], env=env, check=False,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
-            done = subprocess.run(prefix + ["apt-get", "install", "-y", "-q", *packages], env=env,
+            done = subprocess.run([*prefix, "apt-get", "install", "-y", "-q", *packages], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600)
             if done.returncode != 0:
                 self.log(f"# apt-get install failed: {done.stderr.decode(errors='replace')[-400:]}")
@@ -112,14 +112,6 @@ class Server:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
-
-    def rss_bytes(self) -> int:
-        """VmRSS of the server process from /proc."""
-        with open(f"/proc/{self.pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(f"no VmRSS for pid {self.pid}")
 
     def log_tail(self, n_bytes: int = 2000) -> str:
         try:
@@ -179,7 +171,7 @@ def _spawn(kind: str, cmd: list[str], port: int, core: int | None, log_dir: str)
     os.makedirs(log_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix=f"bench-{kind}-")
     log_path = os.path.join(log_dir, f"{kind}-{port}.log")
-    log = open(log_path, "wb")
+    log = open(log_path, "wb")  # noqa: SIM115 (closed below, once the child holds it)
     # no pipe: a pipe nobody reads fills up and would freeze the server
     proc = subprocess.Popen(_pin(core) + cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
@@ -226,15 +218,15 @@ def start_redis(path: str, core: int | None, log_dir: str) -> Server:
 def start_nats(path: str, core: int | None, log_dir: str) -> Server:
     """nats-server (core, no JetStream) with room for a slow benchmark consumer."""
     port = free_port()
-    workdir_conf = tempfile.NamedTemporaryFile("w", prefix="bench-nats-", suffix=".conf", delete=False)
-    with workdir_conf as f:
+    with tempfile.NamedTemporaryFile("w", prefix="bench-nats-", suffix=".conf", delete=False) as f:
         f.write(f"listen: 127.0.0.1:{port}\nmax_pending: 1073741824\n"
                 f"write_deadline: \"60s\"\nping_interval: \"10m\"\n")
-    cmd = [path, "-c", workdir_conf.name]
+        conf_path = f.name
+    cmd = [path, "-c", conf_path]
     server = _spawn("nats", cmd, port, core, log_dir)
-    server.extra["conf"] = workdir_conf.name
+    server.extra["conf"] = conf_path
     _wait_ready(server, b"", b"INFO")
-    os.unlink(workdir_conf.name)
+    os.unlink(conf_path)
     return server
 
 

@@ -1,7 +1,9 @@
 """MQKS beside Redis, NATS and beanstalkd: one command, one table, one JSON file.
 
-    .venv/bin/python bench/run.py [--quick] [--pinned|--unpinned|--both] [--workloads w1,w2,w3,w4]
+    .venv/bin/python -m bench.run [--quick] [--pinned|--unpinned|--both] [--workloads w1,w2,w3,w4]
                                   [--json PATH] [--profile] [--compare BEFORE.json AFTER.json]
+
+(from the repository root: `bench` is a package).
 
 Starts every server itself on 127.0.0.1 (a fresh one per run, stopped by pid), measures the
 load generator's ceiling against a trivial sink, runs each cell `--reps` times, prints medians
@@ -26,19 +28,17 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import loadgen  # noqa: E402
-import peers  # noqa: E402
-from loadgen import Beanstalkd, Flow, Mqks, Nats, RedisPubSub, RedisStreams  # noqa: E402
+from . import loadgen, peers
+from .loadgen import Beanstalkd, Flow, Mqks, Nats, RedisPubSub, RedisStreams
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(BENCH_DIR, "results")
 LOG_DIR = os.path.join(RESULTS_DIR, "logs")
 SERVER_CORE, GENERATOR_CORE = 0, 1
+WORKLOADS = ("w1", "w2", "w3", "w4")
 PEER_BINARIES = {"redis": "redis-server", "nats": "nats-server", "beanstalkd": "beanstalkd"}
 
 
@@ -64,7 +64,8 @@ class Config:
 
 
 def build_config(argv: list[str] | None = None) -> Config:
-    parser = argparse.ArgumentParser(description="MQKS benchmark beside Redis, NATS and beanstalkd.")
+    parser = argparse.ArgumentParser(prog="python -m bench.run",
+                                     description="MQKS benchmark beside Redis, NATS and beanstalkd.")
     parser.add_argument("--quick", action="store_true", help="small counts, one repetition (smoke run)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--pinned", dest="modes", action="store_const", const=("pinned",),
@@ -76,7 +77,8 @@ def build_config(argv: list[str] | None = None) -> Config:
     parser.add_argument("--workloads", default="w1,w2,w3,w4", help="comma list of w1,w2,w3,w4")
     parser.add_argument("--reps", type=int, help="repetitions per cell (default 3, quick 1)")
     parser.add_argument("--w4-reps", type=int, help="repetitions of the 1M-message memory cells (default 3, quick 1)")
-    parser.add_argument("--messages", type=int, help="w1 messages per run (default 500000, quick 100000); w2 publishes a tenth "
+    parser.add_argument("--messages", type=int,
+                        help="w1 messages per run (default 500000, quick 100000); w2 publishes a tenth "
                              "as many events (quick: 25000), each delivered 20 times")
     parser.add_argument("--w4-messages", type=int, help="w4 queued messages (default 1000000, quick 200000)")
     parser.add_argument("--window", type=int, default=50_000, help="max messages the producer runs ahead")
@@ -95,7 +97,7 @@ def build_config(argv: list[str] | None = None) -> Config:
         print("# pinned mode needs taskset and 2 cores: running unpinned only", flush=True)
         modes = ("unpinned",)
     workloads = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
-    bad = [w for w in workloads if w not in ("w1", "w2", "w3", "w4")]
+    bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
         parser.error(f"unknown workloads: {bad}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -269,7 +271,7 @@ def cells_for(workload: str, cfg: Config) -> list[Cell]:
 def percentile(sorted_values: list[int], q: float) -> float:
     if not sorted_values:
         return float("nan")
-    i = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
+    i = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
     return sorted_values[i]
 
 
@@ -394,7 +396,7 @@ def run_mode(mode: str, cfg: Config, servers: Servers) -> dict:
                 entry["p99_ms"] = summarize([s["p99_ms"] for s in good])
             entry.update(summarize([s["value"] for s in good]))
             out["cells"].append(entry)
-    out["ratios"] = ratios(out["cells"])
+    out["ratios"] = ratios(out["cells"], cells_not_run(cfg, servers))
     machine1, own1 = busy_seconds()
     cores = os.cpu_count() or 1
     foreign = max(0.0, (machine1 - machine0) - (own1 - own0)) / max(1e-9, time.monotonic() - wall0) / cores
@@ -419,14 +421,17 @@ def _sample_text(cell: Cell, s: dict) -> str:
 
 # Generator ceiling
 
+# the shapes the ceiling is measured for; print_tables compares each w1/w2 cell with one of them
+CEILING_PUSH, CEILING_PARSED, CEILING_FANOUT = "w1 auto-ack", "w1 manual-ack", "w2 fan-out 20"
+
 
 def measure_ceiling(cfg: Config, pinned: bool) -> dict:
     """The generator against a sink that does nothing: the most any server could show here."""
     server_core = SERVER_CORE if pinned else None
     gen_core = GENERATOR_CORE if pinned else None
     n = cfg.w1_messages * 2  # long enough that start-up is noise
-    shapes = [("w1 auto-ack", Mqks(), 1, n), ("w1 manual-ack", Mqks(manual_ack=True), 1, n),
-              ("w2 fan-out 20", Mqks(), 20, cfg.w2_events * 2)]
+    shapes = [(CEILING_PUSH, Mqks(), 1, n), (CEILING_PARSED, Mqks(manual_ack=True), 1, n),
+              (CEILING_FANOUT, Mqks(), 20, cfg.w2_events * 2)]
     result = {}
     for label, proto, fanout, count in shapes:
         values = []
@@ -471,13 +476,49 @@ RATIOS = [
 ]
 
 
-def ratios(cells: list[dict]) -> list[dict]:
+class MissingCellError(LookupError):
+    """A ratio names a cell that no workload defines, or that this run should have measured and did not."""
+
+
+def check_ratio_cells(cfg: Config) -> None:
+    """Every cell a ratio names is one the workloads define; checked before any run, so a renamed cell
+    fails in a second, not after the measurements."""
+    known = {c.key for w in WORKLOADS for c in cells_for(w, cfg)}
+    for label, num, den, _target, _higher in RATIOS:
+        for key in (num, den):
+            if key not in known:
+                raise MissingCellError(f"the ratio {label!r} names the cell {key!r}, which no workload defines; "
+                                       f"the cells are: {', '.join(map(repr, sorted(known)))}")
+
+
+def cells_not_run(cfg: Config, servers: Servers) -> dict[str, str]:
+    """The cells this run leaves out on purpose (workload not asked for, peer skipped): key -> why."""
+    not_run = {}
+    for workload in WORKLOADS:
+        for cell in cells_for(workload, cfg):
+            if workload not in cfg.workloads:
+                not_run[cell.key] = f"{workload} not in --workloads"
+            elif not servers.available(cell.server):
+                not_run[cell.key] = f"{cell.server} skipped"
+    return not_run
+
+
+def ratios(cells: list[dict], not_run: dict[str, str]) -> list[dict]:
+    """One row per RATIOS entry. A cell left out on purpose gives a row without a ratio that says why;
+    any other cell that is not among `cells` raises MissingCellError naming it."""
     by_key = {c["key"]: c for c in cells}
     out = []
     for label, num, den, target, higher in RATIOS:
-        a, b = by_key.get(num), by_key.get(den)
-        if not a or not b:
+        for key in (num, den):
+            if key not in by_key and key not in not_run:
+                raise MissingCellError(f"the ratio {label!r} needs the cell {key!r}, which this run did not "
+                                       f"measure; measured: {', '.join(map(repr, sorted(by_key))) or 'nothing'}")
+        why = sorted({not_run[key] for key in (num, den) if key not in by_key})
+        if why:
+            out.append({"label": label, "ratio": None, "target": target, "higher_is_better": higher, "met": None,
+                        "not_run": "; ".join(why)})
             continue
+        a, b = by_key[num], by_key[den]
         if a["workload"] == "w3":
             va, vb = a["p99_ms"]["median"], b["p99_ms"]["median"]
         else:
@@ -530,6 +571,9 @@ def print_tables(results: dict, cfg: Config) -> None:
         say("| ratio (medians) | value | target | verdict |")
         say("|---|---:|---|---|")
         for r in res["ratios"]:
+            if r.get("not_run"):
+                say(f"| {r['label']} | - | - | not run ({r['not_run']}) |")
+                continue
             if r["ratio"] is None:
                 say(f"| {r['label']} | - | - | no data |")
                 continue
@@ -539,14 +583,14 @@ def print_tables(results: dict, cfg: Config) -> None:
         near = []
         for c in res["cells"]:
             if c["workload"] == "w2":
-                shape = "w2 fan-out 20"
+                shape = CEILING_FANOUT
             elif c["workload"] == "w1":
                 # push deliveries are counted like auto-ack; the rest are parsed in Python like acks
                 push = c["variant"] in ("auto-ack", "pubsub", "core")
-                shape = "w1 auto-ack" if push else "w1 manual-ack"
+                shape = CEILING_PUSH if push else CEILING_PARSED
             else:
                 continue
-            top = (ceil.get(shape) or {}).get("median")
+            top = ceil[shape]["median"]  # measure_ceiling measures every shape, even when its runs fail
             if c["median"] and top and c["median"] > 0.7 * top:
                 near.append(f"{c['key']} ({c['median'] / top:.0%} of {shape})")
         if near:
@@ -565,8 +609,8 @@ def print_ratio_summary(results: dict) -> None:
     for label, _num, _den, target, higher in RATIOS:
         cells = []
         for m in modes:
-            r = by_mode[m].get(label)
-            if not r or r["ratio"] is None:
+            r = by_mode[m][label]  # ratios() gives every label a row
+            if r["ratio"] is None:
                 cells.append("-")
             else:
                 mark = "" if r["met"] is None else (" met" if r["met"] else " MISSED")
@@ -693,7 +737,12 @@ def main(argv: list[str] | None = None) -> int:
         return compare(*cfg.compare)
     if cfg.profile:
         return run_profile(cfg)
-    return run_benchmark(cfg)
+    try:
+        check_ratio_cells(cfg)
+        return run_benchmark(cfg)
+    except MissingCellError as e:
+        say(f"bench.run: error: {e}")
+        return 2
 
 
 if __name__ == "__main__":
