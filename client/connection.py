@@ -327,8 +327,7 @@ class Link:
                 future.set(data)
             return
         if status == b"error":
-            error_id, reason = wire.split_error(data)
-            error = MqksError(reason, error_id, rid.decode(errors="replace"))
+            error = wire.answer_error(rid, data)
             future = conn.futures.pop(rid, None)
             if future is not None:
                 future.set_exception(error)

@@ -120,16 +120,10 @@ class Consumer:
 
     def consume_line(self, confirm: bool) -> bytes:
         """The consume request that (re)creates this consumer with the queue's current events."""
-        parts = [self.id.encode(), b"consume"]
-        if confirm:
-            parts.append(b"--confirm")
-        parts.append(self.queue.encode())
         events = [event.encode() for event in self.events]
-        if events and not self.events_known:
-            parts.append(b"--add")
-        parts.extend(events)
-        parts.extend(wire.consume_flags(self.manual_ack, self.delete_queue_when_unused, self.prefetch))
-        return b" ".join(parts) + b"\n"
+        return wire.consume_line(self.id.encode(), self.queue.encode(), events, add=not self.events_known,
+                                 confirm=confirm, manual_ack=self.manual_ack,
+                                 delete_queue_when_unused=self.delete_queue_when_unused, prefetch=self.prefetch) + b"\n"
 
     def on_update(self, data: bytes) -> None:
         """Keep this view of the queue's events, so a replay never undoes a rebind."""

@@ -1,8 +1,9 @@
 """Client side of the line protocol: requests to bytes, answer lines to parts. Pure, no I/O.
 
-Step in the flow: `Client` builds request lines here, and its reader splits every answer line here.
-Invariants: a token (queue, event, id) never holds whitespace or starts with `--`, and a data field
-never holds a newline, carriage return or tab, so one request is always exactly one line.
+Step in the flow: both clients (the gevent `Client` and the Spark data source) build request lines
+here, and split every answer line here. Invariants: a token (queue, event, id) never holds
+whitespace, nor, from `Client`, a leading `--`; a data field never holds a newline, carriage return
+or tab, so one request is always exactly one line. No gevent: Spark workers import this.
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import itertools
 import re
 import secrets
 from collections.abc import Callable
+from typing import Any
+
+from .errors import MqksError
 
 # whitespace would split a token; a leading "--" would make the server read it as a flag
 _BAD_TOKEN = re.compile(r"\s|^--")
+_WHITESPACE = re.compile(r"\s")
 _FORBIDDEN_IN_DATA = ("\n", "\r", "\t")
 
 
@@ -31,10 +36,14 @@ def rid_maker() -> Callable[[], bytes]:
     return new_rid
 
 
-def encode_token(value: str, kind: str) -> bytes:
-    """`value` as UTF-8, or ValueError when it cannot be one protocol token."""
-    if not isinstance(value, str) or not value or _BAD_TOKEN.search(value):
-        raise ValueError(f"bad {kind} {value!r}: it must be a non-empty string without whitespace or a leading '--'")
+def encode_token(value: Any, kind: str, dashes_ok: bool = False) -> bytes:
+    """`value` as UTF-8, or ValueError when it cannot be one protocol token.
+
+    `dashes_ok` lets a leading `--` through: the Spark side leaves that verdict to the broker.
+    """
+    if not isinstance(value, str) or not value or (_WHITESPACE if dashes_ok else _BAD_TOKEN).search(value):
+        rule = "without whitespace" if dashes_ok else "without whitespace or a leading '--'"
+        raise ValueError(f"bad {kind} {value!r}: it must be a non-empty string {rule}")
     return value.encode()
 
 
@@ -75,6 +84,12 @@ def split_error(rest: bytes) -> tuple[str, str]:
     """The tail of an error answer -> (error_id, human reason, maybe empty)."""
     error_id, _, reason = rest.partition(b" ")
     return error_id.decode(errors="replace"), reason.decode(errors="replace")
+
+
+def answer_error(rid: bytes, rest: bytes, context: str = "") -> MqksError:
+    """The exception for `{rid} error {error_id} {reason}`, given what follows `error`; `context` leads the reason."""
+    error_id, reason = split_error(rest)
+    return MqksError(context + reason, error_id, rid.decode(errors="replace"))
 
 
 def split_delivery(data: bytes) -> tuple[bytes, bytes, int, bytes]:
@@ -125,6 +140,23 @@ def is_fire_and_forget_publish(line: bytes) -> bool:
     """True for a publish line without --confirm: the only kind of unsent line worth resending."""
     parts = line.split(b" ", 3)
     return len(parts) >= 3 and parts[1] == b"publish" and parts[2] != b"--confirm"
+
+
+def consume_line(consumer_id: bytes, queue: bytes, events: list[bytes], *, add: bool, confirm: bool,
+                 manual_ack: bool, delete_queue_when_unused: float | bool | None, prefetch: int) -> bytes:
+    """`{consumer_id} consume [--confirm] {queue} [--add] {events...} {flags...}`, without its newline.
+
+    `add` keeps the queue's other bindings; without it, the events replace them (none: left as they are).
+    """
+    parts = [consumer_id, b"consume"]
+    if confirm:
+        parts.append(b"--confirm")
+    parts.append(queue)
+    if add and events:
+        parts.append(b"--add")
+    parts += events
+    parts += consume_flags(manual_ack, delete_queue_when_unused, prefetch)
+    return b" ".join(parts)
 
 
 def consume_flags(manual_ack: bool, delete_queue_when_unused: float | bool | None, prefetch: int) -> list[bytes]:

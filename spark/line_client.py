@@ -13,11 +13,12 @@ import select
 import socket
 import time
 
-# the gevent client's own classes, so one `except MqksError` serves both clients; still importable
-# from here, where user code found them first
+# the gevent client's own classes, so one `except MqksError` serves both clients; importable from
+# here as before, with split_answer, which user code (pipelines/) imports from here too
 from mqks.client.errors import MqksConnectionError, MqksError
+from mqks.client.wire import split_answer
 
-__all__ = ["LineClient", "MqksConnectionError", "MqksError"]
+__all__ = ["LineClient", "MqksConnectionError", "MqksError", "split_answer"]
 
 RECV_BYTES = 65536
 IO_TIMEOUT_SECONDS = 60.0  # no progress for this long on a send: the connection is dead
@@ -101,8 +102,3 @@ class LineClient:
             self.sock.close()
         except OSError:
             pass
-
-
-def error_reason(data: bytes) -> str:
-    """The text of an error answer's data (`{error_id} {reason}`), for exceptions."""
-    return data.decode("utf-8", "replace")

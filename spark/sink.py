@@ -21,8 +21,8 @@ from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
-from mqks.client.wire import split_answer
-from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, error_reason
+from mqks.client.wire import answer_error, encode_token, split_answer
+from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError
 
 try:
     import ujson as _json  # the server's own dependency; escapes newlines as json does
@@ -54,8 +54,8 @@ class SinkOptions:
         if window < 1:
             raise ValueError(f"mqks option confirmWindow={window} must be >= 1")
         prefix = get("msgIdPrefix", None)
-        if prefix is not None and any(c in prefix for c in " \t\r\n"):
-            raise ValueError(f"mqks option msgIdPrefix={prefix!r} must not contain spaces")
+        if prefix is not None:
+            encode_token(prefix, "mqks option msgIdPrefix", dashes_ok=True)
         return cls(
             host=get("host", "127.0.0.1"),  # type: ignore[arg-type]
             port=int(get("port", "25000")),  # type: ignore[arg-type]
@@ -110,12 +110,6 @@ def encode_data(value: Any) -> bytes:
     return text.encode("utf-8")
 
 
-def _check_id(kind: str, value: Any) -> bytes:
-    if not isinstance(value, str) or not value or any(c in value for c in " \t\r\n"):
-        raise ValueError(f"mqks sink: {kind} {value!r} must be a non-empty string without spaces")
-    return value.encode("utf-8")
-
-
 class _Publisher:
     """Shared by the batch and the streaming writer: publish rows, return a commit message."""
 
@@ -157,9 +151,11 @@ class _Publisher:
             for row in iterator:
                 given = row[msg_id_at] if msg_id_at is not None else None
                 msg_id = f"{prefix}.{partition_id}.{count}" if given is None else given
-                event = _check_id("event", row[event_at])
+                # a leading "--" goes through: the broker's refusal says more than a local check
+                rid = encode_token(msg_id, "mqks sink msg_id", dashes_ok=True)
+                event = encode_token(row[event_at], "mqks sink event", dashes_ok=True)
                 data = encode_data(row[data_at]) if data_at is not None else b""
-                lines.append(b"%s publish --confirm %s %s" % (_check_id("msg_id", msg_id), event, data))
+                lines.append(b"%s publish --confirm %s %s" % (rid, event, data))
                 if first_msg_id is None:
                     first_msg_id = msg_id
                 last_msg_id = msg_id
@@ -198,7 +194,7 @@ def _read_confirms(client: LineClient, count: int) -> int:
         for line in lines:
             rid, status, data = split_answer(line)
             if status == b"error":
-                raise MqksError(f"mqks refused publish {rid.decode(errors='replace')}: {error_reason(data)}")
+                raise answer_error(rid, data, f"mqks refused publish {rid.decode(errors='replace')}: ")
             if status != b"ok":
                 raise MqksError(f"mqks sink: unexpected answer {line[:200]!r}")
             done += 1

@@ -22,8 +22,8 @@ from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows
 from pyspark.sql.types import StructType
 
-from mqks.client.wire import split_header_fields
-from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, error_reason
+from mqks.client.wire import answer_error, consume_line, encode_token, is_update, split_answer, split_header_fields
+from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError
 
 log = logging.getLogger("mqks.spark")
 
@@ -67,8 +67,9 @@ class SourceOptions:
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
         queue = _option(options, "queue")
-        if not queue or any(c in queue for c in " \t\r\n"):
-            raise ValueError("mqks source needs option queue=<name> (no spaces)")
+        if queue is None:
+            raise ValueError("mqks source needs option queue=<name>")
+        encode_token(queue, "mqks option queue", dashes_ok=True)
         events = tuple((_option(options, "events", "") or "").replace(",", " ").split())
         max_records = _int_option(options, "maxRecordsPerBatch", 10_000, 1)
         prefetch = _int_option(options, "prefetch", 2 * max_records, 1)
@@ -286,13 +287,12 @@ class MqksStreamReader(DataSourceStreamReader):
         self.consume_confirmed = False
         self.ack_rids_waiting.clear()
         self.client = LineClient(options.host, options.port)
-        words = [self.consumer_id, b"consume", b"--confirm", options.queue.encode()]
-        if options.events:
-            words.append(b"--add")  # keep the queue's other bindings (a plain event list replaces them)
-            words.extend(e.encode() for e in options.events)
-        # never --delete-queue-when-unused: a Spark restart would lose the queue
-        words += [b"--manual-ack", b"--prefetch=%d" % options.prefetch]
-        self.client.send([b" ".join(words)])
+        events = [event.encode() for event in options.events]
+        # --add keeps the queue's other bindings; never --delete-queue-when-unused: a Spark restart
+        # would lose the queue
+        line = consume_line(self.consumer_id, options.queue.encode(), events, add=True, confirm=True, manual_ack=True,
+                            delete_queue_when_unused=None, prefetch=options.prefetch)
+        self.client.send([line])
         deadline = time.monotonic() + ACK_TIMEOUT_SECONDS
         while not self.consume_confirmed:
             if time.monotonic() > deadline:
@@ -332,15 +332,14 @@ class MqksStreamReader(DataSourceStreamReader):
                 rest = line[cut:]
                 if not rest:
                     self.consume_confirmed = True
-                elif not rest.startswith(b"--update "):
+                elif not is_update(rest):
                     msg_id, _, body = rest.partition(b" ")
                     self.msg_ids.append(msg_id)
                     self.bodies.append(body)
                     self.received_at_us.append(now_us)
                     self.received_seq += 1
                 continue
-            rid, _, rest = line.partition(b" ")
-            status, _, data = rest.partition(b" ")
+            rid, status, data = split_answer(line)
             if status == b"ok":
                 if rid in self.ack_rids_waiting:
                     self.ack_rids_waiting.discard(rid)
@@ -348,7 +347,7 @@ class MqksStreamReader(DataSourceStreamReader):
                     self.consume_confirmed = True
                 continue
             if status == b"error":
-                raise MqksError(f"mqks answered {rid.decode(errors='replace')}: {error_reason(data)}")
+                raise answer_error(rid, data, f"mqks answered {rid.decode(errors='replace')}: ")
             log.warning("mqks: unexpected line %r", line[:200])
 
     def _ack(self, msg_ids: list[bytes]) -> None:
