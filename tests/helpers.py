@@ -34,6 +34,11 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{next(_names)}"
 
 
+def unique_bytes(prefix: str) -> bytes:
+    """`unique` as bytes, for wire transcripts."""
+    return unique(prefix).encode()
+
+
 def wait_for(condition: Callable[[], T], what: str, timeout: float = WAIT_SECONDS, interval: float = 0.05) -> T:
     """Poll `condition()` until it returns something truthy and return that; fail naming `what`."""
     deadline = time.monotonic() + timeout
@@ -57,6 +62,14 @@ def eval_value(broker, code: str, worker: int | None = None) -> Any:
         wire.close()
     assert line.startswith(b"ev ok "), f"_eval {code!r} failed: {line!r}"
     return ast.literal_eval(line[len(b"ev ok "):].decode())
+
+
+def eval_on(wire, code: bytes) -> bytes:
+    """`_eval` `code` on an open connection and return the answer's data, raw (a barrier as well)."""
+    wire.send(b"ev _eval " + code)
+    line = wire.recv_line()
+    assert line.startswith(b"ev ok "), f"_eval {code!r} failed: {line!r}"
+    return line[len(b"ev ok "):]
 
 
 def server_stats(broker, worker: int | None = None) -> dict:

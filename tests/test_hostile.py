@@ -1,8 +1,6 @@
 """Hostile traffic over real TCP: client text that mimics server fields, a failing clean-up,
 a connection that floods, publishers that repeat message ids, and running out of descriptors."""
 
-import itertools
-import os
 import resource
 import socket
 import subprocess
@@ -11,24 +9,11 @@ import threading
 import time
 
 import pytest
-
 from conftest import READY_TIMEOUT_SECONDS, Wire, free_port
+from helpers import eval_on
+from helpers import unique_bytes as unique
 
 pytestmark = pytest.mark.timeout(90)
-
-_names = itertools.count()
-
-
-def unique(prefix: str) -> bytes:
-    return f"{prefix}{next(_names)}-{os.getpid()}".encode()
-
-
-def eval_on(wire, code: bytes) -> bytes:
-    wire.send(b"ev _eval " + code)
-    line = wire.recv_line()
-    assert line.startswith(b"ev ok "), line
-    return line[len(b"ev ok "):]
-
 
 def hold_a_retry_lookalike_and_a_secret(broker):
     """Client A holds m1 (event `x,retry=z`) un-acked on queue pq and consumes secretq as `victim`."""

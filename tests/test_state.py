@@ -2,9 +2,9 @@
 
 import pytest
 
-from mqks.server.timers import Timers
 from mqks.server.outbox import Outbox
 from mqks.server.state import PACK_MIN_DEPTH, Broker, Consumer, Message, Packed, update_line
+from mqks.server.timers import Timers
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -147,7 +147,7 @@ def test_each_copy_gets_the_next_seq_of_its_queue_through_packing_and_requeues(b
     assert list(consumer.unacked) == list(range(10))
     broker.reject(consumer, [b"m3", b"m4"])  # back at the front, with their own seqs
     broker.ack(consumer, [b"m%d" % i for i in (0, 1, 2, 5, 6, 7, 8, 9)])
-    assert list(consumer.unacked) == [3, 4] + list(range(10, 18))
+    assert list(consumer.unacked) == [3, 4, *range(10, 18)]
     while consumer.unacked:
         broker.ack_all(consumer)
     assert broker.queues[b"q"].next_seq == count
@@ -250,7 +250,8 @@ def test_high_water_pauses_deliveries_until_resumed(broker):
 def test_retry_is_a_field_inserted_after_the_event_whatever_the_event_holds():
     assert Message(0, 1, b" ok m1 event=e1 a b c").delivery_tail() == b" ok m1 event=e1,retry=1 a b c"
     assert Message(0, 10, b" ok m1 event=e1 ").delivery_tail() == b" ok m1 event=e1,retry=10 "
-    assert Message(0, 2, b" ok m1 event=x,retry=z d,retry=5").delivery_tail() == b" ok m1 event=x,retry=z,retry=2 d,retry=5"
+    assert Message(0, 2, b" ok m1 event=x,retry=z d,retry=5").delivery_tail() == \
+        b" ok m1 event=x,retry=z,retry=2 d,retry=5"
 
 
 def test_event_holding_retry_text_is_requeued_intact(broker, outbox):

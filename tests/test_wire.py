@@ -1,34 +1,12 @@
 """Wire transcripts over real TCP against an `mqksd` subprocess: every action and flag."""
 
-import itertools
 import time
 
 import pytest
+from helpers import eval_on, wait_for
+from helpers import unique_bytes as unique
 
 pytestmark = pytest.mark.timeout(60)
-
-_names = itertools.count()
-
-
-def unique(prefix: str) -> bytes:
-    """Queue and event names no other test in the module uses (the broker is shared)."""
-    return f"{prefix}{next(_names)}".encode()
-
-
-def poll(predicate, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.02)
-
-
-def eval_on(wire, code: bytes) -> bytes:
-    wire.send(b"ev _eval " + code)
-    line = wire.recv_line()
-    assert line.startswith(b"ev ok "), line
-    return line[len(b"ev ok "):]
-
 
 def test_spec_hello_world(broker):
     alice, bob, charlie, dave = (broker.wire() for _ in range(4))
@@ -247,8 +225,8 @@ def test_delete_queue_when_unused_immediately_and_after_seconds(wire, broker):
     other.barrier()
     assert eval_on(wire, b"[%r in state.queues, %r in state.queues]" % (now, later)) == b"[True, True]"
     other.close()
-    poll(lambda: eval_on(wire, b"%r in state.queues" % now) == b"False", what="immediate delete")
-    poll(lambda: eval_on(wire, b"%r in state.queues" % later) == b"False", what="delayed delete")
+    wait_for(lambda: eval_on(wire, b"%r in state.queues" % now) == b"False", "immediate delete")
+    wait_for(lambda: eval_on(wire, b"%r in state.queues" % later) == b"False", "delayed delete")
 
 
 def test_delete_queue_when_unused_keeps_queue_if_consumer_returns_in_time(broker, wire):
@@ -265,7 +243,7 @@ def test_delete_queue_when_unused_keeps_queue_if_consumer_returns_in_time(broker
     probe.send(b"c3 consume %b e --delete-queue-when-unused=1.0" % marker)
     probe.barrier()
     probe.close()
-    poll(lambda: eval_on(wire, b"%r in state.queues" % marker) == b"False", what="marker delete")
+    wait_for(lambda: eval_on(wire, b"%r in state.queues" % marker) == b"False", "marker delete")
     assert eval_on(wire, b"%r in state.queues" % queue) == b"True"
 
 
@@ -341,7 +319,7 @@ def test_delete_when_unused_timer_arms_again_after_a_consumer_came_back(broker, 
     wire.expect(b"c2 ok ")
     wire.send(b"d2 delete_consumer --confirm c2")  # armed again
     wire.expect(b"d2 ok ")
-    poll(lambda: eval_on(wire, b"%r in state.queues" % queue) == b"False", what="the re-armed delete")
+    wait_for(lambda: eval_on(wire, b"%r in state.queues" % queue) == b"False", "the re-armed delete")
     publisher = broker.wire()
     publisher.send(b"p3 publish --confirm %b 3" % event)
     publisher.expect(b"p3 ok ")
