@@ -47,7 +47,7 @@ class Client:
             ping_timeout_seconds=ping_seconds if ping_timeout_seconds is None else ping_timeout_seconds,
             reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
             timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds)
-        # the tests look inside through these
+        # internals the tests inspect (and drop connections through); not API
         self._consumers_by_id = self._consumers.by_id
         self._consumers_by_any_id = self._consumers.by_any_id
         self._lose = self._link.lose
@@ -58,7 +58,7 @@ class Client:
 
     @property
     def reconnects(self) -> int:
-        """How many times the connection was lost (and, unless closed, made again)."""
+        """How many connections were lost so far; each loss starts a reconnect."""
         return self._link.reconnects
 
     @property

@@ -40,13 +40,13 @@ class Session(Protocol):
         """Queue the requests a new connection needs first; returns what checks their answers by a deadline."""
 
     def deliver(self, rid: bytes, data: bytes) -> bool:
-        """Take an `ok` line with data that answers no request; False when it is not the session's."""
+        """Take an `ok` line with data whose rid is the session's (a delivery); False leaves it to the futures."""
 
     def answered(self, rid: bytes) -> None:
         """An `ok` answer to request `rid` is about to wake its caller."""
 
     def refused(self, rid: bytes, error: MqksError) -> bool:
-        """Take an error answer nobody waits for; False when it is not the session's."""
+        """Take an error answer nobody waits for; False when `rid` is not the session's (then it is logged)."""
 
     def disconnected(self, notify: bool, closed: bool) -> None:
         """The connection is gone; `notify` is False while handshaking or closing, `closed` when closing."""
