@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     publish = commands.add_parser("publish", parents=[common], help="publish one message")
     publish.add_argument("event", metavar="EVENT")
-    publish.add_argument("data", nargs="?", default="", metavar="DATA", help="the message text (may hold spaces, not newlines)")
+    publish.add_argument("data", nargs="?", default="", metavar="DATA",
+                         help="the message text (may hold spaces, not newlines)")
     publish.add_argument("--confirm", action="store_true", help="wait for the broker's ok and print the msg id")
     publish.set_defaults(run=cmd_publish)
 

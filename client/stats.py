@@ -99,9 +99,10 @@ def render_table(per_worker: list[dict[str, Any]], address: str) -> str:
     label_width = max(len(label) for label, _ in rows)
     widths = [max(len(headers[i]), *(len(cells[i]) for _, cells in rows)) for i in range(len(headers))]
     lines = [f"MQKS {address} at {time.strftime('%Y-%m-%d %H:%M:%S')}",
-             " " * label_width + "  " + "  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+             " " * label_width + "  " + "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
     for label, cells in rows:
-        lines.append(label.ljust(label_width) + "  " + "  ".join(c.rjust(w) for c, w in zip(cells, widths)))
+        padded = "  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=True))
+        lines.append(label.ljust(label_width) + "  " + padded)
     lines.append("* counted per process: the total is not a sum")
     lines.append("")
     queues = total["top_queues"]

@@ -66,9 +66,9 @@ def encode_data(value: str | bytes, kind: str = "data") -> bytes:
                     f"{kind} holds {char!r}, which the protocol forbids; use json=True to escape it")
         return value.encode()
     if isinstance(value, (bytes, bytearray)):
-        for char in (b"\n", b"\r", b"\t"):
-            if char in value:
-                raise ValueError(f"{kind} holds {char!r}, which the protocol forbids")
+        for byte in (b"\n", b"\r", b"\t"):
+            if byte in value:
+                raise ValueError(f"{kind} holds {byte!r}, which the protocol forbids")
         return bytes(value)
     raise TypeError(f"{kind} must be str or bytes, not {type(value).__name__}; use json=True for other types")
 

@@ -12,4 +12,4 @@ The Spark side never imports gevent: it speaks the line protocol over a plain bl
 from mqks.spark.datasource import MqksDataSource
 from mqks.spark.line_client import MqksConnectionError, MqksError
 
-__all__ = ["MqksDataSource", "MqksError", "MqksConnectionError"]
+__all__ = ["MqksConnectionError", "MqksDataSource", "MqksError"]

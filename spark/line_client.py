@@ -71,9 +71,8 @@ class LineClient:
         Returns [] on timeout; raises MqksConnectionError once the server closed the connection
         and every line it sent before closing was returned.
         """
-        if not self.ready and not self.closed:
-            if select.select([self.sock], [], [], timeout_seconds)[0]:
-                self._receive()
+        if not self.ready and not self.closed and select.select([self.sock], [], [], timeout_seconds)[0]:
+            self._receive()
         while not self.closed and len(self.ready) < MAX_LINES_PER_READ and self._receive():
             pass
         if not self.ready and self.closed:

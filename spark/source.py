@@ -153,7 +153,7 @@ class MqksStreamReader(DataSourceStreamReader):
         return {"options": self.options, "schema": self.schema}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["options"], state["schema"])
+        MqksStreamReader.__init__(self, state["options"], state["schema"])
 
     def initialOffset(self) -> dict:
         return {"session": "", "seq": 0, "tick": 0}
