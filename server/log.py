@@ -136,7 +136,6 @@ class Log:
         self._durable_bytes = 0
         self._failed: deque[int] = deque()  # appends and poplefts are atomic: poll takes no lock
         self.disk_full = False
-        self._fatal: str | None = None
         self._stuck: list[_Frame] = []  # frames a full disk refused, oldest first, retried before any newer
         self._retry_at = 0.0
         self._fd = -1  # the open segment, or -1 before the first write
@@ -425,7 +424,10 @@ class Log:
         if failed:
             self._failed.extend(failed)
         if written or failed:
-            self.wake()
+            try:
+                self.wake()
+            except Exception:  # a loop already torn down at exit must not turn a clean stop into a fatal one
+                log.exception("waking the loop after a write to %s failed", self.data_dir)
 
     def _write_frames(self, frames: list[_Frame]) -> int:
         """Write frames in order, one writev per run in one file; how many were written whole."""
@@ -554,6 +556,5 @@ class Log:
 
     def _die(self, message: str) -> None:
         """Report a fatal disk error once and stop the writer thread."""
-        self._fatal = message
         self.on_fatal(message)
         raise _Fatal(message)
