@@ -107,6 +107,8 @@ class Log:
     """
 
     append: Callable[[bytes], None]  # one record line (no newline inside) into the open batch
+    unsynced_bytes: int  # handed over but not yet durable under the policy: read it without a lock
+    disk_full: bool  # writes fail for lack of space; cleared once one succeeds again
 
     def __init__(self, data_dir: str, fsync: str = "always", segment_bytes: int = 64 << 20,
                  wake: Callable[[], None] = lambda: None,
@@ -126,6 +128,7 @@ class Log:
         self.append = self._records.append  # cleared, never replaced: a bound copy stays valid
         self._commits = 0
         self._handed_bytes = 0
+        self.unsynced_bytes = 0
         self._closed = False
         # handed over under the condition; the thread swaps the list out
         self._cond = threading.Condition(threading.Lock())
@@ -181,6 +184,9 @@ class Log:
         self._commits = number = self._commits + 1
         frame = _Frame(number, HEADER.pack(size, zlib.crc32(payload)), payload, new_segment)
         self._handed_bytes += HEADER_BYTES + size
+        # both threads only ever store handed - durable, each counter having one writer; the
+        # loop stores before the hand-over, so the thread's store for this frame comes later
+        self.unsynced_bytes = self._handed_bytes - self._durable_bytes
         with self._cond:
             self._handed.append(frame)
             self._cond.notify()
@@ -195,11 +201,6 @@ class Log:
         while failed:
             numbers.append(failed.popleft())
         return self._durable, numbers
-
-    @property
-    def unsynced_bytes(self) -> int:
-        """Bytes handed over but not yet durable under the policy; read without a lock."""
-        return self._handed_bytes - self._durable_bytes
 
     def stats(self) -> dict[str, Any]:
         """Counters for stats and monitoring; fsync latencies over the last 1024 fsyncs."""
@@ -420,6 +421,7 @@ class Log:
             if self._snapshot_segment is not None:
                 self._drop_before_snapshot()
             self._durable_bytes += sum(HEADER_BYTES + len(f.payload) for f in todo[:written])
+            self.unsynced_bytes = self._handed_bytes - self._durable_bytes
             self._durable = todo[written - 1].number
         if failed:
             self._failed.extend(failed)
