@@ -74,6 +74,13 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
         tail = b"".join((b" ok ", rid, b" event=", args))
     if not event or (event[0] == DASH and event.startswith(b"--")):
         check_name(event, "publish: event")
+    if confirm and (journal := session.workers.journal) is not None:
+        if journal.disk_full:
+            raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
+        for broker in session.workers.brokers:
+            broker.publish(rid, event, tail)
+        journal.confirm_when_durable(session.outbox, rid)  # answered once the log has it
+        return
     for broker in session.workers.brokers:
         broker.publish(rid, event, tail)
     if confirm:

@@ -24,6 +24,8 @@ from gevent.server import StreamServer
 
 from .config import DEFAULTS, Config
 from .connection import Connection
+from .durable import Journal, rebuild, recover
+from .protocol import format_error
 from .timers import Timers
 from .workers import Workers
 
@@ -89,9 +91,45 @@ class Server:
         self.connections: set[Connection] = set()
         self.timers_due = Event()
         self.timers = Timers(on_earlier=self.timers_due.set)
-        self.workers = Workers(config.workers, self.timers.call_later)
         self.next_error_id = ErrorIds()
+        self.journal = self.open_journal() if config.data_dir else None
+        self.workers = Workers(config.workers, self.timers.call_later, self.journal)
         self.stream_server: Listener | None = None
+
+    def open_journal(self) -> Journal:
+        """The write-ahead log in --data-dir, woken from its writer thread through a gevent async watcher."""
+        from .log import Log  # only durable servers load the storage layer
+
+        config = self.config
+        assert config.data_dir is not None
+        self.log_wake = gevent.get_hub().loop.async_()
+        log_ = Log(config.data_dir, config.fsync, segment_bytes=config.log_segment_bytes, wake=self.log_wake.send)
+        return Journal(log_, self.error_line, config.compact_min_bytes)
+
+    def error_line(self, rid: bytes, reason: str) -> bytes:
+        error_id = self.next_error_id()
+        log.warning("error %s: %s (rid %r)", error_id, reason, rid[:80])
+        return format_error(rid, error_id, reason)
+
+    def recover(self) -> None:
+        """Replay the log into the workers before the first client is accepted."""
+        journal = self.journal
+        assert journal is not None
+        started = time.monotonic()
+        records = journal.log.replay(repair=self.config.repair)
+        queues, messages = rebuild(recover(records), self.workers.worker_for)
+        stats = journal.log.stats()
+        # the whole log counts as churn: the first snapshot comes as soon as it is worth it
+        journal.bytes_since_snapshot = stats.get("log_bytes", 0)
+        log.info("recovered %d queues and %d messages from %s in %.3f s (%d records, %d bytes truncated)",
+                 queues, messages, self.config.data_dir, time.monotonic() - started,
+                 stats.get("replayed_records", 0), stats.get("truncated_bytes", 0))
+
+    def on_log_wake(self) -> None:
+        """The log made commits durable (or failed them): answer their confirms."""
+        assert self.journal is not None
+        self.journal.settle()
+        self.workers.flush_pending()
 
     def run_timers(self) -> None:
         """The process's one timer greenlet: sleep until the earliest deadline, run what is due."""
@@ -112,6 +150,9 @@ class Server:
 
     def serve_forever(self) -> None:
         config = self.config
+        if self.journal is not None:
+            self.recover()
+            self.log_wake.start(self.on_log_wake)
         self.stream_server = Listener((config.host, config.port), self.handle, backlog=1024)
         self.stream_server.init_socket()
         hub = gevent.get_hub()
@@ -119,8 +160,9 @@ class Server:
         gevent.spawn(self.run_timers)
         for signum in (signal.SIGTERM, signal.SIGINT):
             gevent.signal_handler(signum, gevent.spawn, self.shutdown)
-        log.info("mqksd listening on %s:%d (workers=%d, eval=%s)", config.host, self.stream_server.server_port,
-                 config.workers, "on" if config.eval_enabled else "off")
+        log.info("mqksd listening on %s:%d (workers=%d, eval=%s, %s)", config.host, self.stream_server.server_port,
+                 config.workers, "on" if config.eval_enabled else "off",
+                 f"data dir {config.data_dir}, fsync {config.fsync}" if config.data_dir else "in memory")
         self.stream_server.serve_forever()
         log.info("mqksd stopped")
 
@@ -137,6 +179,8 @@ class Server:
         for conn in list(self.connections):
             conn.close()
         self.stream_server.stop(timeout=1)
+        if self.journal is not None:
+            self.journal.close()  # everything recorded reaches the disk before exit 0
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -156,6 +200,19 @@ def parse_args(argv: list[str] | None = None) -> Config:
                              "(deliveries pause at a quarter of it; default: %(default)s)")
     parser.add_argument("--eval", action="store_true", dest="eval_enabled", default=d.eval_enabled,
                         help="enable the _eval backdoor (remote code execution; loopback clients only)")
+    parser.add_argument("--data-dir", default=d.data_dir, metavar="DIR",
+                        help="keep queues, bindings and messages in a write-ahead log in DIR (default: in memory)")
+    parser.add_argument("--fsync", default=d.fsync, choices=["always", "everysec", "no"],
+                        help="with --data-dir: when a confirmed publish is answered: after the fdatasync that "
+                             "covers it (always), after the write, with an fdatasync every second (everysec), "
+                             "or after the write, syncing left to the OS (no) (default: %(default)s)")
+    parser.add_argument("--repair", action="store_true", default=d.repair,
+                        help="with --data-dir: a bad frame in the log is cut off there instead of stopping the start")
+    parser.add_argument("--log-segment-bytes", type=int, default=d.log_segment_bytes, metavar="N",
+                        help="with --data-dir: size of one log file (default: %(default)s)")
+    parser.add_argument("--compact-min-bytes", type=int, default=d.compact_min_bytes, metavar="N",
+                        help="with --data-dir: the live state is rewritten (and older log files deleted) once the "
+                             "log has grown by half its size, and by at least N bytes (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")

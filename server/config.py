@@ -20,6 +20,11 @@ class Config:
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     max_output_bytes: int = 64 << 20
     eval_enabled: bool = False  # _eval is remote code execution: off unless asked for
+    data_dir: str | None = None  # None: in memory only, as the spec's server
+    fsync: str = "always"  # with data_dir: safe by default, fast by group commit
+    repair: bool = False  # truncate the log at a bad frame instead of refusing to start
+    log_segment_bytes: int = 64 << 20
+    compact_min_bytes: int = 128 << 20  # never rewrite the live state for less churn than this
 
 
 DEFAULTS = Config()

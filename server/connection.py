@@ -40,6 +40,8 @@ RECV_BYTES = 65536
 # gevent.sleep(0) instead it was 340 ms (sleep(0) resumes before the loop polls sockets
 # again), and with no yield the ping waited for the whole flood.
 FAIR_SHARE_BYTES = 4 * RECV_BYTES
+PUBLISH = b" publish "
+BACKLOG_POLL_SECONDS = 0.005
 LOG_FIRST_ERRORS = 100
 LOG_EVERY_NTH_ERROR = 1000
 
@@ -177,6 +179,7 @@ class Connection:
         feed, rejected = splitter.feed, splitter.rejected
         pending = self.workers.pending
         flush_pending = self.workers.flush_pending
+        journal = self.workers.journal
         debug = log.isEnabledFor(logging.DEBUG)
         unyielded_bytes = 0
         while not self.closed:
@@ -188,8 +191,13 @@ class Connection:
                 if debug:
                     log.debug("%s sent %d lines: %r", self.peer, len(lines), lines[:20])
                 run_lines(self, lines, rejected)
-            if pending:
+            if pending or journal is not None:  # durable: the batch's records are committed there too
                 flush_pending()
+            if journal is not None and journal.backlogged and PUBLISH in chunk:
+                # back-pressure: a publisher waits while the disk is behind; a connection that
+                # only acks never does (its acks are what lets the queues drain)
+                while journal.backlogged and not self.closed:
+                    gevent.sleep(BACKLOG_POLL_SECONDS)
             unyielded_bytes += len(chunk)
             if unyielded_bytes >= FAIR_SHARE_BYTES:
                 unyielded_bytes = 0

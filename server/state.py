@@ -55,8 +55,10 @@ class Message:
         self.tail = tail  # as published: never holds a retry field
 
     def delivery_tail(self) -> bytes:
-        """The tail with `,retry={n}` after the event, built from the fields."""
+        """The tail with `,retry={n}` after the event, built from the fields (none while retry is 0)."""
         tail = self.tail
+        if not self.retry:
+            return tail  # a message recovered from the log that was never delivered
         # msg_id and event never hold a space (the parser splits on them), so the second
         # space after " ok " ends the header whatever characters the event holds
         header_end = tail.index(b" ", tail.index(b" ", 4) + 1)
@@ -311,17 +313,28 @@ class Queue:
                     consumer.deliver(item, seq, msg_id)
                 delivered += 1
             return delivered
+        return self.pump_each()
+
+    def pump_each(self) -> int:
+        """Round robin, one message at a time, until no consumer is ready; returns how many went."""
+        messages = self.messages
+        delivered = 0
         while messages:
             ready = self.ready_consumer()
             if ready is None:
                 break
-            seq, item = self.pop()
-            if isinstance(item, Message):
-                ready.deliver(item.delivery_tail(), seq, msg_id_of(item.tail), item)
-            else:
-                ready.deliver(item, seq, msg_id_of(item))
+            self.deliver_front(ready)
             delivered += 1
         return delivered
+
+    def deliver_front(self, consumer: Consumer) -> int:
+        """Hand the front message to `consumer`; returns its seq."""
+        seq, item = self.pop()
+        if isinstance(item, Message):
+            consumer.deliver(item.delivery_tail(), seq, msg_id_of(item.tail), item)
+        else:
+            consumer.deliver(item, seq, msg_id_of(item))
+        return seq
 
     def requeue(self, taken: list[tuple[int, Item]]) -> None:
         """Put messages back at the front, in the order given, with retry raised."""
@@ -364,8 +377,11 @@ class Broker:
         """The queue called `name`, created if missing."""
         queue = self.queues.get(name)
         if queue is None:
-            queue = self.queues[name] = Queue(name)
+            queue = self.queues[name] = self.new_queue(name)
         return queue
+
+    def new_queue(self, name: bytes) -> Queue:
+        return Queue(name)
 
     def rebind(self, queue: Queue, replace: list[bytes] | None = None, add: Iterable[bytes] = (),
                remove: Iterable[bytes] = (), remove_masks: Iterable[bytes] = ()) -> bool:

@@ -13,6 +13,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from .durable import DurableBroker, Journal
 from .outbox import Outbox
 from .state import Broker, Schedule
 
@@ -20,13 +21,18 @@ from .state import Broker, Schedule
 class Workers:
     """Every worker of this process, the placement of queues on them, and the outboxes owed a flush."""
 
-    __slots__ = ("brokers", "count", "pending", "clients")
+    __slots__ = ("brokers", "count", "pending", "clients", "journal")
 
-    def __init__(self, count: int = 1, schedule: Schedule | None = None) -> None:
+    def __init__(self, count: int = 1, schedule: Schedule | None = None, journal: Journal | None = None) -> None:
         self.count = count
         self.pending: list[Outbox] = []
         self.clients = 0  # live connections, for stats
-        self.brokers = [Broker(worker, count, schedule, self.count_clients) for worker in range(count)]
+        self.journal = journal  # None: in memory only
+        if journal is None:
+            self.brokers = [Broker(worker, count, schedule, self.count_clients) for worker in range(count)]
+        else:
+            self.brokers = [DurableBroker(worker, count, schedule, self.count_clients, journal=journal)
+                            for worker in range(count)]
 
     def count_clients(self) -> int:
         return self.clients
@@ -37,7 +43,12 @@ class Workers:
         return brokers[zlib.crc32(queue) % self.count] if self.count > 1 else brokers[0]
 
     def flush_pending(self) -> None:
-        """Flush every outbox that has output since the last flush."""
+        """Commit the batch's records (durable mode), then flush every outbox that has output."""
+        journal = self.journal
+        if journal is not None:
+            journal.commit()
+            if journal.wants_snapshot():
+                journal.snapshot(self.brokers)
         pending = self.pending
         for outbox in pending:
             outbox.flush_pending = False

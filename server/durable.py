@@ -1,0 +1,410 @@
+"""Step 5 of the flow, on disk: every change of durable state as a record in the write-ahead log.
+
+Only with `mqksd --data-dir`: then each worker is a `DurableBroker` whose queues are
+`DurableQueue`s, and every change goes through the process's `Journal` as one text line
+(a tail never holds a newline). Records, by their first byte:
+
+    Q {queue} {seconds|-} {event}...      the queue's events and delete-when-unused (full state)
+    X {queue}                             the queue was deleted
+    P {k} {queue} {seq}...{tail}          a message put into k queues (its body written once)
+    D {queue} {seq}...                    delivered and held for an ack
+    A {queue} {seq}...                    gone: acked, or delivered to an auto-ack consumer
+    R {queue} {seq} {retry}...            back at the front of the queue with this retry count
+    S                                     a snapshot follows: forget everything before it
+    N {queue} {next_seq}                  (snapshot) the queue's next seq
+    M {queue} {seq} {retry} {0|1}{tail}   (snapshot) a live message; 1: it was held for an ack
+
+A copy delivered at once to an auto-ack consumer is never written. Un-acked messages are
+not lost on a crash: replay finds them delivered and not acked, and puts them back at the
+front with their retry raised, as a disconnect would. Retry counts are absolute, so a replay
+never counts twice. Acks do not wait for the disk: a lost ack is one redelivery.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from itertools import islice
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+from .outbox import Outbox
+from .state import Broker, Consumer, Item, Message, Packed, Queue
+
+log = logging.getLogger("mqks.durable")
+
+SNAPSHOT_MIN_GROWTH_BYTES = 128 << 20  # never rewrite the live state for less churn than this
+SNAPSHOT_GROWTH = 0.5  # rewrite once the log grew by half the last snapshot: disk <= ~1.5x live + slack
+MAX_UNSYNCED_BYTES = 64 << 20  # past this, publishers stop being read until the disk catches up
+
+
+class Log(Protocol):
+    """What the journal needs of `server.log.Log` (the storage layer)."""
+
+    unsynced_bytes: int
+    disk_full: bool
+
+    def append(self, record: bytes) -> None: ...
+
+    def commit(self, new_segment: bool = False) -> int | None: ...
+
+    def poll(self) -> tuple[int, list[int]]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+    def replay(self, repair: bool = False) -> Iterator[bytes]: ...
+
+
+class Journal:
+    """The process's records and the confirms that wait for them to be durable."""
+
+    def __init__(self, log_: Log, error_line: Callable[[bytes, str], bytes],
+                 snapshot_min_growth_bytes: int = SNAPSHOT_MIN_GROWTH_BYTES) -> None:
+        self.log = log_
+        self.append = log_.append
+        self.error_line = error_line  # (rid, reason) -> the error line, with a fresh error id
+        self.last_commit = 0  # the newest commit handed to the log
+        self.durable = 0  # the newest commit the log reported durable
+        self.waiting: deque[tuple[int, Outbox, bytes]] = deque()  # (commit, outbox, rid), oldest first
+        self.unconfirmed: list[tuple[Outbox, bytes]] = []  # confirms of the batch not yet committed
+        self.bytes_since_snapshot = 0
+        self.last_snapshot_bytes = 0
+        self.snapshot_min_growth_bytes = snapshot_min_growth_bytes
+        self.snapshots = 0
+
+    @property
+    def backlogged(self) -> bool:
+        return self.log.unsynced_bytes > MAX_UNSYNCED_BYTES
+
+    @property
+    def disk_full(self) -> bool:
+        return self.log.disk_full
+
+    def confirm_when_durable(self, outbox: Outbox, rid: bytes) -> None:
+        """Answer `{rid} ok` once everything recorded so far is durable under the fsync policy."""
+        self.unconfirmed.append((outbox, rid))
+
+    def commit(self) -> None:
+        """Close the batch into one frame (a no-op without records) and queue its confirms."""
+        number = self.log.commit()
+        if number is not None:
+            self.last_commit = number
+        if self.unconfirmed:
+            # a confirm whose publish wrote nothing (every copy went to auto-ack consumers at
+            # once) still waits for what came before it: confirms keep their order
+            commit = self.last_commit
+            for outbox, rid in self.unconfirmed:
+                if commit <= self.durable:
+                    outbox.write(b"%b ok \n" % rid)
+                else:
+                    self.waiting.append((commit, outbox, rid))
+            self.unconfirmed.clear()
+
+    def settle(self) -> None:
+        """After the log woke us: answer the confirms that became durable, or failed."""
+        durable, failed = self.log.poll()
+        self.durable = max(self.durable, durable)
+        failed_commits = set(failed)
+        waiting = self.waiting
+        while waiting and (waiting[0][0] <= self.durable or waiting[0][0] in failed_commits):
+            commit, outbox, rid = waiting.popleft()
+            if commit in failed_commits:
+                outbox.write(self.error_line(rid, "disk full: the message is kept in memory but is not on disk"))
+            else:
+                outbox.write(b"%b ok \n" % rid)
+        if failed_commits:
+            # a confirm of a failed frame behind one that is still waiting
+            kept = deque()
+            for entry in waiting:
+                if entry[0] in failed_commits:
+                    entry[1].write(self.error_line(entry[2], "disk full: the message is kept in memory "
+                                                             "but is not on disk"))
+                else:
+                    kept.append(entry)
+            self.waiting = kept
+
+    def record(self, line: bytes) -> None:
+        self.bytes_since_snapshot += len(line) + 1
+        self.append(line)
+
+    def wants_snapshot(self) -> bool:
+        growth = max(self.snapshot_min_growth_bytes, int(self.last_snapshot_bytes * SNAPSHOT_GROWTH))
+        return self.bytes_since_snapshot > growth
+
+    def snapshot(self, brokers: Iterable[DurableBroker]) -> None:
+        """Write the whole live state as one frame in a new segment; the log then drops older ones."""
+        self.commit()  # what came before stays before
+        started = time.monotonic()
+        size = 0
+        append = self.log.append
+        append(b"S")
+        for broker in brokers:
+            for queue in broker.queues.values():
+                for line in queue.snapshot_lines():
+                    size += len(line) + 1
+                    append(line)
+        number = self.log.commit(new_segment=True)
+        if number is not None:
+            self.last_commit = number
+        self.last_snapshot_bytes = size
+        self.bytes_since_snapshot = 0
+        self.snapshots += 1
+        log.info("snapshot of the live state: %d bytes in %.3f s", size, time.monotonic() - started)
+
+    def close(self) -> None:
+        self.commit()
+        self.log.close()
+        self.settle()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.log.stats(), "snapshots": self.snapshots, "confirms_waiting": len(self.waiting)}
+
+
+def holds(queue: Queue, seq: int) -> bool:
+    """True if a consumer of `queue` holds copy `seq` for an ack."""
+    return any(seq in consumer.unacked for consumer in queue.consumers)
+
+
+def queue_line(queue: Queue) -> bytes:
+    seconds = queue.delete_when_unused_seconds
+    return b" ".join([b"Q", queue.name, b"-" if seconds is None else repr(seconds).encode(), *queue.events])
+
+
+class DurableQueue(Queue):
+    """A queue whose deliveries and requeues are recorded."""
+
+    __slots__ = ("journal",)
+
+    def __init__(self, name: bytes, journal: Journal) -> None:
+        super().__init__(name)
+        self.journal = journal
+
+    def pump(self) -> int:
+        # one at a time (no inlined fast path): each delivery is a record, and the disk costs more
+        return self.pump_each()
+
+    def deliver_front(self, consumer: Consumer) -> int:
+        seq = Queue.deliver_front(self, consumer)
+        self.journal.record(b"%b %b %d" % (b"D" if consumer.manual_ack else b"A", self.name, seq))
+        return seq
+
+    def requeue(self, taken: list[tuple[int, Item]]) -> None:
+        Queue.requeue(self, taken)
+        if taken:
+            fields = [b"R", self.name]
+            for record in islice(self.messages, len(taken)):  # the records Queue.requeue just put in front
+                fields += [b"%d" % record.seq, b"%d" % record.retry]
+            self.journal.record(b" ".join(fields))
+
+    def snapshot_lines(self) -> Iterator[bytes]:
+        """This queue's live state as snapshot records: held messages first, then waiting ones."""
+        yield queue_line(self)
+        yield b"N %b %d" % (self.name, self.next_seq)
+        name = self.name
+        held = sorted((seq, item) for consumer in self.consumers for seq, item in consumer.unacked.items())
+        for seq, item in held:
+            message = item if isinstance(item, Message) else Message(seq, 0, item)
+            yield b"M %b %d %d 1%b" % (name, seq, message.retry, message.tail)
+        first_plain = self.next_seq - (self.depth() - self.requeued)
+        for item in self.messages:
+            if isinstance(item, Message):
+                yield b"M %b %d %d 0%b" % (name, item.seq, item.retry, item.tail)
+            else:
+                for tail in (item.split(b"\n") if type(item) is Packed else (item,)):
+                    yield b"M %b %d 0 0%b" % (name, first_plain, tail)
+                    first_plain += 1
+
+
+class DurableBroker(Broker):
+    """A worker whose every durable change is also a record in the journal."""
+
+    def __init__(self, *args: Any, journal: Journal, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.journal = journal
+
+    def new_queue(self, name: bytes) -> Queue:
+        return DurableQueue(name, self.journal)
+
+    def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
+        self.published += 1
+        queues = self.route_cache.get(event)
+        if queues is None:
+            queues = self.routing.route(event)
+        refs: list[bytes] = []
+        held: list[bytes] = []
+        for queue in queues:
+            seq = queue.next_seq
+            if queue.put(tail, msg_id):
+                self.consumed += 1
+                if queue.next_seq == seq or not holds(queue, seq):
+                    continue  # delivered to an auto-ack consumer at once: gone, never written
+                held.append(b"D %b %d" % (queue.name, seq))
+            refs += [queue.name, b"%d" % seq]
+        self.queued += len(queues)
+        if refs:
+            record = self.journal.record
+            record(b"P %d %b%b" % (len(refs) // 2, b" ".join(refs), tail))
+            for line in held:
+                record(line)
+
+    def rebind(self, queue: Queue, *args: Any, **kwargs: Any) -> bool:
+        changed = super().rebind(queue, *args, **kwargs)
+        if changed:
+            self.journal.record(queue_line(queue))
+        return changed
+
+    def consume(self, consumer: Consumer, replace: list[bytes], add: list[bytes] | None) -> None:
+        queue = consumer.queue
+        setting = queue.delete_when_unused_seconds
+        super().consume(consumer, replace, add)
+        if queue.delete_when_unused_seconds != setting:
+            self.journal.record(queue_line(queue))
+
+    def ack(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
+        unknown = []
+        seqs = [b"A", consumer.queue.name]
+        for msg_id in msg_ids:
+            found = consumer.take_unacked(msg_id)
+            if found is None:
+                unknown.append(msg_id)
+            else:
+                seqs.append(b"%d" % found[0])
+        if len(seqs) > 2:
+            self.journal.record(b" ".join(seqs))
+        self.acked += len(msg_ids) - len(unknown)
+        if consumer.prefetch:
+            self.pump(consumer.queue)
+        return unknown
+
+    def ack_all(self, consumer: Consumer) -> None:
+        taken = consumer.take_all_unacked()
+        if taken:
+            self.journal.record(b" ".join([b"A", consumer.queue.name, *(b"%d" % seq for seq, _ in taken)]))
+        self.acked += len(taken)
+        self.pump(consumer.queue)
+
+    def delete_queue(self, name: bytes) -> bool:
+        deleted = super().delete_queue(name)
+        if deleted:
+            self.journal.record(b"X " + name)
+        return deleted
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "log": self.journal.stats()}
+
+
+class Recovered:
+    """One queue as replay rebuilds it."""
+
+    __slots__ = ("events", "seconds", "messages", "front", "next_seq")
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.seconds: float | None = None
+        self.messages: dict[int, list] = {}  # seq -> [tail, retry, held]
+        self.front: list[int] = []  # requeued seqs, front first (may hold stale entries)
+        self.next_seq = 0
+
+
+def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
+    """Replay records into queue states; a record about an unknown seq or queue is skipped."""
+    queues: dict[bytes, Recovered] = {}
+
+    def queue(name: bytes) -> Recovered:
+        found = queues.get(name)
+        if found is None:
+            found = queues[name] = Recovered()
+        return found
+
+    for line in records:
+        kind = line[:1]
+        if kind == b"P":
+            _, count, rest = line.split(b" ", 2)
+            parts = rest.split(b" ", 2 * int(count))
+            tail = b" " + parts[-1]
+            for i in range(0, len(parts) - 1, 2):
+                q, seq = queue(parts[i]), int(parts[i + 1])
+                q.messages[seq] = [tail, 0, False]
+                q.next_seq = max(q.next_seq, seq + 1)
+        elif kind in (b"D", b"A"):
+            fields = line.split(b" ")
+            q = queues.get(fields[1])
+            if q is None:
+                continue
+            for seq_text in fields[2:]:
+                seq = int(seq_text)
+                if kind == b"A":
+                    q.messages.pop(seq, None)
+                elif seq in q.messages:
+                    q.messages[seq][2] = True
+        elif kind == b"R":
+            fields = line.split(b" ")
+            q = queues.get(fields[1])
+            if q is None:
+                continue
+            requeued = []
+            for i in range(2, len(fields), 2):
+                seq, retry = int(fields[i]), int(fields[i + 1])
+                message = q.messages.get(seq)
+                if message is not None:
+                    message[1], message[2] = retry, False
+                    requeued.append(seq)
+            q.front[:0] = requeued
+        elif kind == b"Q":
+            fields = line.split(b" ")
+            q = queue(fields[1])
+            q.seconds = None if fields[2] == b"-" else float(fields[2])
+            q.events = fields[3:]
+        elif kind == b"X":
+            queues.pop(line[2:], None)
+        elif kind == b"S":
+            queues.clear()
+        elif kind == b"N":
+            _, name, seq_text = line.split(b" ")
+            queue(name).next_seq = int(seq_text)
+        elif kind == b"M":
+            _, name, seq_text, retry_text, rest = line.split(b" ", 4)
+            q, seq = queue(name), int(seq_text)
+            q.messages[seq] = [rest[1:], int(retry_text), rest[:1] == b"1"]
+            q.next_seq = max(q.next_seq, seq + 1)
+        else:
+            raise ValueError(f"unknown record {line[:40]!r}")
+    return queues
+
+
+def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Broker]) -> tuple[int, int]:
+    """Put recovered queues into their workers; returns (queues, messages).
+
+    Order at the front of each queue: messages that were held un-acked (retry raised, as a
+    disconnect would), then requeued ones in the order they went back, then the rest by seq.
+    """
+    total = 0
+    for name, state in recovered.items():
+        broker = broker_for(name)
+        queue = broker.queue(name)
+        Broker.rebind(broker, queue, replace=state.events or None)  # already in the log: not again
+        queue.delete_when_unused_seconds = state.seconds
+        messages = state.messages
+        held = sorted(seq for seq, m in messages.items() if m[2])
+        seen: set[int] = set(held)
+        front = []
+        for seq in state.front:
+            if seq in messages and seq not in seen:
+                seen.add(seq)
+                front.append(seq)
+        rest = sorted(seq for seq in messages if seq not in seen)
+        records = []
+        for seq in held:
+            tail, retry, _ = messages[seq]
+            records.append(Message(seq, retry + 1, tail))
+        for seq in front + rest:
+            tail, retry, _ = messages[seq]
+            records.append(Message(seq, retry, tail))
+        queue.messages.extend(records)
+        queue.requeued = len(records)
+        queue.next_seq = max(state.next_seq, queue.next_seq)
+        total += len(records)
+    return len(recovered), total
