@@ -65,7 +65,7 @@ def bind_queue(host: str, port: int, queue: str, events: str) -> None:
         answers: list[bytes] = []
         while not answers:
             answers = client.read_lines(10.0) or [b"bind error - no answer within 10s"]
-        rid, status, data = split_answer(answers[0])
+        _, status, data = split_answer(answers[0])
         if status != b"ok":
             raise MqksError(f"cannot bind {queue} to {events}: {data.decode(errors='replace')}")
     finally:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import islice
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from typing import Any, Protocol
 
 from .outbox import Outbox
@@ -117,7 +117,7 @@ class Journal:
                 outbox.write(b"%b ok \n" % rid)
         if failed_commits:
             # a confirm of a failed frame behind one that is still waiting
-            kept = deque()
+            kept: deque[tuple[int, Outbox, bytes]] = deque()
             for entry in waiting:
                 if entry[0] in failed_commits:
                     entry[1].write(self.error_line(entry[2], "disk full: the message is kept in memory "
@@ -134,7 +134,7 @@ class Journal:
         growth = max(self.snapshot_min_growth_bytes, int(self.last_snapshot_bytes * SNAPSHOT_GROWTH))
         return self.bytes_since_snapshot > growth
 
-    def snapshot(self, brokers: Iterable[DurableBroker]) -> None:
+    def snapshot(self, brokers: Iterable[Broker]) -> None:
         """Write the whole live state as one frame in a new segment; the log then drops older ones."""
         self.commit()  # what came before stays before
         started = time.monotonic()
@@ -143,6 +143,7 @@ class Journal:
         append(b"S")
         for broker in brokers:
             for queue in broker.queues.values():
+                assert isinstance(queue, DurableQueue)  # a journal's brokers make only these
                 for line in queue.snapshot_lines():
                     size += len(line) + 1
                     append(line)
@@ -331,28 +332,28 @@ def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
                 q.next_seq = max(q.next_seq, seq + 1)
         elif kind in (b"D", b"A"):
             fields = line.split(b" ")
-            q = queues.get(fields[1])
-            if q is None:
+            found = queues.get(fields[1])
+            if found is None:
                 continue
             for seq_text in fields[2:]:
                 seq = int(seq_text)
                 if kind == b"A":
-                    q.messages.pop(seq, None)
-                elif seq in q.messages:
-                    q.messages[seq][2] = True
+                    found.messages.pop(seq, None)
+                elif seq in found.messages:
+                    found.messages[seq][2] = True
         elif kind == b"R":
             fields = line.split(b" ")
-            q = queues.get(fields[1])
-            if q is None:
+            found = queues.get(fields[1])
+            if found is None:
                 continue
             requeued = []
             for i in range(2, len(fields), 2):
                 seq, retry = int(fields[i]), int(fields[i + 1])
-                message = q.messages.get(seq)
+                message = found.messages.get(seq)
                 if message is not None:
                     message[1], message[2] = retry, False
                     requeued.append(seq)
-            q.front[:0] = requeued
+            found.front[:0] = requeued
         elif kind == b"Q":
             fields = line.split(b" ")
             q = queue(fields[1])

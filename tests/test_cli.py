@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-
 from conftest import Broker, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -114,7 +113,7 @@ def test_mqks_consume_sees_what_mqks_publish_sends(broker: Broker, consumer_proc
     queue, event = unique("q"), unique("e")
     proc, stdout = consumer_process(queue, event, f"{event}.*.created")
     assert mqks(broker, "publish", event, "hello world").returncode == 0
-    first_id, first_rest = stdout.line().split(" ", 1)
+    _, first_rest = stdout.line().split(" ", 1)
     assert first_rest == f"event={event} hello world"
     done = mqks(broker, "publish", f"{event}.7.created", "by mask", "--confirm")
     assert done.returncode == 0, done.stderr

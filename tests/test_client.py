@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 
 import gevent
 import pytest
+from conftest import Broker, free_port
 from gevent.event import Event
 
-from conftest import Broker, free_port
 from mqks.client import Client, Message, MqksError
 from mqks.client.client import MqksConnectionError, MqksTimeoutError
 
@@ -427,7 +427,7 @@ def test_many_reconnects_keep_consuming_and_forget_old_ids(client: Client) -> No
     for flap in range(1, 7):
         # right after on_reconnect the handshake may still wait for its pong: both cases get dropped
         client._lose(client._conn, "dropped by the test")
-        wait_until(lambda: len(reconnects) == flap, f"reconnect {flap}")
+        wait_until(lambda flap=flap: len(reconnects) == flap, f"reconnect {flap}")
     assert [old for old, _ in reconnects] == [first_id] + [new for _, new in reconnects[:-1]]
     assert hooks == ["disconnect", "reconnect"] * 6
     client.publish(event, "after six reconnects", confirm=True)
@@ -468,9 +468,8 @@ def test_timeouts_leave_no_answer_waiting_and_no_stray_consumer(make_broker: Cal
         queue, event = unique("q"), unique("e")
         server.signal(signal.SIGSTOP)
         try:
-            with pytest.raises(gevent.Timeout):
-                with gevent.Timeout(0.2):  # the caller's own timeout stays the caller's
-                    client.publish(event, "frozen", confirm=True)
+            with pytest.raises(gevent.Timeout), gevent.Timeout(0.2):  # the caller's own timeout stays the caller's
+                client.publish(event, "frozen", confirm=True)
             with pytest.raises(MqksTimeoutError):
                 client.consume(queue, [event], Inbox(), timeout=0.2)
             with pytest.raises(MqksTimeoutError):

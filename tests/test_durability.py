@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import resource
 import signal
 import threading
 
 import pytest
-
 from helpers import eval_value, server_stats, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -131,6 +131,20 @@ def test_state_survives_two_restarts_exactly(make_broker, tmp_path):
     check_state(server, names)
 
 
+def produce_confirmed(producer, event: bytes, ids, stop: threading.Event, confirmed: set[bytes]) -> None:
+    """Publish with --confirm in pipelined batches of 50 until stopped or killed; collect what was confirmed."""
+    try:
+        while not stop.is_set():
+            batch = [b"p%d" % next(ids) for _ in range(50)]
+            producer.send(*(b"%b publish --confirm %b x" % (rid, event) for rid in batch))
+            for _ in batch:
+                rid, status = producer.recv_line().split(b" ")[:2]
+                if status == b"ok":
+                    confirmed.add(rid)
+    except (OSError, TimeoutError, ConnectionError):
+        pass  # the broker was killed mid-batch: the unconfirmed ones may or may not be there
+
+
 def test_kill_9_under_confirmed_load_loses_nothing_confirmed(make_broker, tmp_path):
     server = durable(make_broker, tmp_path)
     queue, event = b(unique("q")), b(unique("e"))
@@ -140,30 +154,14 @@ def test_kill_9_under_confirmed_load_loses_nothing_confirmed(make_broker, tmp_pa
     wire.close()
     confirmed: set[bytes] = set()
     received: list[bytes] = []
-    next_id = 0
-    for _round in range(5):
+    ids = itertools.count()
+    for round_ in range(5):
         producer, consumer = server.wire(), server.wire()
         consumer.send(b"c consume %b --manual-ack" % queue)
         stop = threading.Event()
-
-        def produce() -> None:
-            nonlocal next_id
-            try:
-                while not stop.is_set():
-                    batch = [b"p%d" % (next_id + i) for i in range(50)]
-                    next_id += 50
-                    producer.send(*(b"%b publish --confirm %b x" % (rid, event) for rid in batch))
-                    for _ in batch:
-                        line = producer.recv_line()
-                        rid, status = line.split(b" ")[:2]
-                        if status == b"ok":
-                            confirmed.add(rid)
-            except (OSError, TimeoutError, ConnectionError):
-                pass  # the broker was killed mid-batch: the unconfirmed ones may or may not be there
-
-        thread = threading.Thread(target=produce)
+        thread = threading.Thread(target=produce_confirmed, args=(producer, event, ids, stop, confirmed))
         thread.start()
-        wait_for(lambda: len(confirmed) > 200 * (_round + 1), "confirmed publishes under load")
+        wait_for(lambda n=200 * (round_ + 1): len(confirmed) > n, "confirmed publishes under load")
         # the consumer acks what it got, so acks, deliveries and puts interleave in the log; what it
         # got but whose ack did not reach the disk before the kill comes again: a duplicate
         try:
