@@ -13,6 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 DEFAULT_HIGH_WATER_BYTES = 4 << 20
+# a reply is a fresh bytes object in a list: its header, the list slot and malloc's rounding
+# cost about this much beside its length (measured: counting the length alone, a client that
+# never reads grew the server by 5.6x --max-output-bytes before it was cut off)
+REPLY_OVERHEAD_BYTES = 56
 
 
 def _no_flush() -> None:
@@ -28,7 +32,7 @@ class Outbox:
     def __init__(self, pending: list[Outbox], high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
                  flush: Callable[[], None] = _no_flush) -> None:
         self.out: list[Any] = []  # bytes, or one memoryview of what a partial write left
-        self.out_bytes = 0  # whole lines: consumer id, tail and newline
+        self.out_bytes = 0  # whole lines (consumer id, tail, newline), replies with their overhead
         self.paused = False  # over the high-water mark: no deliveries until it drains
         self.flush_pending = False
         self.pending = pending  # shared by every outbox of the process
@@ -40,7 +44,7 @@ class Outbox:
 
     def write(self, data: bytes) -> None:
         self.out.append(data)
-        self.out_bytes += len(data)
+        self.out_bytes += len(data) + REPLY_OVERHEAD_BYTES
         if not self.flush_pending:
             self.flush_pending = True
             self.pending.append(self)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from conftest import READY_TIMEOUT_SECONDS, Wire, free_port
-from helpers import eval_on
+from helpers import eval_on, rss_bytes
 from helpers import unique_bytes as unique
 
 pytestmark = pytest.mark.timeout(90)
@@ -197,3 +197,24 @@ def test_running_out_of_descriptors_logs_one_line_per_burst_and_keeps_serving(tm
             sock.close()
         proc.kill()
         proc.wait()
+
+
+def test_a_client_that_never_reads_costs_about_its_output_limit_not_several_times_it(make_broker):
+    limit = 16 << 20
+    server = make_broker("--max-output-bytes", str(limit))
+    before = rss_bytes(server.proc.pid)
+    sock = socket.create_connection((server.host, server.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    chunk = b"".join(b"p%d publish --confirm nobody.listens x\n" % i for i in range(10_000))
+    peak = before
+    try:
+        while True:  # small replies, never read: each one is an object of its own on the server
+            sock.sendall(chunk)
+            peak = max(peak, rss_bytes(server.proc.pid))
+    except OSError:
+        pass  # closed by the server, as it should be
+    finally:
+        sock.close()
+    assert "unread" in server.log()
+    # counting reply lengths alone let it grow to 5.6x the limit
+    assert peak - before < 2 * limit, f"grew {(peak - before) >> 20} MiB for a {limit >> 20} MiB limit"
