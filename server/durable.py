@@ -30,7 +30,7 @@ from itertools import islice
 from typing import Any, Protocol
 
 from .outbox import Outbox
-from .state import Broker, Consumer, Item, Message, Packed, Queue
+from .state import PACK_MIN_DEPTH, PACK_TAILS, Broker, Consumer, Item, Message, Packed, Queue
 
 log = logging.getLogger("mqks.durable")
 
@@ -368,9 +368,11 @@ def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
             queue(name).next_seq = int(seq_text)
         elif kind == b"M":
             _, name, seq_text, retry_text, rest = line.split(b" ", 4)
-            q, seq = queue(name), int(seq_text)
-            q.messages[seq] = [rest[1:], int(retry_text), rest[:1] == b"1"]
+            q, seq, retry = queue(name), int(seq_text), int(retry_text)
+            q.messages[seq] = [rest[1:], retry, rest[:1] == b"1"]
             q.next_seq = max(q.next_seq, seq + 1)
+            if retry and rest[:1] == b"0":
+                q.front.append(seq)  # a requeued one: the snapshot lists them front first
         else:
             raise ValueError(f"unknown record {line[:40]!r}")
     return queues
@@ -397,15 +399,34 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
                 seen.add(seq)
                 front.append(seq)
         rest = sorted(seq for seq in messages if seq not in seen)
+        # the newest never-delivered messages with consecutive seqs and nothing live above them
+        # go back as plain tails, packed as a deep queue packs them (records cost ~2.5x the
+        # memory); their seq stays implicit, so the queue's next seq follows the last of them
+        plain_from = len(rest)
+        while plain_from and messages[rest[plain_from - 1]][1] == 0 and (
+                plain_from == len(rest) or rest[plain_from - 1] == rest[plain_from] - 1):
+            plain_from -= 1
+        if held and rest and held[-1] > rest[-1] or front and rest and max(front) > rest[-1]:
+            plain_from = len(rest)  # a live record above them: keep every seq explicit
         records = []
         for seq in held:
             tail, retry, _ = messages[seq]
             records.append(Message(seq, retry + 1, tail))
-        for seq in front + rest:
+        for seq in front + rest[:plain_from]:
             tail, retry, _ = messages[seq]
             records.append(Message(seq, retry, tail))
         queue.messages.extend(records)
         queue.requeued = len(records)
-        queue.next_seq = max(state.next_seq, queue.next_seq)
-        total += len(records)
+        plain = [messages[seq][0] for seq in rest[plain_from:]]
+        runs = len(plain) // PACK_TAILS if len(plain) >= PACK_MIN_DEPTH else 0
+        for i in range(runs):
+            queue.messages.append(Packed(b"\n".join(plain[i * PACK_TAILS : (i + 1) * PACK_TAILS])))
+        queue.packed_extra += runs * (PACK_TAILS - 1)
+        queue.messages.extend(plain[runs * PACK_TAILS :])
+        queue.appended_since_pack = len(plain) - runs * PACK_TAILS
+        if plain:
+            queue.next_seq = rest[-1] + 1
+        else:
+            queue.next_seq = max(state.next_seq, queue.next_seq)
+        total += len(records) + len(plain)
     return len(recovered), total

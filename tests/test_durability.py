@@ -349,3 +349,40 @@ def test_without_data_dir_nothing_is_written(make_broker, tmp_path, monkeypatch)
     assert os.listdir(tmp_path) == []
     wire.close()
     assert signal.SIGTERM  # the module's imports stay used
+
+
+def test_state_comes_back_from_a_snapshot_exactly(make_broker, tmp_path):
+    server = durable(make_broker, tmp_path)
+    names = set_up_state(server)
+    wire = server.wire()
+    wire.send(b"ev _eval workers.journal.snapshot(workers.brokers)")  # compaction, by hand
+    wire.expect(b"ev ok None")
+    sync(wire)
+    wire.close()
+    assert len(segments(tmp_path)) == 1  # everything before the snapshot is gone
+    server.kill()
+    server.restart()
+    check_state(server, names)
+
+
+def test_a_deep_queue_comes_back_in_order_with_its_seqs_and_new_copies_follow(make_broker, tmp_path):
+    server = durable(make_broker, tmp_path)
+    queue, event = b(unique("q")), b(unique("e"))
+    wire = server.wire()
+    wire.send(b"rb rebind --confirm %b %b" % (queue, event))
+    wire.expect(b"rb ok ")
+    count = 6000  # deep enough to be packed in memory after the recovery
+    wire.send_raw(b"".join(b"m%d publish %b %d\n" % (i, event, i) for i in range(count)))
+    sync(wire)
+    wire.close()
+    server.kill()
+    server.restart()
+    wire = server.wire()
+    wire.send(b"late publish --confirm %b late" % event)
+    wire.expect(b"late ok ")
+    wire.send(b"c consume --confirm %b --seq" % queue)
+    wire.expect(b"c ok ")
+    for i in range(count):
+        wire.expect(b"c ok m%d event=%b,seq=%d %d" % (i, event, i, i))
+    wire.expect(b"c ok late event=%b,seq=%d late" % (event, count))
+    wire.close()
