@@ -406,7 +406,7 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         while plain_from and messages[rest[plain_from - 1]][1] == 0 and (
                 plain_from == len(rest) or rest[plain_from - 1] == rest[plain_from] - 1):
             plain_from -= 1
-        if held and rest and held[-1] > rest[-1] or front and rest and max(front) > rest[-1]:
+        if (held and rest and held[-1] > rest[-1]) or (front and rest and max(front) > rest[-1]):
             plain_from = len(rest)  # a live record above them: keep every seq explicit
         records = []
         for seq in held:
