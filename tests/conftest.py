@@ -176,8 +176,8 @@ def broker() -> Iterator[Broker]:
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
-def sharded_broker(request) -> Iterator[Broker]:
-    """The same broker with one and with two shards, for sharding-sensitive tests."""
+def broker_per_worker_count(request) -> Iterator[Broker]:
+    """The same broker with one and with two workers, for placement-sensitive tests."""
     server = Broker("--eval", "--workers", str(request.param))
     yield server
     server.kill()

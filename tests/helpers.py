@@ -73,7 +73,7 @@ def eval_on(wire, code: bytes) -> bytes:
 
 
 def server_stats(broker, worker: int | None = None) -> dict:
-    """The figures `stats.py` shows, of one shard (0 by default)."""
+    """The figures `stats.py` shows, of one worker (0 by default)."""
     return eval_value(broker, "state.stats()", worker)
 
 

@@ -1,4 +1,4 @@
-"""The mqksd process: flags, safe defaults, signals, logs and shards."""
+"""The mqksd process: flags, safe defaults, signals, logs and workers."""
 
 import re
 import shutil
@@ -103,41 +103,41 @@ def test_bad_flag_value_exits_with_usage_error():
     assert result.returncode == 2 and "--workers must be at least 1" in result.stderr
 
 
-def queues_one_per_shard(wire, prefix: str) -> list[bytes]:
-    """A queue name for each shard of the broker behind `wire`, in shard order."""
+def queues_one_per_worker(wire, prefix: str) -> list[bytes]:
+    """A queue name for each worker of the broker behind `wire`, in worker order."""
     wire.send(b"w _eval state.workers")
     workers = int(wire.recv_line().split()[2])
-    return [queue_on_shard(shard, workers, prefix) for shard in range(workers)]
+    return [queue_on_worker(worker, workers, prefix) for worker in range(workers)]
 
 
-def queue_on_shard(shard: int, workers: int, prefix: str) -> bytes:
+def queue_on_worker(worker: int, workers: int, prefix: str) -> bytes:
     for i in range(1000):
         name = f"{prefix}{i}".encode()
-        if zlib.crc32(name) % workers == shard:
+        if zlib.crc32(name) % workers == worker:
             return name
     raise AssertionError("no name found")
 
 
-def test_queues_live_on_their_crc32_shard_and_publish_reaches_all(sharded_broker):
-    wire = sharded_broker.wire()
-    names = queues_one_per_shard(wire, "shardq")
+def test_queues_live_on_their_crc32_worker_and_publish_reaches_all(broker_per_worker_count):
+    wire = broker_per_worker_count.wire()
+    names = queues_one_per_worker(wire, "workerq")
     workers = len(names)
     for n, name in enumerate(names):
-        wire.send(b"c%d consume %b shard.*.event" % (n, name))
-    wire.send(b"m1 publish shard.1.event hi")
+        wire.send(b"c%d consume %b worker.*.event" % (n, name))
+    wire.send(b"m1 publish worker.1.event hi")
     got = sorted(wire.barrier())
-    assert got == [b"c%d ok m1 event=shard.1.event hi" % n for n in range(workers)]
-    for shard, name in enumerate(names):
-        wire.send(b"ev _eval --worker=%d sorted(q.decode() for q in state.queues)" % shard)
+    assert got == [b"c%d ok m1 event=worker.1.event hi" % n for n in range(workers)]
+    for worker, name in enumerate(names):
+        wire.send(b"ev _eval --worker=%d sorted(q.decode() for q in state.queues)" % worker)
         line = wire.recv_line()
         assert name.decode() in line.decode()
         others = [other for other in names if other != name]
         assert not any(other.decode() in line.decode() for other in others)
 
 
-def test_manual_ack_across_shards(sharded_broker):
-    wire = sharded_broker.wire()
-    names = queues_one_per_shard(wire, "ackq")
+def test_manual_ack_across_workers(broker_per_worker_count):
+    wire = broker_per_worker_count.wire()
+    names = queues_one_per_worker(wire, "ackq")
     workers = len(names)
     for n, name in enumerate(names):
         wire.send(b"c%d consume %b ack-e --manual-ack" % (n, name))

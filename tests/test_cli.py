@@ -181,7 +181,7 @@ def test_stats_py_prints_a_table_with_top_queues(broker: Broker) -> None:
 
 def test_stats_py_json_sums_workers(make_broker: Callable[..., Broker]) -> None:
     server = make_broker("--eval", "--workers", "2")
-    queues = [unique("q") for _ in range(6)]  # enough that both shards own some
+    queues = [unique("q") for _ in range(6)]  # enough that both workers own some
     for queue in queues:
         fill_queue(server, queue, f"{queue}-e", 2)
     done = stats_py(server, "--json")

@@ -256,8 +256,8 @@ def test_delete_consumer_stops_its_callbacks(client: Client) -> None:
     assert deleted.messages == []
 
 
-def test_fifty_greenlets_publish_with_confirm_each_confirmed_once(sharded_broker: Broker) -> None:
-    client = make_client(sharded_broker)
+def test_fifty_greenlets_publish_with_confirm_each_confirmed_once(broker_per_worker_count: Broker) -> None:
+    client = make_client(broker_per_worker_count)
     try:
         queue, event = unique("q"), unique("e")
         inbox = Inbox()
