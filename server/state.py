@@ -393,7 +393,7 @@ class Broker:
         for mask in remove_masks:
             pattern = compile_mask(mask)
             for event in list(wanted):
-                if event == mask or pattern.fullmatch(event):
+                if b"." in event and pattern.fullmatch(event):  # spec: masks work only for events with dots
                     del wanted[event]
         wanted.update(dict.fromkeys(add))
         if list(wanted) == before:
