@@ -14,6 +14,7 @@ _MODULE_BY_NAME = {
     "Message": "consumers",
     "MqksError": "errors",
     "MqksConnectionError": "errors",
+    "MqksProtocolError": "errors",
     "MqksTimeoutError": "errors",
 }
 __all__ = list(_MODULE_BY_NAME)

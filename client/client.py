@@ -1,4 +1,4 @@
-"""The public MQKS client API: publish, consume, ack, reject, rebind, deletes, ping, eval.
+"""The public MQKS client API: publish, consume, ack, reject, rebind, deletes, ping, stats, queues, eval.
 
 Step in the flow: a call checks and encodes its arguments (`wire`), then goes out over the `Link`
 (connection.py); consumers and their callbacks live in `Consumers` (consumers.py).
@@ -8,6 +8,7 @@ a confirmed call returns only after the broker's ok.
 
 from __future__ import annotations
 
+import json as jsonlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,9 +19,9 @@ import ujson
 from . import wire
 from .connection import Connection, Link
 from .consumers import Consumer, Consumers, Message, MessageCallback
-from .errors import MqksConnectionError, MqksError, MqksTimeoutError
+from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError
 
-__all__ = ["Client", "Message", "MqksConnectionError", "MqksError", "MqksTimeoutError"]
+__all__ = ["Client", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError", "MqksTimeoutError"]
 
 log = logging.getLogger("mqks.client")
 
@@ -70,12 +71,23 @@ class Client:
         """Block until connected (or `timeout` passes); returns whether connected."""
         return self._link.wait_connected(timeout)
 
-    def connect(self, timeout: float | None = None) -> Client:
-        """Connect (retrying with backoff), or raise MqksConnectionError after `connect_timeout_seconds`."""
+    def connect(self, timeout: float | None = None, *, retry: bool = True) -> Client:
+        """Connect (retrying with backoff), or raise MqksConnectionError after `connect_timeout_seconds`.
+
+        `retry=False` raises at the first failed attempt instead (a refused connection, a peer that is
+        not MQKS: MqksProtocolError), for tools that report at once. The error says why either way.
+        """
         timeout = self._link.connect_timeout_seconds if timeout is None else timeout
-        if not self._link.start(timeout):
+        if not self._link.start(timeout, retry):
+            cause = self._link.last_error
             self.close()
-            raise MqksConnectionError(f"cannot connect to {self.host}:{self.port} within {timeout}s")
+            where = f"{self.host}:{self.port}"
+            if isinstance(cause, MqksProtocolError):
+                raise MqksProtocolError(cause.reason) from cause
+            if cause is None:
+                raise MqksConnectionError(f"cannot connect to {where} within {timeout:g}s")
+            within = f" within {timeout:g}s" if retry else ""
+            raise MqksConnectionError(f"cannot connect to {where}{within}: {_why(cause)}") from cause
         return self
 
     def close(self, timeout: float | None = None) -> None:
@@ -229,6 +241,27 @@ class Client:
         _, pong = self._link.call(b"ping", wire.encode_data(data), self._deadline(timeout))
         return pong.decode()
 
+    def stats(self, worker: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """The broker's figures (the `stats` action): the whole broker's, or worker `worker`'s.
+
+        Keys include published, queued, consumed, acked, rejected, queues, consumers, messages_waiting,
+        messages_unacked, clients, events, top_queues, workers, version, uptime_seconds, connections,
+        bytes_in, bytes_out, errors, and `log` when the broker has a data dir.
+        """
+        args = b"" if worker is None else b"--worker=%d" % _worker_number(worker)
+        _, answer = self._link.call(b"stats", args, self._deadline(timeout), retry=True)
+        return _json_object(answer, "stats")
+
+    def queues(self, mask: str | None = None, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Every queue (or those whose name `mask` matches), one dict each (the `queues` action).
+
+        Keys: queue, depth, unacked, consumers, bindings, flags.
+        """
+        args = b"" if mask is None else wire.encode_token(mask, "mask")
+        lines: list[bytes] = []
+        self._link.call(b"queues", args, self._deadline(timeout), retry=True, lines=lines)
+        return [_json_object(line, "queues") for line in lines]
+
     def eval(self, code: str, worker: int | None = None, timeout: float | None = None) -> str:
         """The repr of a Python expression evaluated in the broker (needs mqksd --eval)."""
         prefix = b"" if worker is None else b"--worker=%d " % int(worker)
@@ -241,3 +274,28 @@ class Client:
         if consumer is None:
             raise KeyError(consumer_id)
         return list(consumer.events)
+
+
+def _worker_number(worker: int) -> int:
+    """`worker` as a worker number, or ValueError."""
+    if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
+        raise ValueError(f"worker must be an int >= 0, not {worker!r}")
+    return worker
+
+
+def _json_object(answer: bytes, action: str) -> dict[str, Any]:
+    """The JSON object of one answer line, or MqksError naming what came instead."""
+    try:
+        value = jsonlib.loads(answer)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise MqksError(f"unexpected answer to {action}: {answer[:200]!r}")
+    return value
+
+
+def _why(error: BaseException) -> str:
+    """The reason of a failed connect, as a person reads it: `Connection refused`, not `[Errno 111] ...`."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error) or type(error).__name__

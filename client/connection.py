@@ -4,7 +4,8 @@ A line travels: caller -> `Connection.write` (batched) -> writer greenlet (one s
 -> broker -> reader greenlet (recv 64 KiB, bytes.split) -> a waiting future, or the `Session` (the
 consumers). Invariants: the reader never runs user code, so a slow callback cannot stall pongs or
 confirms; a lost connection fails every future waiting on it; on a new connection the session
-replays before the handshake pong, and no caller's line goes out before that pong.
+replays before the handshake pong, and no caller's line goes out before that pong. A request may
+collect several `ok` lines (`queues`): they are kept in order until its `ok --end`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from gevent.event import AsyncResult, Event
 from gevent.lock import Semaphore
 
 from . import wire
-from .errors import MqksConnectionError, MqksError, MqksTimeoutError
+from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError
 
 log = logging.getLogger("mqks.client")
 
@@ -31,6 +32,8 @@ RECV_BYTES = 65536
 # still reaches the socket, and back-pressure from a full socket reaches the caller
 HIGH_WATER_BYTES = 256 * 1024
 KILL_TIMEOUT_SECONDS = 1.0
+END_OF_LINES = b"--end"  # the last `ok` of an answer in several lines
+PEER_TEXT_CHARS = 80  # of a non-MQKS answer, quoted in the error
 
 
 class Session(Protocol):
@@ -55,8 +58,8 @@ class Session(Protocol):
 class Connection:
     """One TCP connection: its output batch, its pending answers, its greenlets."""
 
-    __slots__ = ("sock", "where", "on_error", "out", "out_bytes", "wakeup", "send_lock", "futures", "lost", "reason",
-                 "greenlets")
+    __slots__ = ("sock", "where", "on_error", "out", "out_bytes", "wakeup", "send_lock", "futures", "lines_by_rid",
+                 "lost", "reason", "ready", "greenlets")
 
     def __init__(self, sock: socket.socket, where: str, on_error: Callable[[str], None]) -> None:
         self.sock = sock
@@ -67,8 +70,10 @@ class Connection:
         self.wakeup = Event()
         self.send_lock = Semaphore()
         self.futures: dict[bytes, AsyncResult] = {}
+        self.lines_by_rid: dict[bytes, list[bytes]] = {}  # answers in several lines, until `ok --end`
         self.lost = Event()
         self.reason = ""
+        self.ready = False  # handshaken: before that, a line that is not MQKS means a wrong peer
         self.greenlets: list[gevent.Greenlet] = []
 
     def write(self, line: bytes) -> None:
@@ -83,10 +88,16 @@ class Connection:
         except OSError:
             pass  # flush has marked the connection lost
 
-    def request(self, rid: bytes, line: bytes) -> AsyncResult:
-        """Queue a line whose answer is awaited; the future gets the ok data or an MqksError."""
+    def request(self, rid: bytes, line: bytes, lines: list[bytes] | None = None) -> AsyncResult:
+        """Queue a line whose answer is awaited; the future gets the ok data or an MqksError.
+
+        With `lines`, the answer comes in several `ok` lines: their data go into `lines`, in order,
+        and the future is set (with b"") by the closing `ok --end`.
+        """
         future = AsyncResult()
         self.futures[rid] = future
+        if lines is not None:
+            self.lines_by_rid[rid] = lines
         self.write(line)
         return future
 
@@ -101,6 +112,7 @@ class Connection:
         finally:
             if not future.ready():
                 self.futures.pop(rid, None)
+                self.lines_by_rid.pop(rid, None)
         if not future.ready():
             raise MqksTimeoutError(f"no answer to {what} from {self.where} in time")
         return future.get()
@@ -150,6 +162,8 @@ class Link:
         self._manager: gevent.Greenlet | None = None
         self._unsent_publishes: list[bytes] = []
         self.reconnects = 0
+        self.last_error: OSError | MqksError | None = None  # why the last connect attempt failed
+        self._failed = Event()  # a connect attempt failed (for start(retry=False))
 
     @property
     def connected(self) -> bool:
@@ -160,13 +174,20 @@ class Link:
         """Block until connected (or `timeout` passes); returns whether connected."""
         return self._connected.wait(timeout)
 
-    def start(self, timeout: float) -> bool:
-        """Start connecting (retrying with backoff) unless started; returns whether connected within `timeout`."""
+    def start(self, timeout: float, retry: bool = True) -> bool:
+        """Start connecting (retrying with backoff) unless started; returns whether connected within `timeout`.
+
+        `retry=False` returns False at the first failed attempt (`last_error` says why); the link
+        goes on retrying in the background until closed.
+        """
         if self.closed:
             raise MqksConnectionError("client closed")
         if self._manager is None:
             self._manager = gevent.spawn(self._run)
-        return self._connected.wait(timeout)
+        if retry:
+            return self._connected.wait(timeout)
+        gevent.wait([self._connected, self._failed], timeout=timeout, count=1)
+        return self._connected.is_set()
 
     def close(self, greenlets: list[gevent.Greenlet]) -> None:
         """Stop for good: kill the manager and `greenlets` (the consumers'), then drop the connection quietly."""
@@ -198,17 +219,20 @@ class Link:
         assert conn is not None  # _connected is set only with a connection
         return conn
 
-    def lose(self, conn: Connection, reason: str) -> None:
-        """Mark `conn` dead once: fail its pending answers and wake the manager."""
+    def lose(self, conn: Connection, reason: str, error: MqksError | None = None) -> None:
+        """Mark `conn` dead once: fail its pending answers (with `error`, if given) and wake the manager."""
         if conn.lost.is_set():
             return
         conn.reason = reason
         if conn is self.conn:
             self._connected.clear()
-        if not self.closed:
+        if not self.closed and conn.ready:
+            # a connection lost during its handshake is reported by the connect attempt that made it
             log.warning("mqks %s:%s: connection lost: %s", self.host, self.port, reason)
         futures, conn.futures = conn.futures, {}
-        error = MqksConnectionError(f"connection lost: {reason}")
+        conn.lines_by_rid = {}
+        if error is None:
+            error = MqksConnectionError(f"connection lost: {reason}")
         for future in futures.values():
             future.set_exception(error)
         conn.lost.set()
@@ -220,6 +244,8 @@ class Link:
             try:
                 conn = self._open()
             except (OSError, MqksError) as e:
+                self.last_error = e
+                self._failed.set()
                 delay = self._backoff_seconds(attempt)
                 attempt += 1
                 # before the first connection connect() is waiting and will raise: no need to shout
@@ -229,6 +255,8 @@ class Link:
                 continue
             if attempt or self.reconnects:
                 log.info("mqks %s:%s: connected", self.host, self.port)
+            self.last_error = None
+            self._failed.clear()
             self._connected.set()
             opened_at = time.monotonic()
             conn.lost.wait()
@@ -268,6 +296,7 @@ class Link:
             self.lose(conn, "handshake failed")
             self._teardown(conn, notify=False)
             raise
+        conn.ready = True
         # publishes that never reached the old socket go after the replay, before any new line
         for line in self._unsent_publishes:
             conn.write(line)
@@ -321,6 +350,14 @@ class Link:
         if status == b"ok":
             if data and self.session.deliver(rid, data):
                 return
+            if conn.lines_by_rid:
+                lines = conn.lines_by_rid.get(rid)
+                if lines is not None:
+                    if data != END_OF_LINES:
+                        lines.append(data)
+                        return
+                    del conn.lines_by_rid[rid]
+                    data = b""
             future = conn.futures.pop(rid, None)
             if future is not None:
                 self.session.answered(rid)
@@ -328,11 +365,19 @@ class Link:
             return
         if status == b"error":
             error = wire.answer_error(rid, data)
+            conn.lines_by_rid.pop(rid, None)
             future = conn.futures.pop(rid, None)
             if future is not None:
                 future.set_exception(error)
             elif not self.session.refused(rid, error):
                 log.warning("mqks %s:%s: request %s failed: %s", self.host, self.port, error.rid, error)
+            return
+        if not conn.ready:
+            # not even the handshake is through: this peer is something else (an HTTP server, say);
+            # one clear error instead of a warning per line of its answer
+            text = line.rstrip(b"\r")[:PEER_TEXT_CHARS].decode("utf-8", errors="replace")
+            reason = f"{conn.where} does not speak MQKS (it answered {text!r})"
+            self.lose(conn, reason, MqksProtocolError(reason))
             return
         log.warning("mqks %s:%s: unexpected line %r", self.host, self.port, line[:200])
 
@@ -364,16 +409,20 @@ class Link:
         """Queue a line that gets no answer, waiting for a connection until `deadline`."""
         self.live(deadline).write(line)
 
-    def call(self, action: bytes, args: bytes, deadline: float, retry: bool = False) -> tuple[bytes, bytes]:
+    def call(self, action: bytes, args: bytes, deadline: float, retry: bool = False,
+             lines: list[bytes] | None = None) -> tuple[bytes, bytes]:
         """Send `{rid} {action} {args}` and return (rid, ok data) once answered; MqksError for an error.
 
         With `retry`, a request cut off by a lost connection goes again, under a new rid, on the next
         connection until `deadline`: at least once, so only for requests that may be done twice.
+        With `lines`, the answer is several `ok` lines up to `ok --end`: their data end up in `lines`.
         """
         while True:
             conn = self.live(deadline)
             rid = self.new_rid()
-            future = conn.request(rid, b"".join((rid, b" ", action, b" ", args, b"\n")))
+            if lines is not None:
+                lines.clear()  # a retry starts the answer over
+            future = conn.request(rid, b"".join((rid, b" ", action, b" ", args, b"\n")), lines)
             try:
                 return rid, conn.wait(rid, future, deadline, action.decode())
             except MqksConnectionError:

@@ -24,3 +24,7 @@ class MqksTimeoutError(MqksError, TimeoutError):
 
 class MqksConnectionError(MqksError, ConnectionError):
     """Not connected, or the connection died before the answer came; the broker requeues un-acked messages."""
+
+
+class MqksProtocolError(MqksConnectionError):
+    """The peer answered something that is not MQKS (an HTTP server on the port, say)."""

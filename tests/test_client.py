@@ -343,6 +343,65 @@ def test_connect_raises_after_its_timeout() -> None:
         client.connect()
 
 
+def test_connect_without_retry_raises_at_the_first_refusal_naming_it() -> None:
+    port = free_port()
+    client = Client("127.0.0.1", port, connect_timeout_seconds=30.0)
+    with pytest.raises(MqksConnectionError) as caught:
+        client.connect(retry=False)
+    assert str(caught.value) == f"cannot connect to 127.0.0.1:{port}: Connection refused"
+
+
+def test_stats_answers_the_figures_of_the_broker_and_of_each_worker(broker_per_worker_count: Broker) -> None:
+    client = make_client(broker_per_worker_count)
+    try:
+        queue, event = unique("q"), unique("e")
+        client.rebind(queue, [event])
+        for n in range(3):
+            client.publish(event, f"m{n}", confirm=True)
+        figures = client.stats()
+        for key in ("published", "queued", "consumed", "acked", "rejected", "queues", "consumers",
+                    "messages_waiting", "messages_unacked", "clients", "events", "top_queues", "workers", "version",
+                    "uptime_seconds", "connections", "bytes_in", "bytes_out", "errors"):
+            assert key in figures, key
+        assert [queue, 3] in figures["top_queues"]
+        per_worker = [client.stats(worker=n) for n in range(figures["workers"])]
+        assert [one["worker"] for one in per_worker] == list(range(figures["workers"]))
+        assert sum(one["messages_waiting"] for one in per_worker) == client.stats()["messages_waiting"]
+        with pytest.raises(MqksError):
+            client.stats(worker=figures["workers"])  # no such worker
+        with pytest.raises(ValueError):
+            client.stats(worker=-1)
+    finally:
+        client.close()
+
+
+def test_queues_answers_one_dict_per_queue_filtered_by_mask(client: Client) -> None:
+    prefix = unique("qs")
+    inbox = Inbox()
+    client.rebind(f"{prefix}.a", [f"{prefix}-e"])
+    client.consume(f"{prefix}.b", [f"{prefix}-e", f"{prefix}.*.x"], inbox, manual_ack=True)
+    client.rebind(f"{prefix}-other", [f"{prefix}-e"])
+    client.publish(f"{prefix}-e", "hello", confirm=True)
+    inbox.wait(1)
+    assert client.queues(f"{prefix}.*") == [
+        {"queue": f"{prefix}.a", "depth": 1, "unacked": 0, "consumers": 0, "bindings": 1, "flags": []},
+        {"queue": f"{prefix}.b", "depth": 0, "unacked": 1, "consumers": 1, "bindings": 2, "flags": []},
+    ]
+    assert [row["queue"] for row in client.queues(f"{prefix}-other")] == [f"{prefix}-other"]
+    names = [row["queue"] for row in client.queues()]
+    assert {f"{prefix}.a", f"{prefix}.b", f"{prefix}-other"} <= set(names) and names == sorted(names)
+    assert client.queues(unique("none.*")) == []
+
+
+def test_queues_of_many_queues_arrive_whole_over_many_reads(client: Client) -> None:
+    prefix = unique("many")
+    names = [f"{prefix}.{'x' * 200}{n:04d}" for n in range(800)]  # about 200 KiB of answer lines
+    for name in names:
+        client.rebind(name, [f"{prefix}-e"], confirm=False)
+    assert [row["queue"] for row in client.queues(f"{prefix}.*")] == names
+    assert client.ping("after") == "after"  # the stream is still in step
+
+
 def test_close_flushes_fire_and_forget_publishes(broker: Broker, client: Client) -> None:
     queue, event = unique("q"), unique("e")
     inbox = Inbox()
