@@ -29,6 +29,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         "dev": ["mypy>=1.10", "ruff>=0.5"],
         "spark": ["pyspark>=4.2,<5", "pyarrow>=15"],
+        "top": ["rich>=13"],  # `mqks top` only: the broker never imports it
     },
     entry_points={
         "console_scripts": [

@@ -1,81 +1,229 @@
-"""The `mqks` command: publish, consume, ping, stats and eval from a terminal, through `Client`.
+"""The `mqks` command: publish, consume, ping, stats, queues, top and eval from a terminal, through `Client`.
 
-Exit codes: 0 done (a consume stopped by Ctrl-C or SIGTERM included), 1 the broker said error or
-could not be reached, 2 bad usage, 3 stats without `_eval` on the broker.
+Exit codes (the README lists them too):
+  0    done; also a consume, top or stats --watch stopped by Ctrl-C, SIGTERM or `q`, and any command
+       whose stdout was closed by its reader (`mqks consume ... | head -1`)
+  1    the broker answered an error, could not be reached, or does not speak MQKS
+  2    bad usage: options, arguments, or data the protocol cannot carry
+  3    a feature is off: `_eval` on the broker (`mqks eval`), or rich for `mqks top`
+  130  a one-shot command interrupted by Ctrl-C
 A consume prints one line per message, as the wire shows it: `{msg_id} event={event}[,retry={n}] {data}`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import json
 import logging
+import os
+import select
 import signal
+import stat
 import sys
 from collections.abc import Callable
 
 import gevent
+import gevent.socket
 from gevent.event import Event
 
 from . import stats
 from .client import Client, Message
-from .errors import MqksError
+from .errors import MqksConnectionError, MqksError
+
+EXIT_OK = 0
+EXIT_BROKER = 1
+EXIT_USAGE = 2
+EXIT_FEATURE_OFF = 3
+EXIT_INTERRUPTED = 130
+COMMANDS = frozenset({"publish", "consume", "ping", "stats", "queues", "top", "eval"})
+JSON_COMMANDS = frozenset({"stats", "queues"})  # with --json, stdout holds JSON only, errors included
+TOP_HINT = 'mqks top needs rich, which the broker does not: pip install "mqks[top]"'
+
+
+class FeatureOff(Exception):
+    """What the command needs is not enabled (exit 3); the message says how to enable it."""
+
+
+def version() -> str:
+    """The installed mqks distribution's version, from its package metadata."""
+    try:
+        return importlib.metadata.version("mqks")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def cmd_publish(client: Client, args: argparse.Namespace) -> int:
-    msg_id = client.publish(args.event, args.data, confirm=args.confirm)
+    data = " ".join(args.data)
+    if args.json:
+        try:
+            value = json.loads(data)
+        except ValueError as e:
+            raise ValueError(f"--json: DATA is not JSON text ({e})") from None
+        msg_id = client.publish(args.event, value, confirm=args.confirm, json=True)
+    else:
+        for char in ("\n", "\r", "\t"):
+            if char in data:
+                raise ValueError(f"DATA holds {char!r}, which one protocol line cannot carry; "
+                                 "give JSON text with --json, and it is sent re-encoded on one line")
+        msg_id = client.publish(args.event, data, confirm=args.confirm)
     if args.confirm:
         print(msg_id, flush=True)
-    return 0
+    return EXIT_OK
 
 
 def cmd_consume(client: Client, args: argparse.Namespace) -> int:
+    """Print each message until Ctrl-C, SIGTERM, or the reader of stdout goes away.
+
+    With --manual-ack a message is acked only once printed; one that could not be printed comes
+    back to the queue. Without it the broker acked at delivery: a message delivered after the
+    reader went away is lost, so the consumer stops as soon as stdout is closed.
+    """
     stop = Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         gevent.signal_handler(signum, stop.set)
 
     def on_msg(message: Message) -> None:
+        if stop.is_set():
+            return  # not printed, so not acked: with --manual-ack it goes back to the queue
         retry = f",retry={message.retry}" if message.retry else ""
-        # print before ack: a message that was never shown must come back
-        print(f"{message.id} event={message.event}{retry} {message.data}", flush=True)
+        try:
+            # print before ack: a message that was never shown must come back
+            print(f"{message.id} event={message.event}{retry} {message.data}", flush=True)
+        except BrokenPipeError:
+            stdout_closed()
+            stop.set()
+            return
         message.ack()
 
     def on_reconnect(old_id: str, new_id: str) -> None:
         print(f"mqks: reconnected, consumer {old_id} is now {new_id}", file=sys.stderr, flush=True)
 
-    consumer_id = client.consume(args.queue, args.events, on_msg, manual_ack=args.manual_ack, add=args.add,
-                                 delete_queue_when_unused=args.delete_queue_when_unused, confirm=True,
-                                 on_reconnect=on_reconnect)
-    print(f"mqks: consuming queue {args.queue} as consumer {consumer_id}; Ctrl-C to stop",
-          file=sys.stderr, flush=True)
-    stop.wait()
-    return 0
+    watcher = gevent.spawn(wait_stdout_closed, stop) if stdout_is_pipe() else None
+    try:
+        consumer_id = client.consume(args.queue, args.events, on_msg, manual_ack=args.manual_ack, add=args.add,
+                                     delete_queue_when_unused=args.delete_queue_when_unused, confirm=True,
+                                     on_reconnect=on_reconnect)
+        print(f"mqks: consuming queue {args.queue} as consumer {consumer_id}; Ctrl-C to stop",
+              file=sys.stderr, flush=True)
+        stop.wait()
+        # stop deliveries at once: without --manual-ack each one is acked as the broker sends it
+        client.delete_consumer(consumer_id, confirm=False)
+    finally:
+        if watcher is not None:
+            watcher.kill()
+    return EXIT_OK
+
+
+def stdout_is_pipe() -> bool:
+    """True when stdout is a pipe, whose reader may go away (`| head -1`)."""
+    try:
+        return stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def wait_stdout_closed(stop: Event) -> None:
+    """Set `stop` once the reader of the stdout pipe has gone, without writing to it.
+
+    A pipe's write end polls as readable (POLLERR) once its reader closed; a pipe still read
+    never does. The poll(0) confirms it, so a spurious wakeup cannot end the consume.
+    """
+    fd = sys.stdout.fileno()
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLERR and POLLHUP are always reported
+    while not stop.is_set():
+        gevent.socket.wait_read(fd)
+        if any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0)):
+            stdout_closed()
+            stop.set()
+            return
+        gevent.sleep(0.1)  # not closed: a wakeup for some other reason, and it may repeat
+
+
+def stdout_closed() -> None:
+    """The reader of stdout is gone: send what is still buffered for it to /dev/null, so exit stays quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 def cmd_ping(client: Client, args: argparse.Namespace) -> int:
-    print(client.ping(args.data), flush=True)
-    return 0
+    print(client.ping(" ".join(args.data) if args.data else "pong"), flush=True)
+    return EXIT_OK
 
 
 def cmd_eval(client: Client, args: argparse.Namespace) -> int:
-    print(client.eval(args.code, worker=args.worker), flush=True)
-    return 0
+    try:
+        answer = client.eval(args.code, worker=args.worker)
+    except MqksError as e:
+        if e.error_id and e.reason.startswith("_eval ") and ("disabled" in e.reason or "loopback" in e.reason):
+            raise FeatureOff(f"{e.reason}") from e
+        raise
+    print(answer, flush=True)
+    return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mqks", description="Talk to an MQKS broker.")
+def cmd_queues(client: Client, args: argparse.Namespace) -> int:
+    rows = client.queues(args.mask)
+    if args.json:
+        print(json.dumps(rows), flush=True)
+        return EXIT_OK
+    print(render_queues(rows), flush=True)
+    return EXIT_OK
+
+
+def render_queues(rows: list[dict]) -> str:
+    """The `queues` answer as a table: queue, depth, unacked, consumers, bindings, flags."""
+    headers = ("queue", "depth", "unacked", "consumers", "bindings", "flags")
+    table = [headers]
+    for row in rows:
+        flags = row.get("flags")
+        table.append((str(row.get("queue", "-")), stats.cell(row.get("depth")), stats.cell(row.get("unacked")),
+                      stats.cell(row.get("consumers")), stats.cell(row.get("bindings")),
+                      " ".join(map(str, flags)) if isinstance(flags, list) else stats.cell(flags)))
+    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    lines = []
+    for line in table:
+        cells = [line[0].ljust(widths[0])]
+        cells += [value.rjust(width) for value, width in zip(line[1:5], widths[1:5], strict=True)]
+        cells.append(line[5])
+        lines.append("  ".join(cells).rstrip())
+    if not rows:
+        lines.append("(no queues)")
+    return "\n".join(lines)
+
+
+def cmd_top(client: Client, args: argparse.Namespace) -> int:
+    from . import top  # rich is the `top` extra: loaded only here
+
+    # a warning line on stderr would scribble over the live view: the header shows read errors
+    if not args.verbose:
+        logging.getLogger("mqks.client").setLevel(logging.ERROR)
+    return top.run(client, args)
+
+
+def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
+    """The `mqks` parser; `json_errors` makes a usage error of `stats --json` or `queues --json` JSON too."""
+    parser = stats.Parser(prog="mqks", description="Talk to an MQKS broker.", json_errors=json_errors)
+    parser.add_argument("--version", action="version", version=f"mqks {version()}")
     stats.add_connection_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log the client's connection events")
     # the same options after the command name: `mqks --port 1 ping` and `mqks ping --port 1` both work
-    common = argparse.ArgumentParser(add_help=False)
+    common = stats.Parser(add_help=False)
     stats.add_connection_arguments(common, defaults=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log the client's connection events")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=stats.Parser)
 
     publish = commands.add_parser("publish", parents=[common], help="publish one message")
     publish.add_argument("event", metavar="EVENT")
-    publish.add_argument("data", nargs="?", default="", metavar="DATA",
-                         help="the message text (may hold spaces, not newlines)")
+    publish.add_argument("data", nargs="*", metavar="DATA",
+                         help="the message text: the rest of the line, joined by spaces (no newlines or tabs)")
+    publish.add_argument("--json", action="store_true",
+                         help="DATA is JSON text (it may span lines); it is sent re-encoded on one line")
     publish.add_argument("--confirm", action="store_true", help="wait for the broker's ok and print the msg id")
     publish.set_defaults(run=cmd_publish)
 
@@ -84,19 +232,35 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("events", nargs="*", metavar="EVENT",
                          help="events or masks (user.*.created) that replace the queue's bindings")
     consume.add_argument("--add", action="store_true", help="add the events to the queue's bindings instead")
-    consume.add_argument("--manual-ack", action="store_true", help="ack each message after printing it")
+    consume.add_argument("--manual-ack", action="store_true",
+                         help="ack each message once printed (a message not printed goes back to the queue)")
     consume.add_argument("--delete-queue-when-unused", nargs="?", type=float, const=True, default=None,
                          metavar="SECONDS", help="delete the queue once unused (for SECONDS)")
     consume.set_defaults(run=cmd_consume)
 
     ping = commands.add_parser("ping", parents=[common], help="check the broker answers")
-    ping.add_argument("data", nargs="?", default="pong", metavar="DATA", help="what the broker echoes (default pong)")
+    ping.add_argument("data", nargs="*", metavar="DATA",
+                      help="what the broker echoes: the rest of the line (default pong)")
     ping.set_defaults(run=cmd_ping)
 
-    stats_parser = commands.add_parser("stats", parents=[common],
-                                       help="figures per worker and in total (needs mqksd --eval)")
+    stats_parser = commands.add_parser("stats", parents=[common], json_errors=json_errors,
+                                       help="the broker's figures, per worker and in total")
     stats.add_arguments(stats_parser)
-    stats_parser.set_defaults(run=None)
+    stats_parser.set_defaults(run=None)  # stats.run connects on its own
+
+    queues = commands.add_parser("queues", parents=[common], json_errors=json_errors,
+                                 help="every queue: depth, unacked, consumers, bindings, flags")
+    queues.add_argument("mask", nargs="?", default=None, metavar="MASK",
+                        help="only queues whose name matches (a name, or a mask such as 'orders.*')")
+    queues.add_argument("--json", action="store_true", help="one JSON array instead of a table")
+    queues.set_defaults(run=cmd_queues)
+
+    top = commands.add_parser("top", parents=[common], help="a live view: rates, connections, busiest queues")
+    top.add_argument("mask", nargs="?", default=None, metavar="MASK", help="only queues whose name matches")
+    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period (default 1)")
+    top.add_argument("--sort", choices=("depth", "name", "rate"), default="depth",
+                     help="first order of the queues (keys d, n, r change it)")
+    top.set_defaults(run=cmd_top)
 
     eval_parser = commands.add_parser("eval", parents=[common], help="evaluate a Python expression in the broker")
     eval_parser.add_argument("code", metavar="EXPRESSION")
@@ -107,22 +271,52 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mqks` console script."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if arg in COMMANDS), None)
+    args = build_parser(json_errors=command in JSON_COMMANDS and "--json" in argv).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.run is None:
-        return stats.run(args)
+    try:
+        if args.run is None:
+            return stats.run(args)
+        return run_command(args)
+    except BrokenPipeError:
+        stdout_closed()  # the reader of stdout went away (`| head -1`): nothing left to say to it
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Connect, run the command, close; maps what went wrong to an exit code with one line on stderr."""
+    if args.command == "top":
+        try:
+            import rich  # noqa: F401 - only to tell the user how to get it before connecting
+        except ImportError:
+            print(TOP_HINT, file=sys.stderr)
+            return EXIT_FEATURE_OFF
     run: Callable[[Client, argparse.Namespace], int] = args.run
+    json_output = args.command in JSON_COMMANDS and args.json
+
+    def fail(reason: str, code: int) -> int:
+        if json_output:
+            stats.print_json_error(reason)
+        else:
+            print(f"mqks {args.command}: {reason}", file=sys.stderr)
+        return code
+
     client = Client(args.host, args.port, timeout_seconds=args.timeout, connect_timeout_seconds=args.timeout)
     try:
-        client.connect()
+        client.connect(retry=False)
         return run(client, args)
     except (ValueError, TypeError) as e:
-        print(f"mqks {args.command}: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e), EXIT_USAGE)
+    except FeatureOff as e:
+        return fail(str(e), EXIT_FEATURE_OFF)
+    except MqksConnectionError as e:
+        return fail(str(e), EXIT_BROKER)
     except MqksError as e:
-        print(f"mqks {args.command}: {e}", file=sys.stderr)
-        return 1
+        return fail(f"{args.host}:{args.port} answered {e}", EXIT_BROKER)
     finally:
         client.close()
 

@@ -1,25 +1,26 @@
-"""The broker's figures for people: read every worker's `state.stats()` through `_eval`, print a table.
+"""The broker's figures for people: read the `stats` action, print a table or JSON.
 
-Used by the root `stats.py` and by `mqks stats`. `_eval` is off unless mqksd runs with `--eval`
-(and answers loopback peers only); when the broker refuses it, the user is told how to enable it.
-Invariant: a figure the broker does not report shows as "-", never as a made-up 0.
+Used by the root `stats.py` and by `mqks stats`; `mqks top` reuses the formatting helpers. The
+broker's `stats` answer is the whole broker's figures (summed over workers by the broker itself);
+`stats --worker=N` is one worker's. With more than one worker the table has a column per worker.
+Invariants: a figure the broker does not report shows as "-", never as a made-up 0; with `--json`
+stdout holds only JSON, one object per print: the broker's figures, or `{"error": ...}`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import gevent
 
 from .client import Client
-from .errors import MqksConnectionError, MqksError
+from .errors import MqksError
 
-# (key in state.stats(), label) in the order a message lives: published, queued, consumed, acked
+# (key in the stats answer, label) in the order a message lives: published, queued, consumed, acked
 FIGURES: tuple[tuple[str, str], ...] = (
     ("published", "messages published"),
     ("queued", "messages queued"),
@@ -30,112 +31,128 @@ FIGURES: tuple[tuple[str, str], ...] = (
     ("consumers", "consumers"),
     ("messages_waiting", "messages waiting in queues"),
     ("messages_unacked", "messages waiting for ack"),
-    ("clients", "clients"),
     ("events", "events subscribed"),
+    ("clients", "clients"),
+    ("connections", "connections"),
+    ("bytes_in", "bytes received"),
+    ("bytes_out", "bytes sent"),
+    ("errors", "errors answered"),
 )
-# counted once per process and repeated in each worker's dict: the total is one of them, not their sum
-PROCESS_WIDE_FIGURES = frozenset({"published", "clients"})
+# counted once for the whole process, not per worker: shown in the total column only
+PROCESS_WIDE_FIGURES = frozenset({"published", "clients", "connections", "bytes_in", "bytes_out", "errors"})
 TOP_QUEUES = 10
-EVAL_HINT = ("Start mqksd with --eval to enable it; it then answers loopback peers only, so run this\n"
-             "on the broker's machine:\n"
-             "    mqksd --host {host} --port {port} --eval")
 
 
-class StatsUnavailable(Exception):
-    """The broker answered, but not with the stats: usually `_eval` is off."""
+class Parser(argparse.ArgumentParser):
+    """argparse, except that with `json_errors` a usage error is also one JSON object on stdout."""
+
+    def __init__(self, *args: Any, json_errors: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.json_errors = json_errors
+
+    def error(self, message: str) -> NoReturn:
+        if self.json_errors:
+            print_json_error(f"usage: {message}")
+        super().error(message)
 
 
-def read_worker_stats(client: Client, worker: int) -> dict[str, Any]:
-    """One worker's `state.stats()` dict; StatsUnavailable when `_eval` is refused or odd."""
-    try:
-        answer = client.eval("state.stats()", worker=worker)
-    except (MqksConnectionError, TimeoutError):
-        raise
-    except MqksError as e:
-        raise StatsUnavailable(f"the broker refused _eval ({e})") from e
-    try:
-        stats = ast.literal_eval(answer)  # a repr of plain data: never eval() what a server sends
-    except (ValueError, SyntaxError) as e:
-        raise StatsUnavailable(f"unexpected _eval answer {answer[:200]!r}") from e
-    if not isinstance(stats, dict):
-        raise StatsUnavailable(f"unexpected _eval answer {answer[:200]!r}")
-    return stats
+def print_json_error(reason: str) -> None:
+    """`{"error": reason}` on stdout: what `--json` prints instead of the figures when they cannot be had."""
+    print(json.dumps({"error": reason}), flush=True)
 
 
-def read_stats(client: Client) -> list[dict[str, Any]]:
-    """Every worker's stats, worker 0 first; worker 0 says how many workers there are."""
-    first = read_worker_stats(client, 0)
-    workers = int(first.get("workers", 1) or 1)
-    return [first] + [read_worker_stats(client, worker) for worker in range(1, workers)]
+def read_stats(client: Client, per_worker: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the whole broker's figures, each worker's); the second is empty with one worker or `per_worker=False`."""
+    total = client.stats()
+    workers = total.get("workers")
+    if not per_worker or not isinstance(workers, int) or workers <= 1:
+        return total, []
+    return total, [client.stats(worker=worker) for worker in range(workers)]
 
 
-def total_stats(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals across workers: sums, except the process-wide figures; top queues merged."""
-    total: dict[str, Any] = {}
-    for key, _ in FIGURES:
-        values = [stats[key] for stats in per_worker if isinstance(stats.get(key), (int, float))]
-        if not values:
-            continue
-        total[key] = values[0] if key in PROCESS_WIDE_FIGURES else sum(values)
-    total["top_queues"] = top_queues(per_worker)
-    return total
-
-
-def top_queues(per_worker: list[dict[str, Any]], limit: int = TOP_QUEUES) -> list[tuple[str, int]]:
-    """The deepest queues over all workers, deepest first (ties by name)."""
-    merged = [(str(queue), int(depth)) for stats in per_worker for queue, depth in stats.get("top_queues") or ()]
-    merged.sort(key=lambda item: (-item[1], item[0]))
-    return merged[:limit]
-
-
-def render_table(per_worker: list[dict[str, Any]], address: str) -> str:
-    """A plain-text table: one row per figure, one column per worker, then the total; then top queues."""
-    total = total_stats(per_worker)
+def render_table(total: dict[str, Any], per_worker: list[dict[str, Any]], address: str) -> str:
+    """A plain-text table: one row per figure, a column per worker (when more than one), the total; then
+    the log's figures (with a data dir) and the deepest queues."""
+    columns = [*per_worker, total]
     headers = [f"worker {stats.get('worker', n)}" for n, stats in enumerate(per_worker)] + ["total"]
     rows = []
     for key, label in FIGURES:
-        cells = [_cell(stats.get(key)) for stats in per_worker] + [_cell(total.get(key))]
-        rows.append((label + (" *" if key in PROCESS_WIDE_FIGURES else ""), cells))
+        if per_worker and key in PROCESS_WIDE_FIGURES:
+            rows.append((label + " *", [""] * len(per_worker) + [cell(total.get(key))]))
+        else:
+            rows.append((label, [cell(stats.get(key)) for stats in columns]))
     label_width = max(len(label) for label, _ in rows)
     widths = [max(len(headers[i]), *(len(cells[i]) for _, cells in rows)) for i in range(len(headers))]
-    lines = [f"MQKS {address} at {time.strftime('%Y-%m-%d %H:%M:%S')}",
+    lines = [f"MQKS {address}, version {total.get('version', '-')}, up {duration(total.get('uptime_seconds'))}, "
+             f"{total.get('workers', '-')} worker(s), at {time.strftime('%Y-%m-%d %H:%M:%S')}",
              " " * label_width + "  " + "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
     for label, cells in rows:
-        padded = "  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=True))
+        padded = "  ".join(value.rjust(width) for value, width in zip(cells, widths, strict=True))
         lines.append(label.ljust(label_width) + "  " + padded)
-    lines.append("* counted per process: the total is not a sum")
+    if per_worker:
+        lines.append("* counted for the whole process, not per worker")
+    log = total.get("log")
+    if isinstance(log, dict) and log:
+        lines.append("")
+        lines.append("write-ahead log:")
+        key_width = max(len(str(key)) for key in log)
+        lines.extend(f"  {str(key).ljust(key_width)}  {cell(value)}" for key, value in sorted(log.items()))
     lines.append("")
-    queues = total["top_queues"]
+    queues = top_queues(total)
     lines.append(f"top {TOP_QUEUES} queues by depth:" if queues else "top queues by depth: (no queues)")
     if queues:
-        depth_width = max(len("depth"), *(len(str(depth)) for _, depth in queues))
+        depth_width = max(len("depth"), *(len(cell(depth)) for _, depth in queues))
         lines.append("  " + "depth".rjust(depth_width) + "  queue")
-        lines.extend(f"  {str(depth).rjust(depth_width)}  {queue}" for queue, depth in queues)
+        lines.extend(f"  {cell(depth).rjust(depth_width)}  {queue}" for queue, depth in queues)
     return "\n".join(lines)
 
 
-def render_json(per_worker: list[dict[str, Any]], address: str) -> str:
-    """The same figures as one JSON object: workers, total, top_queues."""
-    total = total_stats(per_worker)
-    top = total.pop("top_queues")
-    return json.dumps({"address": address, "workers": per_worker, "total": total,
-                       "top_queues": [{"queue": queue, "depth": depth} for queue, depth in top]},
-                      default=str, sort_keys=True)
+def top_queues(stats: dict[str, Any]) -> list[tuple[str, int]]:
+    """The `top_queues` of a stats answer as (name, depth), deepest first; malformed rows are skipped."""
+    rows = []
+    for row in stats.get("top_queues") or ():
+        if isinstance(row, (list, tuple)) and len(row) == 2 and isinstance(row[1], int):
+            rows.append((str(row[0]), row[1]))
+    return rows
 
 
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
+    """A figure as a table shows it: thousands separated, "-" when missing."""
     if value is None:
         return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
     if isinstance(value, int):
         return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.3f}".rstrip("0").rstrip(".")
     return str(value)
+
+
+def duration(seconds: Any) -> str:
+    """An uptime as `3d 4h`, `2h 05m`, `7m 03s` or `12s`; "-" when missing."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+        return "-"
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{secs}s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The stats options, shared by `python stats.py` and `mqks stats`."""
     parser.add_argument("--watch", type=float, metavar="SECONDS", default=None,
                         help="print again every SECONDS until Ctrl-C")
-    parser.add_argument("--json", action="store_true", help="one JSON object per print instead of a table")
+    parser.add_argument("--json", action="store_true",
+                        help="print the broker's figures as one JSON object per print (on failure: {\"error\": ...})")
+    parser.add_argument("--worker", type=int, default=None, metavar="N", help="only worker N's figures")
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -144,7 +161,7 @@ def add_connection_arguments(parser: argparse.ArgumentParser, defaults: bool = T
     `defaults=False` leaves an option unset when it is not given, so that a subcommand's copy
     does not overwrite the value given before the subcommand (`mqks --port 1 ping`).
     """
-    def default(value):
+    def default(value: object) -> object:
         return value if defaults else argparse.SUPPRESS
 
     parser.add_argument("--host", default=default("127.0.0.1"), help="broker host (default 127.0.0.1)")
@@ -154,37 +171,45 @@ def add_connection_arguments(parser: argparse.ArgumentParser, defaults: bool = T
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the stats once, or every --watch seconds; returns the exit code."""
-    if args.watch is not None and args.watch <= 0:
-        print("stats: --watch needs a number of seconds > 0", file=sys.stderr)
-        return 2
+    """Print the stats once, or every --watch seconds; returns the exit code (0, 1 broker, 2 usage)."""
     address = f"{args.host}:{args.port}"
+
+    def fail(reason: str, code: int) -> int:
+        if args.json:
+            print_json_error(reason)
+        else:
+            print(f"stats: {reason}", file=sys.stderr)
+        return code
+
+    if args.watch is not None and args.watch <= 0:
+        return fail("--watch needs a number of seconds > 0", 2)
+    if args.worker is not None and args.worker < 0:
+        return fail("--worker needs a worker number >= 0", 2)
     client = Client(args.host, args.port, timeout_seconds=args.timeout, connect_timeout_seconds=args.timeout,
                     reconnect_max_seconds=1.0)
     try:
-        client.connect()
-    except MqksError as e:
-        print(f"stats: {e}", file=sys.stderr)
-        return 1
-    clear_screen = args.watch is not None and not args.json and sys.stdout.isatty()
-    try:
+        client.connect(retry=False)
+        clear_screen = args.watch is not None and not args.json and sys.stdout.isatty()
         while True:
-            per_worker = read_stats(client)
-            text = render_json(per_worker, address) if args.json else render_table(per_worker, address)
-            if clear_screen:
-                text = "\x1b[H\x1b[2J" + text
-            elif args.watch is not None and not args.json:
-                text += "\n"
+            per_worker: list[dict[str, Any]] = []
+            if args.worker is not None:
+                total = client.stats(worker=args.worker)
+            else:
+                total, per_worker = read_stats(client, per_worker=not args.json)
+            if args.json:
+                text = json.dumps(total, sort_keys=True)
+            else:
+                text = render_table(total, per_worker, address)
+                if clear_screen:
+                    text = "\x1b[H\x1b[2J" + text  # home and clear: each print replaces the last one
+                elif args.watch is not None:
+                    text += "\n"
             print(text, flush=True)
             if args.watch is None:
                 return 0
             gevent.sleep(args.watch)
-    except StatsUnavailable as e:
-        print(f"stats: {e}.\n" + EVAL_HINT.format(host=args.host, port=args.port), file=sys.stderr)
-        return 3
     except MqksError as e:
-        print(f"stats: {address}: {e}", file=sys.stderr)
-        return 1
+        return fail(str(e) if str(e).startswith(("cannot connect", address)) else f"{address}: {e}", 1)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -192,9 +217,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python stats.py [--host H --port P] [--watch SECONDS] [--json]`."""
-    parser = argparse.ArgumentParser(
-        prog="stats.py", description="Print an MQKS broker's figures per worker and in total (needs mqksd --eval).")
+    """`python stats.py [--host H --port P] [--watch SECONDS] [--json] [--worker N]`."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = Parser(prog="stats.py", description="Print an MQKS broker's figures, per worker and in total.",
+                    json_errors="--json" in argv)
     add_connection_arguments(parser)
     add_arguments(parser)
     return run(parser.parse_args(argv))

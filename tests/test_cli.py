@@ -6,12 +6,20 @@ subprocess has a deadline.
 
 from __future__ import annotations
 
+import fcntl
+import importlib.metadata
 import json
 import os
+import pty
+import re
 import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,6 +32,7 @@ from conftest import Broker, free_port
 REPO = Path(__file__).resolve().parent.parent
 MQKS = Path(sys.executable).parent / "mqks"
 STATS_PY = REPO / "stats.py"
+README = REPO / "README.md"
 RUN_TIMEOUT_SECONDS = 30.0
 LINE_TIMEOUT_SECONDS = 10.0
 
@@ -100,6 +109,16 @@ def test_mqks_ping_prints_the_answer(broker: Broker) -> None:
     assert done.stdout == "hello there\n"
 
 
+def test_mqks_ping_takes_the_rest_of_the_line_as_data(broker: Broker) -> None:
+    done = mqks(broker, "ping", "hello", "there")
+    assert (done.returncode, done.stdout) == (0, "hello there\n"), done.stderr
+
+
+def test_mqks_version_is_the_package_version() -> None:
+    done = subprocess.run([str(MQKS), "--version"], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
+    assert (done.returncode, done.stdout) == (0, f"mqks {importlib.metadata.version('mqks')}\n"), done.stderr
+
+
 def test_connection_options_work_before_and_after_the_command(broker: Broker) -> None:
     before = subprocess.run([str(MQKS), "--port", str(broker.port), "ping", "before"], capture_output=True, text=True,
                             timeout=30)
@@ -154,6 +173,134 @@ def test_mqks_says_when_the_broker_is_unreachable() -> None:
     assert done.returncode == 1 and "cannot connect" in done.stderr
 
 
+def test_mqks_ping_a_closed_port_says_connection_refused_without_verbose() -> None:
+    port = free_port()
+    # the default --timeout (10 s): the refusal is reported as it happens, not after the timeout
+    done = subprocess.run([str(MQKS), "ping", "--port", str(port)], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_SECONDS)
+    assert done.returncode == 1
+    assert done.stderr == f"mqks ping: cannot connect to 127.0.0.1:{port}: Connection refused\n"
+
+
+@pytest.fixture
+def http_server() -> Iterator[int]:
+    """A port that answers any line like an HTTP server refusing it, then closes: not an MQKS broker."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(LINE_TIMEOUT_SECONDS)
+                try:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/html\r\nContent-Length: 11\r\n"
+                                 b"Connection: close\r\n\r\nBad Request")
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join(LINE_TIMEOUT_SECONDS)
+    listener.close()
+
+
+def test_mqks_says_in_one_line_when_the_peer_does_not_speak_mqks(http_server: int) -> None:
+    done = subprocess.run([str(MQKS), "ping", "--port", str(http_server)], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_SECONDS)
+    assert done.returncode == 1
+    assert done.stderr == (f"mqks ping: 127.0.0.1:{http_server} does not speak MQKS "
+                           "(it answered 'HTTP/1.1 400 Bad Request')\n")
+
+
+def test_mqks_eval_with_eval_off_exits_3(make_broker: Callable[..., Broker]) -> None:
+    server = make_broker()
+    done = mqks(server, "eval", "1 + 1")
+    assert done.returncode == 3 and "--eval" in done.stderr, done.stderr
+
+
+def test_readme_documents_every_exit_code_of_mqks() -> None:
+    from mqks.client import cli
+
+    codes = {value for name, value in vars(cli).items() if name.startswith("EXIT_")}
+    section = README.read_text(encoding="utf-8").split("## The `mqks` command")[1].split("\n## ")[0]
+    documented = {int(code) for code in re.findall(r"^\| `(\d+)` \|", section, re.MULTILINE)}
+    assert documented == codes
+
+
+def test_mqks_publish_json_sends_data_with_newlines_as_one_line(broker: Broker, consumer_process) -> None:
+    queue, event = unique("q"), unique("e")
+    _, stdout = consumer_process(queue, event)
+    done = mqks(broker, "publish", event, "a\nb")
+    assert done.returncode == 2
+    assert "--json" in done.stderr and "json=True" not in done.stderr
+    done = mqks(broker, "publish", event, '{"text": "a\\nb",\n "n": 1}', "--json", "--confirm")
+    assert done.returncode == 0, done.stderr
+    msg_id = done.stdout.strip()
+    line = stdout.line()
+    prefix = f"{msg_id} event={event} "
+    assert line.startswith(prefix) and json.loads(line[len(prefix):]) == {"text": "a\nb", "n": 1}
+    done = mqks(broker, "publish", event, "not json", "--json")
+    assert done.returncode == 2 and "JSON" in done.stderr
+
+
+def test_mqks_consume_exits_once_stdout_is_closed_and_leaves_later_messages_queued(
+        broker: Broker, consumer_process) -> None:
+    queue, event = unique("q"), unique("e")
+    proc, stdout = consumer_process(queue, event)
+    assert mqks(broker, "publish", event, "first").returncode == 0
+    assert stdout.line().endswith(f"event={event} first")
+    proc.stdout.close()  # what `| head -1` does once it has its line
+    assert proc.wait(RUN_TIMEOUT_SECONDS) == 0
+    assert b"Traceback" not in proc.stderr.read()
+    assert mqks(broker, "publish", event, "after").returncode == 0
+    wire = broker.wire()
+    try:
+        wire.send(f"c1 consume --confirm {queue}".encode())
+        wire.expect(b"c1 ok ")
+        # the consumer gone with the pipe did not swallow it
+        assert wire.recv_line().endswith(f" event={event} after".encode())
+    finally:
+        wire.close()
+
+
+def test_mqks_consume_manual_ack_never_acks_what_was_not_printed(broker: Broker, consumer_process) -> None:
+    queue, event = unique("q"), unique("e")
+    proc, stdout = consumer_process(queue, event, "--manual-ack")
+    assert mqks(broker, "publish", event, "printed").returncode == 0
+    assert stdout.line().endswith(f"event={event} printed")
+    proc.stdout.close()
+    # published while the pipe closes: delivered to the consumer or not, it is never printed
+    assert mqks(broker, "publish", event, "unprinted").returncode == 0
+    assert proc.wait(RUN_TIMEOUT_SECONDS) == 0
+    wire = broker.wire()
+    try:
+        wire.send(f"c1 consume --confirm {queue}".encode())
+        wire.expect(b"c1 ok ")
+        # "printed" was acked; "unprinted" is back (retry=1 if it had been delivered), and alone
+        parts = wire.recv_line().split(b" ")
+        assert parts[3].split(b",")[0] == f"event={event}".encode() and parts[4:] == [b"unprinted"]
+        assert wire.barrier() == []
+    finally:
+        wire.close()
+
+
+def test_stats_py_run_by_a_python_without_mqks_says_what_to_run() -> None:
+    # -S: no site-packages, so neither mqks nor gevent, as with the system python3 in a checkout
+    done = subprocess.run([sys.executable, "-S", str(STATS_PY)], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_SECONDS, cwd=REPO)
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith("stats.py: ") and "cannot import" in line and "stats.py" in line.split(";")[1]
+
+
 def fill_queue(server: Broker, queue: str, event: str, count: int) -> None:
     """Bind `queue` to `event` and leave `count` messages waiting in it."""
     wire = server.wire()
@@ -173,44 +320,84 @@ def test_stats_py_prints_a_table_with_top_queues(broker: Broker) -> None:
     assert done.returncode == 0, done.stderr
     for label in ("messages published", "messages queued", "messages consumed", "queues", "consumers",
                   "messages waiting in queues", "messages waiting for ack", "clients", "events subscribed",
-                  "worker 0", "total", "top 10 queues by depth"):
+                  "connections", "bytes received", "bytes sent", "errors answered", "version", "total",
+                  "top 10 queues by depth"):
         assert label in done.stdout
     top = done.stdout.split("top 10 queues by depth:")[1]
     assert any(line.split() == ["3", queue] for line in top.splitlines())
 
 
-def test_stats_py_json_sums_workers(make_broker: Callable[..., Broker]) -> None:
-    server = make_broker("--eval", "--workers", "2")
+def test_stats_py_json_is_the_brokers_sum_of_its_workers(make_broker: Callable[..., Broker]) -> None:
+    server = make_broker("--workers", "2")  # no --eval: the stats action needs none
     queues = [unique("q") for _ in range(6)]  # enough that both workers own some
     for queue in queues:
         fill_queue(server, queue, f"{queue}-e", 2)
     done = stats_py(server, "--json")
     assert done.returncode == 0, done.stderr
-    figures = json.loads(done.stdout)
-    assert [worker["worker"] for worker in figures["workers"]] == [0, 1]
-    for key in ("queued", "queues", "messages_waiting", "events"):
-        assert figures["total"][key] == sum(worker[key] for worker in figures["workers"])
-    assert figures["total"]["messages_waiting"] == 12
-    assert figures["total"]["published"] == figures["workers"][0]["published"] == 12
-    assert {(row["queue"], row["depth"]) for row in figures["top_queues"]} == {(queue, 2) for queue in queues}
+    total = json.loads(done.stdout)
+    per_worker = [json.loads(stats_py(server, "--json", "--worker", str(n)).stdout) for n in (0, 1)]
+    assert [figures["worker"] for figures in per_worker] == [0, 1]
+    for key in ("queued", "queues", "messages_waiting"):
+        assert total[key] == sum(figures[key] for figures in per_worker)
+    assert total["messages_waiting"] == 12
+    assert total["published"] == 12
+    assert {(queue, depth) for queue, depth in total["top_queues"]} == {(queue, 2) for queue in queues}
     table = stats_py(server).stdout
     assert "worker 0" in table and "worker 1" in table
 
 
-def test_stats_py_says_how_to_enable_eval(make_broker: Callable[..., Broker]) -> None:
-    server = make_broker()
-    done = stats_py(server)
-    assert done.returncode != 0
-    assert "--eval" in done.stderr
-    done = mqks(server, "stats")
-    assert done.returncode != 0 and "--eval" in done.stderr
+STATS_KEYS = {"published", "queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting",
+              "messages_unacked", "clients", "events", "top_queues", "workers", "version", "uptime_seconds",
+              "connections", "bytes_in", "bytes_out", "errors"}
 
 
-def test_mqks_stats_reuses_the_stats_view(broker: Broker) -> None:
-    done = mqks(broker, "stats", "--json")
+def test_mqks_stats_json_works_on_a_default_broker(make_broker: Callable[..., Broker]) -> None:
+    server = make_broker()  # no --eval
+    queue, event = unique("q"), unique("e")
+    fill_queue(server, queue, event, 2)
+    done = mqks(server, "stats", "--json")
     assert done.returncode == 0, done.stderr
-    assert "total" in json.loads(done.stdout)
-    assert "messages waiting for ack" in mqks(broker, "stats").stdout
+    figures = json.loads(done.stdout)
+    assert figures.keys() >= STATS_KEYS
+    assert (figures["messages_waiting"], figures["top_queues"]) == (2, [[queue, 2]])
+    table = stats_py(server)
+    assert table.returncode == 0 and "messages waiting for ack" in table.stdout, table.stderr
+
+
+def test_mqks_stats_json_prints_an_error_object_on_failure() -> None:
+    port = free_port()
+    for args in (["stats", "--json"], ["stats", "--json", "--watch", "0"], ["stats", "--json", "--bogus"]):
+        done = subprocess.run([str(MQKS), *args, "--port", str(port)], capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_SECONDS)
+        assert done.returncode != 0, args
+        assert list(json.loads(done.stdout)) == ["error"], (args, done.stdout)
+    assert "Connection refused" in json.loads(subprocess.run(
+        [str(MQKS), "stats", "--json", "--port", str(port)], capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_SECONDS).stdout)["error"]
+
+
+def test_mqks_queues_prints_a_table_after_traffic(broker: Broker) -> None:
+    prefix = unique("tq")
+    waiting, consumed = f"{prefix}.waiting", f"{prefix}.consumed"
+    fill_queue(broker, waiting, f"{prefix}-e1", 3)
+    wire = broker.wire()
+    try:
+        # one message delivered and held un-acked by a consumer of a delete-when-unused queue
+        wire.send(f"c1 consume --confirm {consumed} {prefix}-e2 --manual-ack --delete-queue-when-unused".encode())
+        wire.expect(b"c1 ok ")
+        wire.send(f"m1 publish {prefix}-e2 one".encode())
+        wire.expect(f"c1 ok m1 event={prefix}-e2 one".encode())
+        done = mqks(broker, "queues", f"{prefix}.*")
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert lines[0].split() == ["queue", "depth", "unacked", "consumers", "bindings", "flags"]
+        rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+        assert rows == {waiting: ["3", "0", "0", "1"],
+                        consumed: ["0", "1", "1", "1", "--delete-queue-when-unused"]}
+    finally:
+        wire.close()
+    as_json = json.loads(mqks(broker, "queues", waiting, "--json").stdout)
+    assert as_json == [{"queue": waiting, "depth": 3, "unacked": 0, "consumers": 0, "bindings": 1, "flags": []}]
 
 
 def test_stats_py_watch_prints_again_until_interrupted(broker: Broker) -> None:
@@ -229,3 +416,125 @@ def test_stats_py_watch_prints_again_until_interrupted(broker: Broker) -> None:
         proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+ANSI = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][0-9A-B]|\x1b[=>]")
+
+
+class Terminal:
+    """`mqks top` in a pseudo-terminal of 120x40: its screen as text, keys sent to it."""
+
+    def __init__(self, server: Broker, *args: str) -> None:
+        self.master, self.slave = pty.openpty()
+        fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        env = {name: value for name, value in os.environ.items() if name not in ("COLUMNS", "LINES")}
+        env["TERM"] = "xterm-256color"
+        self.proc = subprocess.Popen([str(MQKS), "top", "--port", str(server.port), *args], stdin=self.slave,
+                                     stdout=self.slave, stderr=self.slave, env=env)
+        self.screen = b""
+
+    def frames(self) -> list[str]:
+        """Every frame drawn so far, without escape codes; each starts at the header."""
+        return ANSI.sub(b"", self.screen).decode(errors="replace").split("MQKS 127.0.0.1:")[1:]
+
+    def wait_for_frame(self, condition: Callable[[str], object], what: str) -> str:
+        """Read the screen until a frame satisfies `condition`; that frame."""
+        deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
+        seen = 0
+        while True:
+            frames = self.frames()
+            for frame in frames[max(0, seen - 1):]:  # the last one may have been partial
+                if condition(frame):
+                    return frame
+            seen = len(frames)
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                tail = frames[-1] if frames else self.screen[-2000:].decode(errors="replace")
+                raise AssertionError(f"no frame with {what} (exit {self.proc.poll()}); last:\n{tail}")
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    self.screen += os.read(self.master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    pass
+
+    def press(self, key: bytes) -> None:
+        os.write(self.master, key)
+
+    def wait(self) -> int:
+        """The exit code, reading the screen meanwhile (a full pty would block the child)."""
+        deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.master], [], [], 0.05)
+            if ready:
+                try:
+                    self.screen += os.read(self.master, 65536)
+                except OSError:
+                    pass
+        return self.proc.wait(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        os.close(self.master)
+        os.close(self.slave)
+
+
+@pytest.fixture
+def terminal(broker: Broker) -> Iterator[Callable[..., Terminal]]:
+    started: list[Terminal] = []
+
+    def start(server: Broker, *args: str) -> Terminal:
+        started.append(Terminal(server, *args))
+        return started[-1]
+
+    yield start
+    for term in started:
+        term.close()
+
+
+def rate_of(frame: str, label: str) -> float | None:
+    """The per-second figure of a totals row (`published  30  60.5/s ...`), None while it is "-"."""
+    match = re.search(rf"^{label}\s+\S+(?: \S+)?\s+([\d,.]+)(?: \S+)?/s", frame, re.MULTILINE)
+    return float(match.group(1).replace(",", "")) if match else None
+
+
+def test_mqks_top_shows_rates_and_busiest_queues_and_quits_on_q(broker: Broker, terminal) -> None:
+    prefix = unique("top")
+    deep, shallow = f"{prefix}-z", f"{prefix}-a"
+    term = terminal(broker, prefix + "-*", "--interval", "0.5")
+    # the first sample read (before it, every figure is "-"): no queue of this test yet
+    term.wait_for_frame(lambda frame: "queues: 0 of 0" in frame and "up -" not in frame, "a first sample")
+    fill_queue(broker, shallow, f"{shallow}-e", 1)
+    fill_queue(broker, deep, f"{deep}-e", 30)
+
+    def rates_shown(frame: str) -> bool:
+        # in the same frame: the messages counted in the rates and the queues with their depth change
+        return ((rate_of(frame, "published") or 0) > 0 and re.search(rf"^{deep}\s+30\s+\+[\d,.]+", frame, re.M)
+                is not None and frame.index(deep) < frame.index(shallow))
+
+    term.wait_for_frame(rates_shown, "a published rate and the queues by depth")
+    term.press(b"n")
+    term.wait_for_frame(lambda frame: "sort: name" in frame and shallow in frame and deep in frame
+                        and frame.index(shallow) < frame.index(deep), "the queues by name")
+    term.press(b"q")
+    assert term.wait() == 0
+    mode = termios.tcgetattr(term.slave)[3]
+    assert mode & termios.ICANON and mode & termios.ECHO  # the terminal is back in its own mode
+
+
+def test_mqks_top_quits_on_ctrl_c(make_broker: Callable[..., Broker], terminal) -> None:
+    server = make_broker()  # a default broker: top needs no --eval
+    term = terminal(server)
+    term.wait_for_frame(lambda frame: "per second" in frame and "up -" not in frame, "a first sample")
+    term.proc.send_signal(signal.SIGINT)
+    assert term.wait() == 0
+
+
+def test_mqks_top_without_rich_says_how_to_install_it(broker: Broker) -> None:
+    code = ("import sys; sys.modules['rich'] = None; from mqks.client.cli import main; "
+            f"sys.exit(main(['top', '--port', '{broker.port}']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
+    assert done.returncode == 3
+    assert 'pip install "mqks[top]"' in done.stderr
