@@ -160,7 +160,7 @@ def cmd_eval(client: Client, args: argparse.Namespace) -> int:
         answer = client.eval(args.code, worker=args.worker)
     except MqksError as e:
         if e.error_id and e.reason.startswith("_eval ") and ("disabled" in e.reason or "loopback" in e.reason):
-            raise FeatureOff(f"{e.reason}") from e
+            raise FeatureOff(e.reason) from e
         raise
     print(answer, flush=True)
     return EXIT_OK
