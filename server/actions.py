@@ -12,6 +12,7 @@ answers through its `Session`, and reports client mistakes by raising `ProtocolE
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -243,6 +244,45 @@ def handle_eval(session: Session, rid: bytes, args: bytes, confirm: bool) -> Non
     session.ok(rid, repr(result).replace("\n", "\\n").encode())
 
 
+def parse_worker(value: bytes, action: str, count: int) -> int:
+    """`--worker=N` -> N, which must name a worker of this server."""
+    try:
+        worker = int(value)
+    except ValueError:
+        worker = -1
+    if not 0 <= worker < count:
+        raise ProtocolError(f"{action}: no worker {text(value)!r}: this server has {count} (0..{count - 1})")
+    return worker
+
+
+def to_json(value: object) -> bytes:
+    """One compact JSON line (ASCII: a name never brings a newline or a tab into the answer)."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def handle_stats(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} stats [--worker=N]` -> `{id} ok {json}`: every worker's figures summed, or worker N's."""
+    workers = session.workers
+    worker = None
+    for token in args.split():
+        value = parse_flag_value(token, b"--worker")
+        if value is None or worker is not None:
+            raise ProtocolError(f"stats: unexpected {text(token)!r}; expected {{id}} stats [--worker=N]")
+        worker = parse_worker(value, "stats", workers.count)
+    session.ok(rid, to_json(workers.stats(worker)))
+
+
+def handle_queues(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} queues [{mask}]` -> `{id} ok {json}` per queue, sorted by name, then `{id} ok --end`."""
+    tokens = args.split()
+    if len(tokens) > 1 or (tokens and tokens[0].startswith(b"--")):
+        raise ProtocolError(f"queues: unexpected {text(args)!r}; expected {{id}} queues [{{mask}}]")
+    head = rid + b" ok "
+    lines = [b"%b%b\n" % (head, to_json(row)) for row in session.workers.queue_rows(tokens[0] if tokens else None)]
+    lines.append(head + b"--end\n")
+    session.write(b"".join(lines))  # one write: the limit on unread output still applies to the whole answer
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
     """An action as the dispatcher sees it."""
@@ -266,6 +306,8 @@ ACTIONS: dict[bytes, Action] = {
     b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", logged=True),
     b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", logged=True),
     b"ping": Action(handle_ping, "", needs_args=False, needs_auth=False),
+    b"stats": Action(handle_stats, "", needs_args=False),
+    b"queues": Action(handle_queues, "", needs_args=False),
     b"_eval": Action(handle_eval, "_eval: expected a Python expression", protected=True),
 }
 
@@ -322,11 +364,23 @@ def refuse(session: Session, rid: bytes, action_name: bytes, line: bytes) -> Non
         # a browser page must not be able to speak MQKS to a broker on localhost
         log.warning("closing %s: its line looks like HTTP: %r", session.peer, line[:80])
         session.close()
+    elif rid == b"help" and not action_name:
+        session.error(b"-", unknown_action(session, b"help"), line)  # a person at `nc` asking
     elif not rid or not action_name:
-        session.error(b"-", "expected {request_id} {action} {data}", line)
+        session.error(b"-", f"expected {{request_id}} {{action}} {{data}}; actions: {action_names(session)}", line)
     elif (action := ACTIONS.get(action_name)) is not None and action.protected:
         reason = ("answers loopback clients only" if session.eval_enabled
                   else "is disabled: start mqksd with --eval to enable it (loopback clients only)")
         session.error(rid, f"{action_name.decode()} {reason}", line)
     else:
-        session.error(rid, f'unknown action "{text(action_name)}"', line)
+        session.error(rid, unknown_action(session, action_name), line)
+
+
+def action_names(session: Session) -> str:
+    """The actions this session may run: a protected one is listed only where it is allowed."""
+    return " ".join(name.decode() for name in session.actions)
+
+
+def unknown_action(session: Session, action_name: bytes) -> str:
+    return f'unknown action "{text(action_name)}"; actions: {action_names(session)}'
+

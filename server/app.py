@@ -4,6 +4,10 @@ One `Server` per process wires the parts together: the `Workers` (a queue belong
 worker `crc32(queue) % workers`), the one timer heap and its greenlet, the error ids, and
 a `Connection` per client, which gets the workers and an error-id source, never the
 server itself. SIGTERM or SIGINT stops accepting, flushes what is owed, and exits 0.
+With `--metrics-port` the same loop serves `/metrics` and `/healthz` (server/metrics.py).
+
+Exit codes: 0 a clean stop, 1 cannot listen or the log is corrupt, 2 bad flags (argparse),
+70 a failed fsync (server/log.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import socket
 import sys
 import time
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING, NoReturn
 
 import gevent
 from gevent.event import Event
@@ -27,12 +32,21 @@ from .connection import Connection
 from .durable import Journal, rebuild, recover
 from .protocol import format_error
 from .timers import Timers
-from .workers import Workers
+from .workers import VERSION, Workers
+
+if TYPE_CHECKING:
+    from gevent.pywsgi import WSGIServer
 
 log = logging.getLogger("mqks.server")
 
 SHUTDOWN_FLUSH_SECONDS = 5.0
+SHUTDOWN_CLEAN_UP_SECONDS = 2.0
+MAX_PORT = 65535
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class CannotListen(Exception):
+    """A port the server must listen on cannot be bound (exit 1)."""
 
 
 class AcceptFailed(Exception):
@@ -95,6 +109,10 @@ class Server:
         self.journal = self.open_journal() if config.data_dir else None
         self.workers = Workers(config.workers, self.timers.call_later, self.journal)
         self.stream_server: Listener | None = None
+        self.metrics_server: WSGIServer | None = None
+        self.no_connections = Event()  # set whenever the last connection's clean-up is done
+        self.no_connections.set()
+        self.stopped = Event()  # shutdown is complete: serve_forever may return
 
     def open_journal(self) -> Journal:
         """The write-ahead log in --data-dir, woken from its writer thread through a gevent async watcher."""
@@ -108,6 +126,7 @@ class Server:
 
     def error_line(self, rid: bytes, reason: str) -> bytes:
         error_id = self.next_error_id()
+        self.workers.errors += 1
         log.warning("error %s: %s (rid %r)", error_id, reason, rid[:80])
         return format_error(rid, error_id, reason)
 
@@ -115,9 +134,15 @@ class Server:
         """Replay the log into the workers before the first client is accepted."""
         journal = self.journal
         assert journal is not None
+        from .log import LogCorrupt
+
         started = time.monotonic()
         records = journal.log.replay(repair=self.config.repair)
-        queues, messages = rebuild(recover(records), self.workers.worker_for)
+        try:
+            queues, messages = rebuild(recover(records), self.workers.worker_for)
+        except LogCorrupt as e:
+            log.error("cannot start: %s", e)  # names the file, the offset and --repair
+            sys.exit(1)
         stats = journal.log.stats()
         # the whole log counts as churn: the first snapshot comes as soon as it is worth it
         journal.bytes_since_snapshot = stats.get("log_bytes", 0)
@@ -143,18 +168,53 @@ class Server:
     def handle(self, sock: socket.socket, address: object) -> None:
         conn = Connection(sock, address, self.config, self.workers, self.next_error_id)
         self.connections.add(conn)
+        self.no_connections.clear()
         try:
             conn.serve()
         finally:
             self.connections.discard(conn)
+            if not self.connections:
+                self.no_connections.set()
+
+    def health(self) -> str | None:
+        """None while the broker accepts connections and its log can write; else why not (`/healthz`)."""
+        listener = self.stream_server
+        if listener is None or listener.closed:
+            return "not accepting connections: starting or stopping"
+        if listener.failed_accepts:
+            return "not accepting connections: out of file descriptors or memory"
+        if self.journal is not None and self.journal.disk_full:
+            return "disk full: the log cannot write, confirmed publishes are refused"
+        return None
+
+    def listen(self) -> None:
+        """Bind the broker's port and, with --metrics-port, the HTTP one; CannotListen names the one that failed."""
+        config = self.config
+        self.stream_server = Listener((config.host, config.port), self.handle, backlog=1024)
+        try:
+            self.stream_server.init_socket()
+        except OSError as e:
+            raise CannotListen(f"cannot listen on {config.host}:{config.port}: {e}") from None
+        if config.metrics_port is not None:
+            from .metrics import metrics_server  # prometheus_client is loaded only when asked for
+
+            self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.workers,
+                                                 config.metrics_max_queues, self.health)
+            try:
+                self.metrics_server.start()
+            except OSError as e:
+                raise CannotListen(f"cannot listen for metrics on {config.metrics_host}:{config.metrics_port}: "
+                                   f"{e}") from None
+            log.info("metrics on http://%s:%d/metrics and /healthz", config.metrics_host,
+                     self.metrics_server.server_port)
 
     def serve_forever(self) -> None:
         config = self.config
         if self.journal is not None:
             self.recover()
             self.log_wake.start(self.on_log_wake)
-        self.stream_server = Listener((config.host, config.port), self.handle, backlog=1024)
-        self.stream_server.init_socket()
+        self.listen()
+        assert self.stream_server is not None
         hub = gevent.get_hub()
         hub.NOT_ERROR = (*hub.NOT_ERROR, AcceptFailed)  # logged by Listener, once per burst
         gevent.spawn(self.run_timers)
@@ -163,30 +223,50 @@ class Server:
         log.info("mqksd listening on %s:%d (workers=%d, eval=%s, %s)", config.host, self.stream_server.server_port,
                  config.workers, "on" if config.eval_enabled else "off",
                  f"data dir {config.data_dir}, fsync {config.fsync}" if config.data_dir else "in memory")
-        self.stream_server.serve_forever()
+        self.stream_server.start()
+        self.stopped.wait()  # not the listener's serve_forever: it returns as soon as the listener closes
         log.info("mqksd stopped")
 
     def shutdown(self) -> None:
-        """Stop accepting, give every client what it is owed, then close."""
+        """Stop accepting, give every client what it is owed, then close.
+
+        In this order: each connection is shut down and its reader cleans up (consumers
+        detached, un-acked messages back in their queues, the log told) before the log
+        closes; only then may `serve_forever` return and the process exit.
+        """
         if self.stream_server is None or self.stream_server.closed:
             return
         log.info("stopping: no new connections, flushing %d clients", len(self.connections))
         self.stream_server.close()
-        self.workers.flush_pending()
-        deadline = time.monotonic() + SHUTDOWN_FLUSH_SECONDS
-        while any(conn.outbox.out for conn in self.connections) and time.monotonic() < deadline:
-            gevent.sleep(0.01)
-        for conn in list(self.connections):
-            conn.close()
-        self.stream_server.stop(timeout=1)
-        if self.journal is not None:
-            self.journal.close()  # everything recorded reaches the disk before exit 0
+        try:
+            self.workers.flush_pending()
+            deadline = time.monotonic() + SHUTDOWN_FLUSH_SECONDS
+            while any(conn.outbox.out for conn in self.connections) and time.monotonic() < deadline:
+                gevent.sleep(0.01)
+            for conn in list(self.connections):
+                conn.close()
+            if not self.no_connections.wait(SHUTDOWN_CLEAN_UP_SECONDS):
+                log.warning("%d clients still cleaning up; stopping anyway", len(self.connections))
+            if self.metrics_server is not None:
+                self.metrics_server.stop(timeout=1)
+            if self.journal is not None:
+                self.journal.close()  # everything recorded reaches the disk before exit 0
+        finally:
+            self.stopped.set()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag answered in one line (mqksd's usage alone is several) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """The command line as a Config; defaults and their help text come from `config.DEFAULTS`."""
     d = DEFAULTS
-    parser = argparse.ArgumentParser(prog="mqksd", description="MQKS broker: Message Queue Kept Simple.")
+    parser = Parser(prog="mqksd", description="MQKS broker: Message Queue Kept Simple.")
+    parser.add_argument("--version", action="version", version=f"mqksd {VERSION}")
     parser.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=d.workers,
@@ -213,13 +293,27 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--compact-min-bytes", type=int, default=d.compact_min_bytes, metavar="N",
                         help="with --data-dir: the live state is rewritten (and older log files deleted) once the "
                              "log has grown by half its size, and by at least N bytes (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=d.metrics_port, metavar="PORT",
+                        help="serve Prometheus /metrics and /healthz over HTTP on this port (default: off)")
+    parser.add_argument("--metrics-host", default=d.metrics_host,
+                        help="address of the metrics port (default: %(default)s)")
+    parser.add_argument("--metrics-max-queues", type=int, default=d.metrics_max_queues, metavar="N",
+                        help="per-queue gauges for the N deepest queues only (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.workers < 1:
-        parser.error("--workers must be at least 1")
-    if args.max_line_bytes < 64:
-        parser.error("--max-line-bytes must be at least 64")
-    if args.max_output_bytes < 4096:
-        parser.error("--max-output-bytes must be at least 4096")
+    for flag, value, minimum in (("--port", args.port, 0), ("--workers", args.workers, 1),
+                                 ("--max-line-bytes", args.max_line_bytes, 64),
+                                 ("--max-output-bytes", args.max_output_bytes, 4096),
+                                 ("--log-segment-bytes", args.log_segment_bytes, 1),
+                                 ("--compact-min-bytes", args.compact_min_bytes, 0),
+                                 ("--metrics-port", args.metrics_port, 1),
+                                 ("--metrics-max-queues", args.metrics_max_queues, 0)):
+        if value is not None and value < minimum:
+            parser.error(f"{flag} must be at least {minimum}, not {value}")
+    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if value is not None and value > MAX_PORT:
+            parser.error(f"{flag} must be a TCP port, at most {MAX_PORT}, not {value}")
+    if args.metrics_port is not None and args.metrics_port == args.port and args.metrics_host == args.host:
+        parser.error("--metrics-port must differ from --port")
     return Config(**vars(args))
 
 
@@ -229,8 +323,11 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         Server(config).serve_forever()
-    except OSError as e:
-        log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
+    except CannotListen as e:
+        log.error("%s", e)
+        sys.exit(1)
+    except OSError as e:  # the data dir, for one
+        log.error("cannot start: %s", e)
         sys.exit(1)
 
 

@@ -25,6 +25,9 @@ class Config:
     repair: bool = False  # truncate the log at a bad frame instead of refusing to start
     log_segment_bytes: int = 64 << 20
     compact_min_bytes: int = 128 << 20  # never rewrite the live state for less churn than this
+    metrics_port: int | None = None  # None: no HTTP endpoint (/metrics, /healthz)
+    metrics_host: str = "127.0.0.1"  # loopback, as the broker's own port
+    metrics_max_queues: int = 100  # per-queue gauges for the deepest queues only: scrapes stay small
 
 
 DEFAULTS = Config()

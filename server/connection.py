@@ -89,6 +89,7 @@ class Connection:
     def error(self, rid: bytes, reason: str, line: bytes) -> None:
         error_id = self.next_error_id()
         self.errors += 1
+        self.workers.errors += 1
         # a client looping on a bad line must not flood the log: the first ones in full,
         # then one line per LOG_EVERY_NTH_ERROR
         if self.errors <= LOG_FIRST_ERRORS or self.errors % LOG_EVERY_NTH_ERROR == 0:
@@ -118,6 +119,7 @@ class Connection:
             log.info("write to %s failed: %s", self.peer, e)
             self.close()
             return
+        self.workers.bytes_out += sent
         if sent == len(data):
             out.clear()
             outbox.out_bytes = 0
@@ -130,10 +132,18 @@ class Connection:
         """Drop the client: wakes the reader (EOF) and the writer (EPIPE)."""
         self.closed = True
         self.outbox.out.clear()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        if self.fd >= 0:
+            # shut down in the kernel, beneath gevent's wrapper: gevent's own shutdown() cancels
+            # the reader's wait with EBADF ("File descriptor was closed in another greenlet"),
+            # which read as a failed read for every client at SIGTERM; the kernel's shutdown
+            # wakes the reader with a plain EOF. The borrowed object must never close the fd.
+            kernel_sock = socket.socket(self.sock.family, self.sock.type, fileno=self.fd)
+            try:
+                kernel_sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                kernel_sock.detach()
         self.wake.set()
 
     def serve(self) -> None:
@@ -165,7 +175,9 @@ class Connection:
             workers.flush_pending()  # the requeued messages, to the consumers that remain
         except Exception:
             log.exception("flush after %s left failed", self.peer)
-        writer.kill(block=False)
+        # the writer goes before the socket: closing a socket under a writer blocked in
+        # sendall would fail that send with EBADF, logged as a failed write
+        writer.kill(block=True, timeout=1)
         self.sock.close()
         log.info("disconnected %s (%d clients)", self.peer, workers.clients)
 
@@ -177,15 +189,17 @@ class Connection:
         recv = self.sock.recv
         splitter = self.splitter
         feed, rejected = splitter.feed, splitter.rejected
-        pending = self.workers.pending
-        flush_pending = self.workers.flush_pending
-        journal = self.workers.journal
+        workers = self.workers
+        pending = workers.pending
+        flush_pending = workers.flush_pending
+        journal = workers.journal
         debug = log.isEnabledFor(logging.DEBUG)
         unyielded_bytes = 0
         while not self.closed:
             chunk = recv(RECV_BYTES)
             if not chunk:
                 return
+            workers.bytes_in += len(chunk)
             lines = feed(chunk)
             if lines:
                 if debug:
@@ -207,6 +221,7 @@ class Connection:
         wake = self.wake
         sendall = self.sock.sendall
         outbox = self.outbox
+        workers = self.workers
         try:
             while not self.closed:
                 wake.wait()
@@ -216,8 +231,10 @@ class Connection:
                     outbox.out = []
                     outbox.out_bytes = 0
                     self.writing = True
-                    sendall(b"".join(out))
+                    data = b"".join(out)
+                    sendall(data)
                     self.writing = False
+                    workers.bytes_out += len(data)
                     if outbox.paused and outbox.out_bytes < outbox.high_water_bytes // 2:
                         outbox.paused = False
                         self.workers.resume(outbox)

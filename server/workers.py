@@ -5,28 +5,66 @@ unlike `hash()` of a str, so the placement survives restarts and, later, worker
 processes). An event is routed by every worker, since any worker may hold a queue bound
 to it. After a batch of lines, `flush_pending` hands every outbox that got bytes to its
 flush, once. No sockets here: an outbox's flush is whatever its owner set.
+
+The process's figures for `stats`, `queues` and `/metrics` are read here, from the
+workers' state at the moment they are asked for: nothing is counted per message for them.
+The connections add their byte and error counts to `bytes_in`, `bytes_out` and `errors`
+once per read, per write and per error line.
 """
 
 from __future__ import annotations
 
+import heapq
+import importlib.metadata
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any
 
 from .durable import DurableBroker, Journal
 from .outbox import Outbox
-from .state import Broker, Schedule
+from .routing import compile_mask
+from .state import Broker, Queue, Schedule
+
+TOP_QUEUES = 10  # as many as Broker.stats() ranks per worker
+# per worker these count what reached *that* worker; every worker sees every publish and the
+# one process's clients, so the process's figure is any worker's, not the sum
+PROCESS_WIDE = frozenset({"published", "clients"})
+NOT_SUMMED = frozenset({"worker", "workers", "top_queues", "log", "events"})
+
+
+def package_version() -> str:
+    """The installed `mqks` distribution's version, or "unknown" (a checkout run without pip install)."""
+    try:
+        return importlib.metadata.version("mqks")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+VERSION = package_version()
+
+
+def queue_flags(queue: Queue) -> list[str]:
+    """The queue's own flags, as `--update` lines show them (a consumer's flags are not the queue's)."""
+    seconds = queue.delete_when_unused_seconds
+    if seconds is None:
+        return []
+    return [f"--delete-queue-when-unused={seconds!r}" if seconds else "--delete-queue-when-unused"]
 
 
 class Workers:
     """Every worker of this process, the placement of queues on them, and the outboxes owed a flush."""
 
-    __slots__ = ("brokers", "count", "pending", "clients", "journal")
+    __slots__ = ("brokers", "count", "pending", "clients", "journal", "started", "bytes_in", "bytes_out", "errors")
 
     def __init__(self, count: int = 1, schedule: Schedule | None = None, journal: Journal | None = None) -> None:
         self.count = count
         self.pending: list[Outbox] = []
         self.clients = 0  # live connections, for stats
+        self.started = time.monotonic()
+        self.bytes_in = 0  # added once per read by the connections
+        self.bytes_out = 0  # added once per write by the connections
+        self.errors = 0  # error lines sent
         self.journal = journal  # None: in memory only
         if journal is None:
             self.brokers = [Broker(worker, count, schedule, self.count_clients) for worker in range(count)]
@@ -76,3 +114,66 @@ class Workers:
                 if isinstance(consumers, list) and consumer in consumers:
                     consumers.remove(consumer)
         outbox.consumers_by_id.clear()
+
+    def stats(self, worker: int | None = None) -> dict[str, Any]:
+        """The `stats` answer: one worker's figures, or all workers' summed, with the process's own.
+
+        `worker` must be in range (the caller checks it). Summed: counts and sizes; `published`
+        and `clients` are the process's (see PROCESS_WIDE); `events` counts each event or mask
+        once however many workers' queues bind it; `top_queues` is re-ranked over every worker.
+        """
+        figures: dict[str, Any] = {"version": VERSION, "uptime_seconds": round(time.monotonic() - self.started, 3),
+                                   "workers": self.count}
+        if worker is not None:
+            figures["worker"] = worker
+            figures.update((key, value) for key, value in self.brokers[worker].stats().items()
+                           if key not in ("worker", "workers", "log"))
+        else:
+            per_worker = [broker.stats() for broker in self.brokers]
+            for key, value in per_worker[0].items():
+                if key in NOT_SUMMED:
+                    continue
+                if key in PROCESS_WIDE or isinstance(value, bool) or not isinstance(value, int | float):
+                    figures[key] = value
+                else:
+                    figures[key] = sum(one[key] for one in per_worker)
+            if self.count == 1:
+                figures["events"] = per_worker[0]["events"]
+            else:
+                events: set[bytes] = set()
+                for broker in self.brokers:
+                    for queue in broker.queues.values():
+                        events.update(queue.events)
+                figures["events"] = len(events)
+            ranked = heapq.nlargest(TOP_QUEUES, ((depth, name) for one in per_worker
+                                                 for name, depth in one["top_queues"]))
+            figures["top_queues"] = [(name, depth) for depth, name in ranked]
+        figures["connections"] = self.clients
+        figures["bytes_in"] = self.bytes_in
+        figures["bytes_out"] = self.bytes_out
+        figures["errors"] = self.errors
+        if self.journal is not None:
+            figures["log"] = self.journal.stats()
+        return figures
+
+    def queue_rows(self, mask: bytes | None = None) -> list[dict[str, Any]]:
+        """Every queue of every worker whose name matches `mask` (the events' mask rule), sorted by name."""
+        if mask is None:
+            matches: Callable[[bytes], Any] = lambda name: True
+        elif b"*" in mask:
+            matches = compile_mask(mask).fullmatch
+        else:
+            matches = mask.__eq__
+        found = sorted(((name, queue) for broker in self.brokers for name, queue in broker.queues.items()
+                        if matches(name)), key=lambda row: row[0])
+        return [{"queue": name.decode(errors="replace"), "depth": queue.depth(),
+                 "unacked": sum(len(consumer.unacked) for consumer in queue.consumers),
+                 "consumers": len(queue.consumers), "bindings": len(queue.events), "flags": queue_flags(queue)}
+                for name, queue in found]
+
+    def deepest_queues(self, limit: int) -> list[tuple[str, int, int]]:
+        """The `limit` deepest queues of every worker as (name, depth, unacked), deepest first."""
+        deepest = heapq.nlargest(limit, ((queue.depth(), name, queue) for broker in self.brokers
+                                         for name, queue in broker.queues.items()), key=lambda row: row[:2])
+        return [(name.decode(errors="replace"), depth, sum(len(consumer.unacked) for consumer in queue.consumers))
+                for depth, name, queue in deepest]
