@@ -125,7 +125,7 @@ class NatsMasks(Proto):
         return ConsumerState(), b""
 
 
-PROTOS = {"mqks": MqksMasks, "nats": NatsMasks}
+PROTOS: dict[str, type[MqksMasks] | type[NatsMasks]] = {"mqks": MqksMasks, "nats": NatsMasks}
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,9 +172,10 @@ class Servers:
     def __init__(self, cfg: Config) -> None:
         self.core = SERVER_CORE if cfg.pinned else None
         self.nats = peers.find_binary("nats-server")
-        self.python = peers.mqks_python()
-        if self.python is None:
+        python = peers.mqks_python()
+        if python is None:
             raise SystemExit(f"{sys.executable} cannot import mqks.server: run with the repo's .venv/bin/python")
+        self.python: str = python
 
     def kinds(self) -> list[str]:
         return ["mqks"] + (["nats"] if self.nats else [])
