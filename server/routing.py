@@ -1,13 +1,12 @@
 """Which queues get a copy of an event: an exact-name index plus a token trie of masks, with a cache.
 
-A publish looks its event up in `cache` (one dict hit). On a miss the route is the queues
-bound to the exact event plus those of every mask that matches it, then cached (bounded).
-Masks live in a trie of their dot-separated tokens: a lookup walks the event's tokens once,
-following at each node the exact child and the `*` child (and the rare tokens with a `*`
-inside, checked only at the node they hang from), so its cost depends on the event's length,
-not on how many masks are bound. A route lists each queue once: exact-name queues in bind
-order, then the queues of each matching mask, masks in the order they were first bound.
-A bind or unbind that could change a route invalidates it: exact names pop one entry, masks clear the cache.
+A publish reads `cache` first (Broker holds this very dict: it is cleared, never replaced). On
+a miss the route is the exact event's queues plus those of every matching mask; masks sit in a
+trie of their dot-separated tokens, walked once per event (exact child, `*` child, and the rare
+tokens with a `*` inside, checked only where they hang), so the cost follows the event's length,
+not the number of masks. A route lists each queue once: exact-name queues in bind order, then
+each matching mask's, masks in first-bind order. A bind or unbind of an exact name pops its
+cached route; of a mask, clears the cache.
 """
 
 from __future__ import annotations
