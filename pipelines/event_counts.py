@@ -1,6 +1,6 @@
 """Example pipeline: count events per name over tumbling windows, publish the counts back to MQKS.
 
-    python pipelines/event_counts.py --port 25000                       # local[2]
+    .venv/bin/python pipelines/event_counts.py --port 25000                       # local[2]
     spark-submit --master spark://host:7077 pipelines/event_counts.py --host broker --port 25000
 
 It reads the queue --queue (bound to --events, added to its existing bindings) with the `mqks`

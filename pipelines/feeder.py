@@ -1,6 +1,6 @@
 """Publish sample events to a running MQKS broker, for the example pipeline.
 
-    python pipelines/feeder.py --port 25000 --rate 200 --duration 60
+    .venv/bin/python pipelines/feeder.py --port 25000 --rate 200 --duration 60
 
 Each message is `{prefix}.{n} publish {event} {json}` with an event drawn from --events
 (weighted: the first is the most common) and data like {"n": 7, "user": "u3", "amount": 12.5}.

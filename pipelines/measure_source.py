@@ -1,6 +1,6 @@
 """Rows/s through the `mqks` source into Spark's `noop` sink, beside Spark's built-in `rate` source.
 
-    python pipelines/measure_source.py --port 25000 --messages 200000
+    .venv/bin/python pipelines/measure_source.py --port 25000 --messages 200000
 
 mqks: publishes --messages messages of --data-bytes bytes into a fresh queue, then streams them
 into `noop` with maxRecordsPerBatch=--max-records-per-batch until all were read and acked.

@@ -1,6 +1,6 @@
 """Print the events a queue receives: the ten-line client for watching the pipeline's output.
 
-    python pipelines/print_events.py --port 25000 --queue stats.printer --events stats.events.counted
+    .venv/bin/python pipelines/print_events.py --port 25000 --queue stats.printer --events stats.events.counted
 """
 
 import argparse
