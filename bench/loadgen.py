@@ -8,12 +8,15 @@ per chunk), never one message at a time in Python. Push deliveries that need no 
 (MQKS auto-ack, Redis pub/sub, NATS) are counted by bench/bin/count, built from count.c with
 gcc, after Python subscribed the sockets: Python's own receive path capped the fastest peers.
 A shared counter lets the producer stay at most `window` messages ahead, so no broker has to
-drop or buffer without bound.
+drop or buffer without bound. A confirmed flow (w5) also keeps at most `window` publishes
+unconfirmed (the drain thread counts each server's confirm reply), ends only once every
+publish is confirmed, and its consumer ends only once the server shows every message acked.
 Every payload is 100 bytes: `T` + 19-digit monotonic ns + filler + the marker `|EOM|`.
 """
 
 from __future__ import annotations
 
+import ast
 import multiprocessing as mp
 import os
 import re
@@ -111,6 +114,8 @@ class Proto:
     producer_error = b"\n-ERR"
     barrier_request = b""
     barrier_reply = b""
+    confirm_reply = b""  # occurs once in each publish's success reply (confirmed flows count it)
+    limit = 0  # messages the consumer takes at most (0: no limit); a confirmed flow sets it to n
 
     def producer_setup(self, sock: socket.socket) -> None:
         pass
@@ -124,6 +129,17 @@ class Proto:
 
     def memory_setup(self, sock: socket.socket) -> None:
         self.producer_setup(sock)
+
+    def settled(self, sock: socket.socket, n: int) -> bool:
+        """Asked on a side connection after the consumer got `n` messages: has the server taken
+        every ack (delete) it sent? A confirmed flow ends when this says yes."""
+        raise NotImplementedError
+
+
+def ask(sock: socket.socket, request: bytes, end: bytes) -> bytes:
+    """One request, its reply read up to and including `end`."""
+    sock.sendall(request)
+    return read_until(sock, end)
 
 
 # MQKS
@@ -157,13 +173,16 @@ class Mqks(Proto):
     producer_error = b" error "
     barrier_request = b"z ping done\n"
     barrier_reply = b"z ok done"
+    confirm_reply = b" ok "  # `{rid} ok \n`, sent once the message is durable under the fsync policy
 
-    def __init__(self, manual_ack: bool = False, event: bytes = b"bench.ev") -> None:
+    def __init__(self, manual_ack: bool = False, event: bytes = b"bench.ev", confirm: bool = False) -> None:
         self.manual_ack = manual_ack
         self.event = event
+        self.confirm = confirm
 
     def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
-        tail = b" publish " + self.event + b" " + payload(ts_ns) + b"\n"
+        action = b" publish --confirm " if self.confirm else b" publish "
+        tail = action + self.event + b" " + payload(ts_ns) + b"\n"
         return b"".join([b"m%d%s" % (i, tail) for i in range(start, start + count)])
 
     def consumer_setup(self, sock: socket.socket, index: int) -> tuple[ConsumerState, bytes]:
@@ -188,6 +207,13 @@ class Mqks(Proto):
         buf = read_until(sock, b"\n")
         if not buf.startswith(b"r ok"):
             raise RuntimeError(f"mqks rebind failed: {buf!r}")
+
+    def settled(self, sock: socket.socket, n: int) -> bool:
+        line = ask(sock, b"e _eval state.stats()\n", b"\n").split(b"\n", 1)[0]
+        if not line.startswith(b"e ok "):
+            raise RuntimeError(f"mqks _eval failed: {line[:300]!r}")
+        st = ast.literal_eval(line[5:].decode())
+        return st.get("acked", 0) >= n and not st.get("messages_unacked")
 
 
 # NATS core
@@ -291,6 +317,7 @@ class RedisStreams(Proto):
     name = "redis-streams"
     barrier_request = resp(b"PING")
     barrier_reply = b"+PONG"
+    confirm_reply = b"$"  # XADD answers the new id as a bulk string, `$15\r\n...`
     READ_COUNT = 2000
 
     def __init__(self, ack: bool = False, stream: bytes = b"bench.ev") -> None:
@@ -310,21 +337,41 @@ class RedisStreams(Proto):
             raise RuntimeError(f"XGROUP CREATE failed: {got!r}")
         return RedisStreamState(self), self.read_request
 
+    def settled(self, sock: socket.socket, n: int) -> bool:
+        # XPENDING's summary starts with the count of delivered, un-acked entries: `*4\r\n:0\r\n...`;
+        # the PING behind it marks the end of the summary, whatever its shape
+        reply = ask(sock, resp(b"XPENDING", self.stream, b"g") + resp(b"PING"), b"+PONG\r\n")
+        if not reply.startswith(b"*4\r\n:"):
+            raise RuntimeError(f"XPENDING: {reply[:200]!r}")
+        return reply[5:reply.index(b"\r\n", 5)] == b"0"
+
 
 # beanstalkd
 
 
 class BeanstalkState(ConsumerState):
-    """Keeps `credit` reserves outstanding; deletes every job it got, in one write per chunk."""
+    """Keeps `credit` reserves outstanding; deletes every job it got, in one write per chunk.
+
+    With a `limit` it never asks for more jobs than that in all: a reserve left waiting at the
+    end would hold back the deletes behind it (beanstalkd runs a connection's commands in turn).
+    """
 
     push_only = False
     ID_RE = re.compile(rb"RESERVED (\d+) ")
+
+    def __init__(self, limit: int = 0, asked: int = 0) -> None:
+        self.limit = limit
+        self.asked = asked
 
     def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
         ids = self.ID_RE.findall(data, start, end)
         if not ids:
             return 0, b""
-        return len(ids), b"delete " + b"\r\ndelete ".join(ids) + b"\r\n" + b"reserve\r\n" * len(ids)
+        more = len(ids)
+        if self.limit:
+            more = min(more, self.limit - self.asked)
+            self.asked += more
+        return len(ids), b"delete " + b"\r\ndelete ".join(ids) + b"\r\n" + b"reserve\r\n" * more
 
 
 class Beanstalkd(Proto):
@@ -332,6 +379,7 @@ class Beanstalkd(Proto):
     producer_error = b"_"  # OUT_OF_MEMORY, JOB_TOO_BIG, BAD_FORMAT, EXPECTED_CRLF, UNKNOWN_COMMAND
     barrier_request = b"stats-tube bench\r\n"
     barrier_reply = b"OK "
+    confirm_reply = b"INSERTED "  # with a binlog, after the job's write (and its fsync under -f 0)
     CREDIT = 1000
 
     def producer_setup(self, sock: socket.socket) -> None:
@@ -344,7 +392,33 @@ class Beanstalkd(Proto):
     def consumer_setup(self, sock: socket.socket, index: int) -> tuple[ConsumerState, bytes]:
         sock.sendall(b"watch bench\r\nignore default\r\n")
         read_until(sock, b"WATCHING", count=2)
-        return BeanstalkState(), b"reserve\r\n" * self.CREDIT
+        credit = min(self.CREDIT, self.limit) if self.limit else self.CREDIT
+        return BeanstalkState(self.limit, credit), b"reserve\r\n" * credit
+
+    def settled(self, sock: socket.socket, n: int) -> bool:
+        stats = tube_stats(sock)
+        return stats.get(b"current-jobs-ready") == b"0" and stats.get(b"current-jobs-reserved") == b"0"
+
+
+def tube_stats(sock: socket.socket, tube: bytes = b"bench") -> dict[bytes, bytes]:
+    """beanstalkd's `stats-tube` as a dict of bytes."""
+    head = ask(sock, b"stats-tube " + tube + b"\r\n", b"\r\n")
+    if not head.startswith(b"OK "):
+        raise RuntimeError(f"stats-tube: {head[:200]!r}")
+    size = int(head[3:head.index(b"\r\n")])
+    body_start = head.index(b"\r\n") + 2
+    while len(head) < body_start + size + 2:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed in stats-tube")
+        head += chunk
+    body = head[body_start:body_start + size]
+    out = {}
+    for line in body.split(b"\n"):
+        key, sep, value = line.partition(b": ")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
 
 
 # Processes
@@ -365,13 +439,19 @@ class Flow:
     rate: int = 0               # > 0: paced at this many msg/s, timestamped (w3)
     chunk: int = CHUNK_MESSAGES
     counter_binary: str | None = None  # count push deliveries in C (bench/count.c) when set
+    confirm: bool = False       # w5: at most `window` publishes unconfirmed; done once all are confirmed
+                                # and the server shows every message acked (Proto.settled)
 
 
-def _drain(sock: socket.socket, proto: Proto, stats: dict, barrier: threading.Event) -> None:
-    """Reads the producer's replies and only counts them."""
+def _drain(sock: socket.socket, proto: Proto, stats: dict, barrier: threading.Event, confirm: bool = False) -> None:
+    """Reads the producer's replies and only counts them (and, if `confirm`, counts the confirms
+    into stats["confirmed"], with the time of the last one in stats["t_confirmed"])."""
     tail = b""
     errors = 0
     needle = proto.barrier_reply
+    mark = proto.confirm_reply
+    edge = len(mark) - 1
+    ctail = b""  # the last len(mark) - 1 bytes: a confirm cut across two chunks counts once
     while True:
         try:
             chunk = sock.recv(RECV_BYTES)
@@ -380,6 +460,13 @@ def _drain(sock: socket.socket, proto: Proto, stats: dict, barrier: threading.Ev
         if not chunk:
             break
         errors += chunk.count(proto.producer_error)
+        if confirm:
+            got = chunk.count(mark) + ((ctail + chunk[:edge]).count(mark) if edge else 0)
+            if edge:
+                ctail = (ctail + chunk)[-edge:]
+            if got:
+                stats["confirmed"] += got
+                stats["t_confirmed"] = now_ns()
         if needle and not barrier.is_set():
             if needle in tail + chunk[: len(needle)] or needle in chunk:
                 barrier.set()
@@ -394,9 +481,9 @@ def producer_main(flow: Flow, counter, ready, go, stop, results) -> None:
         sock = connect(flow.host, flow.port)
         flow.proto.producer_setup(sock)
         sock.settimeout(None)
-        stats = {"reply_bytes": 0, "errors": 0}
+        stats = {"reply_bytes": 0, "errors": 0, "confirmed": 0, "t_confirmed": 0}
         barrier = threading.Event()
-        drain = threading.Thread(target=_drain, args=(sock, flow.proto, stats, barrier), daemon=True)
+        drain = threading.Thread(target=_drain, args=(sock, flow.proto, stats, barrier, flow.confirm), daemon=True)
         chunks = []
         if not flow.rate:
             for start in range(0, flow.n, flow.chunk):
@@ -418,6 +505,17 @@ def producer_main(flow: Flow, counter, ready, go, stop, results) -> None:
                     sock.sendall(flow.proto.publish(sent, due - sent, now))
                     sent = due
                 time.sleep(0.0002)
+        elif flow.confirm:
+            window = flow.window
+            deadline = t0 + int(flow.timeout_s * 1e9)
+            for data in chunks:
+                # ahead of neither the consumer nor the confirms by more than the window
+                while sent - min(counter.value, stats["confirmed"]) > window:
+                    time.sleep(0.0002)
+                    if now_ns() > deadline:
+                        break
+                sock.sendall(data)
+                sent += flow.chunk
         else:
             window = flow.window
             deadline = t0 + int(flow.timeout_s * 1e9)
@@ -429,7 +527,14 @@ def producer_main(flow: Flow, counter, ready, go, stop, results) -> None:
                 sock.sendall(data)
                 sent += flow.chunk
         t_sent = now_ns()
-        results.send({"t0": t0, "t_sent": t_sent})
+        if flow.confirm:
+            deadline = t0 + int(flow.timeout_s * 1e9)
+            while stats["confirmed"] < flow.n and now_ns() < deadline:
+                time.sleep(0.0002)
+            results.send({"t0": t0, "t_sent": t_sent, "confirmed": stats["confirmed"],
+                          "t_confirmed": stats["t_confirmed"]})
+        else:
+            results.send({"t0": t0, "t_sent": t_sent})
         stop.wait(flow.timeout_s + 30)
         results.send({"producer_errors": stats["errors"], "reply_bytes": stats["reply_bytes"]})
         sock.close()
@@ -442,6 +547,8 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
         pin(flow.core)
         sel = selectors.DefaultSelector()
         states = []
+        if flow.confirm:
+            flow.proto.limit = flow.n  # this process's copy: ask for no more than will come
         for index in range(flow.fanout):
             sock = connect(flow.host, flow.port)
             index_for = index if flow.fanout > 1 else 0
@@ -507,6 +614,8 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
                     state.got += n
                     t_end = now_ns()
                     counter.value = got
+        if flow.confirm and got >= target:
+            t_end = _wait_settled(flow, target, deadline_ns.value or setup_deadline)
         results.send({"t_end": t_end, "got": got, "target": target,
                       "consumer_errors": sum(s.errors for s in states), "latencies_ns": lat,
                       "per_connection": [s.got for s in states]})
@@ -515,6 +624,17 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
             key.fileobj.close()
     except Exception as e:
         results.send({"error": f"consumer: {type(e).__name__}: {e}"})
+
+
+def _wait_settled(flow: Flow, n: int, deadline: int) -> int:
+    """Poll the server on a side connection until it shows every ack taken; the time it did (0: never)."""
+    with connect(flow.host, flow.port) as side:
+        flow.proto.producer_setup(side)
+        while now_ns() < deadline:
+            if flow.proto.settled(side, n):
+                return now_ns()
+            time.sleep(0.0005)
+    return 0
 
 
 def _count_in_c(flow: Flow, states: list, sel, counter, deadline_ns, stop, results, target: int) -> None:
@@ -612,12 +732,15 @@ def run_flow(flow: Flow, latency: bool = False, check=None) -> RunResult:
         deadline_ns.value = now_ns() + int(flow.timeout_s * 1e9)
         go.set()
         c = _recv(c_res_r, flow.timeout_s + 10)
-        p = _recv(p_res_r, 10)
+        p = _recv(p_res_r, flow.timeout_s + 10 if flow.confirm else 10)
         if "error" in c or "error" in p:
             result.note = "; ".join(x["error"] for x in (c, p) if "error" in x)
             return result
         result.got = c["got"]
-        result.seconds = max(1e-9, (c["t_end"] - p["t0"]) / 1e9) if c["t_end"] else 0.0
+        t_end = c["t_end"]
+        if flow.confirm and t_end:  # end to end: the last confirm and the last ack both count
+            t_end = max(t_end, p["t_confirmed"])
+        result.seconds = max(1e-9, (t_end - p["t0"]) / 1e9) if t_end else 0.0
         result.rate = result.got / result.seconds if result.seconds else 0.0
         result.send_rate = flow.n / max(1e-9, (p["t_sent"] - p["t0"]) / 1e9)
         result.latencies_ns = c["latencies_ns"]
@@ -625,6 +748,12 @@ def run_flow(flow: Flow, latency: bool = False, check=None) -> RunResult:
         result.ok = result.got >= result.target
         if not result.ok:
             result.note = f"timeout: {result.got}/{result.target} delivered"
+        elif flow.confirm and not c["t_end"]:
+            result.ok = False
+            result.note = "timeout: the server never showed every message acked"
+        if flow.confirm and p["confirmed"] < flow.n:
+            result.ok = False
+            result.note = (result.note + "; " if result.note else "") + f"{p['confirmed']}/{flow.n} confirmed"
         per = c["per_connection"]
         if result.ok and flow.fanout > 1 and (min(per) != flow.n or max(per) != flow.n):
             result.note = f"uneven deliveries per connection: {min(per)}..{max(per)} (each should get {flow.n})"

@@ -1,7 +1,8 @@
 """Find, install, start and stop the servers the benchmark measures.
 
-Every server is started here on 127.0.0.1 with a free port and persistence off, and
-stopped here by the pid we started (SIGTERM, then SIGKILL after a grace period).
+Every server is started here on 127.0.0.1 with a free port and persistence off (w5 turns it
+on, into a data directory the caller creates and deletes), and stopped here by the pid we
+started (SIGTERM, then SIGKILL after a grace period).
 A peer whose binary is missing is installed once with apt-get; if that fails it is
 skipped and `skipped` says why. `taskset -c N` pins a server when a core is given.
 """
@@ -105,6 +106,7 @@ class Server:
     log_path: str
     host: str = "127.0.0.1"
     extra: dict = field(default_factory=dict)
+    started: float = 0.0  # time.monotonic() just before the process was spawned
 
     @property
     def pid(self) -> int:
@@ -167,16 +169,46 @@ def _wait_ready(server: Server, probe: bytes, expect: bytes | None) -> None:
     raise RuntimeError(f"{server.kind} not ready in {READY_TIMEOUT_SECONDS}s: {last}; {server.log_tail()}")
 
 
+def seconds_until_answer(server: Server, probe: bytes, expect: bytes, timeout: float) -> float:
+    """Seconds from the spawn of `server` until it answers `probe` with a line holding `expect`.
+
+    Tries every 2 ms: a refused connection, or another first line (Redis's `-LOADING` while it
+    reads its AOF) means not yet. For the recovery cells, so it is finer than `_wait_ready`.
+    """
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.kind} exited {server.proc.returncode}: {server.log_tail()}")
+        try:
+            with socket.create_connection((server.host, server.port), timeout=timeout) as sock:
+                sock.sendall(probe)
+                buf = b""
+                while b"\n" not in buf:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        raise ConnectionError("closed")
+                    buf += chunk
+                if expect in buf.split(b"\n", 1)[0]:
+                    return time.monotonic() - server.started
+                last = repr(buf[:100])
+        except OSError as e:
+            last = str(e)
+        time.sleep(0.002)
+    raise RuntimeError(f"{server.kind} did not answer in {timeout:.0f}s: {last}; {server.log_tail()}")
+
+
 def _spawn(kind: str, cmd: list[str], port: int, core: int | None, log_dir: str) -> Server:
     os.makedirs(log_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix=f"bench-{kind}-")
     log_path = os.path.join(log_dir, f"{kind}-{port}.log")
     log = open(log_path, "wb")  # noqa: SIM115 (closed below, once the child holds it)
     # no pipe: a pipe nobody reads fills up and would freeze the server
+    started = time.monotonic()
     proc = subprocess.Popen(_pin(core) + cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
     log.close()
-    return Server(kind=kind, port=port, proc=proc, workdir=workdir, log_path=log_path)
+    return Server(kind=kind, port=port, proc=proc, workdir=workdir, log_path=log_path, started=started)
 
 
 def mqks_python() -> str | None:
@@ -192,26 +224,40 @@ def mqks_python() -> str | None:
     return None
 
 
+MQKS_PROBE = (b"ready ping\n", b"ready ok")
+REDIS_PROBE = (b"PING\r\n", b"+PONG")
+BEANSTALKD_PROBE = (b"stats\r\n", b"OK ")
+
+
 def start_mqks(core: int | None, log_dir: str, python: str = sys.executable,
-               extra_args: tuple[str, ...] = (), profile_path: str | None = None) -> Server:
-    """mqksd on a free port, with --eval so the benchmark can check its stats."""
+               extra_args: tuple[str, ...] = (), profile_path: str | None = None,
+               data_dir: str | None = None, fsync: str = "everysec", wait: bool = True) -> Server:
+    """mqksd on a free port, with --eval so the benchmark can check its stats; with `data_dir`,
+    durable (`--data-dir data_dir --fsync fsync`, logging at info for its recovery line)."""
     port = free_port()
     prof = ["-m", "cProfile", "-o", profile_path] if profile_path else []
+    durable = ["--data-dir", data_dir, "--fsync", fsync, "--log-level", "info"] if data_dir else []
     cmd = [python, *prof, "-m", "mqks.server", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", "--eval", *extra_args]
+           "--log-level", "warning", "--eval", *durable, *extra_args]
     server = _spawn("mqks", cmd, port, core, log_dir)
-    _wait_ready(server, b"ready ping\n", b"ready ok")
+    if wait:
+        _wait_ready(server, *MQKS_PROBE)
     return server
 
 
-def start_redis(path: str, core: int | None, log_dir: str) -> Server:
-    """redis-server with no RDB, no AOF, and no output-buffer limit for subscribers."""
+def start_redis(path: str, core: int | None, log_dir: str, data_dir: str | None = None,
+                appendfsync: str = "everysec", wait: bool = True) -> Server:
+    """redis-server with no RDB, no AOF, and no output-buffer limit for subscribers; with `data_dir`,
+    the AOF on in it (`--appendonly yes --appendfsync appendfsync`, rewrites at their defaults), still no RDB."""
     port = free_port()
-    cmd = [path, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+    aof = ["--appendonly", "yes", "--appendfsync", appendfsync, "--dir", data_dir] if data_dir else \
+        ["--appendonly", "no"]
+    cmd = [path, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *aof,
            "--daemonize", "no", "--logfile", "", "--protected-mode", "no",
            "--client-output-buffer-limit", "pubsub 0 0 0"]
     server = _spawn("redis", cmd, port, core, log_dir)
-    _wait_ready(server, b"PING\r\n", b"+PONG")
+    if wait:
+        _wait_ready(server, *REDIS_PROBE)
     return server
 
 
@@ -230,12 +276,16 @@ def start_nats(path: str, core: int | None, log_dir: str) -> Server:
     return server
 
 
-def start_beanstalkd(path: str, core: int | None, log_dir: str) -> Server:
-    """beanstalkd without a binlog (memory only)."""
+def start_beanstalkd(path: str, core: int | None, log_dir: str, data_dir: str | None = None,
+                     fsync_ms: int = 50, wait: bool = True) -> Server:
+    """beanstalkd without a binlog (memory only); with `data_dir`, its binlog there
+    (`-b data_dir -f fsync_ms`: fsync at most every fsync_ms ms, 0 = after every write)."""
     port = free_port()
-    cmd = [path, "-l", "127.0.0.1", "-p", str(port)]
+    binlog = ["-b", data_dir, "-f", str(fsync_ms)] if data_dir else []
+    cmd = [path, "-l", "127.0.0.1", "-p", str(port), *binlog]
     server = _spawn("beanstalkd", cmd, port, core, log_dir)
-    _wait_ready(server, b"stats\r\n", b"OK ")
+    if wait:
+        _wait_ready(server, *BEANSTALKD_PROBE)
     return server
 
 

@@ -1,6 +1,6 @@
 """MQKS beside Redis, NATS and beanstalkd: one command, one table, one JSON file.
 
-    .venv/bin/python -m bench.run [--quick] [--pinned|--unpinned|--both] [--workloads w1,w2,w3,w4]
+    .venv/bin/python -m bench.run [--quick] [--pinned|--unpinned|--both] [--workloads w1,w2,w3,w4,w5]
                                   [--json PATH] [--profile] [--compare BEFORE.json AFTER.json]
 
 (from the repository root: `bench` is a package).
@@ -8,8 +8,16 @@
 Starts every server itself on 127.0.0.1 (a fresh one per run, stopped by pid), measures the
 load generator's ceiling against a trivial sink, runs each cell `--reps` times, prints medians
 with ranges and the MQKS/peer ratios the issue targets, and writes the same as JSON into
-bench/results/. `--profile` runs mqksd under cProfile through w1 and w2 instead;
+bench/results/. `--profile` runs mqksd under cProfile through w1 and w2 instead (with
+`--workloads w5`: through the confirmed w5 flow, in memory and with each --fsync policy);
 `--compare` prints two result files side by side.
+
+w5 (durable; only when asked for, ~2 min) runs each server with its persistence on, into a
+fresh temporary data directory per run: w1ack-confirmed (one producer pipelining confirmed
+publishes, at most `--window` unconfirmed, one consumer acking everything, msg/s from the
+first publish until the last confirm and the last ack the server shows taken), w4-disk
+(`--w4-messages` queued, no consumer: bytes of the data directory per message after a clean
+stop) and recovery (a restart on that directory: seconds from spawn until it answers).
 """
 
 from __future__ import annotations
@@ -21,12 +29,14 @@ import json
 import os
 import platform
 import pstats
+import re
 import resource
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +48,8 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(BENCH_DIR, "results")
 LOG_DIR = os.path.join(RESULTS_DIR, "logs")
 SERVER_CORE, GENERATOR_CORE = 0, 1
-WORKLOADS = ("w1", "w2", "w3", "w4")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w5")
+DEFAULT_WORKLOADS = "w1,w2,w3,w4"  # w5 (durable) takes ~2 min more: only when asked for
 PEER_BINARIES = {"redis": "redis-server", "nats": "nats-server", "beanstalkd": "beanstalkd"}
 
 
@@ -74,18 +85,21 @@ def build_config(argv: list[str] | None = None) -> Config:
                       help="no taskset: the kernel places everything")
     mode.add_argument("--both", dest="modes", action="store_const", const=("pinned", "unpinned"),
                       help="pinned, then unpinned")
-    parser.add_argument("--workloads", default="w1,w2,w3,w4", help="comma list of w1,w2,w3,w4")
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS,
+                        help="comma list of w1,w2,w3,w4,w5 (default %(default)s; w5 is the durable one)")
     parser.add_argument("--reps", type=int, help="repetitions per cell (default 3, quick 1)")
     parser.add_argument("--w4-reps", type=int, help="repetitions of the 1M-message memory cells (default 3, quick 1)")
     parser.add_argument("--messages", type=int,
-                        help="w1 messages per run (default 500000, quick 100000); w2 publishes a tenth "
-                             "as many events (quick: 25000), each delivered 20 times")
-    parser.add_argument("--w4-messages", type=int, help="w4 queued messages (default 1000000, quick 200000)")
+                        help="w1 (and w5 w1ack-confirmed) messages per run (default 500000, quick 100000); "
+                             "w2 publishes a tenth as many events (quick: 25000), each delivered 20 times")
+    parser.add_argument("--w4-messages", type=int,
+                        help="w4 (and w5 w4-disk) queued messages (default 1000000, quick 200000)")
     parser.add_argument("--window", type=int, default=50_000, help="max messages the producer runs ahead")
     parser.add_argument("--timeout", type=float, help="seconds one run may take (default 60, quick 30)")
     parser.add_argument("--json", dest="json_path", help="where to write the JSON (default bench/results/...)")
     parser.add_argument("--no-install", action="store_true", help="skip peers that are missing instead of apt-get")
-    parser.add_argument("--profile", action="store_true", help="profile mqksd under cProfile through w1 and w2")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile mqksd under cProfile through w1 and w2 (with --workloads w5: its durable flow)")
     parser.add_argument("--py-consumer", action="store_true",
                         help="count push deliveries in Python too, not with the gcc-built bench/bin/count")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
@@ -147,7 +161,21 @@ class Servers:
     def available(self, kind: str) -> bool:
         return kind not in self.skipped
 
-    def start(self, kind: str, core: int | None) -> peers.Server:
+    def start(self, kind: str, core: int | None, data_dir: str | None = None, persist: str = "",
+              wait: bool = True) -> peers.Server:
+        """A fresh server; with `data_dir` (w5) its persistence on there, `persist` being MQKS's --fsync,
+        Redis's appendfsync or beanstalkd's -f milliseconds."""
+        if data_dir is not None:
+            if kind == "mqks":
+                return peers.start_mqks(core, LOG_DIR, python=self.mqks_python, data_dir=data_dir, fsync=persist,
+                                        wait=wait)
+            path = self.finder.paths[PEER_BINARIES[kind]]
+            if kind == "redis":
+                return peers.start_redis(path, core, LOG_DIR, data_dir=data_dir, appendfsync=persist, wait=wait)
+            if kind == "beanstalkd":
+                return peers.start_beanstalkd(path, core, LOG_DIR, data_dir=data_dir, fsync_ms=int(persist),
+                                              wait=wait)
+            raise ValueError(f"no persistence for {kind}")
         if kind == "mqks":
             return peers.start_mqks(core, LOG_DIR, python=self.mqks_python)
         path = self.finder.paths[PEER_BINARIES[kind]]
@@ -223,6 +251,12 @@ class Cell:
     manual_ack: bool = False
     rate: int = 0
     divisor: int = 1  # a slow peer runs fewer messages so a cell stays within seconds
+    # w5 only: what the run measures (flow: msg/s confirmed and acked; disk: bytes/msg; recovery:
+    # seconds, measured by the disk run of the same server, named by `recovery` there), and the
+    # persistence setting (MQKS --fsync, Redis appendfsync, beanstalkd -f ms; "" = none)
+    measure: str = "flow"
+    persist: str = ""
+    recovery: str = ""
 
     @property
     def key(self) -> str:
@@ -265,7 +299,38 @@ def cells_for(workload: str, cfg: Config) -> list[Cell]:
             Cell("w4", "redis", "streams XADD", lambda: RedisStreams()),
             Cell("w4", "beanstalkd", "put", lambda: Beanstalkd()),
         ]
+    if workload == "w5":
+        mqks_flow = lambda: Mqks(manual_ack=True, confirm=True)
+        return [
+            Cell("w5", "mqks", W5_MQKS_MEMORY, mqks_flow, manual_ack=True),
+            Cell("w5", "mqks", W5_MQKS_ALWAYS, mqks_flow, manual_ack=True, persist="always"),
+            Cell("w5", "mqks", W5_MQKS_EVERYSEC, mqks_flow, manual_ack=True, persist="everysec"),
+            Cell("w5", "redis", W5_REDIS_ALWAYS, lambda: RedisStreams(ack=True), persist="always"),
+            Cell("w5", "redis", W5_REDIS_EVERYSEC, lambda: RedisStreams(ack=True), persist="everysec"),
+            # -f 0 is an fsync per put and per delete, one client after another: ~100x slower
+            Cell("w5", "beanstalkd", "w1ack-confirmed put/reserve/delete, binlog -f 0", lambda: Beanstalkd(),
+                 persist="0", divisor=BEANSTALKD_SYNC_DIVISOR),
+            Cell("w5", "beanstalkd", "w1ack-confirmed put/reserve/delete, binlog -f 50", lambda: Beanstalkd(),
+                 persist="50", divisor=5),
+            Cell("w5", "mqks", "w4-disk, fsync everysec", lambda: Mqks(event=b"bench.w4", confirm=True),
+                 measure="disk", persist="everysec", recovery="recovery, fsync everysec"),
+            Cell("w5", "redis", "w4-disk streams XADD, AOF everysec", lambda: RedisStreams(),
+                 measure="disk", persist="everysec", recovery="recovery, AOF everysec"),
+            Cell("w5", "beanstalkd", "w4-disk put, binlog -f 50", lambda: Beanstalkd(),
+                 measure="disk", persist="50", recovery="recovery, binlog -f 50"),
+            Cell("w5", "mqks", "recovery, fsync everysec", mqks_flow, measure="recovery"),
+            Cell("w5", "redis", "recovery, AOF everysec", lambda: RedisStreams(), measure="recovery"),
+            Cell("w5", "beanstalkd", "recovery, binlog -f 50", lambda: Beanstalkd(), measure="recovery"),
+        ]
     raise ValueError(workload)
+
+
+W5_MQKS_MEMORY = "w1ack-confirmed, in memory"
+W5_MQKS_ALWAYS = "w1ack-confirmed, fsync always"
+W5_MQKS_EVERYSEC = "w1ack-confirmed, fsync everysec"
+W5_REDIS_ALWAYS = "w1ack-confirmed streams+xack, appendfsync always"
+W5_REDIS_EVERYSEC = "w1ack-confirmed streams+xack, appendfsync everysec"
+BEANSTALKD_SYNC_DIVISOR = 100
 
 
 def percentile(sorted_values: list[int], q: float) -> float:
@@ -277,9 +342,17 @@ def percentile(sorted_values: list[int], q: float) -> float:
 
 def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
     """One repetition of one cell on a fresh server; returns a sample dict."""
+    if cell.measure == "disk":
+        return run_disk(cell, cfg, servers, pinned)
     server_core = SERVER_CORE if pinned else None
     gen_core = GENERATOR_CORE if pinned else None
-    server = servers.start(cell.server, server_core)
+    data_dir = tempfile.mkdtemp(prefix=f"bench-{cell.server}-data-") if cell.persist else None  # fresh per run
+    try:
+        server = servers.start(cell.server, server_core, data_dir, cell.persist)
+    except BaseException:
+        if data_dir:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        raise
     try:
         proto = cell.make()
         if cell.workload == "w4":
@@ -306,14 +379,18 @@ def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
         n //= cell.divisor
         flow = Flow(proto=proto, host=server.host, port=server.port, n=n, fanout=cell.fanout,
                     window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds, rate=cell.rate,
-                    counter_binary=cfg.counter_binary)
+                    counter_binary=cfg.counter_binary, confirm=cell.workload == "w5")
         check = mqks_check(server, n, cell.fanout, cell.manual_ack) if cell.server == "mqks" else None
+        cpu0 = process_cpu_seconds(server.pid) if cell.workload == "w5" else 0.0
         r = loadgen.run_flow(flow, latency=cell.workload == "w3", check=check)
+        cpu = process_cpu_seconds(server.pid) - cpu0 if cell.workload == "w5" else 0.0
         if not server.alive():
             r.note = (r.note + "; " if r.note else "") + f"server died: {server.log_tail(300)}"
             r.ok = False
         sample = {"ok": r.ok and not r.errors, "value": r.rate, "got": r.got, "target": r.target,
                   "seconds": r.seconds, "send_rate": r.send_rate, "note": r.note}
+        if cell.workload == "w5":  # where the time went: the server's CPU (all its threads) per message
+            sample.update(server_cpu_seconds=cpu, server_cpu_us_per_msg=1e6 * cpu / max(1, n))
         if cell.workload == "w3":
             lat = sorted(r.latencies_ns)
             sample.update(value=percentile(lat, 0.5) / 1e6, p50_ms=percentile(lat, 0.5) / 1e6,
@@ -326,6 +403,107 @@ def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
         code = server.stop()
         if cell.server == "mqks" and code not in (0, None):
             say(f"  ! mqksd exited {code} on SIGTERM (expected 0)")
+        if data_dir:
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+
+PROBES = {"mqks": peers.MQKS_PROBE, "redis": peers.REDIS_PROBE, "beanstalkd": peers.BEANSTALKD_PROBE}
+RECOVERY_LOG_LINES = {  # what each server logs about its own load, for the notes
+    "mqks": re.compile(r"recovered (\d+) queues and (\d+) messages .* in ([\d.]+) s"),
+    "redis": re.compile(r"DB loaded from (?:append only|disk)[^:]*: ([\d.]+) seconds"),
+}
+
+
+def run_disk(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
+    """w5 w4-disk, and the recovery cell it names: `--w4-messages` queued with no consumer into a fresh
+    data dir; a clean stop (SIGTERM: each server flushes its log); the bytes of the dir per message;
+    then a restart on that dir, timed from spawn until it answers, and a count of what it holds."""
+    server_core = SERVER_CORE if pinned else None
+    gen_core = GENERATOR_CORE if pinned else None
+    n = cfg.w4_messages
+    recovery_key = f"{cell.workload} {cell.server} {cell.recovery}"
+    recovery: dict = {"ok": False, "note": "not run: its w4-disk run failed"}
+    data_dir = tempfile.mkdtemp(prefix=f"bench-{cell.server}-data-")
+    server: peers.Server | None = None
+    try:
+        try:
+            server = servers.start(cell.server, server_core, data_dir, cell.persist)
+            r = loadgen.run_memory(cell.make(), server.host, server.port, n, gen_core, server.pid,
+                                   cfg.timeout_seconds * 2)
+            if "error" in r:
+                return {"ok": False, "note": r["error"] + f" | server log: {server.log_tail(300)}",
+                        "also": {recovery_key: recovery}}
+            notes = [f"{r['errors']} error replies"] if r.get("errors") else []
+            held = queued(server, cell.server)
+            if held != n:
+                notes.append(f"{held} queued (sent {n})")
+            if cell.server == "redis":
+                notes += wait_aof_rewrite(server, cfg.timeout_seconds)
+            code = server.stop(grace_seconds=cfg.timeout_seconds)
+            server = None
+            if cell.server == "mqks" and code != 0:
+                notes.append(f"mqksd exited {code} on SIGTERM (expected 0)")
+            size, files = dir_bytes(data_dir)
+            sample = {"ok": not notes, "value": size / n, "bytes": size, "files": len(files), "seconds": r["seconds"],
+                      "fill_rate": n / max(1e-9, r["seconds"]), "note": "; ".join(notes),
+                      "largest": ", ".join(f"{name} {nbytes / 2**20:.1f} MiB" for name, nbytes in files[:3])}
+        except Exception as e:
+            return {"ok": False, "note": f"{type(e).__name__}: {e}", "also": {recovery_key: recovery}}
+        try:
+            server = servers.start(cell.server, server_core, data_dir, cell.persist, wait=False)
+            seconds = peers.seconds_until_answer(server, *PROBES[cell.server], timeout=cfg.timeout_seconds * 2)
+            held = queued(server, cell.server)
+            recovery = {"ok": held == n, "value": seconds, "note": "" if held == n else f"{held} recovered of {n}"}
+            pattern = RECOVERY_LOG_LINES.get(cell.server)
+            found = pattern.search(server.log_tail(20_000)) if pattern else None
+            if found:
+                recovery["logged_seconds"] = float(found.group(found.lastindex or 0))
+                recovery["logged"] = found.group(0)
+        except Exception as e:
+            recovery = {"ok": False, "note": f"{type(e).__name__}: {e}"}
+        sample["also"] = {recovery_key: recovery}
+        return sample
+    finally:
+        if server is not None:
+            server.stop(grace_seconds=cfg.timeout_seconds)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def queued(server: peers.Server, kind: str) -> int:
+    """Messages waiting in the w4 queue (MQKS), stream (Redis) or tube (beanstalkd)."""
+    if kind == "mqks":
+        return mqks_stats(server).get("messages_waiting", -1)
+    with socket.create_connection((server.host, server.port), timeout=60) as sock:
+        if kind == "redis":
+            reply = loadgen.ask(sock, loadgen.resp(b"XLEN", b"bench.ev"), b"\r\n")
+            return int(reply[1:reply.index(b"\r\n")]) if reply.startswith(b":") else -1
+        return int(loadgen.tube_stats(sock).get(b"current-jobs-ready", b"-1"))
+
+
+def wait_aof_rewrite(server: peers.Server, timeout: float) -> list[str]:
+    """Let an AOF rewrite Redis started on its own (auto-aof-rewrite-*) finish before the stop; [] or why not."""
+    deadline = time.monotonic() + timeout
+    with socket.create_connection((server.host, server.port), timeout=timeout) as sock:
+        while time.monotonic() < deadline:
+            info = loadgen.ask(sock, loadgen.resp(b"INFO", b"persistence") + loadgen.resp(b"PING"), b"+PONG\r\n")
+            if b"aof_rewrite_in_progress:0" in info and b"aof_rewrite_scheduled:0" in info:
+                return []
+            time.sleep(0.05)
+    return ["an AOF rewrite was still running at the stop"]
+
+
+def dir_bytes(path: str) -> tuple[int, list[tuple[str, int]]]:
+    """(bytes in every file under `path`, [(file, bytes)] largest first): apparent sizes, so preallocated
+    space (beanstalkd's binlog files) counts."""
+    files = []
+    for folder, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                files.append((name, os.path.getsize(os.path.join(folder, name))))
+            except OSError:
+                pass
+    files.sort(key=lambda f: -f[1])
+    return sum(size for _, size in files), files
 
 
 def summarize(values: list[float]) -> dict:
@@ -335,6 +513,8 @@ def summarize(values: list[float]) -> dict:
 
 
 def unit_of(cell: Cell) -> str:
+    if cell.workload == "w5":
+        return {"flow": "msg/s", "disk": "bytes/msg", "recovery": "s"}[cell.measure]
     return {"w1": "msg/s", "w2": "deliveries/s", "w3": "ms", "w4": "bytes/msg"}[cell.workload]
 
 
@@ -350,6 +530,16 @@ def idle_percent(seconds: float = 0.5) -> float:
     time.sleep(seconds)
     idle1, total1 = sample()
     return 100.0 * (idle1 - idle0) / max(1, total1 - total0)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all its threads, from /proc (0.0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def busy_seconds() -> tuple[float, float]:
@@ -377,13 +567,23 @@ def run_mode(mode: str, cfg: Config, servers: Servers) -> dict:
     out = {"ceiling": measure_ceiling(cfg, pinned), "cells": [], "idle_percent_before": idle}
     for workload in cfg.workloads:
         cells = [c for c in cells_for(workload, cfg) if servers.available(c.server)]
-        reps = cfg.w4_reps if workload == "w4" else cfg.reps
         samples: dict[str, list[dict]] = {c.key: [] for c in cells}
-        for rep in range(reps):  # interleaved, so a noisy minute hits every server alike
-            for cell in cells:
-                s = run_cell(cell, cfg, servers, pinned)
-                samples[cell.key].append(s)
-                say(f"  {mode} rep {rep + 1}/{reps} {cell.key:<48} {_sample_text(cell, s)}")
+        by_key = {c.key: c for c in cells}
+        # w5: the 1M-message disk and recovery cells repeat --w4-reps times, the rest --reps times
+        heavy = [c for c in cells if workload == "w4" or c.measure != "flow"]
+        light = [c for c in cells if c not in heavy]
+        for group, reps in ((light, cfg.reps), (heavy, cfg.w4_reps)):
+            for rep in range(reps):  # interleaved, so a noisy minute hits every server alike
+                for cell in group:
+                    if cell.measure == "recovery":
+                        continue  # its sample comes from the disk run of its server
+                    s = run_cell(cell, cfg, servers, pinned)
+                    also = s.pop("also", {})
+                    samples[cell.key].append(s)
+                    say(f"  {mode} rep {rep + 1}/{reps} {cell.key:<48} {_sample_text(cell, s)}")
+                    for key, s2 in also.items():
+                        samples[key].append(s2)
+                        say(f"  {mode} rep {rep + 1}/{reps} {key:<48} {_sample_text(by_key[key], s2)}")
         for cell in cells:
             ss = samples[cell.key]
             good = [s for s in ss if s.get("ok")]
@@ -412,8 +612,15 @@ def _sample_text(cell: Cell, s: dict) -> str:
         text = f"p50 {s['p50_ms']:.3f} ms  p99 {s['p99_ms']:.3f} ms  max {s['max_ms']:.1f} ms  ({s['samples']} msgs)"
     elif cell.workload == "w4":
         text = f"{s['value']:.1f} bytes/msg (RSS {s['rss0'] / 2**20:.1f} -> {s['rss1'] / 2**20:.1f} MiB)"
+    elif cell.measure == "disk":
+        text = (f"{s['value']:.1f} bytes/msg ({s['bytes'] / 2**20:.1f} MiB in {s['files']} files, largest: "
+                f"{s['largest']}; queued at {s['fill_rate']:,.0f} msg/s)")
+    elif cell.measure == "recovery":
+        text = f"{s['value']:.3f} s from spawn to answer" + (f" (its log: {s['logged']})" if s.get("logged") else "")
     else:
         text = f"{s['value']:>12,.0f} {unit_of(cell)}  (producer wrote {s['send_rate']:,.0f} msg/s)"
+        if "server_cpu_us_per_msg" in s:
+            text += f"  server CPU {s['server_cpu_us_per_msg']:.2f} us/msg"
     if s.get("note"):
         text += f"  [{s['note'][:200]}]"
     return text
@@ -473,6 +680,24 @@ RATIOS = [
     ("w1 auto-ack: MQKS / Redis pub/sub", "w1 mqks auto-ack", "w1 redis pubsub", None, True),
     ("w1 auto-ack: MQKS / NATS core", "w1 mqks auto-ack", "w1 nats core", None, True),
     ("w2: MQKS / NATS", "w2 mqks 10 exact + 10 mask queues", "w2 nats 10 exact + 10 * subs", None, True),
+    ("w5 confirmed+ack, always: MQKS / Redis Streams", f"w5 mqks {W5_MQKS_ALWAYS}", f"w5 redis {W5_REDIS_ALWAYS}",
+     1.2, True),
+    ("w5 confirmed+ack: MQKS fsync always / MQKS in memory", f"w5 mqks {W5_MQKS_ALWAYS}",
+     f"w5 mqks {W5_MQKS_MEMORY}", 0.7, True),
+    ("w5 confirmed+ack, everysec: MQKS / Redis Streams", f"w5 mqks {W5_MQKS_EVERYSEC}",
+     f"w5 redis {W5_REDIS_EVERYSEC}", 1.0, True),
+    ("w5 recovery seconds: MQKS / Redis AOF", "w5 mqks recovery, fsync everysec", "w5 redis recovery, AOF everysec",
+     None, False),
+    ("w5 disk bytes/msg: MQKS / Redis AOF", "w5 mqks w4-disk, fsync everysec",
+     "w5 redis w4-disk streams XADD, AOF everysec", None, False),
+    ("w5 confirmed+ack, everysec: MQKS / MQKS in memory", f"w5 mqks {W5_MQKS_EVERYSEC}",
+     f"w5 mqks {W5_MQKS_MEMORY}", None, True),
+    ("w5 confirmed+ack, fsync each: MQKS always / beanstalkd -f 0", f"w5 mqks {W5_MQKS_ALWAYS}",
+     "w5 beanstalkd w1ack-confirmed put/reserve/delete, binlog -f 0", None, True),
+    ("w5 confirmed+ack: MQKS everysec / beanstalkd -f 50", f"w5 mqks {W5_MQKS_EVERYSEC}",
+     "w5 beanstalkd w1ack-confirmed put/reserve/delete, binlog -f 50", None, True),
+    ("w5 disk bytes/msg: MQKS / beanstalkd binlog", "w5 mqks w4-disk, fsync everysec",
+     "w5 beanstalkd w4-disk put, binlog -f 50", None, False),
 ]
 
 
@@ -538,7 +763,7 @@ def ratios(cells: list[dict], not_run: dict[str, str]) -> list[dict]:
 def fmt(v: float | None, unit: str) -> str:
     if v is None:
         return "-"
-    if unit in ("ms",):
+    if unit in ("ms", "s"):
         return f"{v:.3f}"
     if unit == "bytes/msg":
         return f"{v:.1f}"
@@ -638,6 +863,9 @@ def run_benchmark(cfg: Config) -> int:
     say(f"# w1 {cfg.w1_messages:,} msgs, w2 {cfg.w2_events:,} events x 20, w3 {cfg.w3_seconds:g}s at "
         f"{'/'.join(str(r) for r in cfg.w3_rates)} msg/s, w4 {cfg.w4_messages:,} msgs; "
         f"reps {cfg.reps} (w4 {cfg.w4_reps}); payload 100 bytes")
+    if "w5" in cfg.workloads:
+        say(f"# w5 (durable): w1ack-confirmed {cfg.w1_messages:,} msgs, at most {cfg.window:,} unconfirmed; "
+            f"w4-disk and recovery {cfg.w4_messages:,} msgs; data dirs under {tempfile.gettempdir()}")
     servers = Servers(cfg)
     if servers.mqks_python and servers.mqks_python != sys.executable:
         say(f"# mqksd runs under {servers.mqks_python} ({sys.executable} cannot import mqks.server)")
@@ -709,6 +937,68 @@ def run_profile(cfg: Config) -> int:
     return 0
 
 
+def run_profile_w5(cfg: Config) -> int:
+    """mqksd under cProfile through the w5 w1ack-confirmed flow: in memory, --fsync always, --fsync everysec,
+    one server each; the top 15 by tottime of each, and the CPU seconds of each of the server's threads
+    (cProfile sees only the event loop's thread; the log's writer thread shows up there)."""
+    os.makedirs(LOG_DIR, exist_ok=True)
+    pinned = cfg.modes[0] == "pinned"
+    gen_core = GENERATOR_CORE if pinned else None
+    python = peers.mqks_python()
+    if python is None:
+        say(f"! {sys.executable} cannot import mqks.server: run with the repo's venv (.venv/bin/python)")
+        return 1
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    code = 0
+    for fsync in ("", "always", "everysec"):
+        label = f"fsync {fsync}" if fsync else "in memory"
+        prof_path = os.path.join(RESULTS_DIR, f"mqksd-w5-{fsync or 'memory'}-{stamp}.prof")
+        data_dir = tempfile.mkdtemp(prefix="bench-mqks-data-") if fsync else None
+        server = peers.start_mqks(SERVER_CORE if pinned else None, LOG_DIR, python=python, profile_path=prof_path,
+                                  data_dir=data_dir, fsync=fsync or "always")
+        threads: dict[str, float] = {}
+        try:
+            flow = Flow(proto=Mqks(manual_ack=True, confirm=True), host=server.host, port=server.port,
+                        n=cfg.w1_messages, window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds * 2,
+                        counter_binary=cfg.counter_binary, confirm=True)
+            r = loadgen.run_flow(flow)
+            threads = thread_cpu_seconds(server.pid)
+            say(f"\n## w5 w1ack-confirmed, {label}: {r.rate:,.0f} msg/s under cProfile"
+                + (f"  [{r.note}]" if r.note else ""))
+        finally:
+            exit_code = server.stop(grace_seconds=30)
+            if data_dir:
+                shutil.rmtree(data_dir, ignore_errors=True)
+        say("server CPU seconds by thread (whole life, start-up included): "
+            + ", ".join(f"{name} {sec:.2f}" for name, sec in threads.items()))
+        if exit_code != 0 or not os.path.exists(prof_path):
+            say(f"! mqksd exited {exit_code} on SIGTERM; profile written: {os.path.exists(prof_path)}")
+            say(server.log_tail(1500))
+            code = 1
+            continue
+        text = io.StringIO()
+        pstats.Stats(prof_path, stream=text).strip_dirs().sort_stats("tottime").print_stats(15)
+        say(text.getvalue().strip())
+        say(f"# profile: {prof_path}")
+    return code
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """utime + stime of each thread of `pid`, by `tid:comm`, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[f"{tid}:{comm}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def compare(before_path: str, after_path: str) -> int:
     """Medians of two runs side by side, per mode and cell, with after/before."""
     with open(before_path, encoding="utf-8") as f:
@@ -736,7 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.compare:
         return compare(*cfg.compare)
     if cfg.profile:
-        return run_profile(cfg)
+        return run_profile_w5(cfg) if "w5" in cfg.workloads else run_profile(cfg)
     try:
         check_ratio_cells(cfg)
         return run_benchmark(cfg)
