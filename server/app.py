@@ -145,7 +145,7 @@ class Server:
             sys.exit(1)
         stats = journal.log.stats()
         # the whole log counts as churn: the first snapshot comes as soon as it is worth it
-        journal.bytes_since_snapshot = stats.get("log_bytes", 0)
+        journal.count_as_churn(stats.get("log_bytes", 0))
         log.info("recovered %d queues and %d messages from %s in %.3f s (%d records, %d bytes truncated)",
                  queues, messages, self.config.data_dir, time.monotonic() - started,
                  stats.get("replayed_records", 0), stats.get("truncated_bytes", 0))

@@ -192,6 +192,11 @@ class Log:
             self._cond.notify()
         return number
 
+    @property
+    def handed_bytes(self) -> int:
+        """Bytes handed to the writer since this Log was opened (headers included)."""
+        return self._handed_bytes
+
     def poll(self) -> tuple[int, list[int]]:
         """The highest durable commit number, and the commits whose write failed since the last poll."""
         failed = self._failed
