@@ -80,7 +80,7 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
             raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
         for broker in session.workers.brokers:
             broker.publish(rid, event, tail)
-        journal.confirm_when_durable(session.outbox, rid)  # answered once the log has it
+        journal.unconfirmed.append((session.outbox, rid))  # answered once the log has it
         return
     for broker in session.workers.brokers:
         broker.publish(rid, event, tail)

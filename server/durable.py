@@ -74,7 +74,9 @@ class Journal:
         self.last_commit = 0  # the newest commit handed to the log
         self.durable = 0  # the newest commit the log reported durable
         self.waiting: deque[tuple[int, list[tuple[Outbox, bytes]]]] = deque()  # (commit, its confirms)
-        self.unconfirmed: list[tuple[Outbox, bytes]] = []  # confirms of the batch not yet committed
+        # confirms of the batch not yet committed: a handler appends (outbox, rid), and the
+        # client gets `{rid} ok` once everything recorded so far is durable under the policy
+        self.unconfirmed: list[tuple[Outbox, bytes]] = []
         self.snapshot_mark = 0  # the log's handed_bytes when the last snapshot was committed
         self.last_snapshot_bytes = 0
         self.snapshot_min_growth_bytes = snapshot_min_growth_bytes
@@ -87,10 +89,6 @@ class Journal:
     @property
     def disk_full(self) -> bool:
         return self.log.disk_full
-
-    def confirm_when_durable(self, outbox: Outbox, rid: bytes) -> None:
-        """Answer `{rid} ok` once everything recorded so far is durable under the fsync policy."""
-        self.unconfirmed.append((outbox, rid))
 
     def commit(self) -> None:
         """Close the batch into one frame (a no-op without records) and queue its confirms."""
