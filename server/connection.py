@@ -23,11 +23,11 @@ from collections.abc import Callable
 import gevent
 from gevent.event import Event
 
-from .actions import Action, actions_for, run_lines
+from .actions import Action, Handler, actions_for, handlers_for, run_lines
 from .config import Config
 from .outbox import Outbox
 from .protocol import LineSplitter, format_error, format_ok
-from .state import Consumer
+from .state import Broker, Consumer
 from .workers import Workers
 
 log = logging.getLogger("mqks.connection")
@@ -50,7 +50,8 @@ class Connection:
     """A client: its socket, its line splitter, and the outbox its replies and deliveries go to."""
 
     __slots__ = ("sock", "fd", "peer", "peer_is_loopback", "eval_enabled", "workers", "outbox", "consumers_by_id",
-                 "actions", "splitter", "next_error_id", "wake", "writing", "closed", "max_output_bytes", "errors")
+                 "actions", "handlers", "brokers", "splitter", "next_error_id", "wake", "writing", "closed",
+                 "max_output_bytes", "errors")
 
     def __init__(self, sock: socket.socket, address: object, config: Config, workers: Workers,
                  next_error_id: Callable[[], str]) -> None:
@@ -67,6 +68,8 @@ class Connection:
         self.outbox = Outbox(workers.pending, config.max_output_bytes // 4, self.flush)
         self.consumers_by_id: dict[bytes, Consumer] = self.outbox.consumers_by_id
         self.actions: dict[bytes, Action] = actions_for(config.eval_enabled, self.peer_is_loopback)
+        self.handlers: dict[bytes, Handler] = handlers_for(config.eval_enabled, self.peer_is_loopback)
+        self.brokers: list[Broker] = workers.brokers
         self.splitter = LineSplitter(config.max_line_bytes)
         self.next_error_id = next_error_id
         self.wake = Event()

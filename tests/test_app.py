@@ -48,13 +48,17 @@ def test_eval_refuses_peers_that_are_not_loopback():
     assert b"_eval" not in actions.actions_for(eval_enabled=True, peer_is_loopback=False)
     assert b"_eval" not in actions.actions_for(eval_enabled=False, peer_is_loopback=True)
 
+    table = actions.actions_for(eval_enabled=True, peer_is_loopback=False)
+    table_handlers = actions.handlers_for(eval_enabled=True, peer_is_loopback=False)
+
     class RemoteSession:
         """What run_lines uses of a connection from another host (no loopback peer exists in CI)."""
 
         peer = "192.0.2.7:4242"
         eval_enabled = True
         closed = False
-        actions = actions.actions_for(eval_enabled=True, peer_is_loopback=False)
+        actions = table
+        handlers = table_handlers
 
         def __init__(self):
             self.errors = []
