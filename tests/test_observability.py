@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import resource
 import subprocess
 import sys
 import urllib.error
@@ -276,3 +278,22 @@ def test_sigterm_logs_clean_disconnects(make_broker):
     assert log.rindex("disconnected") < log.index("mqksd stopped")
     for wire in wires:
         assert wire.closed_by_server()
+
+
+def test_healthz_answers_503_while_the_disk_is_full_and_200_once_it_has_room(make_broker, tmp_path):
+    port = free_port()
+    server = make_broker("--metrics-port", str(port), "--data-dir", str(tmp_path))
+    wire = server.wire()
+    wire.send(b"rb rebind --confirm hq he", b"m0 publish --confirm he before")
+    wire.expect(b"rb ok ")
+    wire.expect(b"m0 ok ")
+    used = sum(os.path.getsize(os.path.join(tmp_path, name)) for name in os.listdir(tmp_path))
+    _, hard = resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (used + 100, hard))  # the disk is "full"
+    wire.send(b"m1 publish --confirm he %s" % (b"z" * 500))
+    wire.expect_error(b"m1", b"disk full")
+    status, body = http_get(port, "/healthz")
+    assert status == 503 and b"disk" in body, (status, body)
+    resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (hard, hard))  # room again
+    wait_for(lambda: http_get(port, "/healthz") == (200, b"ok\n"), "healthz back to ok once the log writes")
+    wire.close()
