@@ -87,7 +87,7 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
 def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
     """Publish, then `ok`: at once in memory, once the log has it with --data-dir."""
     journal = session.workers.journal
-    if journal is not None and journal.disk_full:
+    if journal is not None and journal.log.disk_full:
         raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
     for broker in session.brokers:
         broker.publish(rid, event, tail)
