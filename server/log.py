@@ -26,6 +26,7 @@ log = logging.getLogger("mqks.log")
 
 HEADER = struct.Struct("<II")  # payload length, crc32 of the payload
 HEADER_BYTES = HEADER.size
+ZERO_RUN = bytes(512)  # a disk sector that was never written: the mark of a torn write
 MAX_PAYLOAD_BYTES = 0xFFFFFFFF
 FSYNC_POLICIES = ("always", "everysec", "no")
 EVERYSEC_SECONDS = 1.0
@@ -318,7 +319,11 @@ class Log:
                 return offset, ("short payload", True)
             payload = f.read(size)
             if crc32(payload) != crc:
-                return offset, ("checksum mismatch", end == file_size)
+                # a write cut short by a crash leaves zeros where its pages never reached the disk;
+                # a complete last frame whose checksum fails with no such trace is damage, not a torn
+                # write: refuse to start rather than drop it (it may hold confirmed messages)
+                torn_trace = payload.endswith(b"\0") or ZERO_RUN in payload
+                return offset, ("checksum mismatch", end == file_size and torn_trace)
             lines = payload.split(b"\n")
             self._replayed_records += len(lines)
             yield from lines

@@ -188,22 +188,37 @@ def test_torn_tail_is_truncated_at_every_cut(tmp_path, caplog):
         assert again == records and stats["truncated_bytes"] == 0 and not caplog.records
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "zero-filled tail"])
-def test_damaged_last_frame_with_nothing_after_it_is_a_torn_tail(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["zeroed end", "zero-filled tail"])
+def test_a_last_frame_with_a_torn_writes_trace_is_cut(tmp_path, damage):
     data_dir = tmp_path / "log"
     frames = write_frames(data_dir, [2, 3, 4], fsync="no")
     [segment] = segments(data_dir)
     data = bytearray(segment.read_bytes())
     start = frame_offsets(bytes(data))[2]
-    if damage == "flipped byte":
-        data[-3] ^= 0x40  # inside the last payload: its checksum fails and nothing follows
+    if damage == "zeroed end":
+        data[-3:] = bytes(3)  # its last sector never reached the disk: the checksum fails, zeros remain
     else:
         data += bytes(4096)  # what a filesystem may leave past the last write after a crash
     segment.write_bytes(data)
     records, _ = replay_all(data_dir)
-    assert records == flatten(frames[:2]) if damage == "flipped byte" else flatten(frames)
-    assert segment.stat().st_size == (start if damage == "flipped byte" else len(data) - 4096)
+    assert records == flatten(frames[:2]) if damage == "zeroed end" else flatten(frames)
+    assert segment.stat().st_size == (start if damage == "zeroed end" else len(data) - 4096)
     assert replay_all(data_dir)[1]["truncated_bytes"] == 0
+
+
+def test_a_flipped_byte_in_a_complete_last_frame_is_damage_not_a_torn_write(tmp_path):
+    data_dir = tmp_path / "log"
+    frames = write_frames(data_dir, [2, 3, 4], fsync="no")
+    [segment] = segments(data_dir)
+    data = bytearray(segment.read_bytes())
+    start = frame_offsets(bytes(data))[2]
+    data[-3] ^= 0x40  # whole, but its checksum fails: it may hold confirmed messages, never cut silently
+    segment.write_bytes(data)
+    with pytest.raises(LogCorrupt, match=f"bad frame at offset {start}.*--repair"):
+        replay_all(data_dir)
+    assert segment.stat().st_size == len(data)  # refusing changes nothing on disk
+    records, _ = replay_all(data_dir, repair=True)
+    assert records == flatten(frames[:2])
 
 
 def test_flipped_byte_in_a_middle_frame_is_corruption_until_repair(tmp_path, caplog):
