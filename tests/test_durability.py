@@ -207,15 +207,24 @@ def test_kill_9_under_confirmed_load_loses_nothing_confirmed(make_broker, tmp_pa
     consumer.close()
 
 
-def test_a_torn_tail_is_cut_and_everything_before_it_kept(make_broker, tmp_path):
-    server = durable(make_broker, tmp_path)
+def confirmed_messages(server, bodies: list[bytes]):
+    """A queue bound to a fresh event and messages m0, m1, ... with these bodies, each confirmed in turn.
+
+    Returns (queue, event, the open connection).
+    """
     queue, event = b(unique("q")), b(unique("e"))
     wire = server.wire()
     wire.send(b"rb rebind --confirm %b %b" % (queue, event))
     wire.expect(b"rb ok ")
-    for i in range(20):
-        wire.send(b"m%d publish --confirm %b kept-%d" % (i, event, i))
+    for i, body in enumerate(bodies):
+        wire.send(b"m%d publish --confirm %b %b" % (i, event, body))
         wire.expect(b"m%d ok " % i)
+    return queue, event, wire
+
+
+def test_a_torn_tail_is_cut_and_everything_before_it_kept(make_broker, tmp_path):
+    server = durable(make_broker, tmp_path)
+    queue, event, wire = confirmed_messages(server, [b"kept-%d" % i for i in range(20)])
     size = os.path.getsize(segments(tmp_path)[-1])
     wire.send(b"late publish --confirm %b torn" % event)
     wire.expect(b"late ok ")
@@ -237,13 +246,7 @@ def test_a_torn_tail_is_cut_and_everything_before_it_kept(make_broker, tmp_path)
 
 def test_a_flipped_byte_stops_the_start_until_repair(make_broker, tmp_path):
     server = durable(make_broker, tmp_path)
-    queue, event = b(unique("q")), b(unique("e"))
-    wire = server.wire()
-    wire.send(b"rb rebind --confirm %b %b" % (queue, event))
-    wire.expect(b"rb ok ")
-    for i in range(50):
-        wire.send(b"m%d publish --confirm %b %s" % (i, event, b"x" * 200))
-        wire.expect(b"m%d ok " % i)
+    queue, event, wire = confirmed_messages(server, [b"x" * 200] * 50)
     wire.close()
     assert server.stop() == 0
     last = segments(tmp_path)[-1]
