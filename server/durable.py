@@ -292,28 +292,11 @@ class DurableBroker(Broker):
             self.journal.append(queue_line(queue))
 
     def ack(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
-        unknown = []
-        seqs = [b"A", consumer.queue.name]
-        if consumer.later_seqs_by_msg_id:
-            for msg_id in msg_ids:
-                found = consumer.take_unacked(msg_id)
-                if found is None:
-                    unknown.append(msg_id)
-                else:
-                    seqs.append(b"%d" % found[0])
-        else:
-            # no repeated ids in flight (the usual case), inlined as in Broker.ack
-            pop_seq, pop_unacked = consumer.seq_by_msg_id.pop, consumer.unacked.pop
-            for msg_id in msg_ids:
-                seq = pop_seq(msg_id, None)
-                if seq is None:
-                    unknown.append(msg_id)
-                else:
-                    pop_unacked(seq)
-                    seqs.append(b"%d" % seq)
-        if len(seqs) > 2:
-            self.journal.append(b" ".join(seqs))
-        self.acked += len(msg_ids) - len(unknown)
+        unknown: list[bytes] = []
+        seqs = consumer.take_acked(msg_ids, unknown)
+        if seqs:
+            self.journal.append(b"A %b %b" % (consumer.queue.name, b" ".join([b"%d" % seq for seq in seqs])))
+        self.acked += len(seqs)
         if consumer.prefetch:
             self.pump(consumer.queue)
         return unknown

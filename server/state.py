@@ -134,6 +134,29 @@ class Consumer:
                     del self.later_seqs_by_msg_id[msg_id]
         return seq, self.unacked.pop(seq)
 
+    def take_acked(self, msg_ids: list[bytes], unknown: list[bytes]) -> list[int]:
+        """Remove the oldest un-acked copy of each id; returns their seqs, appends ids not in flight to `unknown`."""
+        seqs: list[int] = []
+        if self.later_seqs_by_msg_id:
+            take = self.take_unacked
+            for msg_id in msg_ids:
+                found = take(msg_id)
+                if found is None:
+                    unknown.append(msg_id)
+                else:
+                    seqs.append(found[0])
+            return seqs
+        # no repeated ids in flight (the usual case), inlined: a call per ack is measurable
+        pop_seq, pop_unacked = self.seq_by_msg_id.pop, self.unacked.pop
+        for msg_id in msg_ids:
+            seq = pop_seq(msg_id, None)
+            if seq is None:
+                unknown.append(msg_id)
+            else:
+                pop_unacked(seq)
+                seqs.append(seq)
+        return seqs
+
     def take_all_unacked(self) -> list[tuple[int, Item]]:
         """Remove every un-acked message, oldest delivery first."""
         taken = list(self.unacked.items())
@@ -474,22 +497,8 @@ class Broker:
 
     def ack(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
         """Forget acked messages; returns the ids that were not in flight. O(1) per id."""
-        unknown = []
-        if consumer.later_seqs_by_msg_id:
-            take = consumer.take_unacked
-            for msg_id in msg_ids:
-                if take(msg_id) is None:
-                    unknown.append(msg_id)
-        else:
-            # no repeated ids in flight (the usual case), inlined: a call per ack is measurable
-            pop_seq, pop_unacked = consumer.seq_by_msg_id.pop, consumer.unacked.pop
-            for msg_id in msg_ids:
-                seq = pop_seq(msg_id, None)
-                if seq is None:
-                    unknown.append(msg_id)
-                else:
-                    pop_unacked(seq)
-        self.acked += len(msg_ids) - len(unknown)
+        unknown: list[bytes] = []
+        self.acked += len(consumer.take_acked(msg_ids, unknown))
         if consumer.prefetch:
             self.pump(consumer.queue)
         return unknown
