@@ -12,6 +12,7 @@ import json as jsonlib
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import ujson
@@ -24,6 +25,10 @@ from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeo
 __all__ = ["Client", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError", "MqksTimeoutError"]
 
 log = logging.getLogger("mqks.client")
+
+REQUEST_TIMEOUT_SECONDS = 30.0  # the broker's own default for `request`
+REPLY_PREFIX = b"--reply "
+NO_REPLY_REASON = "no reply within"  # the broker's reason when a request times out
 
 
 class Client:
@@ -124,35 +129,45 @@ class Client:
         return rid
 
     def publish(self, event: str, data: Any = "", confirm: bool = False, json: bool = False,
-                timeout: float | None = None) -> str:
+                timeout: float | None = None, *, delay: float | None = None,
+                at: float | datetime | None = None) -> str:
         """Publish and return the msg id; with confirm, only after the broker's ok.
 
         Without confirm the line is queued for the next batch (fire and forget). With confirm a publish
         cut off by a lost connection is sent again after the reconnect: at least once, until `timeout`.
+        `delay` (seconds) or `at` (unix seconds or a datetime) hold the copies back until then (extension).
         """
+        flags = wire.publish_flags(delay, at)
         event_bytes = wire.encode_token(event, "event")
         body = wire.encode_data(ujson.dumps(data) if json else data)
-        return self._request(b"publish", [event_bytes, body], confirm, timeout, retry=True).decode()
+        return self._request(b"publish", [*flags, event_bytes, body], confirm, timeout, retry=True).decode()
 
     def consume(self, queue: str, events: list[str] | None, callback: MessageCallback, manual_ack: bool = False,
                 delete_queue_when_unused: float | bool | None = None, add: bool = False, confirm: bool = True,
                 on_disconnect: Callable[[str], Any] | None = None,
                 on_reconnect: Callable[[str, str], Any] | None = None, *, json: bool = False,
-                prefetch: int = 0, timeout: float | None = None) -> str:
+                prefetch: int = 0, timeout: float | None = None, ack_timeout: float | None = None,
+                max_retries: int | str | None = None, max_length: int | str | None = None) -> str:
         """Start a consumer and return its id; `callback(message)` runs in the consumer's own greenlet.
 
         `events` replace the queue's bindings, or are added to them with `add=True`. After a reconnect
         the consumer comes back under a new id and `on_reconnect(old_id, new_id)` runs first;
         `on_disconnect(consumer_id)` runs when the connection is lost. The returned id stays valid
-        for `delete_consumer`.
+        for `delete_consumer`. Extensions: `ack_timeout` (seconds, manual_ack only) requeues a message
+        left un-acked that long; `max_retries` and `max_length` are the queue's settings (an int, or
+        "none" to clear one; None leaves it as it is).
         """
         queue_bytes = wire.encode_token(queue, "queue")
         events = [token.decode() for token in wire.encode_tokens(events, "event")]
-        wire.consume_flags(manual_ack, delete_queue_when_unused, prefetch)  # reject bad flags before sending
+        # reject bad flags before sending
+        wire.consume_flags(manual_ack, delete_queue_when_unused, prefetch, ack_timeout=ack_timeout,
+                           max_retries=max_retries, max_length=max_length)
         deadline = self._deadline(timeout)
         conn = self._link.live(deadline)
         consumer = Consumer(self._settle, self._new_rid().decode(), queue_bytes.decode(), events, add, callback,
-                            manual_ack, delete_queue_when_unused, prefetch, json, on_disconnect, on_reconnect)
+                            manual_ack, delete_queue_when_unused, prefetch, json, on_disconnect, on_reconnect,
+                            answer=self._reply, ack_timeout=ack_timeout, max_retries=max_retries,
+                            max_length=max_length)
         self._consumers.start(consumer)
         if not confirm:
             conn.write(consumer.consume_line(confirm=False))
@@ -180,20 +195,30 @@ class Client:
         self._settle(b"ack", consumer_id, msg_ids, all, confirm, timeout)
 
     def reject(self, consumer_id: str, *msg_ids: str, all: bool = False, confirm: bool = False,
-               timeout: float | None = None) -> None:
-        """Return messages (or all=True) to the front of their queue with retry + 1."""
-        self._settle(b"reject", consumer_id, msg_ids, all, confirm, timeout)
+               timeout: float | None = None, delay: float | None = None) -> None:
+        """Return messages (or all=True) to the front of their queue with retry + 1; after `delay` seconds (ext)."""
+        flags = () if delay is None else (b"--delay=" + wire.seconds_token(delay, "delay", zero_ok=True),)
+        self._settle(b"reject", consumer_id, msg_ids, all, confirm, timeout, flags)
+
+    def touch(self, consumer_id: str, *msg_ids: str, confirm: bool = False, timeout: float | None = None) -> None:
+        """Restart the ack-timeout clock of messages in flight to a consumer (extension; beanstalkd's touch)."""
+        self._settle(b"touch", consumer_id, msg_ids, False, confirm, timeout)
 
     def _settle(self, action: bytes, consumer_id: str, msg_ids: tuple[str, ...], all: bool, confirm: bool,
-                timeout: float | None = None) -> None:
-        """Ack or reject; messages delivered on an earlier connection are skipped: the broker requeued them."""
+                timeout: float | None = None, flags: tuple[bytes, ...] = ()) -> None:
+        """Ack, reject or touch; messages delivered on an earlier connection are skipped: the broker requeued them."""
         if not msg_ids and not all:
             raise ValueError(f"{action.decode()} needs msg ids or all=True")
         consumer = self._consumers.find(consumer_id)
         if consumer is not None:
             if not self._link.connected:
                 return
-            if all:
+            if action == b"touch":
+                # still in flight afterwards: only checked, not taken
+                msg_ids = tuple(msg_id for msg_id in msg_ids if msg_id in consumer.unacked)
+                if not msg_ids:
+                    return
+            elif all:
                 consumer.unacked.clear()
             else:
                 msg_ids = tuple(msg_id for msg_id in msg_ids if consumer.take_unacked(msg_id))
@@ -202,17 +227,22 @@ class Client:
             consumer_id = consumer.id
         args = [wire.encode_token(consumer_id, "consumer id")]
         args += [b"--all"] if all else wire.encode_tokens(list(msg_ids), "msg id")
-        self._request(action, args, confirm, timeout, retry=False)
+        self._request(action, [*args, *flags], confirm, timeout, retry=False)
 
     def rebind(self, queue: str, events: list[str] | None = None, remove: list[str] | tuple[str, ...] = (),
                remove_mask: list[str] | tuple[str, ...] = (), add: list[str] | tuple[str, ...] = (),
-               confirm: bool = True, timeout: float | None = None) -> None:
-        """Replace the queue's events (if `events`), then remove, remove by mask, and add; creates the queue."""
+               confirm: bool = True, timeout: float | None = None, *, max_retries: int | str | None = None,
+               max_length: int | str | None = None) -> None:
+        """Replace the queue's events (if `events`), then remove, remove by mask, and add; creates the queue.
+
+        `max_retries` and `max_length` (extension) set the queue's settings as in `consume`.
+        """
         args = [wire.encode_token(queue, "queue"), *wire.encode_tokens(events, "event")]
         for flag, values, kind in ((b"--remove", remove, "event"), (b"--remove-mask", remove_mask, "mask"),
                                    (b"--add", add, "event")):
             if values:
                 args += [flag, *wire.encode_tokens(values, kind)]
+        args += wire.queue_setting_flags(max_retries, max_length)
         self._request(b"rebind", args, confirm, timeout, retry=True)
 
     def delete_consumer(self, consumer_id: str, confirm: bool = True, timeout: float | None = None) -> None:
@@ -267,6 +297,63 @@ class Client:
         prefix = b"" if worker is None else b"--worker=%d " % int(worker)
         _, result = self._link.call(b"_eval", prefix + wire.encode_data(code, "code"), self._deadline(timeout))
         return result.decode()
+
+    def request(self, event: str, data: Any = "", timeout: float = REQUEST_TIMEOUT_SECONDS, json: bool = False) -> Any:
+        """Publish `data` as a request and return the first reply (extension; str, or decoded with `json`).
+
+        Raises MqksTimeoutError when no worker replies within `timeout` seconds, MqksError when no queue
+        is bound to `event`, and MqksConnectionError when the connection drops first: the broker forgets
+        the requests of a client that went away, so a request is never sent twice.
+        """
+        args = [b"--timeout=" + wire.seconds_token(timeout, "timeout", zero_ok=False),
+                wire.encode_token(event, "event"), wire.encode_data(ujson.dumps(data) if json else data)]
+        # the broker answers by `timeout`; the client's own timeout covers the way there and back
+        deadline = self._deadline(None) + float(timeout)
+        try:
+            _, answer = self._link.call(b"request", b" ".join(args), deadline)
+        except MqksError as e:
+            # only the broker's answer has an error id: a lost connection or our own timeout pass as they are
+            if e.error_id and e.reason.startswith(NO_REPLY_REASON):
+                raise MqksTimeoutError(e.reason, e.error_id, e.rid) from None
+            raise
+        if not answer.startswith(REPLY_PREFIX):
+            raise MqksError(f"unexpected answer to request: {answer[:200]!r}")
+        reply = answer[len(REPLY_PREFIX):].decode()
+        return ujson.loads(reply) if json else reply
+
+    def _reply(self, token: str, data: Any, json: bool = False, confirm: bool = False,
+               timeout: float | None = None) -> None:
+        """Send `reply {token} {data}`; with `confirm`, MqksError when the broker no longer knows the token."""
+        args = [wire.encode_token(token, "reply token"), wire.encode_data(ujson.dumps(data) if json else data)]
+        self._request(b"reply", args, confirm, timeout, retry=False)
+
+    def schedule(self, name: str, event: str, data: Any = "", *, every: float | None = None,
+                 cron: str | list[str] | None = None, count: int | None = None, nohaste: bool = False,
+                 json: bool = False, confirm: bool = True, timeout: float | None = None) -> None:
+        """Publish `event` `data` every `every` seconds or on a `cron` rule (extension); replaces one of that name.
+
+        `cron` is five fields, minute hour day-of-month month day-of-week (`"*/5 * * * *"`). Firing n has
+        msg id `{name}.{n}`. `count` stops it after that many firings; `nohaste` waits one interval
+        before the first (else it fires at once).
+        """
+        body = wire.encode_data(ujson.dumps(data) if json else data)
+        args = wire.schedule_args(name, event, body, every=every, cron=cron, count=count, nohaste=nohaste)
+        self._request(b"schedule", args, confirm, timeout, retry=True)
+
+    def unschedule(self, name: str, confirm: bool = True, timeout: float | None = None) -> None:
+        """Remove the schedule `name` (extension); MqksError when there is none (with `confirm`)."""
+        # not retried: a second try after a first that got through would fail with "unknown schedule"
+        self._request(b"unschedule", [wire.encode_token(name, "schedule name")], confirm, timeout, retry=False)
+
+    def schedules(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Every schedule, sorted by name, one dict each (extension).
+
+        Keys: name, rule ("every 5.0", "cron */5 * * * *"), next_due (unix seconds), fired, count
+        (None: no limit), event, data.
+        """
+        lines: list[bytes] = []
+        self._link.call(b"schedules", b"", self._deadline(timeout), retry=True, lines=lines)
+        return [_json_object(line, "schedules") for line in lines]
 
     def consumer_events(self, consumer_id: str) -> list[str]:
         """The client's current view of the events of this consumer's queue (kept by --update)."""

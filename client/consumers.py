@@ -26,22 +26,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mqks.client")
 
-# (action, consumer_id, msg_ids, all, confirm): the client's ack/reject, for Message.ack and reject
-Settle: TypeAlias = Callable[[bytes, str, tuple[str, ...], bool, bool], None]
+# (action, consumer_id, msg_ids, all, confirm, timeout, flags): the client's ack/reject/touch, for Message's
+Settle: TypeAlias = Callable[[bytes, str, tuple[str, ...], bool, bool, float | None, tuple[bytes, ...]], None]
+# (reply token, data, json, confirm): the client's reply, for Message.reply
+Answer: TypeAlias = Callable[[str, Any, bool, bool], None]
 
 
 class Message:
-    """One delivery. `ack`/`reject` matter only for a `manual_ack` consumer."""
+    """One delivery. `ack`/`reject`/`touch` matter only for a `manual_ack` consumer.
 
-    __slots__ = ("id", "event", "data", "retry", "consumer_id", "_consumer", "_settled")
+    `reply_token` is set when the message came from a `request` (extension): `reply(data)` answers it.
+    """
+
+    __slots__ = ("id", "event", "data", "retry", "consumer_id", "reply_token", "_consumer", "_settled")
 
     def __init__(self, msg_id: str, event: str, data: Any, retry: int, consumer_id: str,
-                 consumer: Consumer | None = None) -> None:
+                 consumer: Consumer | None = None, reply_token: str | None = None) -> None:
         self.id = msg_id
         self.event = event
         self.data = data
         self.retry = retry
         self.consumer_id = consumer_id
+        self.reply_token = reply_token
         self._consumer = consumer
         self._settled = False
 
@@ -49,13 +55,37 @@ class Message:
         """Ack once; a no-op for an auto-ack consumer (the broker acked on delivery) or when already settled."""
         self._settle(b"ack", confirm)
 
-    def reject(self, confirm: bool = False) -> None:
-        """Return the message to the front of its queue with retry + 1 (manual_ack consumers only)."""
+    def reject(self, confirm: bool = False, delay: float | None = None) -> None:
+        """Return the message to the front of its queue with retry + 1 (manual_ack consumers only).
+
+        `delay` (extension) requeues it after that many seconds instead of at once.
+        """
         if self._consumer is not None and not self._consumer.manual_ack:
             raise MqksError("reject needs a consumer with manual_ack=True")
-        self._settle(b"reject", confirm)
+        flags = () if delay is None else (b"--delay=" + wire.seconds_token(delay, "delay", zero_ok=True),)
+        self._settle(b"reject", confirm, flags)
 
-    def _settle(self, action: bytes, confirm: bool) -> None:
+    def touch(self, confirm: bool = False) -> None:
+        """Restart the consumer's ack-timeout clock for this message (extension); a no-op once settled."""
+        consumer = self._consumer
+        if consumer is None or not consumer.manual_ack:
+            raise MqksError("touch needs a consumer with manual_ack=True")
+        if not self._settled and self.consumer_id == consumer.id:
+            consumer.settle(b"touch", self.consumer_id, (self.id,), False, confirm, None, ())
+
+    def reply(self, data: Any = "", confirm: bool = False, json: bool | None = None) -> None:
+        """Answer the `request` this message came from (extension); the requester gets the first reply only.
+
+        `json` (default: the consumer's own `json`) sends `data` JSON-encoded. MqksError when the
+        message came from a plain publish; with `confirm`, also when the broker no longer knows the token
+        (the request timed out, or its requester disconnected).
+        """
+        consumer = self._consumer
+        if self.reply_token is None or consumer is None:
+            raise MqksError(f"message {self.id} came from a publish, not a request: there is nothing to reply to")
+        consumer.answer(self.reply_token, data, consumer.json if json is None else json, confirm)
+
+    def _settle(self, action: bytes, confirm: bool, flags: tuple[bytes, ...] = ()) -> None:
         consumer = self._consumer
         if self._settled or consumer is None or not consumer.manual_ack:
             return
@@ -64,11 +94,12 @@ class Message:
             # delivered on an earlier connection: the broker already requeued it, and the same
             # msg id may be in flight again under the new consumer id
             return
-        consumer.settle(action, self.consumer_id, (self.id,), False, confirm)
+        consumer.settle(action, self.consumer_id, (self.id,), False, confirm, None, flags)
 
     def __repr__(self) -> str:
+        reply = "" if self.reply_token is None else f", reply_token={self.reply_token!r}"
         return (f"Message(id={self.id!r}, event={self.event!r}, data={self.data!r}, "
-                f"retry={self.retry}, consumer_id={self.consumer_id!r})")
+                f"retry={self.retry}, consumer_id={self.consumer_id!r}{reply})")
 
 
 MessageCallback: TypeAlias = Callable[[Message], Any]
@@ -77,15 +108,19 @@ MessageCallback: TypeAlias = Callable[[Message], Any]
 class Consumer:
     """What the client needs to replay a consumer: queue, its current events, flags, callbacks."""
 
-    __slots__ = ("settle", "id", "first_id", "aliases", "reported_id", "queue", "events", "events_known", "manual_ack",
-                 "delete_queue_when_unused", "prefetch", "callback", "json", "on_disconnect",
-                 "on_reconnect", "pending", "wakeup", "greenlet", "unacked", "replaying", "active")
+    __slots__ = ("settle", "answer", "id", "first_id", "aliases", "reported_id", "queue", "events", "events_known",
+                 "manual_ack", "delete_queue_when_unused", "prefetch", "ack_timeout", "max_retries", "max_length",
+                 "callback", "json", "on_disconnect", "on_reconnect", "pending", "wakeup", "greenlet", "unacked",
+                 "replaying", "active")
 
     def __init__(self, settle: Settle, consumer_id: str, queue: str, events: list[str], add: bool,
                  callback: MessageCallback, manual_ack: bool, delete_queue_when_unused: float | bool | None,
                  prefetch: int, json: bool, on_disconnect: Callable[[str], Any] | None,
-                 on_reconnect: Callable[[str, str], Any] | None) -> None:
+                 on_reconnect: Callable[[str, str], Any] | None, *, answer: Answer | None = None,
+                 ack_timeout: float | None = None, max_retries: wire.QueueSetting = None,
+                 max_length: wire.QueueSetting = None) -> None:
         self.settle = settle
+        self.answer = answer or _no_answer
         self.id = consumer_id
         self.first_id = consumer_id  # what consume() returned: valid for good
         self.aliases = [consumer_id]  # the ids `Consumers.by_any_id` knows it by
@@ -97,6 +132,10 @@ class Consumer:
         self.manual_ack = manual_ack
         self.delete_queue_when_unused = delete_queue_when_unused
         self.prefetch = prefetch
+        self.ack_timeout = ack_timeout  # the consumer's own
+        # the queue's settings as this client last heard them (`--update`): a replay must not undo a rebind
+        self.max_retries = max_retries
+        self.max_length = max_length
         self.callback = callback
         self.json = json
         self.on_disconnect = on_disconnect
@@ -123,18 +162,22 @@ class Consumer:
         events = [event.encode() for event in self.events]
         return wire.consume_line(self.id.encode(), self.queue.encode(), events, add=not self.events_known,
                                  confirm=confirm, manual_ack=self.manual_ack,
-                                 delete_queue_when_unused=self.delete_queue_when_unused, prefetch=self.prefetch) + b"\n"
+                                 delete_queue_when_unused=self.delete_queue_when_unused, prefetch=self.prefetch,
+                                 ack_timeout=self.ack_timeout, max_retries=self.max_retries,
+                                 max_length=self.max_length) + b"\n"
 
     def on_update(self, data: bytes) -> None:
-        """Keep this view of the queue's events, so a replay never undoes a rebind."""
+        """Keep this view of the queue's events and settings, so a replay never undoes a rebind."""
         _, events = wire.split_update(data)
         self.events = events
         self.events_known = True
+        self.max_retries, self.max_length = wire.update_queue_settings(data)
 
     def on_delivery(self, data: bytes) -> None:
         """Queue a delivery for this consumer's greenlet; data stays bytes until that greenlet decodes it."""
-        msg_id, event, retry, body = wire.split_delivery(data)
-        message = Message(msg_id.decode(), event.decode(), body, retry, self.id, self)
+        msg_id, event, retry, reply_token, body = wire.split_delivery_reply(data)
+        message = Message(msg_id.decode(), event.decode(), body, retry, self.id, self,
+                          reply_token.decode() if reply_token else None)
         if self.manual_ack:
             self.unacked[message.id] = self.unacked.get(message.id, 0) + 1
         self.pending.append(message)
@@ -311,6 +354,10 @@ class Consumers:
             # on it hears about the loss too, so the hooks always alternate
             confirmed_here = not closed and consumer.reported_id == consumer.id
             consumer.disconnected(notify or confirmed_here)
+
+
+def _no_answer(token: str, data: Any, json: bool, confirm: bool) -> None:
+    raise MqksError("this consumer was made without a client: it cannot reply")
 
 
 def _notice(callback: Callable[..., Any], *args: Any) -> Callable[[], None]:

@@ -9,10 +9,12 @@ or tab, so one request is always exactly one line. No gevent: Spark workers impo
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import secrets
 from collections.abc import Callable
-from typing import Any
+from datetime import datetime
+from typing import Any, TypeAlias
 
 from .errors import MqksError
 
@@ -20,6 +22,10 @@ from .errors import MqksError
 _BAD_TOKEN = re.compile(r"\s|^--")
 _WHITESPACE = re.compile(r"\s")
 _FORBIDDEN_IN_DATA = ("\n", "\r", "\t")
+CRON_FIELDS = 5  # minute hour day-of-month month day-of-week
+
+# a queue setting (max_retries, max_length): a count, "none" to clear it on the broker, None to leave it
+QueueSetting: TypeAlias = int | str | None
 
 
 def rid_maker() -> Callable[[], bytes]:
@@ -94,21 +100,36 @@ def answer_error(rid: bytes, rest: bytes, context: str = "") -> MqksError:
 
 def split_delivery(data: bytes) -> tuple[bytes, bytes, int, bytes]:
     """`{msg_id} event={event}[,retry={n}] {data}` -> (msg_id, event, retry, data); ValueError if not one."""
+    msg_id, event, retry, _, body = split_delivery_reply(data)
+    return msg_id, event, retry, body
+
+
+def split_delivery_reply(data: bytes) -> tuple[bytes, bytes, int, bytes, bytes]:
+    """`split_delivery` plus the reply token of a `request`'s delivery (b"" for a publish's) before the data."""
     msg_id, _, rest = data.partition(b" ")
     meta, _, body = rest.partition(b" ")
     if not msg_id or not meta.startswith(b"event="):
         raise ValueError(f"not a delivery: {data[:200]!r}")
-    event, fields = split_header_fields(meta[6:])
-    return msg_id, event, fields.get(b"retry", 0), body
+    event, fields, reply_token = split_header(meta[6:])
+    return msg_id, event, fields.get(b"retry", 0), reply_token, body
 
 
 def split_header_fields(meta: bytes) -> tuple[bytes, dict[bytes, int]]:
-    """`{event}[,{name}={n}]...` -> (event, {name: n}): the fields the server appends after the event.
+    """`{event}[,reply={token}][,{name}={n}]...` -> (event, {name: n}): `split_header` without the reply token."""
+    event, fields, _ = split_header(meta)
+    return event, fields
+
+
+def split_header(meta: bytes) -> tuple[bytes, dict[bytes, int], bytes]:
+    """`{event}[,reply={token}][,{name}={n}]...` -> (event, {name: n}, reply token or b"").
 
     The server's fields come last and look like `,retry=2` (lowercase name, digits); they are
     read from the right, each name once, so an event holding a comma, an `=` or even
     `,retry=z` comes back whole, and a field a newer server adds (`,seq=7`) is skipped, not
-    glued to the event. Only an event that itself ends in `,{name}={digits}` is ambiguous.
+    glued to the event. `,reply={token}` ([0-9a-z]) is the one field that is not a number; the
+    server puts it right after the event, so nothing left of it is read as a field:
+    `x,seq=5,reply=k7` is event `x,seq=5`. Only an event that itself ends in `,{name}={digits}`
+    or `,reply={token}` is ambiguous.
     """
     fields: dict[bytes, int] = {}
     while True:
@@ -116,11 +137,18 @@ def split_header_fields(meta: bytes) -> tuple[bytes, dict[bytes, int]]:
         if cut < 0:
             break
         name, equals, value = meta[cut + 1 :].partition(b"=")
+        if name == b"reply" and equals and is_reply_token(value):
+            return meta[:cut], fields, value
         if not equals or not value.isdigit() or not name.isalpha() or not name.islower() or name in fields:
             break
         fields[name] = int(value)
         meta = meta[:cut]
-    return meta, fields
+    return meta, fields, b""
+
+
+def is_reply_token(value: bytes) -> bool:
+    """True for a token the broker hands out for a `request`: ASCII digits and lowercase letters only."""
+    return value.isalnum() and value == value.lower()  # bytes.isalnum() is ASCII only
 
 
 def is_update(data: bytes) -> bool:
@@ -143,7 +171,9 @@ def is_fire_and_forget_publish(line: bytes) -> bool:
 
 
 def consume_line(consumer_id: bytes, queue: bytes, events: list[bytes], *, add: bool, confirm: bool,
-                 manual_ack: bool, delete_queue_when_unused: float | bool | None, prefetch: int) -> bytes:
+                 manual_ack: bool, delete_queue_when_unused: float | bool | None, prefetch: int,
+                 ack_timeout: float | None = None, max_retries: QueueSetting = None,
+                 max_length: QueueSetting = None) -> bytes:
     """`{consumer_id} consume [--confirm] {queue} [--add] {events...} {flags...}`, without its newline.
 
     `add` keeps the queue's other bindings; without it, the events replace them (none: left as they are).
@@ -155,12 +185,15 @@ def consume_line(consumer_id: bytes, queue: bytes, events: list[bytes], *, add: 
     if add and events:
         parts.append(b"--add")
     parts += events
-    parts += consume_flags(manual_ack, delete_queue_when_unused, prefetch)
+    parts += consume_flags(manual_ack, delete_queue_when_unused, prefetch, ack_timeout=ack_timeout,
+                           max_retries=max_retries, max_length=max_length)
     return b" ".join(parts)
 
 
-def consume_flags(manual_ack: bool, delete_queue_when_unused: float | bool | None, prefetch: int) -> list[bytes]:
-    """The flag tokens of a consume line, as the server prints them back in `--update`."""
+def consume_flags(manual_ack: bool, delete_queue_when_unused: float | bool | None, prefetch: int, *,
+                  ack_timeout: float | None = None, max_retries: QueueSetting = None,
+                  max_length: QueueSetting = None) -> list[bytes]:
+    """The flag tokens of a consume line, as the server prints them back in `--update`; ValueError for a bad one."""
     flags: list[bytes] = []
     if delete_queue_when_unused is True:
         flags.append(b"--delete-queue-when-unused")
@@ -175,4 +208,87 @@ def consume_flags(manual_ack: bool, delete_queue_when_unused: float | bool | Non
         if not manual_ack or prefetch < 0:
             raise ValueError("prefetch needs manual_ack=True and a count >= 0")
         flags.append(b"--prefetch=" + str(int(prefetch)).encode())
+    if ack_timeout is not None:
+        if not manual_ack:
+            raise ValueError("ack_timeout needs manual_ack=True (auto-ack messages are never in flight)")
+        flags.append(b"--ack-timeout=" + seconds_token(ack_timeout, "ack_timeout", zero_ok=False))
+    return flags + queue_setting_flags(max_retries, max_length)
+
+
+
+def queue_setting_flags(max_retries: QueueSetting, max_length: QueueSetting) -> list[bytes]:
+    """`--max-retries=N` and `--max-length=N` (or `=none`) of a consume or rebind line; ValueError for a bad one."""
+    flags: list[bytes] = []
+    if max_retries is not None:
+        flags.append(b"--max-retries=" + count_token(max_retries, "max_retries", minimum=0))
+    if max_length is not None:
+        flags.append(b"--max-length=" + count_token(max_length, "max_length", minimum=1))
     return flags
+
+
+def update_queue_settings(data: bytes) -> tuple[int | None, int | None]:
+    """(max_retries, max_length) of an `--update` line: the queue's settings now, None when unset."""
+    max_retries = max_length = None
+    for token in data.split()[2:]:
+        if token.startswith(b"--max-retries=") and token[14:].isdigit():
+            max_retries = int(token[14:])
+        elif token.startswith(b"--max-length=") and token[13:].isdigit():
+            max_length = int(token[13:])
+    return max_retries, max_length
+
+
+def seconds_token(value: Any, kind: str, *, zero_ok: bool) -> bytes:
+    """A finite number of seconds (> 0, or >= 0 with `zero_ok`) as the broker reads it, or ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{kind} must be a number of seconds, not {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero_ok):
+        rule = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"{kind} must be a finite number of seconds {rule}, not {value!r}")
+    return repr(seconds).encode()
+
+
+def count_token(value: Any, kind: str, minimum: int) -> bytes:
+    """An int >= `minimum`, or "none" (clears the setting), as a flag value; ValueError otherwise."""
+    if value == "none":
+        return b"none"
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f'{kind} must be an int >= {minimum} or "none", not {value!r}')
+    return str(value).encode()
+
+
+def publish_flags(delay: float | None, at: float | datetime | None) -> list[bytes]:
+    """`--delay=S` or `--at=UNIX_SECONDS` of a publish or request line; ValueError for a bad or doubled one."""
+    if delay is not None and at is not None:
+        raise ValueError("give delay or at, not both")
+    if delay is not None:
+        return [b"--delay=" + seconds_token(delay, "delay", zero_ok=True)]
+    if at is not None:
+        when = at.timestamp() if isinstance(at, datetime) else at
+        if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+            raise ValueError(f"at must be a datetime or finite unix seconds, not {at!r}")
+        return [b"--at=" + repr(float(when)).encode()]
+    return []
+
+
+def schedule_args(name: str, event: str, data: bytes, *, every: float | None, cron: str | list[str] | None,
+                  count: int | None, nohaste: bool) -> list[bytes]:
+    """The arguments of `schedule {name} --every=S|--cron M H DOM MON DOW [--count=N] [--nohaste] {event} {data}`."""
+    args = [encode_token(name, "schedule name")]
+    if (every is None) == (cron is None):
+        raise ValueError("a schedule needs every= or cron=, and not both")
+    if every is not None:
+        args.append(b"--every=" + seconds_token(every, "every", zero_ok=False))
+    else:
+        fields = cron.split() if isinstance(cron, str) else cron
+        if not isinstance(fields, (list, tuple)) or len(fields) != CRON_FIELDS:
+            raise ValueError(f"cron must be {CRON_FIELDS} fields (minute hour day-of-month month day-of-week), "
+                             f"not {cron!r}")
+        args += [b"--cron", *(encode_token(field, "cron field") for field in fields)]
+    if count is not None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an int >= 1, not {count!r}")
+        args.append(b"--count=%d" % count)
+    if nohaste:
+        args.append(b"--nohaste")
+    return [*args, encode_token(event, "event"), data]
