@@ -1,4 +1,5 @@
-"""The `mqks` command: publish, consume, ping, stats, queues, top and eval from a terminal, through `Client`.
+"""The `mqks` command: publish, consume, ping, stats, queues, top, eval, and the extensions request and
+schedule, unschedule, schedules, from a terminal, through `Client`.
 
 Exit codes (the README lists them too):
   0    done; also a consume, top or stats --watch stopped by Ctrl-C, SIGTERM or `q`, and any command
@@ -6,6 +7,7 @@ Exit codes (the README lists them too):
   1    the broker answered an error, could not be reached, or does not speak MQKS
   2    bad usage: options, arguments, or data the protocol cannot carry
   3    a feature is off: `_eval` on the broker (`mqks eval`), or rich for `mqks top`
+  4    `mqks request` got no reply in time
   130  a one-shot command interrupted by Ctrl-C
 A consume prints one line per message, as the wire shows it: `{msg_id} event={event}[,retry={n}] {data}`.
 """
@@ -22,6 +24,8 @@ import signal
 import stat
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
 
 import gevent
 import gevent.socket
@@ -29,15 +33,17 @@ from gevent.event import Event
 
 from . import stats
 from .client import Client, Message
-from .errors import MqksConnectionError, MqksError
+from .errors import MqksConnectionError, MqksError, MqksTimeoutError
 
 EXIT_OK = 0
 EXIT_BROKER = 1
 EXIT_USAGE = 2
 EXIT_FEATURE_OFF = 3
+EXIT_NO_REPLY = 4
 EXIT_INTERRUPTED = 130
-COMMANDS = frozenset({"publish", "consume", "ping", "stats", "queues", "top", "eval"})
-JSON_COMMANDS = frozenset({"stats", "queues"})  # with --json, stdout holds JSON only, errors included
+COMMANDS = frozenset({"publish", "consume", "ping", "stats", "queues", "top", "eval", "request", "schedule",
+                      "unschedule", "schedules"})
+JSON_COMMANDS = frozenset({"stats", "queues", "schedules"})  # with --json, stdout holds JSON only, errors included
 TOP_HINT = 'mqks top needs rich, which the broker does not: pip install "mqks[top]"'
 
 
@@ -54,22 +60,81 @@ def version() -> str:
 
 
 def cmd_publish(client: Client, args: argparse.Namespace) -> int:
-    data = " ".join(args.data)
-    if args.json:
-        try:
-            value = json.loads(data)
-        except ValueError as e:
-            raise ValueError(f"--json: DATA is not JSON text ({e})") from None
-        msg_id = client.publish(args.event, value, confirm=args.confirm, json=True)
-    else:
-        for char in ("\n", "\r", "\t"):
-            if char in data:
-                raise ValueError(f"DATA holds {char!r}, which one protocol line cannot carry; "
-                                 "give JSON text with --json, and it is sent re-encoded on one line")
-        msg_id = client.publish(args.event, data, confirm=args.confirm)
+    value = command_data(args)
+    msg_id = client.publish(args.event, value, confirm=args.confirm, json=args.json)
     if args.confirm:
         print(msg_id, flush=True)
     return EXIT_OK
+
+
+def command_data(args: argparse.Namespace) -> Any:
+    """DATA joined by spaces: checked to fit one protocol line, or parsed as JSON text with --json."""
+    data = " ".join(args.data)
+    if args.json:
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise ValueError(f"--json: DATA is not JSON text ({e})") from None
+    for char in ("\n", "\r", "\t"):
+        if char in data:
+            raise ValueError(f"DATA holds {char!r}, which one protocol line cannot carry; "
+                             "give JSON text with --json, and it is sent re-encoded on one line")
+    return data
+
+
+def cmd_request(client: Client, args: argparse.Namespace) -> int:
+    """Print the first reply as it came, or exit 4 when none comes within --timeout."""
+    data = command_data(args)
+    if args.json:
+        data = json.dumps(data)  # escapes newlines and tabs: one line
+    try:
+        reply = client.request(args.event, data, timeout=args.timeout)
+    except MqksTimeoutError as e:
+        print(f"mqks request: {e.reason}", file=sys.stderr)
+        return EXIT_NO_REPLY
+    print(reply, flush=True)
+    return EXIT_OK
+
+
+def cmd_schedule(client: Client, args: argparse.Namespace) -> int:
+    client.schedule(args.name, args.event, command_data(args), every=args.every, cron=args.cron, count=args.count,
+                    nohaste=args.nohaste, json=args.json)
+    return EXIT_OK
+
+
+def cmd_unschedule(client: Client, args: argparse.Namespace) -> int:
+    client.unschedule(args.name)
+    return EXIT_OK
+
+
+def cmd_schedules(client: Client, args: argparse.Namespace) -> int:
+    rows = client.schedules()
+    print(json.dumps(rows) if args.json else render_schedules(rows), flush=True)
+    return EXIT_OK
+
+
+def render_schedules(rows: list[dict]) -> str:
+    """The `schedules` answer as a table: name, rule, next due (UTC), fired, count, event, data."""
+    headers = ("name", "rule", "next due (UTC)", "fired", "count", "event", "data")
+    table = [headers]
+    for row in rows:
+        next_due = row.get("next_due")
+        due = (datetime.fromtimestamp(next_due, UTC).strftime("%Y-%m-%d %H:%M:%S")
+               if isinstance(next_due, (int, float)) else stats.cell(next_due))
+        count = row.get("count")
+        table.append((str(row.get("name", "-")), str(row.get("rule", "-")), due, stats.cell(row.get("fired")),
+                      "-" if count is None else stats.cell(count), str(row.get("event", "-")),
+                      str(row.get("data", ""))))
+    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    lines = []
+    for line in table:
+        cells = [value.rjust(width) if i in (3, 4) else value.ljust(width)
+                 for i, (value, width) in enumerate(zip(line[:6], widths[:6], strict=True))]
+        cells.append(line[6])
+        lines.append("  ".join(cells).rstrip())
+    if not rows:
+        lines.append("(no schedules)")
+    return "\n".join(lines)
 
 
 def cmd_consume(client: Client, args: argparse.Namespace) -> int:
@@ -266,6 +331,44 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     eval_parser.add_argument("code", metavar="EXPRESSION")
     eval_parser.add_argument("--worker", type=int, default=None)
     eval_parser.set_defaults(run=cmd_eval)
+
+    request = commands.add_parser(
+        "request", parents=[common], help="(ext) publish a request and print the first reply",
+        description="Publish EVENT DATA as a request and print the first worker's reply. --timeout is how "
+                    "long to wait for it (default 10 s); no reply by then exits 4.")
+    request.add_argument("event", metavar="EVENT")
+    request.add_argument("data", nargs="*", metavar="DATA",
+                         help="the request text: the rest of the line, joined by spaces (no newlines or tabs)")
+    request.add_argument("--json", action="store_true",
+                         help="DATA is JSON text (it may span lines); it is sent re-encoded on one line")
+    request.set_defaults(run=cmd_request)
+
+    schedule = commands.add_parser(
+        "schedule", parents=[common], help="(ext) publish EVENT DATA on a schedule, under NAME",
+        description="Publish EVENT DATA every SECONDS or on a cron rule; firing n has msg id NAME.n. A schedule "
+                    "of the same NAME is replaced. It fires at once unless --nohaste.")
+    schedule.add_argument("name", metavar="NAME")
+    schedule.add_argument("event", metavar="EVENT")
+    schedule.add_argument("data", nargs="*", metavar="DATA",
+                          help="the message text: the rest of the line, joined by spaces (no newlines or tabs)")
+    rule = schedule.add_mutually_exclusive_group(required=True)
+    rule.add_argument("--every", type=float, metavar="SECONDS", help="fire every SECONDS (> 0)")
+    rule.add_argument("--cron", metavar="'M H DOM MON DOW'",
+                      help="fire on a cron rule: five fields in one quoted argument, e.g. '*/5 * * * *'")
+    schedule.add_argument("--count", type=int, default=None, metavar="N", help="stop after N firings")
+    schedule.add_argument("--nohaste", action="store_true", help="wait one interval before the first firing")
+    schedule.add_argument("--json", action="store_true",
+                          help="DATA is JSON text (it may span lines); it is sent re-encoded on one line")
+    schedule.set_defaults(run=cmd_schedule)
+
+    unschedule = commands.add_parser("unschedule", parents=[common], help="(ext) remove the schedule NAME")
+    unschedule.add_argument("name", metavar="NAME")
+    unschedule.set_defaults(run=cmd_unschedule)
+
+    schedules = commands.add_parser("schedules", parents=[common], json_errors=json_errors,
+                                    help="(ext) every schedule: rule, next due time, firings so far")
+    schedules.add_argument("--json", action="store_true", help="one JSON array instead of a table")
+    schedules.set_defaults(run=cmd_schedules)
     return parser
 
 
