@@ -21,7 +21,7 @@ from typing import Protocol, TypeAlias
 
 from .outbox import Outbox
 from .protocol import ProtocolError, looks_like_http, parse_count, parse_flag_value, parse_seconds, text
-from .state import Broker, Consumer, SeqConsumer
+from .state import Broker, Consumer, SeqConsumer, TimedConsumer, TimedSeqConsumer
 from .workers import Workers
 
 log = logging.getLogger("mqks.actions")
@@ -89,23 +89,47 @@ def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -
     journal = session.workers.journal
     if journal is not None and journal.log.disk_full:
         raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
+    full = [queue for broker in session.brokers for queue in broker.full_queues(event)]
     for broker in session.brokers:
         broker.publish(rid, event, tail)
+    if full:
+        names = ", ".join(f"queue {text(queue.name)} is full (--max-length={queue.max_length})" for queue in full)
+        raise ProtocolError(f"{names}: the message was not put there (every other bound queue has it)")
     if journal is None:
         session.ok(rid)
     else:
         journal.unconfirmed.append((session.outbox, rid))  # answered once the log has it
 
 
-def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, dict]:
-    """`{queue} [events] [--add events] [flags]` -> (queue, events, added or None without --add, flags)."""
+def parse_limit(token: bytes, limits: dict[str, int | None], action: str) -> bool:
+    """`--max-retries=N|none` or `--max-length=N|none` (queue settings) into `limits`; False if `token` is neither."""
+    for flag, name, least in ((b"--max-retries", "max_retries", 0), (b"--max-length", "max_length", 1)):
+        value = parse_flag_value(token, flag)
+        if value is None:
+            continue
+        if value == b"none":
+            limits[name] = None
+        else:
+            limit = parse_count(value, f"{action}: {flag.decode()}") if value else -1
+            if limit < least:
+                raise ProtocolError(f"{action}: {flag.decode()} wants a whole number >= {least} (or none), "
+                                    f"got {text(value)!r}")
+            limits[name] = limit
+        return True
+    return False
+
+
+def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, dict, dict[str, int | None]]:
+    """`{queue} [events] [--add events] [flags]` -> (queue, events, added or None without --add, flags, limits)."""
     tokens = args.split()
     if not tokens:
         raise ProtocolError(CONSUME_MISSING)
     queue = check_name(tokens[0], "consume: queue")
     events: list[bytes] = []
     added: list[bytes] | None = None
-    flags: dict = {"manual_ack": False, "prefetch": 0, "delete_when_unused_seconds": None, "seq": False}
+    flags: dict = {"manual_ack": False, "prefetch": 0, "delete_when_unused_seconds": None, "seq": False,
+                   "ack_timeout_seconds": None}
+    limits: dict[str, int | None] = {}
     target: list[bytes] | None = events
     for token in tokens[1:]:
         if not token.startswith(b"--"):
@@ -125,21 +149,36 @@ def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, 
             flags["delete_when_unused_seconds"] = parse_seconds(value, "--delete-queue-when-unused") if value else 0.0
         elif (value := parse_flag_value(token, b"--prefetch")) is not None:
             flags["prefetch"] = parse_count(value, "--prefetch")
-        else:
+        elif (value := parse_flag_value(token, b"--ack-timeout")) is not None:
+            seconds = parse_seconds(value, "consume: --ack-timeout") if value else 0.0
+            if not seconds:
+                raise ProtocolError(f"consume: --ack-timeout wants seconds > 0, got {text(value)!r}")
+            flags["ack_timeout_seconds"] = seconds
+        elif not parse_limit(token, limits, "consume"):
             raise ProtocolError(f"consume: unknown flag {text(token)!r}")
     if flags["prefetch"] and not flags["manual_ack"]:
         raise ProtocolError("consume: --prefetch needs --manual-ack (auto-ack messages are never in flight)")
-    return queue, events, added, flags
+    if flags["ack_timeout_seconds"] is not None and not flags["manual_ack"]:
+        raise ProtocolError("consume: --ack-timeout needs --manual-ack (auto-ack messages are never in flight)")
+    return queue, events, added, flags, limits
 
 
 def handle_consume(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-    name, events, added, flags = parse_consume(args)
+    name, events, added, flags, limits = parse_consume(args)
     if rid in session.consumers_by_id:
         raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
     broker = session.workers.worker_for(name)
     queue = broker.queue(name)
-    consumer = (SeqConsumer if flags.pop("seq") else Consumer)(rid, queue, session.outbox, **flags)
-    broker.consume(consumer, events, added)
+    seq = flags.pop("seq")
+    ack_timeout_seconds = flags.pop("ack_timeout_seconds")
+    consumer: Consumer
+    if ack_timeout_seconds is None:
+        consumer = (SeqConsumer if seq else Consumer)(rid, queue, session.outbox, **flags)
+    else:
+        consumer = (TimedSeqConsumer if seq else TimedConsumer)(rid, queue, session.outbox, **flags,
+                                                                ack_timeout_seconds=ack_timeout_seconds,
+                                                                clock=broker.clock)
+    broker.consume(consumer, events, added, limits)
     if confirm:
         session.ok(rid)
     broker.pump(queue)
@@ -151,18 +190,23 @@ def handle_rebind(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
         raise ProtocolError(REBIND_MISSING)
     name = check_name(tokens[0], "rebind: queue")
     lists: dict[bytes, list[bytes]] = {b"": [], b"--remove": [], b"--remove-mask": [], b"--add": []}
+    limits: dict[str, int | None] = {}
     target = lists[b""]
     for token in tokens[1:]:
         if token.startswith(b"--"):
-            if token not in lists:
+            if token in lists:
+                target = lists[token]
+            elif not parse_limit(token, limits, "rebind"):
                 raise ProtocolError(f"rebind: unknown flag {text(token)!r}")
-            target = lists[token]
         else:
             target.append(token)
     broker = session.workers.worker_for(name)
     queue = broker.queue(name)
-    if broker.rebind(queue, replace=lists[b""] or None, add=lists[b"--add"], remove=lists[b"--remove"],
-                    remove_masks=lists[b"--remove-mask"]):
+    changed = broker.rebind(queue, replace=lists[b""] or None, add=lists[b"--add"], remove=lists[b"--remove"],
+                            remove_masks=lists[b"--remove-mask"])
+    if limits and broker.set_limits(queue, limits):
+        changed = True
+    if changed:
         broker.updates(queue)
     if confirm:
         session.ok(rid)
@@ -201,6 +245,19 @@ def settle(session: Session, rid: bytes, args: bytes, confirm: bool, action: str
         (broker.ack_all if action == "ack" else broker.reject_all)(consumer)
     elif unknown := (broker.ack if action == "ack" else broker.reject)(consumer, msg_ids):
         raise ProtocolError(f"{action}: no un-acked message {text(b' '.join(unknown))!r} "
+                            f"for consumer {text(consumer.consumer_id)!r}")
+    if confirm:
+        session.ok(rid)
+
+
+def handle_touch(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`touch {consumer_id} {msg_id} ...|--all` (extension): restart the ack-timeout clock of copies in flight."""
+    consumer, msg_ids = parse_ack(session, "touch", args)
+    broker = session.workers.worker_for(consumer.queue.name)
+    if msg_ids is None:
+        msg_ids = list(consumer.seq_by_msg_id)
+    if unknown := broker.touch(consumer, msg_ids):
+        raise ProtocolError(f"touch: no un-acked message {text(b' '.join(unknown))!r} "
                             f"for consumer {text(consumer.consumer_id)!r}")
     if confirm:
         session.ok(rid)
@@ -311,6 +368,7 @@ ACTIONS: dict[bytes, Action] = {
     b"consume": Action(handle_consume, CONSUME_MISSING, logged=True),
     b"ack": Action(handle_ack, "ack: " + SETTLE_USAGE, logged=True),
     b"reject": Action(handle_reject, "reject: " + SETTLE_USAGE, logged=True),
+    b"touch": Action(handle_touch, "touch: " + SETTLE_USAGE),
     b"rebind": Action(handle_rebind, REBIND_MISSING, logged=True),
     b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", logged=True),
     b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", logged=True),

@@ -107,7 +107,7 @@ class Server:
         self.timers = Timers(on_earlier=self.timers_due.set)
         self.next_error_id = ErrorIds()
         self.journal = self.open_journal() if config.data_dir else None
-        self.workers = Workers(config.workers, self.timers.call_later, self.journal)
+        self.workers = Workers(config.workers, self.timers, self.journal)
         self.stream_server: Listener | None = None
         self.metrics_server: WSGIServer | None = None
         self.no_connections = Event()  # set whenever the last connection's clean-up is done

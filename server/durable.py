@@ -4,13 +4,15 @@ Only with `mqksd --data-dir`: then each worker is a `DurableBroker` whose queues
 `DurableQueue`s, and every change goes through the process's `Journal` as one text line
 (a tail never holds a newline). Records, by their first byte:
 
-    Q {queue} {seconds|-} {event}...      the queue's events and delete-when-unused (full state)
+    Q {queue} {seconds|-} {event}... [--max-retries=N] [--max-length=N]
+                                          the queue's events and settings (full state)
     X {queue}                             the queue was deleted
     P {k} {queue} [-]{seq}...{tail}       a message put into k queues (its body written once);
                                           "-": delivered at once and held for an ack
     D {queue} {seq}...                    delivered and held for an ack
     A {queue} {seq}...                    gone: acked, or delivered to an auto-ack consumer
     R {queue} {seq} {retry}...            back at the front of the queue with this retry count
+    E {queue} {seq} {retry}{tail}         a dead letter put into this queue, keeping its retry count
     S                                     a snapshot follows: forget everything before it
     N {queue} {next_seq}                  (snapshot) the queue's next seq
     M {queue} {seq} {retry} {0|1}{tail}   (snapshot) a live message; 1: it was held for an ack
@@ -175,7 +177,13 @@ def holds(queue: Queue, seq: int) -> bool:
 
 def queue_line(queue: Queue) -> bytes:
     seconds = queue.delete_when_unused_seconds
-    return b" ".join([b"Q", queue.name, b"-" if seconds is None else repr(seconds).encode(), *queue.events])
+    fields = [b"Q", queue.name, b"-" if seconds is None else repr(seconds).encode(), *queue.events]
+    # events never start with "--" (the parser reads those as flags), so settings follow them unambiguously
+    if queue.max_retries is not None:
+        fields.append(b"--max-retries=%d" % queue.max_retries)
+    if queue.max_length is not None:
+        fields.append(b"--max-length=%d" % queue.max_length)
+    return b" ".join(fields)
 
 
 class DurableQueue(Queue):
@@ -203,6 +211,11 @@ class DurableQueue(Queue):
             for record in islice(self.messages, len(taken)):  # the records Queue.requeue just put in front
                 fields += [b"%d" % record.seq, b"%d" % record.retry]
             self.journal.append(b" ".join(fields))
+
+    def put_record(self, tail: bytes, retry: int) -> Message:
+        record = Queue.put_record(self, tail, retry)
+        self.journal.append(b"E %b %d %d%b" % (self.name, record.seq, retry, tail))
+        return record
 
     def snapshot_lines(self) -> Iterator[bytes]:
         """This queue's live state as snapshot records: held messages first, then waiting ones."""
@@ -244,7 +257,10 @@ class DurableBroker(Broker):
         refs: list[bytes] = []
         for queue in queues:
             seq = queue.next_seq
-            if queue.put(tail, msg_id):
+            delivered = queue.put(tail, msg_id)
+            if delivered is None:
+                continue  # refused: the queue is at its --max-length
+            if delivered:
                 self.consumed += 1
                 if queue.next_seq == seq:
                     continue  # delivered to an auto-ack consumer at once: gone, never written
@@ -268,8 +284,10 @@ class DurableBroker(Broker):
         """`publish` for an event bound to one queue, the common case: no list, one format."""
         self.queued += 1
         seq = queue.next_seq
-        if not queue.put(tail, msg_id):
-            self.journal.append(b"P 1 %b %d%b" % (queue.name, seq, tail))
+        delivered = queue.put(tail, msg_id)
+        if not delivered:
+            if delivered is not None:  # None: refused, the queue is at its --max-length
+                self.journal.append(b"P 1 %b %d%b" % (queue.name, seq, tail))
             return
         self.consumed += 1
         if queue.next_seq == seq:
@@ -284,12 +302,21 @@ class DurableBroker(Broker):
             self.journal.append(queue_line(queue))
         return changed
 
-    def consume(self, consumer: Consumer, replace: list[bytes], add: list[bytes] | None) -> None:
+    def consume(self, consumer: Consumer, replace: list[bytes], add: list[bytes] | None,
+                limits: dict[str, int | None] | None = None) -> None:
         queue = consumer.queue
         setting = queue.delete_when_unused_seconds
-        super().consume(consumer, replace, add)
+        super().consume(consumer, replace, add, limits)
         if queue.delete_when_unused_seconds != setting:
             self.journal.append(queue_line(queue))
+
+    def limits_changed(self, queue: Queue) -> None:
+        self.journal.append(queue_line(queue))  # before the dead letters it may cause, as replay needs
+        super().limits_changed(queue)
+
+    def dead_letter(self, queue: Queue, taken: list[tuple[int, Item]], raise_retry: bool = True) -> None:
+        self.journal.append(b" ".join([b"A", queue.name, *(b"%d" % seq for seq, _ in taken)]))
+        super().dead_letter(queue, taken, raise_retry)
 
     def ack(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
         unknown: list[bytes] = []
@@ -321,11 +348,12 @@ class DurableBroker(Broker):
 class Recovered:
     """One queue as replay rebuilds it."""
 
-    __slots__ = ("events", "seconds", "messages", "front", "next_seq")
+    __slots__ = ("events", "seconds", "limits", "messages", "front", "next_seq")
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
         self.seconds: float | None = None
+        self.limits: dict[str, int | None] = {"max_retries": None, "max_length": None}
         self.messages: dict[int, list] = {}  # seq -> [tail, retry, held]
         self.front: list[int] = []  # requeued seqs, front first (may hold stale entries)
         self.next_seq = 0
@@ -381,7 +409,18 @@ def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
             fields = line.split(b" ")
             q = queue(fields[1])
             q.seconds = None if fields[2] == b"-" else float(fields[2])
-            q.events = fields[3:]
+            q.events = [event for event in fields[3:] if not event.startswith(b"--")]
+            q.limits = {"max_retries": None, "max_length": None}
+            for setting in fields[3:]:
+                if setting.startswith(b"--"):
+                    name, _, value = setting[2:].partition(b"=")
+                    q.limits[name.decode().replace("-", "_")] = int(value)
+        elif kind == b"E":
+            _, name, seq_text, rest = line.split(b" ", 3)
+            retry_text, space, tail = rest.partition(b" ")
+            q, seq = queue(name), int(seq_text)
+            q.messages[seq] = [space + tail, int(retry_text), False]
+            q.next_seq = max(q.next_seq, seq + 1)
         elif kind == b"X":
             queues.pop(line[2:], None)
         elif kind == b"S":
@@ -413,6 +452,8 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         queue = broker.queue(name)
         Broker.rebind(broker, queue, replace=state.events or None)  # already in the log: not again
         queue.delete_when_unused_seconds = state.seconds
+        queue.max_retries = state.limits["max_retries"]
+        queue.max_length = state.limits["max_length"]
         messages = state.messages
         held = sorted(seq for seq, m in messages.items() if m[2])
         seen: set[int] = set(held)
@@ -452,4 +493,11 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         else:
             queue.next_seq = max(state.next_seq, queue.next_seq)
         total += len(records) + len(plain)
+    for name in recovered:
+        # a copy held at the crash came back with retry raised: past max_retries it is a dead letter,
+        # moved only now that every queue, its dead-letter queue included, is rebuilt
+        broker = broker_for(name)
+        queue = broker.queues[name]
+        if queue.max_retries is not None:
+            broker.limits_changed(queue)
     return len(recovered), total

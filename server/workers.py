@@ -24,7 +24,8 @@ from typing import Any
 from .durable import DurableBroker, Journal
 from .outbox import Outbox
 from .routing import compile_mask
-from .state import Broker, Queue, Schedule
+from .state import Broker, Queue
+from .timers import Timers
 
 TOP_QUEUES = 10  # as many as Broker.stats() ranks per worker
 # per worker these count what reached *that* worker; every worker sees every publish and the
@@ -46,18 +47,16 @@ VERSION = package_version()
 
 def queue_flags(queue: Queue) -> list[str]:
     """The queue's own flags, as `--update` lines show them (a consumer's flags are not the queue's)."""
-    seconds = queue.delete_when_unused_seconds
-    if seconds is None:
-        return []
-    return [f"--delete-queue-when-unused={seconds!r}" if seconds else "--delete-queue-when-unused"]
+    return [flag.decode() for flag in queue.flags()]
 
 
 class Workers:
     """Every worker of this process, the placement of queues on them, and the outboxes owed a flush."""
 
-    __slots__ = ("brokers", "count", "pending", "clients", "journal", "started", "bytes_in", "bytes_out", "errors")
+    __slots__ = ("brokers", "count", "pending", "clients", "journal", "timers", "started", "bytes_in", "bytes_out",
+                 "errors")
 
-    def __init__(self, count: int = 1, schedule: Schedule | None = None, journal: Journal | None = None) -> None:
+    def __init__(self, count: int = 1, timers: Timers | None = None, journal: Journal | None = None) -> None:
         self.count = count
         self.pending: list[Outbox] = []
         self.clients = 0  # live connections, for stats
@@ -66,11 +65,15 @@ class Workers:
         self.bytes_out = 0  # added once per write by the connections
         self.errors = 0  # error lines sent
         self.journal = journal  # None: in memory only
+        self.timers = timers if timers is not None else Timers()
+        schedule, clock = self.timers.call_later, self.timers.clock
         if journal is None:
-            self.brokers = [Broker(worker, count, schedule, self.count_clients) for worker in range(count)]
+            self.brokers = [Broker(worker, count, schedule, self.count_clients, clock=clock) for worker in range(count)]
         else:
-            self.brokers = [DurableBroker(worker, count, schedule, self.count_clients, journal=journal)
+            self.brokers = [DurableBroker(worker, count, schedule, self.count_clients, clock=clock, journal=journal)
                             for worker in range(count)]
+        for broker in self.brokers:
+            broker.broker_for = self.worker_for
 
     def count_clients(self) -> int:
         return self.clients

@@ -1,0 +1,198 @@
+"""Work-queue semantics over real TCP (extensions): ack timeout and touch, dead letters, queue length limits."""
+
+import pytest
+from helpers import server_stats
+from helpers import unique_bytes as unique
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def held(wire, rid: bytes, queue: bytes, event: bytes, *flags: bytes) -> None:
+    """Consume `queue` bound to `event` with manual ack and `flags`, confirmed."""
+    wire.send(b" ".join([rid, b"consume --confirm", queue, event, b"--manual-ack", *flags]))
+    wire.expect(rid + b" ok ")
+
+
+def publish(wire, msg_id: bytes, event: bytes, data: bytes = b"d") -> None:
+    wire.send(b"%b publish --confirm %b %b" % (msg_id, event, data))
+    wire.expect(msg_id + b" ok ")
+
+
+# -- ack timeout and touch --------------------------------------------------------------------
+
+def test_ack_timeout_requeues_with_retry_raised_and_counts_it(broker):
+    consumer, publisher = broker.wire(), broker.wire()
+    q, e = unique("q"), unique("e")
+    before = server_stats(broker)["ack_timeouts"]
+    held(consumer, b"c1", q, e, b"--ack-timeout=0.2")
+    publish(publisher, b"m1", e)
+    consumer.expect(b"c1 ok m1 event=%b d" % e)
+    # never acked: it comes back, to the same consumer (the connection stays open), retry raised
+    consumer.expect(b"c1 ok m1 event=%b,retry=1 d" % e, timeout=10)
+    consumer.expect(b"c1 ok m1 event=%b,retry=2 d" % e, timeout=10)
+    consumer.send(b"a1 ack --confirm c1 m1")
+    consumer.expect(b"a1 ok ")
+    assert server_stats(broker)["ack_timeouts"] - before == 2
+    assert consumer.barrier() == []  # acked in time: nothing more comes back
+
+
+def test_touch_postpones_the_ack_timeout_of_that_message_only(broker):
+    consumer, publisher = broker.wire(), broker.wire()
+    q, e = unique("q"), unique("e")
+    held(consumer, b"c1", q, e, b"--ack-timeout=0.5")
+    publish(publisher, b"m1", e)
+    publish(publisher, b"m2", e)
+    consumer.expect(b"c1 ok m1 event=%b d" % e)
+    consumer.expect(b"c1 ok m2 event=%b d" % e)
+    # keep touching m1 until m2, delivered at the same moment and never touched, times out
+    touches = 0
+    while True:
+        consumer.send(b"t%d touch --confirm c1 m1" % touches)
+        line = consumer.recv_line()
+        if line == b"t%d ok " % touches:
+            touches += 1
+            try:
+                line = consumer.recv_line(timeout=0.1)
+            except TimeoutError:
+                continue
+        assert line == b"c1 ok m2 event=%b,retry=1 d" % e, f"m1 came back although touched: {line!r}"
+        break
+    assert touches >= 2
+    # untouched from now on: m1 comes back too
+    line = consumer.recv_line(timeout=10)
+    while line.startswith(b"t"):
+        line = consumer.recv_line(timeout=10)
+    assert line == b"c1 ok m1 event=%b,retry=1 d" % e
+
+
+def test_touch_and_ack_timeout_bad_input(broker):
+    wire = broker.wire()
+    q, e = unique("q"), unique("e")
+    for flag, reason in ((b"--ack-timeout=-1", b"seconds >= 0"), (b"--ack-timeout=nan", b"seconds >= 0"),
+                         (b"--ack-timeout=0", b"seconds > 0"), (b"--ack-timeout=abc", b"number of seconds"),
+                         (b"--ack-timeout", b"seconds > 0")):
+        held_line = b"c1 consume %b %b --manual-ack %b" % (q, e, flag)
+        wire.send(held_line)
+        wire.expect_error(b"c1", reason)
+    wire.send(b"c1 consume %b %b --ack-timeout=5" % (q, e))
+    wire.expect_error(b"c1", b"--ack-timeout needs --manual-ack")
+    wire.send(b"t1 touch c9 m1")
+    wire.expect_error(b"t1", b"unknown consumer")
+    held(wire, b"c1", q, e, b"--ack-timeout=5")
+    wire.send(b"t2 touch c1 m404")
+    wire.expect_error(b"t2", b"no un-acked message 'm404'")
+    wire.send(b"t3 touch c1")
+    wire.expect_error(b"t3", b"expected {consumer_id} {msg_id}|--all")
+
+
+def test_ack_timeout_shows_in_update_lines(broker):
+    wire = broker.wire()
+    q, e, e2 = unique("q"), unique("e"), unique("e2")
+    held(wire, b"c1", q, e, b"--ack-timeout=2.5")
+    wire.send(b"r1 rebind --confirm %b %b" % (q, e2))
+    wire.expect(b"c1 ok --update %b %b --manual-ack --ack-timeout=2.5" % (q, e2))
+    wire.expect(b"r1 ok ")
+
+
+# -- dead letters ------------------------------------------------------------------------------
+
+def test_a_message_rejected_past_max_retries_lands_in_the_dead_queue(broker):
+    consumer, publisher = broker.wire(), broker.wire()
+    q, e = unique("q"), unique("e")
+    before = server_stats(broker)["dead_lettered"]
+    held(consumer, b"c1", q, e, b"--max-retries=2")
+    publish(publisher, b"m1", e, b"poison pill")
+    consumer.expect(b"c1 ok m1 event=%b poison pill" % e)
+    for retry in (1, 2):
+        consumer.send(b"r%d reject c1 m1" % retry)
+        consumer.expect(b"c1 ok m1 event=%b,retry=%d poison pill" % (e, retry))
+    consumer.send(b"r3 reject --confirm c1 m1")  # it would come back with retry 3 > 2
+    consumer.expect(b"r3 ok ")
+    assert consumer.barrier() == []
+    # an ordinary queue: anyone can consume it; the message keeps its event, data and retry
+    consumer.send(b"d1 consume %b.dead --manual-ack" % q)
+    consumer.expect(b"d1 ok m1 event=%b,retry=3 poison pill" % e)
+    consumer.send(b"d2 reject c1 m9")
+    consumer.expect_error(b"d2", b"no un-acked message")
+    # rejected in the dead queue, it comes back there with its count going on
+    consumer.send(b"r4 reject d1 m1")
+    consumer.expect(b"d1 ok m1 event=%b,retry=4 poison pill" % e)
+    assert server_stats(broker)["dead_lettered"] - before == 1
+
+
+def test_dead_letters_keep_their_order_behind_what_waits_in_the_dead_queue(broker):
+    consumer, publisher = broker.wire(), broker.wire()
+    q, e = unique("q"), unique("e")
+    dead = q + b".dead"
+    # the dead queue is bound too: plain messages wait there, then dead letters come behind them
+    publisher.send(b"b1 rebind --confirm %b %b" % (dead, e + b".direct"))
+    publisher.expect(b"b1 ok ")
+    publish(publisher, b"p1", e + b".direct")
+    held(consumer, b"c1", q, e, b"--max-retries=0")
+    publish(publisher, b"m1", e)
+    consumer.expect(b"c1 ok m1 event=%b d" % e)
+    consumer.send(b"r1 reject --confirm c1 m1")
+    consumer.expect(b"r1 ok ")
+    publish(publisher, b"p2", e + b".direct")
+    consumer.send(b"d1 consume %b" % dead)
+    consumer.expect(b"d1 ok p1 event=%b.direct d" % e)
+    consumer.expect(b"d1 ok m1 event=%b,retry=1 d" % e)
+    consumer.expect(b"d1 ok p2 event=%b.direct d" % e)
+
+
+def test_max_retries_is_a_queue_setting_shown_in_updates_and_the_last_one_wins(broker):
+    a, b = broker.wire(), broker.wire()
+    q, e = unique("q"), unique("e")
+    held(a, b"c1", q, e, b"--max-retries=5")
+    held(b, b"c2", q, e, b"--max-retries=1")
+    a.expect(b"c1 ok --update %b %b --max-retries=1 --manual-ack" % (q, e))
+    b.send(b"r1 rebind --confirm %b --max-retries=none --max-length=10" % q)
+    a.expect(b"c1 ok --update %b %b --max-length=10 --manual-ack" % (q, e))
+    b.expect(b"c2 ok --update %b %b --max-length=10 --manual-ack" % (q, e))
+    b.expect(b"r1 ok ")
+    b.send(b"q1 queues %b" % q)
+    assert b'"flags":["--max-length=10"]' in b.recv_line()
+    b.expect(b"q1 ok --end")
+
+
+def test_queue_limits_bad_input(broker):
+    wire = broker.wire()
+    q = unique("q")
+    for flag, reason in ((b"--max-retries=-1", b">= 0"), (b"--max-retries=x", b"whole number"),
+                         (b"--max-retries", b"whole number >= 0"), (b"--max-length=0", b"whole number >= 1"),
+                         (b"--max-length=1.5", b"whole number"), (b"--max-lengths=3", b"unknown flag")):
+        wire.send(b"c1 consume %b e %b" % (q, flag))
+        wire.expect_error(b"c1", reason)
+        wire.send(b"r1 rebind %b %b" % (q, flag))
+        wire.expect_error(b"r1", reason)
+
+
+# -- max length --------------------------------------------------------------------------------
+
+def test_max_length_refuses_for_that_queue_only_and_acks_still_drain(broker):
+    publisher, consumer = broker.wire(), broker.wire()
+    full_q, other_q, e = unique("full"), unique("other"), unique("e")
+    publisher.send(b"b1 rebind --confirm %b %b --max-length=2" % (full_q, e),
+                   b"b2 rebind --confirm %b %b" % (other_q, e))
+    publisher.expect(b"b1 ok ")
+    publisher.expect(b"b2 ok ")
+    before = server_stats(broker)["dropped"]
+    publish(publisher, b"m1", e)
+    publish(publisher, b"m2", e)
+    publisher.send(b"m3 publish --confirm %b d" % e)
+    publisher.expect_error(b"m3", b"queue %b is full (--max-length=2)" % full_q)
+    publisher.send(b"m4 publish %b d" % e)  # unconfirmed: dropped for that queue, counted
+    assert publisher.barrier() == []
+    assert server_stats(broker)["dropped"] - before == 2
+    # the other queue got every copy
+    consumer.send(b"o1 consume %b" % other_q)
+    for msg_id in (b"m1", b"m2", b"m3", b"m4"):
+        consumer.expect(b"o1 ok %b event=%b d" % (msg_id, e))
+    # consuming and acking keep working, and the queue takes messages again once drained
+    held(consumer, b"c1", full_q, e)
+    consumer.expect(b"c1 ok m1 event=%b d" % e)
+    consumer.expect(b"c1 ok m2 event=%b d" % e)
+    consumer.send(b"a1 ack --confirm c1 m1 m2")
+    consumer.expect(b"a1 ok ")
+    publish(publisher, b"m5", e)
+    consumer.expect(b"c1 ok m5 event=%b d" % e)
