@@ -212,7 +212,7 @@ def test_touch_of_a_message_not_in_flight_is_an_error(client: Client) -> None:
 def test_a_message_rejected_max_retries_plus_one_times_lands_in_the_dead_queue(client: Client) -> None:
     queue, event = unique("q"), unique("e")
     before = counter(client, "dead_lettered")
-    rejected = Inbox(lambda message: message.reject())
+    rejected = Inbox(lambda message: message.reject() if message.data == "poison pill" else message.ack())
     client.consume(queue, [event], rejected, manual_ack=True, max_retries=2)
     msg_id = client.publish(event, "poison pill")
     dead = Inbox()
