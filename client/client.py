@@ -200,9 +200,10 @@ class Client:
         flags = () if delay is None else (b"--delay=" + wire.seconds_token(delay, "delay", zero_ok=True),)
         self._settle(b"reject", consumer_id, msg_ids, all, confirm, timeout, flags)
 
-    def touch(self, consumer_id: str, *msg_ids: str, confirm: bool = False, timeout: float | None = None) -> None:
-        """Restart the ack-timeout clock of messages in flight to a consumer (extension; beanstalkd's touch)."""
-        self._settle(b"touch", consumer_id, msg_ids, False, confirm, timeout)
+    def touch(self, consumer_id: str, *msg_ids: str, all: bool = False, confirm: bool = False,
+              timeout: float | None = None) -> None:
+        """Restart the ack-timeout clock of messages (or all=True) in flight to a consumer (extension)."""
+        self._settle(b"touch", consumer_id, msg_ids, all, confirm, timeout)
 
     def _settle(self, action: bytes, consumer_id: str, msg_ids: tuple[str, ...], all: bool, confirm: bool,
                 timeout: float | None = None, flags: tuple[bytes, ...] = ()) -> None:
@@ -216,7 +217,7 @@ class Client:
             if action == b"touch":
                 # still in flight afterwards: only checked, not taken
                 msg_ids = tuple(msg_id for msg_id in msg_ids if msg_id in consumer.unacked)
-                if not msg_ids:
+                if not msg_ids and not all:
                     return
             elif all:
                 consumer.unacked.clear()

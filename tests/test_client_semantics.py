@@ -170,11 +170,15 @@ def test_touch_postpones_the_ack_timeout(client: Client) -> None:
         if message.data != "slow":
             message.ack()
             return
-        # work for three ack timeouts, touching it often: it must never time out
+        # work for three ack timeouts, touching it often (by message, and all of the consumer's):
+        # it must never time out
         touches = 0
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
-            message.touch()
+            if touches % 2:
+                client.touch(message.consumer_id, all=True)
+            else:
+                message.touch()
             touches += 1
             gevent.sleep(0.05)
         touching.set()
