@@ -14,13 +14,23 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 from .outbox import Outbox
-from .protocol import ProtocolError, looks_like_http, parse_count, parse_flag_value, parse_seconds, text
+from .protocol import (
+    ProtocolError,
+    looks_like_http,
+    parse_count,
+    parse_flag_value,
+    parse_seconds,
+    parse_unix_seconds,
+    text,
+)
 from .state import Broker, Consumer, SeqConsumer, TimedConsumer, TimedSeqConsumer
 from .workers import Workers
 
@@ -76,12 +86,45 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
         event = args[:space]
         tail = b"".join((b" ok ", rid, b" event=", args))
     if not event or (event[0] == DASH and event.startswith(b"--")):
-        check_name(event, "publish: event")
+        publish_flagged(session, rid, args, confirm)
+        return
     if confirm:
         publish_confirmed(session, rid, event, tail)
         return
     for broker in session.brokers:
         broker.publish(rid, event, tail)
+
+
+def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`publish [--delay=S | --at=UNIX_SECONDS] {event} {data}` (extension): the copies enter their queues when due."""
+    flag, _, rest = args.partition(b" ")
+    if (value := parse_flag_value(flag, b"--delay")) is not None:
+        due = time.time() + parse_seconds(value, "publish: --delay")
+    elif (value := parse_flag_value(flag, b"--at")) is not None:
+        due = parse_unix_seconds(value, "publish: --at")
+    else:
+        check_name(flag, "publish: event")  # raises: an event never starts with "--"
+    event, space, _ = rest.partition(b" ")
+    check_name(event, "publish: event")
+    tail = b"".join((b" ok ", rid, b" event=", rest, b"" if space else b" "))
+    due_ms = math.ceil(due * 1000)  # never early: the first millisecond at or after the due time
+    workers = session.workers
+    if due_ms <= time.time() * 1000:
+        if confirm:
+            publish_confirmed(session, rid, event, tail)
+        else:
+            for broker in session.brokers:
+                broker.publish(rid, event, tail)
+        return
+    journal = workers.journal
+    if confirm and journal is not None and journal.log.disk_full:
+        raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
+    workers.publish_later(due_ms, tail)
+    if confirm:
+        if journal is None:
+            session.ok(rid)
+        else:
+            journal.unconfirmed.append((session.outbox, rid))
 
 
 def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
@@ -239,9 +282,21 @@ def handle_reject(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
 
 def settle(session: Session, rid: bytes, args: bytes, confirm: bool, action: str) -> None:
     """`ack` or `reject` one, several or all un-acked messages of a consumer."""
+    delay_seconds = None
+    if action == "reject" and b"--delay" in args:
+        head, _, flag = args.rpartition(b" ")
+        value = parse_flag_value(flag, b"--delay")
+        if value is not None:
+            args = head
+            delay_seconds = parse_seconds(value, "reject: --delay")
     consumer, msg_ids = parse_ack(session, action, args)
     broker = session.workers.worker_for(consumer.queue.name)
-    if msg_ids is None:
+    if delay_seconds:
+        due_ms = math.ceil((time.time() + delay_seconds) * 1000)
+        if unknown := broker.reject_later(consumer, msg_ids, due_ms):
+            raise ProtocolError(f"reject: no un-acked message {text(b' '.join(unknown))!r} "
+                                f"for consumer {text(consumer.consumer_id)!r}")
+    elif msg_ids is None:
         (broker.ack_all if action == "ack" else broker.reject_all)(consumer)
     elif unknown := (broker.ack if action == "ack" else broker.reject)(consumer, msg_ids):
         raise ProtocolError(f"{action}: no un-acked message {text(b' '.join(unknown))!r} "

@@ -139,7 +139,9 @@ class Server:
         started = time.monotonic()
         records = journal.log.replay(repair=self.config.repair)
         try:
-            queues, messages = rebuild(recover(records), self.workers.worker_for)
+            recovery = recover(records)
+            queues, messages = rebuild(recovery.queues, self.workers.worker_for)
+            self.workers.restore(recovery)
         except LogCorrupt as e:
             log.error("cannot start: %s", e)  # names the file, the offset and --repair
             sys.exit(1)

@@ -18,14 +18,14 @@ import heapq
 import importlib.metadata
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from .durable import DurableBroker, Journal
+from .durable import DurableBroker, Journal, Recovery
 from .outbox import Outbox
 from .routing import compile_mask
-from .state import Broker, Queue
-from .timers import Timers
+from .state import Broker, Queue, msg_id_of
+from .timers import Buckets, Timers
 
 TOP_QUEUES = 10  # as many as Broker.stats() ranks per worker
 # per worker these count what reached *that* worker; every worker sees every publish and the
@@ -53,8 +53,8 @@ def queue_flags(queue: Queue) -> list[str]:
 class Workers:
     """Every worker of this process, the placement of queues on them, and the outboxes owed a flush."""
 
-    __slots__ = ("brokers", "count", "pending", "clients", "journal", "timers", "started", "bytes_in", "bytes_out",
-                 "errors")
+    __slots__ = ("brokers", "count", "pending", "clients", "journal", "timers", "delayed", "started", "bytes_in",
+                 "bytes_out", "errors")
 
     def __init__(self, count: int = 1, timers: Timers | None = None, journal: Journal | None = None) -> None:
         self.count = count
@@ -74,6 +74,8 @@ class Workers:
                             for worker in range(count)]
         for broker in self.brokers:
             broker.broker_for = self.worker_for
+        # publishes with --delay/--at: routed when due, as if published then (extension)
+        self.delayed = Buckets(self.timers.call_later, self._publish_due)
 
     def count_clients(self) -> int:
         return self.clients
@@ -83,13 +85,42 @@ class Workers:
         brokers = self.brokers
         return brokers[zlib.crc32(queue) % self.count] if self.count > 1 else brokers[0]
 
+    def publish_later(self, due_ms: int, tail: bytes) -> None:
+        """Publish `tail` (its msg id and event inside) at wall-clock millisecond `due_ms`."""
+        self.delayed.add(due_ms, tail)
+        if self.journal is not None:
+            self.journal.append(b"T %d%b" % (due_ms, tail))
+
+    def _publish_due(self, due_ms: int, tails: list[bytes]) -> None:
+        if self.journal is not None:
+            self.journal.append(b"F %d" % due_ms)  # with the P records below, in the same commit
+        brokers = self.brokers
+        for tail in tails:
+            msg_id = msg_id_of(tail)
+            start = len(msg_id) + 11  # b" ok " + msg_id + b" event="
+            event = tail[start : tail.index(b" ", start)]
+            for broker in brokers:
+                broker.publish(msg_id, event, tail)
+
+    def restore(self, recovery: Recovery) -> None:
+        """Take back what replay found above the queues: delayed publishes (overdue ones go out at once)."""
+        for due_ms, tails in sorted(recovery.delayed.items()):
+            for tail in tails:
+                self.delayed.add(due_ms, tail)
+
+    def snapshot_lines(self) -> Iterator[bytes]:
+        """The state kept above the workers as records, for the journal's snapshot."""
+        for due_ms, tails in self.delayed.items():
+            for tail in tails:
+                yield b"T %d%b" % (due_ms, tail)
+
     def flush_pending(self) -> None:
         """Commit the batch's records (durable mode), then flush every outbox that has output."""
         journal = self.journal
         if journal is not None:
             journal.commit()
             if journal.wants_snapshot():
-                journal.snapshot(self.brokers)
+                journal.snapshot(self.brokers, self.snapshot_lines())
         pending = self.pending
         for outbox in pending:
             outbox.flush_pending = False

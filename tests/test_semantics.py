@@ -1,5 +1,7 @@
 """Work-queue semantics over real TCP (extensions): ack timeout and touch, dead letters, queue length limits."""
 
+import time
+
 import pytest
 from helpers import server_stats
 from helpers import unique_bytes as unique
@@ -196,3 +198,123 @@ def test_max_length_refuses_for_that_queue_only_and_acks_still_drain(broker):
     consumer.expect(b"a1 ok ")
     publish(publisher, b"m5", e)
     consumer.expect(b"c1 ok m5 event=%b d" % e)
+
+
+# -- delayed delivery --------------------------------------------------------------------------
+
+def test_a_delayed_publish_arrives_when_due_never_early_and_before_what_was_published_after(broker):
+    consumer, publisher = broker.wire(), broker.wire()
+    q, e = unique("q"), unique("e")
+    consumer.send(b"c1 consume --confirm %b %b" % (q, e))
+    consumer.expect(b"c1 ok ")
+    due = time.time() + 1.5
+    publisher.send(b"m1 publish --confirm --at=%r %b late" % (due, e))
+    publisher.expect(b"m1 ok ")  # confirmed at once: accepted for later
+    publish(publisher, b"m0", e, b"now")
+    consumer.expect(b"c1 ok m0 event=%b now" % e)  # not held up behind the delayed one
+    consumer.expect(b"c1 ok m1 event=%b late" % e, timeout=10)
+    assert time.time() >= due  # never early
+    # a message published once the due time has passed comes after the delayed one: the server
+    # publishes what came due before it reads the next line
+    due = time.time() + 0.3
+    publisher.send(b"m2 publish --at=%r %b late" % (due, e))
+    while time.time() <= due + 0.002:
+        publisher.barrier()
+    publisher.send(b"m3 publish %b after" % e)
+    consumer.expect(b"c1 ok m2 event=%b late" % e)
+    consumer.expect(b"c1 ok m3 event=%b after" % e)
+
+
+def test_delays_come_out_in_due_order_and_a_past_due_time_publishes_at_once(broker):
+    consumer, publisher = broker.wire(), broker.wire()
+    q, e = unique("q"), unique("e")
+    consumer.send(b"c1 consume --confirm %b %b" % (q, e))
+    consumer.expect(b"c1 ok ")
+    publisher.send(b"m1 publish --delay=0.6 %b one" % e, b"m2 publish --delay=0.3 %b two" % e,
+                   b"m3 publish --delay=0.3 %b three" % e, b"m4 publish --at=1000 %b past" % e,
+                   b"m5 publish --delay=0 %b zero" % e)
+    consumer.expect(b"c1 ok m4 event=%b past" % e)
+    consumer.expect(b"c1 ok m5 event=%b zero" % e)
+    consumer.expect(b"c1 ok m2 event=%b two" % e, timeout=10)
+    consumer.expect(b"c1 ok m3 event=%b three" % e, timeout=10)
+    consumer.expect(b"c1 ok m1 event=%b one" % e, timeout=10)
+
+
+def test_reject_with_delay_requeues_when_due(broker):
+    consumer, publisher = broker.wire(), broker.wire()
+    q, e = unique("q"), unique("e")
+    held(consumer, b"c1", q, e)
+    publish(publisher, b"m1", e)
+    consumer.expect(b"c1 ok m1 event=%b d" % e)
+    due = time.time() + 0.5
+    consumer.send(b"r1 reject --confirm c1 m1 --delay=0.5")
+    consumer.expect(b"r1 ok ")
+    publish(publisher, b"m2", e)  # the queue goes on meanwhile
+    consumer.expect(b"c1 ok m2 event=%b d" % e)
+    consumer.expect(b"c1 ok m1 event=%b,retry=1 d" % e, timeout=10)
+    assert time.time() >= due
+
+
+def test_delay_bad_input(broker):
+    wire = broker.wire()
+    for line, reason in ((b"m1 publish --delay=-1 e d", b"seconds >= 0"), (b"m1 publish --delay=nan e d", b">= 0"),
+                         (b"m1 publish --delay=soon e d", b"number of seconds"),
+                         (b"m1 publish --at=tomorrow e d", b"Unix seconds"), (b"m1 publish --at=-5 e d", b"between"),
+                         (b"m1 publish --at=inf e d", b"between"), (b"m1 publish --delay=1", b"event expected"),
+                         (b"m1 publish --delay=1 --at=5 e d", b"event expected"),
+                         (b"m1 publish --later e d", b"event expected"),
+                         (b"r1 reject c1 m1 --delay=-2", b"seconds >= 0")):
+        wire.send(line)
+        wire.expect_error(line.split()[0], reason)
+
+
+# -- every setting and timer survives a restart ------------------------------------------------
+
+def semantic_state(server, delay_seconds: float):
+    """A queue with limits, a dead letter, a delayed publish and a copy rejected with --delay."""
+    wire, publisher = server.wire(), server.wire()  # with a data dir a confirm may come after the delivery
+    q, e = unique("q"), unique("e")
+    held(wire, b"c1", q, e, b"--max-retries=0", b"--max-length=5")
+    publish(publisher, b"dead1", e, b"poison")
+    wire.expect(b"c1 ok dead1 event=%b poison" % e)
+    wire.send(b"r1 reject --confirm c1 dead1")  # straight to q.dead
+    wire.expect(b"r1 ok ")
+    wire.send(b"rb rebind --confirm %b --max-retries=3" % q)
+    wire.expect(b"c1 ok --update %b %b --max-retries=3 --max-length=5 --manual-ack" % (q, e))
+    wire.expect(b"rb ok ")
+    publish(publisher, b"park1", e, b"parked")
+    wire.expect(b"c1 ok park1 event=%b parked" % e)
+    due = time.time() + delay_seconds
+    wire.send(b"r2 reject --confirm c1 park1 --delay=%r" % delay_seconds)
+    wire.expect(b"r2 ok ")
+    publisher.send(b"later1 publish --confirm --at=%r %b later" % (due + 0.3, e))
+    publisher.expect(b"later1 ok ")
+    wire.close()
+    publisher.close()
+    return q, e, due
+
+
+@pytest.mark.parametrize("how", ["kill -9", "snapshot, then kill -9"])
+def test_settings_dead_letters_and_delays_survive_a_restart(make_broker, tmp_path, how):
+    server = make_broker("--eval", "--data-dir", str(tmp_path))
+    q, e, due = semantic_state(server, 2.0)
+    if how.startswith("snapshot"):
+        wire = server.wire()
+        wire.send(b"s1 _eval workers.journal.snapshot(workers.brokers, workers.snapshot_lines())")
+        wire.expect(b"s1 ok None")
+        publish(wire, b"sync", b"nobody.listens")  # a confirm waits for everything before it
+    server.kill()
+    server.restart()
+    assert time.time() < due, "the restart took longer than the delay: the test cannot tell early from late"
+    wire = server.wire()
+    wire.send(b"d1 consume %b.dead" % q)
+    wire.expect(b"d1 ok dead1 event=%b,retry=1 poison" % e)
+    wire.send(b"c2 consume --confirm %b --manual-ack" % q)
+    wire.expect(b"c2 ok ")
+    assert wire.barrier() == []  # nothing came early: the parked copy and the delayed publish wait
+    wire.expect(b"c2 ok park1 event=%b,retry=1 parked" % e, timeout=10)
+    assert time.time() >= due  # parked from the reject, sent after `due` was taken
+    wire.expect(b"c2 ok later1 event=%b later" % e, timeout=10)
+    assert time.time() >= due + 0.3
+    wire.send(b"q1 queues %b" % q)
+    assert b'"flags":["--max-retries=3","--max-length=5"]' in wire.recv_line()
