@@ -31,6 +31,7 @@ from .protocol import (
     parse_unix_seconds,
     text,
 )
+from .schedules import BadRule
 from .state import Broker, Consumer, SeqConsumer, TimedConsumer, TimedSeqConsumer
 from .workers import Workers
 
@@ -160,6 +161,105 @@ def parse_limit(token: bytes, limits: dict[str, int | None], action: str) -> boo
             limits[name] = limit
         return True
     return False
+
+
+DEFAULT_REQUEST_TIMEOUT_SECONDS = 30.0
+
+
+def handle_request(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{rid} request [--timeout=S] {event} {data}` (extension): publish; the first reply is the answer.
+
+    Deliveries carry `,reply={token}` after the event; `{rid} ok --reply {data}` comes when a
+    worker replies, `{rid} error ... no reply within S s` when none does in time.
+    """
+    seconds = DEFAULT_REQUEST_TIMEOUT_SECONDS
+    first, _, rest = args.partition(b" ")
+    if (value := parse_flag_value(first, b"--timeout")) is not None:
+        seconds = parse_seconds(value, "request: --timeout") if value else 0.0
+        if not seconds:
+            raise ProtocolError(f"request: --timeout wants seconds > 0, got {text(value)!r}")
+        args = rest
+    event, _, data = args.partition(b" ")
+    check_name(event, "request: event")
+    if not any(broker.routes(event) for broker in session.brokers):
+        raise ProtocolError(f"request: no queue is bound to event {text(event)!r}")
+    token = session.workers.requests.open(session.outbox, rid, seconds)
+    tail = b"".join((b" ok ", rid, b" event=", event, b",reply=", token, b" ", data))
+    for broker in session.brokers:
+        broker.publish(rid, event, tail)
+
+
+def handle_reply(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} reply {token} {data}` (extension): answer a request; a second reply is dropped and counted."""
+    token, _, data = args.partition(b" ")
+    if not session.workers.requests.reply(token, data):
+        raise ProtocolError(f"reply: unknown token {text(token)!r}: never issued, timed out, or its requester left")
+    if confirm:
+        session.ok(rid)
+
+
+SCHEDULE_USAGE = ("{id} schedule {name} --every=S|--cron M H DOM MON DOW [--count=N] [--nohaste] "
+                  "{event} {data}")
+
+
+def handle_schedule(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`schedule {name} --every=S|--cron M H DOM MON DOW [--count=N] [--nohaste] {event} {data}` (extension)."""
+    name, _, rest = args.partition(b" ")
+    check_name(name, "schedule: name")
+    every: float | None = None
+    cron: str | None = None
+    count: int | None = None
+    nohaste = False
+    while rest.startswith(b"--"):
+        token, _, rest = rest.partition(b" ")
+        if token == b"--cron":
+            fields = rest.split(b" ", 5)
+            if len(fields) < 6 or not all(fields[:5]):
+                raise ProtocolError(f"schedule: --cron wants five fields (M H DOM MON DOW), then the event; "
+                                    f"expected {SCHEDULE_USAGE}")
+            cron, rest = b" ".join(fields[:5]).decode(), fields[5]
+        elif (value := parse_flag_value(token, b"--every")) is not None:
+            every = parse_seconds(value, "schedule: --every") if value else 0.0
+            if not every:
+                raise ProtocolError(f"schedule: --every wants seconds > 0, got {text(value)!r}")
+        elif (value := parse_flag_value(token, b"--count")) is not None:
+            count = parse_count(value, "schedule: --count") if value else 0
+            if not count:
+                raise ProtocolError(f"schedule: --count wants a whole number >= 1, got {text(value)!r}")
+        elif token == b"--nohaste":
+            nohaste = True
+        else:
+            raise ProtocolError(f"schedule: unknown flag {text(token)!r}; expected {SCHEDULE_USAGE}")
+    if (every is None) == (cron is None):
+        raise ProtocolError(f"schedule: give one of --every=S and --cron; expected {SCHEDULE_USAGE}")
+    event, _, data = rest.partition(b" ")
+    check_name(event, "schedule: event")
+    try:
+        session.workers.schedules.set(name, every, cron, count, nohaste, event, data)
+    except BadRule as e:
+        raise ProtocolError(f"schedule: {e}") from None
+    if confirm:
+        session.ok(rid)
+
+
+def handle_unschedule(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    tokens = args.split()
+    if len(tokens) != 1:
+        raise ProtocolError("unschedule: expected {id} unschedule {name}")
+    if not session.workers.schedules.remove(tokens[0]):
+        raise ProtocolError(f"unschedule: no schedule {text(tokens[0])!r}")
+    if confirm:
+        session.ok(rid)
+
+
+def handle_schedules(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} schedules` -> `{id} ok {json}` per schedule, sorted by name, then `{id} ok --end`."""
+    if args.strip():
+        raise ProtocolError(f"schedules: unexpected {text(args)!r}; expected {{id}} schedules")
+    head = rid + b" ok "
+    lines = [b"%b%b\n" % (head, to_json(row)) for row in session.workers.schedules.rows()]
+    lines.append(head + b"--end\n")
+    session.write(b"".join(lines))
 
 
 def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, dict, dict[str, int | None]]:
@@ -427,6 +527,12 @@ ACTIONS: dict[bytes, Action] = {
     b"rebind": Action(handle_rebind, REBIND_MISSING, logged=True),
     b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", logged=True),
     b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", logged=True),
+    b"request": Action(handle_request, "request: event expected: {id} request [--timeout=S] {event} {data}",
+                       logged=True),
+    b"reply": Action(handle_reply, "reply: expected {id} reply {token} {data}"),
+    b"schedule": Action(handle_schedule, "schedule: name expected: " + SCHEDULE_USAGE, logged=True),
+    b"unschedule": Action(handle_unschedule, "unschedule: expected {id} unschedule {name}", logged=True),
+    b"schedules": Action(handle_schedules, "", needs_args=False),
     b"ping": Action(handle_ping, "", needs_args=False, needs_auth=False),
     b"stats": Action(handle_stats, "", needs_args=False),
     b"queues": Action(handle_queues, "", needs_args=False),

@@ -108,6 +108,7 @@ class Server:
         self.next_error_id = ErrorIds()
         self.journal = self.open_journal() if config.data_dir else None
         self.workers = Workers(config.workers, self.timers, self.journal)
+        self.workers.error_line = self.error_line
         self.stream_server: Listener | None = None
         self.metrics_server: WSGIServer | None = None
         self.no_connections = Event()  # set whenever the last connection's clean-up is done

@@ -15,6 +15,8 @@ Only with `mqksd --data-dir`: then each worker is a `DurableBroker` whose queues
     Y {queue} {due_ms} {seq} {retry}...   rejected with --delay: back at the front at due_ms (Unix ms)
     T {due_ms}{tail}                      a publish delayed until due_ms (Unix ms), routed then
     F {due_ms}                            the publishes delayed until due_ms went out (P records follow)
+    K {name} {json}                       a schedule's whole state (set, or after each firing)
+    U {name}                              the schedule was removed (unscheduled, or its count reached)
     E {queue} {seq} {retry}{tail}         a dead letter put into this queue, keeping its retry count
     S                                     a snapshot follows: forget everything before it
     N {queue} {next_seq}                  (snapshot) the queue's next seq
@@ -394,11 +396,12 @@ class Recovered:
 class Recovery:
     """The whole state as replay rebuilds it: the queues, and what the process keeps above them."""
 
-    __slots__ = ("queues", "delayed")
+    __slots__ = ("queues", "delayed", "schedules")
 
     def __init__(self) -> None:
         self.queues: dict[bytes, Recovered] = {}
         self.delayed: dict[int, list[bytes]] = {}  # due Unix ms -> the tails published then
+        self.schedules: dict[bytes, bytes] = {}  # name -> its last K record
 
 
 def recover(records: Iterable[bytes]) -> Recovery:
@@ -467,6 +470,10 @@ def recover(records: Iterable[bytes]) -> Recovery:
             delayed.setdefault(int(due_text), []).append(space + tail)
         elif kind == b"F":
             delayed.pop(int(line[2:]), None)
+        elif kind == b"K":
+            recovery.schedules[line[2:].partition(b" ")[0]] = line
+        elif kind == b"U":
+            recovery.schedules.pop(line[2:], None)
         elif kind == b"Q":
             fields = line.split(b" ")
             q = queue(fields[1])
@@ -488,6 +495,7 @@ def recover(records: Iterable[bytes]) -> Recovery:
         elif kind == b"S":
             queues.clear()
             delayed.clear()
+            recovery.schedules.clear()
         elif kind == b"N":
             _, name, seq_text = line.split(b" ")
             queue(name).next_seq = int(seq_text)

@@ -564,6 +564,13 @@ class Broker:
                 self.consumed += 1
         self.queued += len(queues)
 
+    def routes(self, event: bytes) -> bool:
+        """True if a queue of this worker is bound to `event`."""
+        queues = self.route_cache.get(event)
+        if queues is None:
+            queues = self.routing.route(event)
+        return bool(queues)
+
     def full_queues(self, event: bytes) -> list[Queue]:
         """The queues bound to `event` that would refuse a copy now (at their `max_length`)."""
         queues = self.route_cache.get(event)
