@@ -14,13 +14,24 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 from .outbox import Outbox
-from .protocol import ProtocolError, looks_like_http, parse_count, parse_flag_value, parse_seconds, text
+from .protocol import (
+    ProtocolError,
+    looks_like_http,
+    parse_count,
+    parse_flag_value,
+    parse_seconds,
+    parse_unix_seconds,
+    text,
+)
+from .schedules import BadRule
 from .state import Broker, Consumer, SeqConsumer, TimedConsumer, TimedSeqConsumer
 from .workers import Workers
 
@@ -76,12 +87,45 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
         event = args[:space]
         tail = b"".join((b" ok ", rid, b" event=", args))
     if not event or (event[0] == DASH and event.startswith(b"--")):
-        check_name(event, "publish: event")
+        publish_flagged(session, rid, args, confirm)
+        return
     if confirm:
         publish_confirmed(session, rid, event, tail)
         return
     for broker in session.brokers:
         broker.publish(rid, event, tail)
+
+
+def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`publish [--delay=S | --at=UNIX_SECONDS] {event} {data}` (extension): the copies enter their queues when due."""
+    flag, _, rest = args.partition(b" ")
+    if (value := parse_flag_value(flag, b"--delay")) is not None:
+        due = time.time() + parse_seconds(value, "publish: --delay")
+    elif (value := parse_flag_value(flag, b"--at")) is not None:
+        due = parse_unix_seconds(value, "publish: --at")
+    else:
+        check_name(flag, "publish: event")  # raises: an event never starts with "--"
+    event, space, _ = rest.partition(b" ")
+    check_name(event, "publish: event")
+    tail = b"".join((b" ok ", rid, b" event=", rest, b"" if space else b" "))
+    due_ms = math.ceil(due * 1000)  # never early: the first millisecond at or after the due time
+    workers = session.workers
+    if due_ms <= time.time() * 1000:
+        if confirm:
+            publish_confirmed(session, rid, event, tail)
+        else:
+            for broker in session.brokers:
+                broker.publish(rid, event, tail)
+        return
+    journal = workers.journal
+    if confirm and journal is not None and journal.log.disk_full:
+        raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
+    workers.publish_later(due_ms, tail)
+    if confirm:
+        if journal is None:
+            session.ok(rid)
+        else:
+            journal.unconfirmed.append((session.outbox, rid))
 
 
 def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
@@ -117,6 +161,105 @@ def parse_limit(token: bytes, limits: dict[str, int | None], action: str) -> boo
             limits[name] = limit
         return True
     return False
+
+
+DEFAULT_REQUEST_TIMEOUT_SECONDS = 30.0
+
+
+def handle_request(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{rid} request [--timeout=S] {event} {data}` (extension): publish; the first reply is the answer.
+
+    Deliveries carry `,reply={token}` after the event; `{rid} ok --reply {data}` comes when a
+    worker replies, `{rid} error ... no reply within S s` when none does in time.
+    """
+    seconds = DEFAULT_REQUEST_TIMEOUT_SECONDS
+    first, _, rest = args.partition(b" ")
+    if (value := parse_flag_value(first, b"--timeout")) is not None:
+        seconds = parse_seconds(value, "request: --timeout") if value else 0.0
+        if not seconds:
+            raise ProtocolError(f"request: --timeout wants seconds > 0, got {text(value)!r}")
+        args = rest
+    event, _, data = args.partition(b" ")
+    check_name(event, "request: event")
+    if not any(broker.routes(event) for broker in session.brokers):
+        raise ProtocolError(f"request: no queue is bound to event {text(event)!r}")
+    token = session.workers.requests.open(session.outbox, rid, seconds)
+    tail = b"".join((b" ok ", rid, b" event=", event, b",reply=", token, b" ", data))
+    for broker in session.brokers:
+        broker.publish(rid, event, tail)
+
+
+def handle_reply(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} reply {token} {data}` (extension): answer a request; a second reply is dropped and counted."""
+    token, _, data = args.partition(b" ")
+    if not session.workers.requests.reply(token, data):
+        raise ProtocolError(f"reply: unknown token {text(token)!r}: never issued, timed out, or its requester left")
+    if confirm:
+        session.ok(rid)
+
+
+SCHEDULE_USAGE = ("{id} schedule {name} --every=S|--cron M H DOM MON DOW [--count=N] [--nohaste] "
+                  "{event} {data}")
+
+
+def handle_schedule(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`schedule {name} --every=S|--cron M H DOM MON DOW [--count=N] [--nohaste] {event} {data}` (extension)."""
+    name, _, rest = args.partition(b" ")
+    check_name(name, "schedule: name")
+    every: float | None = None
+    cron: str | None = None
+    count: int | None = None
+    nohaste = False
+    while rest.startswith(b"--"):
+        token, _, rest = rest.partition(b" ")
+        if token == b"--cron":
+            fields = rest.split(b" ", 5)
+            if len(fields) < 6 or not all(fields[:5]):
+                raise ProtocolError(f"schedule: --cron wants five fields (M H DOM MON DOW), then the event; "
+                                    f"expected {SCHEDULE_USAGE}")
+            cron, rest = b" ".join(fields[:5]).decode(), fields[5]
+        elif (value := parse_flag_value(token, b"--every")) is not None:
+            every = parse_seconds(value, "schedule: --every") if value else 0.0
+            if not every:
+                raise ProtocolError(f"schedule: --every wants seconds > 0, got {text(value)!r}")
+        elif (value := parse_flag_value(token, b"--count")) is not None:
+            count = parse_count(value, "schedule: --count") if value else 0
+            if not count:
+                raise ProtocolError(f"schedule: --count wants a whole number >= 1, got {text(value)!r}")
+        elif token == b"--nohaste":
+            nohaste = True
+        else:
+            raise ProtocolError(f"schedule: unknown flag {text(token)!r}; expected {SCHEDULE_USAGE}")
+    if (every is None) == (cron is None):
+        raise ProtocolError(f"schedule: give one of --every=S and --cron; expected {SCHEDULE_USAGE}")
+    event, _, data = rest.partition(b" ")
+    check_name(event, "schedule: event")
+    try:
+        session.workers.schedules.set(name, every, cron, count, nohaste, event, data)
+    except BadRule as e:
+        raise ProtocolError(f"schedule: {e}") from None
+    if confirm:
+        session.ok(rid)
+
+
+def handle_unschedule(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    tokens = args.split()
+    if len(tokens) != 1:
+        raise ProtocolError("unschedule: expected {id} unschedule {name}")
+    if not session.workers.schedules.remove(tokens[0]):
+        raise ProtocolError(f"unschedule: no schedule {text(tokens[0])!r}")
+    if confirm:
+        session.ok(rid)
+
+
+def handle_schedules(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} schedules` -> `{id} ok {json}` per schedule, sorted by name, then `{id} ok --end`."""
+    if args.strip():
+        raise ProtocolError(f"schedules: unexpected {text(args)!r}; expected {{id}} schedules")
+    head = rid + b" ok "
+    lines = [b"%b%b\n" % (head, to_json(row)) for row in session.workers.schedules.rows()]
+    lines.append(head + b"--end\n")
+    session.write(b"".join(lines))
 
 
 def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, dict, dict[str, int | None]]:
@@ -239,9 +382,21 @@ def handle_reject(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
 
 def settle(session: Session, rid: bytes, args: bytes, confirm: bool, action: str) -> None:
     """`ack` or `reject` one, several or all un-acked messages of a consumer."""
+    delay_seconds = None
+    if action == "reject" and b"--delay" in args:
+        head, _, flag = args.rpartition(b" ")
+        value = parse_flag_value(flag, b"--delay")
+        if value is not None:
+            args = head
+            delay_seconds = parse_seconds(value, "reject: --delay")
     consumer, msg_ids = parse_ack(session, action, args)
     broker = session.workers.worker_for(consumer.queue.name)
-    if msg_ids is None:
+    if delay_seconds:
+        due_ms = math.ceil((time.time() + delay_seconds) * 1000)
+        if unknown := broker.reject_later(consumer, msg_ids, due_ms):
+            raise ProtocolError(f"reject: no un-acked message {text(b' '.join(unknown))!r} "
+                                f"for consumer {text(consumer.consumer_id)!r}")
+    elif msg_ids is None:
         (broker.ack_all if action == "ack" else broker.reject_all)(consumer)
     elif unknown := (broker.ack if action == "ack" else broker.reject)(consumer, msg_ids):
         raise ProtocolError(f"{action}: no un-acked message {text(b' '.join(unknown))!r} "
@@ -372,6 +527,12 @@ ACTIONS: dict[bytes, Action] = {
     b"rebind": Action(handle_rebind, REBIND_MISSING, logged=True),
     b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", logged=True),
     b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", logged=True),
+    b"request": Action(handle_request, "request: event expected: {id} request [--timeout=S] {event} {data}",
+                       logged=True),
+    b"reply": Action(handle_reply, "reply: expected {id} reply {token} {data}"),
+    b"schedule": Action(handle_schedule, "schedule: name expected: " + SCHEDULE_USAGE, logged=True),
+    b"unschedule": Action(handle_unschedule, "unschedule: expected {id} unschedule {name}", logged=True),
+    b"schedules": Action(handle_schedules, "", needs_args=False),
     b"ping": Action(handle_ping, "", needs_args=False, needs_auth=False),
     b"stats": Action(handle_stats, "", needs_args=False),
     b"queues": Action(handle_queues, "", needs_args=False),

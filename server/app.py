@@ -108,6 +108,7 @@ class Server:
         self.next_error_id = ErrorIds()
         self.journal = self.open_journal() if config.data_dir else None
         self.workers = Workers(config.workers, self.timers, self.journal)
+        self.workers.error_line = self.error_line
         self.stream_server: Listener | None = None
         self.metrics_server: WSGIServer | None = None
         self.no_connections = Event()  # set whenever the last connection's clean-up is done
@@ -139,7 +140,9 @@ class Server:
         started = time.monotonic()
         records = journal.log.replay(repair=self.config.repair)
         try:
-            queues, messages = rebuild(recover(records), self.workers.worker_for)
+            recovery = recover(records)
+            queues, messages = rebuild(recovery.queues, self.workers.worker_for)
+            self.workers.restore(recovery)
         except LogCorrupt as e:
             log.error("cannot start: %s", e)  # names the file, the offset and --repair
             sys.exit(1)

@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 
 import gevent
@@ -196,6 +197,8 @@ class Connection:
         pending = workers.pending
         flush_pending = workers.flush_pending
         journal = workers.journal
+        delayed = workers.delayed
+        delayed_keys = delayed.keys  # a heap, changed in place
         debug = log.isEnabledFor(logging.DEBUG)
         unyielded_bytes = 0
         while not self.closed:
@@ -207,6 +210,9 @@ class Connection:
             if lines:
                 if debug:
                     log.debug("%s sent %d lines: %r", self.peer, len(lines), lines[:20])
+                if delayed_keys and delayed_keys[0] <= time.time() * 1000:
+                    # what came due goes first: a line read after a due time sees that message published
+                    delayed.fire_due()
                 run_lines(self, lines, rejected)
             if pending or journal is not None:  # durable: the batch's records are committed there too
                 flush_pending()

@@ -12,6 +12,11 @@ Only with `mqksd --data-dir`: then each worker is a `DurableBroker` whose queues
     D {queue} {seq}...                    delivered and held for an ack
     A {queue} {seq}...                    gone: acked, or delivered to an auto-ack consumer
     R {queue} {seq} {retry}...            back at the front of the queue with this retry count
+    Y {queue} {due_ms} {seq} {retry}...   rejected with --delay: back at the front at due_ms (Unix ms)
+    T {due_ms}{tail}                      a publish delayed until due_ms (Unix ms), routed then
+    F {due_ms}                            the publishes delayed until due_ms went out (P records follow)
+    K {name} {json}                       a schedule's whole state (set, or after each firing)
+    U {name}                              the schedule was removed (unscheduled, or its count reached)
     E {queue} {seq} {retry}{tail}         a dead letter put into this queue, keeping its retry count
     S                                     a snapshot follows: forget everything before it
     N {queue} {next_seq}                  (snapshot) the queue's next seq
@@ -29,7 +34,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from itertools import groupby, islice
+from itertools import chain, groupby
 from operator import itemgetter
 from typing import Any, Protocol
 
@@ -133,19 +138,26 @@ class Journal:
         growth = max(self.snapshot_min_growth_bytes, int(self.last_snapshot_bytes * SNAPSHOT_GROWTH))
         return self.log.handed_bytes - self.snapshot_mark > growth
 
-    def snapshot(self, brokers: Iterable[Broker]) -> None:
-        """Write the whole live state as one frame in a new segment; the log then drops older ones."""
+    def snapshot(self, brokers: Iterable[Broker], process_lines: Iterable[bytes] = ()) -> None:
+        """Write the whole live state as one frame in a new segment; the log then drops older ones.
+
+        `process_lines`: the state kept above the workers (delayed publishes, schedules) as records.
+        """
         self.commit()  # what came before stays before
         started = time.monotonic()
         size = 0
         append = self.log.append
         append(b"S")
+        brokers = list(brokers)
         for broker in brokers:
             for queue in broker.queues.values():
                 assert isinstance(queue, DurableQueue)  # a journal's brokers make only these
                 for line in queue.snapshot_lines():
                     size += len(line) + 1
                     append(line)
+        for line in chain(*map(parked_lines, brokers), process_lines):
+            size += len(line) + 1
+            append(line)
         number = self.log.commit(new_segment=True)
         if number is not None:
             self.last_commit = number
@@ -168,6 +180,20 @@ def answer_ok(confirms: list[tuple[Outbox, bytes]]) -> None:
     """`{rid} ok` to each, one write per run of confirms owed to the same client."""
     for outbox, run in groupby(confirms, key=itemgetter(0)):
         outbox.write(b"".join([b"%b ok \n" % rid for _, rid in run]))
+
+
+def parked_lines(broker: Broker) -> Iterator[bytes]:
+    """The copies rejected with --delay, as snapshot records: each message, then when it comes back."""
+    for due_ms, entries in broker.parked.items():
+        for queue, records in entries:
+            name: bytes = queue.name
+            if broker.queues.get(name) is not queue:
+                continue
+            fields = [b"Y", name, b"%d" % due_ms]
+            for record in records:
+                yield b"M %b %d %d 0%b" % (name, record.seq, record.retry, record.tail)
+                fields += [b"%d" % record.seq, b"%d" % record.retry]
+            yield b" ".join(fields)
 
 
 def holds(queue: Queue, seq: int) -> bool:
@@ -204,11 +230,11 @@ class DurableQueue(Queue):
         self.journal.append(b"%b %b %d" % (b"D" if consumer.manual_ack else b"A", self.name, seq))
         return seq
 
-    def requeue(self, taken: list[tuple[int, Item]]) -> None:
-        Queue.requeue(self, taken)
-        if taken:
+    def put_front(self, records: list[Message]) -> None:
+        Queue.put_front(self, records)
+        if records:
             fields = [b"R", self.name]
-            for record in islice(self.messages, len(taken)):  # the records Queue.requeue just put in front
+            for record in records:
                 fields += [b"%d" % record.seq, b"%d" % record.retry]
             self.journal.append(b" ".join(fields))
 
@@ -314,6 +340,13 @@ class DurableBroker(Broker):
         self.journal.append(queue_line(queue))  # before the dead letters it may cause, as replay needs
         super().limits_changed(queue)
 
+    def park(self, queue: Queue, due_ms: int, records: list[Message]) -> None:
+        fields = [b"Y", queue.name, b"%d" % due_ms]
+        for record in records:
+            fields += [b"%d" % record.seq, b"%d" % record.retry]
+        self.journal.append(b" ".join(fields))
+        super().park(queue, due_ms, records)
+
     def dead_letter(self, queue: Queue, taken: list[tuple[int, Item]], raise_retry: bool = True) -> None:
         self.journal.append(b" ".join([b"A", queue.name, *(b"%d" % seq for seq, _ in taken)]))
         super().dead_letter(queue, taken, raise_retry)
@@ -348,7 +381,7 @@ class DurableBroker(Broker):
 class Recovered:
     """One queue as replay rebuilds it."""
 
-    __slots__ = ("events", "seconds", "limits", "messages", "front", "next_seq")
+    __slots__ = ("events", "seconds", "limits", "messages", "front", "parked", "next_seq")
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
@@ -356,12 +389,26 @@ class Recovered:
         self.limits: dict[str, int | None] = {"max_retries": None, "max_length": None}
         self.messages: dict[int, list] = {}  # seq -> [tail, retry, held]
         self.front: list[int] = []  # requeued seqs, front first (may hold stale entries)
+        self.parked: dict[int, int] = {}  # seq -> the Unix ms it comes back (rejected with --delay)
         self.next_seq = 0
 
 
-def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
+class Recovery:
+    """The whole state as replay rebuilds it: the queues, and what the process keeps above them."""
+
+    __slots__ = ("queues", "delayed", "schedules")
+
+    def __init__(self) -> None:
+        self.queues: dict[bytes, Recovered] = {}
+        self.delayed: dict[int, list[bytes]] = {}  # due Unix ms -> the tails published then
+        self.schedules: dict[bytes, bytes] = {}  # name -> its last K record
+
+
+def recover(records: Iterable[bytes]) -> Recovery:
     """Replay records into queue states; a record about an unknown seq or queue is skipped."""
-    queues: dict[bytes, Recovered] = {}
+    recovery = Recovery()
+    queues = recovery.queues
+    delayed = recovery.delayed
 
     def queue(name: bytes) -> Recovered:
         found = queues.get(name)
@@ -403,8 +450,30 @@ def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
                 message = found.messages.get(seq)
                 if message is not None:
                     message[1], message[2] = retry, False
+                    found.parked.pop(seq, None)
                     requeued.append(seq)
             found.front[:0] = requeued
+        elif kind == b"Y":
+            fields = line.split(b" ")
+            found = queues.get(fields[1])
+            if found is None:
+                continue
+            due_ms = int(fields[2])
+            for i in range(3, len(fields), 2):
+                seq, retry = int(fields[i]), int(fields[i + 1])
+                message = found.messages.get(seq)
+                if message is not None:
+                    message[1], message[2] = retry, False
+                    found.parked[seq] = due_ms
+        elif kind == b"T":
+            due_text, space, tail = line[2:].partition(b" ")
+            delayed.setdefault(int(due_text), []).append(space + tail)
+        elif kind == b"F":
+            delayed.pop(int(line[2:]), None)
+        elif kind == b"K":
+            recovery.schedules[line[2:].partition(b" ")[0]] = line
+        elif kind == b"U":
+            recovery.schedules.pop(line[2:], None)
         elif kind == b"Q":
             fields = line.split(b" ")
             q = queue(fields[1])
@@ -425,6 +494,8 @@ def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
             queues.pop(line[2:], None)
         elif kind == b"S":
             queues.clear()
+            delayed.clear()
+            recovery.schedules.clear()
         elif kind == b"N":
             _, name, seq_text = line.split(b" ")
             queue(name).next_seq = int(seq_text)
@@ -437,7 +508,7 @@ def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
                 q.front.append(seq)  # a requeued one: the snapshot lists them front first
         else:
             raise ValueError(f"unknown record {line[:40]!r}")
-    return queues
+    return recovery
 
 
 def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Broker]) -> tuple[int, int]:
@@ -456,7 +527,13 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         queue.max_length = state.limits["max_length"]
         messages = state.messages
         held = sorted(seq for seq, m in messages.items() if m[2])
-        seen: set[int] = set(held)
+        seen: set[int] = set(held) | state.parked.keys()
+        parked_by_due: dict[int, list[Message]] = {}
+        for seq, due_ms in sorted(state.parked.items()):
+            tail, retry, _ = messages[seq]
+            parked_by_due.setdefault(due_ms, []).append(Message(seq, retry, tail))
+        for due_ms, parked in parked_by_due.items():
+            Broker.park(broker, queue, due_ms, parked)  # already in the log: not again
         front = []
         for seq in state.front:
             if seq in messages and seq not in seen:
@@ -470,7 +547,7 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         while plain_from and messages[rest[plain_from - 1]][1] == 0 and (
                 plain_from == len(rest) or rest[plain_from - 1] == rest[plain_from] - 1):
             plain_from -= 1
-        if (held and rest and held[-1] > rest[-1]) or (front and rest and max(front) > rest[-1]):
+        if rest and max(held[-1:] + front + list(state.parked), default=-1) > rest[-1]:
             plain_from = len(rest)  # a live record above them: keep every seq explicit
         records = []
         for seq in held:

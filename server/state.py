@@ -29,6 +29,7 @@ from typing import Any, TypeAlias
 
 from .outbox import Outbox
 from .routing import Routing, compile_mask
+from .timers import Buckets
 
 Schedule = Callable[[float, Callable[[], None]], Callable[[], None]]  # (seconds, fn) -> cancel
 # tails per Packed run: ~128 KiB of 100-byte messages, past glibc's mmap threshold, so a run
@@ -536,6 +537,8 @@ class Broker:
         self.clock = clock  # the schedule's clock: ack-timeout deadlines are on it
         # the worker that owns a queue name (dead letters may belong to another); set by Workers
         self.broker_for: Callable[[bytes], Broker] = lambda name: self
+        # copies rejected with --delay, waiting to go back to the front of their queue: (queue, records)
+        self.parked = Buckets(schedule, self._unpark)
         self.count_clients = count_clients  # for stats only: a worker knows no connections
         self.queues: dict[bytes, Queue] = {}
         self.routing = Routing(cache_enabled=cache_routes)
@@ -560,6 +563,13 @@ class Broker:
             if queue.put(tail, msg_id):
                 self.consumed += 1
         self.queued += len(queues)
+
+    def routes(self, event: bytes) -> bool:
+        """True if a queue of this worker is bound to `event`."""
+        queues = self.route_cache.get(event)
+        if queues is None:
+            queues = self.routing.route(event)
+        return bool(queues)
 
     def full_queues(self, event: bytes) -> list[Queue]:
         """The queues bound to `event` that would refuse a copy now (at their `max_length`)."""
@@ -717,6 +727,44 @@ class Broker:
                 taken.append(found)
         self._requeue(consumer, taken)
         return unknown
+
+    def reject_later(self, consumer: Consumer, msg_ids: list[bytes] | None, due_ms: int) -> list[bytes]:
+        """`reject --delay`: the copies go back to the front of the queue at `due_ms`, retry raised now."""
+        unknown: list[bytes] = []
+        if msg_ids is None:
+            taken = consumer.take_all_unacked()
+        else:
+            taken = []
+            for msg_id in msg_ids:
+                found = consumer.take_unacked(msg_id)
+                if found is None:
+                    unknown.append(msg_id)
+                else:
+                    taken.append(found)
+        self.rejected += len(taken)
+        queue = consumer.queue
+        if taken and self.queues.get(queue.name) is queue:
+            max_retries = queue.max_retries
+            if max_retries is not None:
+                dead = [taken_one for taken_one in taken if retry_of(taken_one[1]) >= max_retries]
+                if dead:
+                    taken = [taken_one for taken_one in taken if retry_of(taken_one[1]) < max_retries]
+                    self.dead_letter(queue, dead)
+            if taken:
+                self.park(queue, due_ms, [Message(seq, retry_of(item) + 1, item.tail if isinstance(item, Message)
+                                                  else item) for seq, item in taken])
+            if consumer.prefetch:
+                self.pump(queue)
+        return unknown
+
+    def park(self, queue: Queue, due_ms: int, records: list[Message]) -> None:
+        self.parked.add(due_ms, (queue, records))
+
+    def _unpark(self, due_ms: int, entries: list[tuple[Queue, list[Message]]]) -> None:
+        for queue, records in entries:
+            if self.queues.get(queue.name) is queue:  # else the queue was deleted meanwhile
+                queue.put_front(records)
+                self.pump(queue)
 
     def reject_all(self, consumer: Consumer) -> None:
         self._requeue(consumer, consumer.take_all_unacked())
