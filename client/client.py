@@ -349,7 +349,7 @@ class Client:
     def schedules(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Every schedule, sorted by name, one dict each (extension).
 
-        Keys: name, rule ("every 5.0", "cron */5 * * * *"), next_due (unix seconds), fired, count
+        Keys: name, rule ("every 5", "cron */5 * * * *"), next_due (unix seconds), fired, count
         (None: no limit), event, data.
         """
         lines: list[bytes] = []
