@@ -8,6 +8,7 @@ gevent event; absence and order are proven with a later message on the same queu
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -337,6 +338,14 @@ def test_reject_with_delay_lets_later_messages_pass(client: Client) -> None:
 # request/reply
 
 
+def queues_on_both_workers(suffix: str) -> tuple[str, str]:
+    """Two queue names that a two-worker broker places on different workers (it places by crc32)."""
+    names = [f"q{number}-{suffix}" for number in range(64)]
+    even = next(name for name in names if zlib.crc32(name.encode()) % 2 == 0)
+    odd = next(name for name in names if zlib.crc32(name.encode()) % 2 == 1)
+    return even, odd
+
+
 def test_request_returns_the_workers_reply(client: Client, broker: Broker) -> None:
     queue, event = unique("q"), unique("e")
     worker = make_client(broker)
@@ -362,20 +371,24 @@ def test_request_and_reply_in_json(client: Client, broker: Broker) -> None:
         worker.close()
 
 
-def test_the_first_of_two_competing_replies_wins_and_the_other_is_counted_late(client: Client,
-                                                                                broker: Broker) -> None:
+def test_the_first_of_two_competing_replies_wins_and_the_other_is_counted_late(
+        broker_per_worker_count: Broker) -> None:
     event = unique("e")
-    workers = [make_client(broker), make_client(broker)]
+    client = make_client(broker_per_worker_count)
+    workers = [make_client(broker_per_worker_count), make_client(broker_per_worker_count)]
     try:
-        for number, worker in enumerate(workers):
-            # two queues bound to the event: each worker gets a copy and replies
-            worker.consume(unique(f"q{number}"), [event], Inbox(lambda message, n=number: message.reply(f"w{n}")))
+        inboxes = [Inbox(lambda message, n=number: message.reply(f"w{n}")) for number in range(2)]
+        for number, (worker, queue) in enumerate(zip(workers, queues_on_both_workers(event), strict=True)):
+            # two queues bound to the event: each gets a copy and replies
+            worker.consume(queue, [event], inboxes[number])
         before = counter(client, "replies_late")
         assert client.request(event, "who answers?", timeout=5) in ("w0", "w1")
         wait_until(lambda: counter(client, "replies_late") == before + 1, "the second reply counted late")
+        assert [len(inbox.messages) for inbox in inboxes] == [1, 1]
     finally:
         for worker in workers:
             worker.close()
+        client.close()
 
 
 def test_request_without_a_reply_raises_timeout_with_the_brokers_error_id(client: Client) -> None:
