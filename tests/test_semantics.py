@@ -1,11 +1,11 @@
-"""Work-queue semantics over real TCP (extensions): ack timeout and touch, dead letters, queue length limits."""
+"""Work-queue semantics over real TCP (extensions): ack timeout, dead letters, limits, delays, request/reply, schedules."""
 
 import json
 import time
 
 import pytest
-from helpers import unique_bytes as unique
 from helpers import rss_bytes, wait_for
+from helpers import unique_bytes as unique
 
 pytestmark = pytest.mark.timeout(60)
 
