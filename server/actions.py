@@ -539,12 +539,32 @@ ACTIONS: dict[bytes, Action] = {
     b"_eval": Action(handle_eval, "_eval: expected a Python expression", protected=True),
 }
 
+def refuse_publish_over_memory(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`publish` past --max-memory: a confirmed one gets an error, an unconfirmed one is dropped and counted."""
+    if confirm:
+        raise ProtocolError(memory_reason(session))
+    session.workers.dropped_by_memory += 1
+
+
+def refuse_request_over_memory(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    raise ProtocolError(memory_reason(session))
+
+
+def memory_reason(session: Session) -> str:
+    return (f"memory limit reached (--max-memory={session.workers.max_memory_bytes} bytes): publishes are refused "
+            "until consumers drain the queues")
+
+
+OVER_MEMORY: dict[bytes, Handler] = {b"publish": refuse_publish_over_memory, b"request": refuse_request_over_memory}
+
 _TABLES: dict[bool, dict[bytes, Action]] = {
     allowed: {name: action for name, action in ACTIONS.items() if allowed or not action.protected}
     for allowed in (False, True)
 }
-_HANDLERS: dict[bool, dict[bytes, Handler]] = {
-    allowed: {name: action.handler for name, action in table.items()} for allowed, table in _TABLES.items()
+_HANDLERS: dict[tuple[bool, bool], dict[bytes, Handler]] = {
+    (allowed, over_memory): {name: OVER_MEMORY.get(name, action.handler) if over_memory else action.handler
+                             for name, action in table.items()}
+    for allowed, table in _TABLES.items() for over_memory in (False, True)
 }
 
 
@@ -553,9 +573,12 @@ def actions_for(eval_enabled: bool, peer_is_loopback: bool) -> dict[bytes, Actio
     return _TABLES[eval_enabled and peer_is_loopback]
 
 
-def handlers_for(eval_enabled: bool, peer_is_loopback: bool) -> dict[bytes, Handler]:
-    """`actions_for` as name -> handler: one attribute load less per line (measured: ~2%)."""
-    return _HANDLERS[eval_enabled and peer_is_loopback]
+def handlers_for(eval_enabled: bool, peer_is_loopback: bool, over_memory: bool = False) -> dict[bytes, Handler]:
+    """`actions_for` as name -> handler: one attribute load less per line (measured: ~2%).
+
+    `over_memory`: the table for a broker past --max-memory, whose publishes are refused.
+    """
+    return _HANDLERS[eval_enabled and peer_is_loopback, over_memory]
 
 
 def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]]) -> None:

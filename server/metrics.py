@@ -52,6 +52,7 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
     "delayed": (GAUGE, "Publishes waiting for their --delay or --at time."),
     "requests_waiting": (GAUGE, "Requests waiting for a reply."),
     "schedules": (GAUGE, "Schedules."),
+    "memory_full": (GAUGE, "1 while resident memory is past --max-memory and publishes are refused."),
     "connections": (GAUGE, "Live client connections."),
     "workers": (GAUGE, "Workers of this process."),
     "uptime_seconds": (GAUGE, "Seconds since the broker started."),

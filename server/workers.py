@@ -56,7 +56,8 @@ class Workers:
     """Every worker of this process, the placement of queues on them, and the outboxes owed a flush."""
 
     __slots__ = ("brokers", "count", "pending", "clients", "journal", "timers", "delayed", "requests", "schedules",
-                 "error_line", "started", "bytes_in", "bytes_out", "errors")
+                 "error_line", "max_memory_bytes", "memory_full", "dropped_by_memory", "started", "bytes_in",
+                 "bytes_out", "errors")
 
     def __init__(self, count: int = 1, timers: Timers | None = None, journal: Journal | None = None) -> None:
         self.count = count
@@ -82,6 +83,9 @@ class Workers:
         self.error_line: Callable[[bytes, str], bytes] = lambda rid, reason: b"%b error - %b\n" % (rid, reason.encode())
         self.requests = Requests(self.timers.call_later, lambda rid, reason: self.error_line(rid, reason))
         self.schedules = Schedules(self.timers.call_later, self.publish)
+        self.max_memory_bytes: int | None = None  # mqksd --max-memory; the app checks it
+        self.memory_full = False  # past max_memory_bytes: publishes are refused
+        self.dropped_by_memory = 0
         if journal is not None:
             self.schedules.record = journal.append
 
@@ -109,6 +113,11 @@ class Workers:
             event = tail[start : tail.index(b" ", start)]
             for broker in brokers:
                 broker.publish(msg_id, event, tail)
+
+    def holds_messages(self) -> bool:
+        """True if any queue holds a message, waiting or un-acked."""
+        return any(queue.messages or any(consumer.unacked for consumer in queue.consumers)
+                   for broker in self.brokers for queue in broker.queues.values())
 
     def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
         """Put a copy into every queue of every worker bound to `event`."""
@@ -203,6 +212,8 @@ class Workers:
         figures["bytes_out"] = self.bytes_out
         figures["errors"] = self.errors
         figures["delayed"] = len(self.delayed)
+        figures["dropped"] = figures.get("dropped", 0) + self.dropped_by_memory
+        figures["memory_full"] = self.memory_full
         figures.update(self.requests.stats())
         figures.update(self.schedules.stats())
         if self.journal is not None:

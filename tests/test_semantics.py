@@ -1,11 +1,11 @@
-"""Work-queue semantics over real TCP (extensions): ack timeout and touch, dead letters, queue length limits."""
+"""Work-queue semantics over real TCP (extensions): ack timeout, dead letters, limits, delays, request/reply, schedules."""
 
 import json
 import time
 
 import pytest
+from helpers import rss_bytes, wait_for
 from helpers import unique_bytes as unique
-from helpers import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -506,3 +506,58 @@ def test_a_schedule_survives_a_restart_and_fires_once_for_the_slots_it_missed(ma
     wire.send(b"c1 consume %b" % q)
     for n in range(1, rows["often"]["fired"] + 1):
         wire.expect(b"c1 ok often.%d event=%b hi" % (n, e), timeout=10)
+
+
+# -- max memory ------------------------------------------------------------------------------------
+
+MEMORY_LIMIT_BYTES = 96 << 20
+# what the broker may pass its limit by: what comes in between two checks (10 ms) and the read
+# buffers of the batch that crossed it; stated in the README
+MEMORY_OVERHEAD_BYTES = 16 << 20
+
+
+def test_max_memory_refuses_publishes_while_consuming_and_acking_drain_it(make_broker):
+    server = make_broker("--max-memory", str(MEMORY_LIMIT_BYTES))
+    publisher, consumer = server.wire(), server.wire()
+    q, e = unique("q"), unique("e")
+    publisher.send(b"b1 rebind --confirm %b %b" % (q, e))
+    publisher.expect(b"b1 ok ")
+    body = b"x" * (64 << 10)
+    sent = 0
+    while True:  # unconfirmed publishes until a confirmed probe is refused
+        publisher.send(*(b"m%d publish %b %b" % (sent + i, e, body) for i in range(50)))
+        sent += 50
+        publisher.send(b"probe publish --confirm %b small" % e)
+        line = publisher.recv_line()
+        if line != b"probe ok ":
+            assert line.startswith(b"probe error ") and b"memory limit reached (--max-memory=%d bytes)" % (
+                MEMORY_LIMIT_BYTES) in line, line
+            break
+        assert sent < 10_000, "never refused"
+        sent += 1
+    assert rss_bytes(server.proc.pid) <= MEMORY_LIMIT_BYTES + MEMORY_OVERHEAD_BYTES
+    # unconfirmed publishes are dropped and counted now; everything else works
+    dropped = stats(server)["dropped"]
+    publisher.send(b"d1 publish %b dropped" % e, b"d2 request %b refused too" % e)
+    publisher.expect_error(b"d2", b"memory limit reached")
+    assert stats(server)["dropped"] == dropped + 1 and stats(server)["memory_full"] is True
+    consumer.send(b"c1 consume %b --manual-ack --prefetch=100" % q)
+    first = consumer.recv_line(timeout=10)
+    assert first.startswith(b"c1 ok m0 event=%b " % e)
+    consumer.send(b"a1 ack --confirm c1 m0")
+    while (line := consumer.recv_line(timeout=10)) != b"a1 ok ":
+        assert line.startswith(b"c1 ok ")
+    # drain it all: publishes are accepted again
+    consumer.send(b"d1 delete_consumer c1", b"c2 consume %b" % q)
+
+    def drained() -> bool:
+        try:
+            for _ in range(200):
+                consumer.recv_line(timeout=0.5)
+        except TimeoutError:
+            pass  # all read
+        return not stats(server)["memory_full"]
+
+    wait_for(drained, "publishes accepted again after the drain", timeout=60)
+    publisher.send(b"after publish --confirm %b small" % e)
+    publisher.expect(b"after ok ")
