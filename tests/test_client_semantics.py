@@ -541,20 +541,24 @@ def test_a_bad_cron_rule_is_refused_by_the_broker(client: Client) -> None:
 
 
 def test_max_memory_refuses_publishes_while_acks_drain(make_broker: Callable[..., Broker]) -> None:
-    server = make_broker("--max-memory", str(200 * 1024 * 1024))
+    server = make_broker("--max-memory", "96M")
     client = make_client(server)
     try:
         queue, event = unique("q"), unique("e")
         client.rebind(queue, [event])
-        chunk = "x" * 60000
+        chunk = "x" * (64 << 10)
         refused: MqksError | None = None
-        for _ in range(20000):  # at most 1.2 GB: far past the limit
+        for _ in range(200):  # at most 650 MB: far past the limit
+            for _ in range(50):
+                client.publish(event, chunk)
             try:
-                client.publish(event, chunk, confirm=True)
+                client.publish(event, "probe", confirm=True)
             except MqksError as e:
                 refused = e
                 break
-        assert refused is not None and refused.error_id and "memory" in refused.reason
+        assert refused is not None and refused.error_id and "memory limit reached" in refused.reason
+        with pytest.raises(MqksError, match="memory limit reached"):
+            client.request(event, "refused too", timeout=5)
         before = counter(client, "dropped")
         client.publish(event, chunk)  # unconfirmed: dropped and counted
         wait_until(lambda: counter(client, "dropped") == before + 1, "the dropped publish")
