@@ -38,18 +38,23 @@ class Message:
     `reply_token` is set when the message came from a `request` (extension): `reply(data)` answers it.
     """
 
-    __slots__ = ("id", "event", "data", "retry", "consumer_id", "reply_token", "_consumer", "_settled")
+    __slots__ = ("id", "event", "data", "retry", "consumer_id", "_consumer", "_settled", "_reply_token")
 
     def __init__(self, msg_id: str, event: str, data: Any, retry: int, consumer_id: str,
-                 consumer: Consumer | None = None, reply_token: str | None = None) -> None:
+                 consumer: Consumer | None = None, reply_token: bytes = b"") -> None:
         self.id = msg_id
         self.event = event
         self.data = data
         self.retry = retry
         self.consumer_id = consumer_id
-        self.reply_token = reply_token
         self._consumer = consumer
         self._settled = False
+        self._reply_token = reply_token  # as delivered: decoded only when asked for, off the hot path
+
+    @property
+    def reply_token(self) -> str | None:
+        """The broker's token of the `request` this message came from; None for a plain publish."""
+        return self._reply_token.decode() if self._reply_token else None
 
     def ack(self, confirm: bool = False) -> None:
         """Ack once; a no-op for an auto-ack consumer (the broker acked on delivery) or when already settled."""
@@ -81,9 +86,10 @@ class Message:
         (the request timed out, or its requester disconnected).
         """
         consumer = self._consumer
-        if self.reply_token is None or consumer is None:
+        token = self.reply_token
+        if token is None or consumer is None:
             raise MqksError(f"message {self.id} came from a publish, not a request: there is nothing to reply to")
-        consumer.answer(self.reply_token, data, consumer.json if json is None else json, confirm)
+        consumer.answer(token, data, consumer.json if json is None else json, confirm)
 
     def _settle(self, action: bytes, confirm: bool, flags: tuple[bytes, ...] = ()) -> None:
         consumer = self._consumer
@@ -176,8 +182,7 @@ class Consumer:
     def on_delivery(self, data: bytes) -> None:
         """Queue a delivery for this consumer's greenlet; data stays bytes until that greenlet decodes it."""
         msg_id, event, retry, reply_token, body = wire.split_delivery_reply(data)
-        message = Message(msg_id.decode(), event.decode(), body, retry, self.id, self,
-                          reply_token.decode() if reply_token else None)
+        message = Message(msg_id.decode(), event.decode(), body, retry, self.id, self, reply_token)
         if self.manual_ack:
             self.unacked[message.id] = self.unacked.get(message.id, 0) + 1
         self.pending.append(message)
