@@ -99,18 +99,20 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
 def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     """`publish [--delay=S | --at=UNIX_SECONDS] {event} {data}` (extension): the copies enter their queues when due."""
     flag, _, rest = args.partition(b" ")
-    if (value := parse_flag_value(flag, b"--delay")) is not None:
-        due = time.time() + parse_seconds(value, "publish: --delay")
-    elif (value := parse_flag_value(flag, b"--at")) is not None:
-        due = parse_unix_seconds(value, "publish: --at")
+    now = time.time()
+    if flag.startswith(b"--at="):
+        due = parse_unix_seconds(flag[5:], "publish: --at")
+    elif flag.startswith(b"--delay="):
+        due = now + parse_seconds(flag[8:], "publish: --delay")
     else:
         check_name(flag, "publish: event")  # raises: an event never starts with "--"
     event, space, _ = rest.partition(b" ")
-    check_name(event, "publish: event")
+    if not event or event[0] == DASH:
+        check_name(event, "publish: event")
     tail = b"".join((b" ok ", rid, b" event=", rest, b"" if space else b" "))
     due_ms = math.ceil(due * 1000)  # never early: the first millisecond at or after the due time
     workers = session.workers
-    if due_ms <= time.time() * 1000:
+    if due_ms <= now * 1000:
         if confirm:
             publish_confirmed(session, rid, event, tail)
         else:

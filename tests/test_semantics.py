@@ -10,6 +10,12 @@ from helpers import unique_bytes as unique
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture(scope="module")
+def broker(broker_per_worker_count):
+    """Every test here runs against one and two workers: a dead-letter queue may live on another worker."""
+    return broker_per_worker_count
+
+
 def stats(broker) -> dict:
     """The broker's `stats` answer, summed over its workers."""
     wire = broker.wire()
