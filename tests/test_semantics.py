@@ -1,4 +1,5 @@
-"""Work-queue semantics over real TCP (extensions): ack timeout, dead letters, limits, delays, request/reply, schedules."""
+"""Work-queue semantics over real TCP (extensions): ack timeout, dead letters, limits, delays,
+request/reply, schedules."""
 
 import json
 import time
