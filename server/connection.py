@@ -27,6 +27,7 @@ from .actions import Action, Handler, actions_for, handlers_for, run_lines
 from .config import Config
 from .outbox import Outbox
 from .protocol import LineSplitter, format_error, format_ok
+from .sessions import SilenceWatch, Tokens
 from .state import Broker, Consumer
 from .workers import Workers
 
@@ -51,10 +52,12 @@ class Connection:
 
     __slots__ = ("sock", "fd", "peer", "peer_is_loopback", "eval_enabled", "workers", "outbox", "consumers_by_id",
                  "actions", "handlers", "brokers", "splitter", "next_error_id", "wake", "writing", "closed",
-                 "max_output_bytes", "errors")
+                 "max_output_bytes", "errors", "tls", "tokens", "authenticated", "unauthenticated_lines",
+                 "eval_refusal", "said_hello", "ttl_seconds", "reads", "silence_watch", "draining")
 
     def __init__(self, sock: socket.socket, address: object, config: Config, workers: Workers,
-                 next_error_id: Callable[[], str]) -> None:
+                 next_error_id: Callable[[], str], *, tls: bool = False, tokens: Tokens | None = None,
+                 eval_refusal: str | None = None, silence_watch: SilenceWatch | None = None) -> None:
         # our writes are already batched; Nagle would only hold a lone delivery back
         # until the peer's delayed ACK (measured: 12 ms p50 at 20k msg/s without this)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -63,12 +66,24 @@ class Connection:
         self.fd = sock.fileno()
         self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
         self.peer_is_loopback = _is_loopback(address)
-        self.eval_enabled = config.eval_enabled
+        self.eval_enabled = config.eval_enabled and eval_refusal is None
+        self.eval_refusal = eval_refusal
         self.workers = workers
-        self.outbox = Outbox(workers.pending, config.max_output_bytes // 4, self.flush)
+        self.tls = tls
+        # a TLS socket is written by its writer greenlet only: the kernel fd would bypass the encryption
+        self.outbox = Outbox(workers.pending, config.max_output_bytes // 4, self.wake_writer if tls else self.flush)
         self.consumers_by_id: dict[bytes, Consumer] = self.outbox.consumers_by_id
-        self.actions: dict[bytes, Action] = actions_for(config.eval_enabled, self.peer_is_loopback)
-        self.handlers: dict[bytes, Handler] = handlers_for(config.eval_enabled, self.peer_is_loopback)
+        self.tokens = tokens
+        self.authenticated = tokens is None
+        self.unauthenticated_lines = 0
+        self.actions: dict[bytes, Action] = actions_for(self.eval_enabled, self.peer_is_loopback, self.authenticated)
+        self.handlers: dict[bytes, Handler] = handlers_for(self.eval_enabled, self.peer_is_loopback,
+                                                           self.authenticated)
+        self.said_hello = False
+        self.ttl_seconds: float | None = None
+        self.reads = 0  # recv calls: the silence watch compares it between its checks
+        self.silence_watch = silence_watch
+        self.draining = False  # the server is stopping: deliveries stay paused
         self.brokers: list[Broker] = workers.brokers
         self.splitter = LineSplitter(config.max_line_bytes)
         self.next_error_id = next_error_id
@@ -77,6 +92,8 @@ class Connection:
         self.closed = False
         self.max_output_bytes = config.max_output_bytes
         self.errors = 0
+        if config.client_ttl and silence_watch is not None:
+            self.set_ttl(config.client_ttl)
 
     def write(self, data: bytes) -> None:
         outbox = self.outbox
@@ -99,6 +116,32 @@ class Connection:
             log.warning("error %s for %s: %s; line %r (error %d of this client)", error_id, self.peer, reason,
                         line[:200], self.errors)
         self.write(format_error(rid, error_id, reason))
+
+    def authenticate(self, token: bytes) -> bool | None:
+        """Check `token`; a match opens every action this peer may run (None: the server wants no token)."""
+        if self.tokens is None:
+            return None
+        if not self.tokens.check(token):
+            return False
+        if not self.authenticated:
+            self.authenticated = True
+            self.actions = actions_for(self.eval_enabled, self.peer_is_loopback)
+            self.handlers = handlers_for(self.eval_enabled, self.peer_is_loopback)
+            log.info("%s authenticated", self.peer)
+        return True
+
+    def set_ttl(self, seconds: float | None) -> None:
+        """Expect a line at least every `seconds`; after 2x that in silence the connection is closed."""
+        self.ttl_seconds = seconds
+        if self.silence_watch is not None:
+            if seconds:
+                self.silence_watch.watch(self)
+            else:
+                self.silence_watch.forget(self)
+
+    def wake_writer(self) -> None:
+        """The flush of a TLS connection: its writer greenlet encrypts and sends the batch."""
+        self.wake.set()
 
     def flush(self) -> None:
         """Send what is owed now, as far as the socket takes it; the writer greenlet sends the rest.
@@ -172,6 +215,8 @@ class Connection:
         self.closed = True
         self.fd = -1
         workers.clients -= 1
+        if self.silence_watch is not None:
+            self.silence_watch.forget(self)
         workers.detach(self.outbox, self._log_failed_detach)
         self.outbox.out.clear()
         try:
@@ -202,11 +247,12 @@ class Connection:
             chunk = recv(RECV_BYTES)
             if not chunk:
                 return
+            self.reads += 1
             workers.bytes_in += len(chunk)
             lines = feed(chunk)
             if lines:
                 if debug:
-                    log.debug("%s sent %d lines: %r", self.peer, len(lines), lines[:20])
+                    log.debug("%s sent %d lines: %r", self.peer, len(lines), [redact(line) for line in lines[:20]])
                 run_lines(self, lines, rejected)
             if pending or journal is not None:  # durable: the batch's records are committed there too
                 flush_pending()
@@ -238,12 +284,21 @@ class Connection:
                     sendall(data)
                     self.writing = False
                     workers.bytes_out += len(data)
-                    if outbox.paused and outbox.out_bytes < outbox.high_water_bytes // 2:
+                    if outbox.paused and outbox.out_bytes < outbox.high_water_bytes // 2 and not self.draining:
                         outbox.paused = False
                         self.workers.resume(outbox)
         except OSError as e:
             log.info("write to %s failed: %s", self.peer, e)
             self.close()
+
+
+def redact(line: bytes | None) -> bytes | None:
+    """The line as a log may show it: an `auth` line loses its token."""
+    if line and b" auth " in line[:80]:
+        rid, _, rest = line.partition(b" ")
+        if rest.startswith(b"auth "):
+            return rid + b" auth ***"
+    return line
 
 
 def _is_loopback(address: object) -> bool:
