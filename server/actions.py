@@ -366,10 +366,10 @@ ACTIONS: dict[bytes, Action] = {
     b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", logged=True),
     b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", logged=True),
     b"ping": Action(handle_ping, "", needs_args=False, needs_auth=False),
-    b"auth": Action(handle_auth, "auth: expected {id} auth {token}", needs_auth=False),
-    b"hello": Action(handle_hello, "", needs_args=False),
     b"stats": Action(handle_stats, "", needs_args=False),
     b"queues": Action(handle_queues, "", needs_args=False),
+    b"auth": Action(handle_auth, "auth: expected {id} auth {token}", needs_auth=False),
+    b"hello": Action(handle_hello, "", needs_args=False),
     b"_eval": Action(handle_eval, "_eval: expected a Python expression", protected=True),
 }
 

@@ -23,7 +23,7 @@ STATS_KEYS = {"version", "uptime_seconds", "workers", "published", "queued", "co
               "queues", "consumers", "messages_waiting", "messages_unacked", "clients", "events", "top_queues",
               "connections", "bytes_in", "bytes_out", "errors"}
 SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked")
-ACTION_NAMES = "publish consume ack reject rebind delete_consumer delete_queue ping stats queues"
+ACTION_NAMES = "publish consume ack reject rebind delete_consumer delete_queue ping stats queues auth hello"
 
 
 class CountingWire(Wire):
