@@ -60,7 +60,7 @@ class Session(Protocol):
 
     def error(self, rid: bytes, reason: str, line: bytes) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, flush_first: bool = False) -> None: ...
 
     def authenticate(self, token: bytes) -> bool | None:
         """Check a token; True opens every action to this session, None: the server wants no token."""
@@ -340,7 +340,9 @@ def handle_auth(session: Session, rid: bytes, args: bytes, confirm: bool) -> Non
         session.unauthenticated_lines += 1
         session.error(rid, "authentication failed", redacted)
         if session.unauthenticated_lines >= MAX_UNAUTHENTICATED_LINES:
-            session.close()
+            log.warning("closing %s: %d failed or missing authentications", session.peer,
+                        session.unauthenticated_lines)
+            session.close(flush_first=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,8 +447,9 @@ def refuse(session: Session, rid: bytes, action_name: bytes, line: bytes) -> Non
         session.unauthenticated_lines += 1
         session.error(rid or b"-", AUTH_REQUIRED, rid + b" " + action_name[:40])
         if session.unauthenticated_lines >= MAX_UNAUTHENTICATED_LINES:
-            log.warning("closing %s: %d lines without authentication", session.peer, session.unauthenticated_lines)
-            session.close()
+            log.warning("closing %s: %d failed or missing authentications", session.peer,
+                        session.unauthenticated_lines)
+            session.close(flush_first=True)
     elif rid == b"help" and not action_name:
         session.error(b"-", unknown_action(session, b"help"), line)  # a person at `nc` asking
     elif not rid or not action_name:

@@ -45,6 +45,7 @@ PUBLISH = b" publish "
 BACKLOG_POLL_SECONDS = 0.005
 LOG_FIRST_ERRORS = 100
 LOG_EVERY_NTH_ERROR = 1000
+CLOSE_FLUSH_SECONDS = 1.0
 
 
 class Connection:
@@ -174,8 +175,22 @@ class Connection:
             outbox.out_bytes = len(data) - sent
             self.wake.set()
 
-    def close(self) -> None:
-        """Drop the client: wakes the reader (EOF) and the writer (EPIPE)."""
+    def close(self, flush_first: bool = False) -> None:
+        """Drop the client: wakes the reader (EOF) and the writer (EPIPE).
+
+        `flush_first` sends what is owed (say, the error that explains the close) first, waiting at
+        most CLOSE_FLUSH_SECONDS for a peer that does not read.
+        """
+        if flush_first and not self.closed and self.outbox.out and not self.writing:
+            out = self.outbox.out
+            data = b"".join(out)
+            out.clear()
+            self.outbox.out_bytes = 0
+            try:
+                with gevent.Timeout(CLOSE_FLUSH_SECONDS):
+                    self.sock.sendall(data)
+            except (OSError, gevent.Timeout):
+                pass
         self.closed = True
         self.outbox.out.clear()
         if self.fd >= 0:
