@@ -350,7 +350,7 @@ class Link:
                 raise
             except MqksError as e:
                 if "takes no token" not in str(e):
-                    raise MqksError(f"{conn.where} refused the token: {e}") from None
+                    raise MqksError(f"the broker refused the token: {e}") from None
                 log.info("mqks %s: the broker takes no token; connected without one", conn.where)
         try:
             info = conn.wait(hello_rid, hello, deadline, "hello")
@@ -358,8 +358,8 @@ class Link:
             raise
         except MqksError as e:
             if "authentication required" in str(e):
-                raise MqksError(f"{conn.where} requires a token: pass token= (mqks --token) or set "
-                                "MQKS_AUTH_TOKEN") from None
+                raise MqksError("the broker requires a token: pass token= (mqks --token) or set "
+                               "MQKS_AUTH_TOKEN") from None
             self.server_info = None  # a broker that predates hello; no TTL agreed either
             return
         try:

@@ -102,6 +102,11 @@ def tls_server_context(cert_file: str, key_file: str, ca_file: str | None) -> ss
     return context
 
 
+def check_seconds(ttl_seconds: float) -> float:
+    """How often to check connections with this TTL."""
+    return max(MIN_CHECK_SECONDS, ttl_seconds / CHECKS_PER_TTL)
+
+
 class Quiet(Protocol):
     """What the watch needs of a connection."""
 
@@ -120,7 +125,7 @@ class SilenceWatch:
     the count unchanged since the last one knows the peer has been quiet since then.
     """
 
-    __slots__ = ("call_later", "clock", "watched", "cancel")
+    __slots__ = ("call_later", "clock", "watched", "cancel", "armed_seconds")
 
     def __init__(self, call_later: Callable[[float, Callable[[], None]], Callable[[], None]],
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -128,21 +133,26 @@ class SilenceWatch:
         self.clock = clock
         self.watched: dict[Quiet, list] = {}  # connection -> [reads at the last check, quiet since]
         self.cancel: Callable[[], None] | None = None
+        self.armed_seconds = 0.0  # the interval the next check was armed with
 
     def watch(self, conn: Quiet) -> None:
         """Start (or restart, after a new TTL) watching `conn`."""
         self.watched[conn] = [conn.reads, self.clock()]
-        if self.cancel is not None:
-            self.cancel()  # the new TTL may be shorter than the one the next check was armed for
-        self._arm()
+        if self.cancel is None or check_seconds(conn.ttl_seconds or 0.0) < self.armed_seconds:
+            # a shorter TTL than any so far needs an earlier check; otherwise the armed one comes soon enough
+            if self.cancel is not None:
+                self.cancel()
+            self._arm()
 
     def forget(self, conn: Quiet) -> None:
         self.watched.pop(conn, None)
 
     def _arm(self) -> None:
         ttls = [conn.ttl_seconds for conn in self.watched if conn.ttl_seconds]
-        self.cancel = (self.call_later(max(MIN_CHECK_SECONDS, min(ttls) / CHECKS_PER_TTL), self.check) if ttls
-                       else None)
+        self.cancel = None
+        if ttls:
+            self.armed_seconds = check_seconds(min(ttls))
+            self.cancel = self.call_later(self.armed_seconds, self.check)
 
     def check(self) -> None:
         """Close every watched connection silent for 2xTTL; their consumers' messages go back at once."""

@@ -410,3 +410,43 @@ def test_drain_in_memory_still_exits_0_and_flushes_what_is_owed(make_broker):
     assert server.proc.wait(15) == 0
     assert "stopping: no new connections, draining" in server.log()
 
+
+
+class QuietPeer:
+    """What the silence watch sees of a connection: its reads, its TTL, whether it is closed."""
+
+    def __init__(self, name: str, ttl: float) -> None:
+        self.peer = name
+        self.ttl_seconds = ttl
+        self.reads = 0
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_silence_watch_is_one_timer_for_every_connection_and_closes_only_after_2x_ttl():
+    from mqks.server.sessions import SilenceWatch
+    from mqks.server.timers import Timers
+
+    now = [0.0]
+    timers = Timers(clock=lambda: now[0])
+    watch = SilenceWatch(timers.call_later, clock=lambda: now[0])
+    peers = [QuietPeer(f"p{i}", 1.0) for i in range(1000)]
+    for peer in peers:
+        watch.watch(peer)
+    assert len(timers) == 1  # one periodic check, however many connections
+    talker, silent = peers[0], peers[1]
+    while now[0] + 0.25 < 2.0:  # up to 1.75 s of silence
+        now[0] += 0.25
+        talker.reads += 1  # a batch arrived: the only cost a connection pays per read
+        for peer in peers[2:]:
+            peer.reads += 1
+        timers.run_due()
+        assert not silent.closed, f"closed after {now[0]} s, before 2x its TTL"
+        assert len(timers) == 1
+    now[0] = 2.5
+    timers.run_due()
+    assert silent.closed and not talker.closed
+    watch.watch(QuietPeer("short", 0.2))  # a shorter TTL arms an earlier check
+    assert timers.next_delay() is not None and timers.next_delay() <= 0.05 + 1e-9
