@@ -40,14 +40,16 @@ class Client:
     `token` (else the environment's MQKS_AUTH_TOKEN) is sent with `auth` on every connect. The client
     says `hello --ttl=ttl_seconds` (default 2x ping_seconds; 0: none), so a broker drops a connection
     whose client has vanished; its pings keep a live one within the TTL. When the broker drains
-    (`ok --draining`), the client lets its consumers settle what they hold, then reconnects.
+    (`ok --draining`), the client lets its consumers settle what they hold, then reconnects: to the
+    next of `fallbacks` ([(host, port), ...], also tried in turn when one cannot be reached), else to
+    the same address once it is back.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, ping_seconds: float = 15.0,
                  ping_timeout_seconds: float | None = None, reconnect_min_seconds: float = 0.05,
                  reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
                  connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
-                 ttl_seconds: float | None = None) -> None:
+                 ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = ()) -> None:
         self.host = host
         self.port = port
         self.timeout_seconds = timeout_seconds
@@ -59,7 +61,7 @@ class Client:
             reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
             timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds,
             tls=tls_setting(tls), token=token_setting(token),
-            ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds)
+            ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds, fallbacks=fallbacks)
         # internals the tests inspect (and drop connections through); not API
         self._consumers_by_id = self._consumers.by_id
         self._consumers_by_any_id = self._consumers.by_any_id

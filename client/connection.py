@@ -154,9 +154,13 @@ class Link:
     def __init__(self, host: str, port: int, session: Session, new_rid: Callable[[], bytes], *, ping_seconds: float,
                  ping_timeout_seconds: float, reconnect_min_seconds: float, reconnect_max_seconds: float,
                  timeout_seconds: float, connect_timeout_seconds: float, tls: ssl.SSLContext | None = None,
-                 token: bytes | None = None, ttl_seconds: float | None = None) -> None:
-        self.host = host
+                 token: bytes | None = None, ttl_seconds: float | None = None,
+                 fallbacks: list[tuple[str, int]] | tuple[()] = ()) -> None:
+        self.host = host  # the address connected to, or tried next
         self.port = port
+        # tried in turn when one cannot be reached, and left for the next when its broker drains
+        self.addresses = [(host, port), *fallbacks]
+        self.address_index = 0
         self.tls = tls
         self.token = token
         self.ttl_seconds = ttl_seconds  # sent as `hello --ttl`: the broker drops us after 2x that in silence
@@ -255,11 +259,19 @@ class Link:
     def _run(self) -> None:
         """Keep one live connection: connect, handshake, wait until lost, back off, again."""
         attempt = 0
+        tried = 0  # addresses that failed in a row since the last full round
         while not self.closed:
             try:
                 conn = self._open()
             except (OSError, MqksError) as e:
                 self.last_error = e
+                tried += 1
+                failed_at = f"{self.host}:{self.port}"
+                self._next_address()
+                if tried < len(self.addresses):
+                    log.info("mqks %s: connect failed (%s); trying %s:%s", failed_at, e, self.host, self.port)
+                    continue  # another address to try before backing off
+                tried = 0
                 self._failed.set()
                 delay = self._backoff_seconds(attempt)
                 attempt += 1
@@ -268,6 +280,7 @@ class Link:
                         "mqks %s:%s: connect failed (%s); retrying in %.2fs", self.host, self.port, e, delay)
                 gevent.sleep(delay)
                 continue
+            tried = 0
             if attempt or self.reconnects:
                 log.info("mqks %s:%s: connected", self.host, self.port)
             self.last_error = None
@@ -278,12 +291,18 @@ class Link:
             self._connected.clear()
             self._teardown(conn)
             self.reconnects += 1
+            if conn.draining:
+                self._next_address()  # that broker is stopping: the next address first, if there is one
             if time.monotonic() - opened_at >= self.reconnect_max_seconds:
                 attempt = 0  # it was a good connection: try again at once
             else:
                 # a broker that accepts, answers and drops us again must not get a reconnect storm
                 gevent.sleep(self._backoff_seconds(attempt))
                 attempt += 1
+
+    def _next_address(self) -> None:
+        self.address_index = (self.address_index + 1) % len(self.addresses)
+        self.host, self.port = self.addresses[self.address_index]
 
     def _backoff_seconds(self, attempt: int) -> float:
         """Exponential backoff capped at reconnect_max_seconds, with jitter so clients do not stampede."""

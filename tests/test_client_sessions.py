@@ -175,3 +175,35 @@ def test_cli_errors_name_the_missing_token_and_the_bad_ca_file(secure_broker, ce
     result = run_cli([str(MQKS)], "ping", "--port", str(secure_broker.port), "--token", TOKEN)
     assert (result.returncode, result.stdout) == (0, "pong\n"), result.stderr
 
+
+
+def test_a_draining_broker_sends_the_client_to_its_fallback_with_its_consumers(make_broker):
+    first, second = make_broker("--drain-seconds", "10"), make_broker()
+    client = Client(first.host, first.port, fallbacks=[(second.host, second.port)], ping_seconds=0.5,
+                    ping_timeout_seconds=5.0, timeout_seconds=5.0, reconnect_max_seconds=0.2).connect()
+    try:
+        queue, event = unique("q"), unique("e")
+        inbox = Inbox(lambda message: message.ack())
+        reconnected: list[str] = []
+        client.consume(queue, [event], inbox, manual_ack=True, on_reconnect=lambda old, new: reconnected.append(new))
+        client.publish(event, "on the first", confirm=True)
+        inbox.wait(1)
+        first.signal(signal.SIGTERM)
+        wait_until(lambda: reconnected, "the consumer to come back on the fallback")
+        assert (client._link.host, client._link.port) == (second.host, second.port)
+        client.publish(event, "on the second", confirm=True)
+        assert [message.data for message in inbox.wait(2)] == ["on the first", "on the second"]
+        wait_until(lambda: first.proc.poll() is not None, "the first broker to exit")
+        assert first.proc.returncode == 0
+    finally:
+        client.close()
+
+
+def test_connect_tries_every_address_before_it_gives_up(make_broker):
+    server = make_broker()
+    client = Client("127.0.0.1", free_port(), fallbacks=[(server.host, server.port)], timeout_seconds=5.0,
+                    connect_timeout_seconds=5.0).connect(retry=False)
+    try:
+        assert client.ping("found") == "found"
+    finally:
+        client.close()
