@@ -125,6 +125,7 @@ class Server:
         self.tokens = Tokens(config.auth_token_file, env_token) if config.auth_token_file or env_token else None
         self.eval_refusal = eval_lock_reason(config.host, self.tokens is not None) if config.eval_enabled else None
         self.silence_watch = SilenceWatch(self.timers.call_later)
+        self.drain_ends_at = 0.0
         self.metrics_server: WSGIServer | None = None
         self.no_connections = Event()  # set whenever the last connection's clean-up is done
         self.no_connections.set()
@@ -312,6 +313,9 @@ class Server:
         """
         listeners = [listener for listener in (self.stream_server, self.tls_server) if listener is not None]
         if not listeners or listeners[0].closed:
+            if self.drain_ends_at > time.monotonic():
+                log.warning("second stop signal: ending the drain now; what is still un-acked goes back to its queue")
+                self.drain_ends_at = 0.0
             return
         log.info("stopping: no new connections, draining %d clients for up to %g s", len(self.connections),
                  self.config.drain_seconds)
@@ -348,8 +352,8 @@ class Server:
                 for consumer_id in conn.consumers_by_id:
                     conn.write(consumer_id + DRAINING)
         self.workers.flush_pending()
-        deadline = time.monotonic() + self.config.drain_seconds
-        while time.monotonic() < deadline and any(
+        self.drain_ends_at = time.monotonic() + self.config.drain_seconds  # a second SIGTERM sets it to 0
+        while time.monotonic() < self.drain_ends_at and any(
                 consumer.unacked for conn in self.connections for consumer in conn.consumers_by_id.values()):
             gevent.sleep(DRAIN_POLL_SECONDS)
 

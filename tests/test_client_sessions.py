@@ -207,3 +207,13 @@ def test_connect_tries_every_address_before_it_gives_up(make_broker):
         assert client.ping("found") == "found"
     finally:
         client.close()
+
+
+def test_a_client_with_a_token_still_connects_to_a_broker_without_auth(make_broker):
+    server = make_broker()
+    client = Client(server.host, server.port, token=TOKEN, timeout_seconds=5.0).connect(retry=False)
+    try:
+        assert client.server_info is not None and client.server_info["authenticated"] is True
+        assert client.ping("ok") == "ok"
+    finally:
+        client.close()

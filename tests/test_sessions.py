@@ -450,3 +450,18 @@ def test_silence_watch_is_one_timer_for_every_connection_and_closes_only_after_2
     assert silent.closed and not talker.closed
     watch.watch(QuietPeer("short", 0.2))  # a shorter TTL arms an earlier check
     assert timers.next_delay() is not None and timers.next_delay() <= 0.05 + 1e-9
+
+
+def test_a_second_sigterm_ends_the_drain_at_once_and_loses_nothing(make_broker, tmp_path):
+    server = drain_broker(make_broker, tmp_path, "600")
+    queue, event = unique_bytes("drain-q"), unique_bytes("drain.e")
+    wire = server.wire()
+    assert held(wire, queue, event, 2) == [b"m0", b"m1"]
+    server.signal(signal.SIGTERM)
+    wire.expect(b"c1 ok --draining")
+    server.signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0  # not the 600 s the drain would have waited
+    assert "second stop signal: ending the drain now" in server.log()
+    server.restart()
+    assert remaining(server, queue, event) == [b"r1 ok m%d event=%s,retry=1 payload-%d" % (i, event, i)
+                                               for i in range(2)]
