@@ -413,14 +413,15 @@ def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]])
         rid, _, rest = line.partition(b" ")
         action_name, _, args = rest.partition(b" ")
         handler = handlers.get(action_name)
-        if (handler is None or not rid) and handlers is not session.handlers:
-            handlers = session.handlers  # an `auth` earlier in this batch opened the full table
-            handler = handlers.get(action_name)
         if handler is None or not rid:
-            refuse(session, rid, action_name, line)
-            if session.closed:
-                return  # nothing after an HTTP header (or past the unauthenticated limit) may run
-            continue
+            if handlers is not session.handlers:  # an `auth` earlier in this batch opened the full table
+                handlers = session.handlers
+                handler = handlers.get(action_name)
+            if handler is None or not rid:
+                refuse(session, rid, action_name, line)
+                if session.closed:
+                    return  # nothing after an HTTP header (or past the unauthenticated limit) may run
+                continue
         confirm = False
         if args.startswith(CONFIRM) and (len(args) == 9 or args[9] == SPACE):
             confirm = True
