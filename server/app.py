@@ -338,7 +338,6 @@ class Server:
         finally:
             self.stopped.set()
 
-
     def drain(self) -> None:
         """Deliver nothing more; tell hello'd consumers; wait up to --drain-seconds until nothing is un-acked.
 
