@@ -405,15 +405,17 @@ def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
                     counter_binary=cfg.counter_binary, confirm=cell.workload == "w5",
                     tls_ca=servers.tls_files()[0] if cell.tls else None)
         check = mqks_check(server, n, cell.fanout, cell.manual_ack) if cell.server == "mqks" else None
-        cpu0 = process_cpu_seconds(server.pid) if cell.workload == "w5" else 0.0
+        # the server's CPU per message: w5, and MQKS's w1 (plain beside TLS, steadier than msg/s on a busy machine)
+        measure_cpu = cell.workload == "w5" or (cell.workload == "w1" and cell.server == "mqks")
+        cpu0 = process_cpu_seconds(server.pid) if measure_cpu else 0.0
         r = loadgen.run_flow(flow, latency=cell.workload == "w3", check=check)
-        cpu = process_cpu_seconds(server.pid) - cpu0 if cell.workload == "w5" else 0.0
+        cpu = process_cpu_seconds(server.pid) - cpu0 if measure_cpu else 0.0
         if not server.alive():
             r.note = (r.note + "; " if r.note else "") + f"server died: {server.log_tail(300)}"
             r.ok = False
         sample = {"ok": r.ok and not r.errors, "value": r.rate, "got": r.got, "target": r.target,
                   "seconds": r.seconds, "send_rate": r.send_rate, "note": r.note}
-        if cell.workload == "w5":  # where the time went: the server's CPU (all its threads) per message
+        if measure_cpu:  # where the time went: the server's CPU (all its threads) per message
             sample.update(server_cpu_seconds=cpu, server_cpu_us_per_msg=1e6 * cpu / max(1, n))
         if cell.workload == "w3":
             lat = sorted(r.latencies_ns)
