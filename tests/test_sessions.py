@@ -465,3 +465,11 @@ def test_a_second_sigterm_ends_the_drain_at_once_and_loses_nothing(make_broker, 
     server.restart()
     assert remaining(server, queue, event) == [b"r1 ok m%d event=%s,retry=1 payload-%d" % (i, event, i)
                                                for i in range(2)]
+
+
+def test_a_token_file_that_is_missing_or_empty_stops_the_start_with_one_line(tmp_path):
+    (tmp_path / "empty").write_text("# no token yet\n\n")
+    for path, message in ((tmp_path / "missing", "No such file"), (tmp_path / "empty", "no token in")):
+        result = subprocess.run([sys.executable, "-m", "mqks.server", "--port", str(free_port()),
+                                 "--auth-token-file", str(path)], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
