@@ -31,6 +31,7 @@ import gevent.socket
 from gevent.event import Event
 from gevent.server import StreamServer
 
+from .actions import handlers_for
 from .config import DEFAULTS, Config
 from .connection import Connection
 from .durable import Journal, rebuild, recover
@@ -51,7 +52,15 @@ TLS_HANDSHAKE_SECONDS = 10.0  # a peer that connects and never finishes the hand
 DRAINING = b" ok --draining\n"
 PLAIN_TEXT_REASONS = ("WRONG_VERSION_NUMBER",)  # an HTTP request is closed at once, as on the plain port
 MAX_PORT = 65535
+MEMORY_CHECK_SECONDS = 0.01  # at 1M msg/s of 100 bytes, ~2 MB of messages come in between two checks
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def resident_bytes() -> int:
+    """This process's resident set size (Linux)."""
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * PAGE_BYTES
 
 
 class CannotListen(Exception):
@@ -116,7 +125,9 @@ class Server:
         self.timers = Timers(on_earlier=self.timers_due.set)
         self.next_error_id = ErrorIds()
         self.journal = self.open_journal() if config.data_dir else None
-        self.workers = Workers(config.workers, self.timers.call_later, self.journal)
+        self.workers = Workers(config.workers, self.timers, self.journal)
+        self.workers.error_line = self.error_line
+        self.workers.max_memory_bytes = config.max_memory_bytes
         self.stream_server: Listener | None = None
         self.tls_server: Listener | None = None
         self.tls_context = (tls_server_context(config.tls_cert, config.tls_key, config.tls_ca)
@@ -156,7 +167,9 @@ class Server:
         started = time.monotonic()
         records = journal.log.replay(repair=self.config.repair)
         try:
-            queues, messages = rebuild(recover(records), self.workers.worker_for)
+            recovery = recover(records)
+            queues, messages = rebuild(recovery.queues, self.workers.worker_for)
+            self.workers.restore(recovery)
         except LogCorrupt as e:
             log.error("cannot start: %s", e)  # names the file, the offset and --repair
             sys.exit(1)
@@ -182,9 +195,30 @@ class Server:
             if timers.run_due():
                 self.workers.flush_pending()
 
+    def check_memory(self) -> None:
+        """Every MEMORY_CHECK_SECONDS with --max-memory: past the limit, publishes are refused until it drains.
+
+        Refusal swaps each connection's handler table, so the publish path itself checks nothing.
+        A broker that holds no message is never refusing, whatever its RSS: only messages can drain.
+        """
+        workers = self.workers
+        limit = self.config.max_memory_bytes
+        assert limit is not None
+        over = resident_bytes() > limit and workers.holds_messages()
+        if over != workers.memory_full:
+            workers.memory_full = over
+            log.warning("resident memory %s --max-memory=%d: publishes are %s", "over" if over else "back under",
+                        limit, "refused until consumers drain the queues" if over else "accepted again")
+            for conn in self.connections:
+                # a connection still owing its `auth` keeps its table of the few actions allowed before it
+                conn.handlers = handlers_for(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated, over)
+        self.timers.call_later(MEMORY_CHECK_SECONDS, self.check_memory)
+
     def handle(self, sock: socket.socket, address: object, tls: bool = False) -> None:
         conn = Connection(sock, address, self.config, self.workers, self.next_error_id, tls=tls, tokens=self.tokens,
                           eval_refusal=self.eval_refusal, silence_watch=self.silence_watch)
+        if self.workers.memory_full:
+            conn.handlers = handlers_for(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated, True)
         self.connections.add(conn)
         self.no_connections.clear()
         try:
@@ -288,6 +322,8 @@ class Server:
         hub = gevent.get_hub()
         hub.NOT_ERROR = (*hub.NOT_ERROR, AcceptFailed)  # logged by Listener, once per burst
         gevent.spawn(self.run_timers)
+        if config.max_memory_bytes is not None:
+            self.check_memory()
         for signum in (signal.SIGTERM, signal.SIGINT):
             gevent.signal_handler(signum, gevent.spawn, self.shutdown)
         if self.tokens is not None:
@@ -364,6 +400,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
 
+def byte_size(text: str) -> int:
+    """`512M`, `2G`, `1048576` -> bytes (K, M and G are powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    number, unit = (text[:-1], units[text[-1].upper()]) if text[-1:].upper() in units else (text, 1)
+    try:
+        return int(float(number) * unit)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512M, 2G)") from None
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     """The command line as a Config; defaults and their help text come from `config.DEFAULTS`."""
     d = DEFAULTS
@@ -380,6 +426,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--max-output-bytes", type=int, default=d.max_output_bytes,
                         help="unsent bytes after which a client that does not read is disconnected "
                              "(deliveries pause at a quarter of it; default: %(default)s)")
+    parser.add_argument("--max-memory", type=byte_size, default=d.max_memory_bytes, dest="max_memory_bytes",
+                        metavar="BYTES",
+                        help="past this resident memory (a number, or with K, M or G), publishes are refused "
+                             "(confirmed ones with an error) while every other action keeps working, so consumers "
+                             "drain the broker back under it (default: no limit)")
     parser.add_argument("--eval", action="store_true", dest="eval_enabled", default=d.eval_enabled,
                         help="enable the _eval backdoor (remote code execution; loopback clients only)")
     parser.add_argument("--data-dir", default=d.data_dir, metavar="DIR",
@@ -426,7 +477,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                  ("--log-segment-bytes", args.log_segment_bytes, 1),
                                  ("--compact-min-bytes", args.compact_min_bytes, 0),
                                  ("--metrics-port", args.metrics_port, 1),
-                                 ("--metrics-max-queues", args.metrics_max_queues, 0)):
+                                 ("--metrics-max-queues", args.metrics_max_queues, 0),
+                                 ("--max-memory", args.max_memory_bytes, 1 << 20)):
         if value is not None and value < minimum:
             parser.error(f"{flag} must be at least {minimum}, not {value}")
     for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port), ("--tls-port", args.tls_port)):

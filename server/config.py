@@ -20,6 +20,7 @@ class Config:
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     max_output_bytes: int = 64 << 20
     eval_enabled: bool = False  # _eval is remote code execution: off unless asked for
+    max_memory_bytes: int | None = None  # past this RSS, publishes are refused until consumers drain
     data_dir: str | None = None  # None: in memory only, as the spec's server
     fsync: str = "always"  # with data_dir: safe by default, fast by group commit
     repair: bool = False  # truncate the log at a bad frame instead of refusing to start

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import ssl
+import time
 from collections.abc import Callable
 
 import gevent
@@ -128,7 +129,7 @@ class Connection:
         if not self.authenticated:
             self.authenticated = True
             self.actions = actions_for(self.eval_enabled, self.peer_is_loopback)
-            self.handlers = handlers_for(self.eval_enabled, self.peer_is_loopback)
+            self.handlers = handlers_for(self.eval_enabled, self.peer_is_loopback, True, self.workers.memory_full)
             log.info("%s authenticated", self.peer)
         return True
 
@@ -283,6 +284,8 @@ class Connection:
         pending = workers.pending
         flush_pending = workers.flush_pending
         journal = workers.journal
+        delayed = workers.delayed
+        delayed_keys = delayed.keys  # a heap, changed in place
         debug = log.isEnabledFor(logging.DEBUG)
         unyielded_bytes = 0
         while not self.closed:
@@ -295,6 +298,9 @@ class Connection:
             if lines:
                 if debug:
                     log.debug("%s sent %d lines: %r", self.peer, len(lines), [redact(line) for line in lines[:20]])
+                if delayed_keys and delayed_keys[0] <= time.time() * 1000:
+                    # what came due goes first: a line read after a due time sees that message published
+                    delayed.fire_due()
                 run_lines(self, lines, rejected)
             if pending or journal is not None:  # durable: the batch's records are committed there too
                 flush_pending()

@@ -473,3 +473,29 @@ def test_a_token_file_that_is_missing_or_empty_stops_the_start_with_one_line(tmp
         result = subprocess.run([sys.executable, "-m", "mqks.server", "--port", str(free_port()),
                                  "--auth-token-file", str(path)], capture_output=True, text=True, timeout=30)
         assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_memory_limit_swap_of_tables_keeps_unauthenticated_connections_locked(make_broker, tmp_path):
+    limit_bytes = 96 << 20
+    server = auth_broker(make_broker, tmp_path, "--max-memory", str(limit_bytes))
+    stranger = server.wire()  # connected before the limit is reached: its table is swapped with everyone's
+    stranger.send(b"p ping")
+    stranger.expect(b"p ok ")
+    publisher = server.wire()
+    publisher.send(b"a auth " + TOKEN.encode(), b"b1 rebind --confirm mem-q mem.e")
+    publisher.expect(b"a ok ")
+    publisher.expect(b"b1 ok ")
+    body = b"x" * (64 << 10)
+    for sent in range(0, 10_000, 50):
+        publisher.send(*(b"m%d publish mem.e %b" % (sent + i, body) for i in range(50)))
+        publisher.send(b"probe publish --confirm mem.e small")
+        if (line := publisher.recv_line()) != b"probe ok ":
+            assert line.startswith(b"probe error ") and b"memory limit reached" in line, line
+            break
+    else:
+        raise AssertionError("the memory limit was never reached")
+    stranger.send(b"s stats")
+    stranger.expect_error(b"s", b"authentication required")
+    stranger.send(b"a auth " + TOKEN.encode(), b"c publish --confirm mem.e after auth")
+    stranger.expect(b"a ok ")
+    stranger.expect_error(b"c", b"memory limit reached")  # authenticated into the table of a full broker

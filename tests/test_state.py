@@ -297,3 +297,20 @@ def test_deep_queue_packs_messages_and_still_delivers_all_in_order(broker, outbo
     assert order[1000] == b"m0"  # the rejected one came back first
     assert order[1001:] == [b"m%d" % i for i in range(1000, count)]
     assert broker.stats()["messages_waiting"] == 0
+
+
+def test_a_dead_letter_behind_a_deep_packed_queue_keeps_every_seq_and_the_order(broker, outbox):
+    dead = broker.queue(b"q.dead")
+    broker.rebind(dead, replace=[b"direct"])
+    count = PACK_MIN_DEPTH + 2000  # deep enough to be packed
+    for i in range(count):
+        publish(broker, b"p%d" % i, b"direct")
+    assert any(type(item) is Packed for item in dead.messages)
+    record = dead.put_record(tail(b"m1", b"e1", b"poison"), 3)
+    assert record.seq == count and dead.depth() == count + 1
+    publish(broker, b"after", b"direct")
+    consumer = consume(broker, outbox, b"c1", b"q.dead", manual_ack=True)
+    lines = delivered(outbox)
+    assert lines[0] == b"c1 ok p0 event=direct d" and lines[count - 1] == b"c1 ok p%d event=direct d" % (count - 1)
+    assert lines[count:] == [b"c1 ok m1 event=e1,retry=3 poison", b"c1 ok after event=direct d"]
+    assert list(consumer.unacked) == list(range(count + 2))  # seqs in order, none skipped or repeated
