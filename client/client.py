@@ -50,6 +50,9 @@ class Client:
                  reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
                  connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
                  ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = ()) -> None:
+        if ttl_seconds and ping_seconds > ttl_seconds:
+            # the broker drops a connection silent for 2x its TTL: an idle client must ping well within it
+            raise ValueError(f"ping_seconds ({ping_seconds:g}) must not exceed ttl_seconds ({ttl_seconds:g})")
         self.host = host
         self.port = port
         self.timeout_seconds = timeout_seconds

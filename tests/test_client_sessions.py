@@ -217,3 +217,8 @@ def test_a_client_with_a_token_still_connects_to_a_broker_without_auth(make_brok
         assert client.ping("ok") == "ok"
     finally:
         client.close()
+
+
+def test_a_ttl_shorter_than_the_ping_interval_is_refused_before_connecting():
+    with pytest.raises(ValueError, match="must not exceed ttl_seconds"):
+        Client("127.0.0.1", free_port(), ping_seconds=10, ttl_seconds=5)
