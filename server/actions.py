@@ -694,9 +694,9 @@ def refuse(session: Session, rid: bytes, action_name: bytes, line: bytes) -> Non
         log.warning("closing %s: its line looks like HTTP: %r", session.peer, line[:80])
         session.close()
     elif not session.authenticated:
-        # the line may hold a token sent the wrong way: log its id and action only
+        # any word of the line may be a token sent the wrong way (`s3cret` alone at nc): none is logged
         session.unauthenticated_lines += 1
-        session.error(rid or b"-", AUTH_REQUIRED, rid + b" " + action_name[:40])
+        session.error(rid if rid and action_name else b"-", AUTH_REQUIRED, b"(not logged before auth)")
         if session.unauthenticated_lines >= MAX_UNAUTHENTICATED_LINES:
             log.warning("closing %s: %d failed or missing authentications", session.peer,
                         session.unauthenticated_lines)

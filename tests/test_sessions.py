@@ -188,6 +188,13 @@ def test_without_a_token_every_line_but_ping_is_refused_and_the_connection_close
     assert b"actions:" not in wire.expect_error(b"x", b"authentication required")
     assert wire.closed_by_server()
     wire.close()
+    typo = server.wire()  # a token typed alone, or as the action: never logged
+    typo.send(TOKEN.encode(), b"y " + TOKEN.encode())
+    typo.expect_error(b"-", b"authentication required")
+    typo.expect_error(b"y", b"authentication required")
+    typo.close()
+    wait_for(lambda: server.log().count("(not logged before auth)") >= 5, "the refusals to be logged")
+    assert TOKEN not in server.log()
 
 
 def test_a_wrong_token_is_refused_and_the_right_one_opens_every_action(make_broker, tmp_path):
