@@ -8,6 +8,9 @@ times are spread evenly over `--spread-seconds`, the first `--lead-seconds` afte
 (minus its RSS before) per waiting message, and a consumer in its own process records when
 each delivery arrives: lateness = arrival - due time, reported as p50, p99 and max, and any
 delivery that came early (it must be none).
+
+Beside it, the same number of delayed jobs put into beanstalkd (`put 0 <delay> 60 <bytes>`,
+whole seconds: its only delay unit), for the memory per waiting message as a ratio.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from .fairness import start_broker
-from .peers import free_port
+from .peers import find_binary, free_port, start_beanstalkd
 
 # the consumer is a process of its own: it must not share a GIL with the publisher
 CONSUMER_SCRIPT = """
@@ -66,6 +70,37 @@ def ask(sock: socket.socket, line: bytes) -> bytes:
     return answer
 
 
+def beanstalkd_bytes_per_delayed_job(messages: int, spread_seconds: float, lead_seconds: float) -> float | None:
+    """RSS per job of beanstalkd holding `messages` delayed jobs with the same bodies; None without beanstalkd."""
+    path = find_binary("beanstalkd")
+    if path is None:
+        return None
+    with tempfile.TemporaryDirectory() as log_dir:
+        server = start_beanstalkd(path, None, log_dir)
+        try:
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            baseline = rss_bytes(server.pid)
+            first_due = time.time() + lead_seconds
+            step = spread_seconds / messages
+            batch = []
+            for i in range(messages):
+                due = first_due + i * step
+                body = b"%.3f" % due
+                batch.append(b"put 0 %d 60 %d\r\n%b\r\n" % (int(due - time.time()) + 1, len(body), body))
+                if len(batch) == 2000:
+                    sock.sendall(b"".join(batch))
+                    batch.clear()
+            sock.sendall(b"".join(batch))
+            answered, buffer = 0, b""
+            while answered < messages:  # every put answered: all jobs are in
+                buffer += sock.recv(1 << 20)
+                answered += buffer.count(b"\r\n")
+                buffer = buffer[buffer.rfind(b"\r\n") + 2 :]
+            return (rss_bytes(server.pid) - baseline) / messages
+        finally:
+            server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=1_000_000)
@@ -103,11 +138,15 @@ def main() -> None:
                   f"raise --lead-seconds for a clean memory figure", file=sys.stderr)
         out, _ = consumer.communicate(timeout=args.lead_seconds + args.spread_seconds + 120)
         late = json.loads(out)
+        mqks_per_message = (rss - baseline) / max(1, waiting)
+        beanstalkd_per_job = beanstalkd_bytes_per_delayed_job(args.messages, args.spread_seconds, args.lead_seconds)
         print(json.dumps({
             "messages": args.messages, "publish_seconds": round(published_seconds, 2),
             "waiting_when_measured": waiting, "rss_baseline_mb": round(baseline / 2**20, 1),
             "rss_with_all_waiting_mb": round(rss / 2**20, 1),
-            "rss_bytes_per_delayed_message": round((rss - baseline) / max(1, waiting), 1),
+            "rss_bytes_per_delayed_message": round(mqks_per_message, 1),
+            "beanstalkd_rss_bytes_per_delayed_job": beanstalkd_per_job and round(beanstalkd_per_job, 1),
+            "memory_ratio_mqks_to_beanstalkd": beanstalkd_per_job and round(mqks_per_message / beanstalkd_per_job, 2),
             "received": late["received"], "early": late["early"],
             "late_p50_ms": round(late["p50_ms"], 2), "late_p99_ms": round(late["p99_ms"], 2),
             "late_max_ms": round(late["max_ms"], 2)}, indent=1))

@@ -33,7 +33,7 @@ from .protocol import (
 )
 from .schedules import BadRule
 from .state import Broker, Consumer, SeqConsumer, TimedConsumer, TimedSeqConsumer
-from .workers import Workers
+from .workers import VERSION, Workers
 
 log = logging.getLogger("mqks.actions")
 
@@ -51,6 +51,12 @@ class Session(Protocol):
     peer: str
     peer_is_loopback: bool
     eval_enabled: bool
+    eval_refusal: str | None  # why _eval is off whatever --eval says (token auth beyond loopback), or None
+    authenticated: bool  # True from the start unless the server wants a token
+    unauthenticated_lines: int
+    said_hello: bool
+    tls: bool
+    ttl_seconds: float | None
     workers: Workers
     brokers: list[Broker]  # workers.brokers, one attribute away for publish
     outbox: Outbox
@@ -65,7 +71,13 @@ class Session(Protocol):
 
     def error(self, rid: bytes, reason: str, line: bytes) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, flush_first: bool = False) -> None: ...
+
+    def authenticate(self, token: bytes) -> bool | None:
+        """Check a token; True opens every action to this session, None: the server wants no token."""
+
+    def set_ttl(self, seconds: float | None) -> None:
+        """Expect traffic at least every `seconds` (None: no limit); 2x that in silence closes the session."""
 
 
 Handler: TypeAlias = Callable[[Session, bytes, bytes, bool], None]
@@ -506,6 +518,48 @@ def handle_queues(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
     session.write(b"".join(lines))  # one write: the limit on unread output still applies to the whole answer
 
 
+PROTOCOL_VERSION = 1  # the spec's line protocol; extensions are named in EXTENSIONS, never implied by it
+# what `hello` says this server supports beyond the spec: one name per feature, added with the feature
+EXTENSIONS: tuple[str, ...] = ("masks", "prefetch", "seq", "confirm", "rebind", "stats", "queues", "durable",
+                               "workers", "ack_timeout", "touch", "dead_letters", "max_length", "delay", "schedules",
+                               "request_reply", "max_memory", "auth", "tls", "hello", "ttl", "drain")
+MAX_UNAUTHENTICATED_LINES = 3  # then the connection is closed: no guessing tokens at line rate
+AUTH_REQUIRED = "authentication required: send {id} auth {token} first"
+
+
+def handle_hello(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} hello [--ttl=S]` -> `{id} ok {json}`: version, protocol, extensions, workers, the TTL in force."""
+    tokens = args.split()
+    value = parse_flag_value(tokens[0], b"--ttl") if len(tokens) == 1 else None
+    if tokens and value is None:
+        raise ProtocolError(f"hello: unexpected {text(args)!r}; expected {{id}} hello [--ttl=S]")
+    if value is not None:
+        session.set_ttl(parse_seconds(value, "--ttl") or None)  # --ttl=0: no limit
+    session.said_hello = True
+    workers = session.workers
+    session.ok(rid, to_json({"version": VERSION, "protocol": PROTOCOL_VERSION, "extensions": list(EXTENSIONS),
+                             "workers": workers.count, "ttl": session.ttl_seconds,
+                             "tls": session.tls, "authenticated": session.authenticated}))
+
+
+def handle_auth(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} auth {token}`: the line is never logged (errors are logged with `auth ***` in its place)."""
+    redacted = rid + b" auth ***"
+    found = session.authenticate(args.strip())
+    if found is None:
+        session.error(rid, "auth: this server takes no token (start mqksd with --auth-token-file or "
+                           "MQKS_AUTH_TOKEN to require one)", redacted)
+    elif found:
+        session.ok(rid)
+    else:
+        session.unauthenticated_lines += 1
+        session.error(rid, "authentication failed", redacted)
+        if session.unauthenticated_lines >= MAX_UNAUTHENTICATED_LINES:
+            log.warning("closing %s: %d failed or missing authentications", session.peer,
+                        session.unauthenticated_lines)
+            session.close(flush_first=True)
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
     """An action as the dispatcher sees it."""
@@ -538,8 +592,11 @@ ACTIONS: dict[bytes, Action] = {
     b"ping": Action(handle_ping, "", needs_args=False, needs_auth=False),
     b"stats": Action(handle_stats, "", needs_args=False),
     b"queues": Action(handle_queues, "", needs_args=False),
+    b"auth": Action(handle_auth, "auth: expected {id} auth {token}", needs_auth=False),
+    b"hello": Action(handle_hello, "", needs_args=False),
     b"_eval": Action(handle_eval, "_eval: expected a Python expression", protected=True),
 }
+
 
 def refuse_publish_over_memory(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     """`publish` past --max-memory: a confirmed one gets an error, an unconfirmed one is dropped and counted."""
@@ -563,23 +620,30 @@ _TABLES: dict[bool, dict[bytes, Action]] = {
     allowed: {name: action for name, action in ACTIONS.items() if allowed or not action.protected}
     for allowed in (False, True)
 }
+# before `auth`, on a server that wants a token: the few actions that need none
+_BEFORE_AUTH: dict[bytes, Action] = {name: action for name, action in ACTIONS.items() if not action.needs_auth}
 _HANDLERS: dict[tuple[bool, bool], dict[bytes, Handler]] = {
     (allowed, over_memory): {name: OVER_MEMORY.get(name, action.handler) if over_memory else action.handler
                              for name, action in table.items()}
     for allowed, table in _TABLES.items() for over_memory in (False, True)
 }
+_HANDLERS_BEFORE_AUTH: dict[bytes, Handler] = {name: action.handler for name, action in _BEFORE_AUTH.items()}
 
 
-def actions_for(eval_enabled: bool, peer_is_loopback: bool) -> dict[bytes, Action]:
+def actions_for(eval_enabled: bool, peer_is_loopback: bool, authenticated: bool = True) -> dict[bytes, Action]:
     """The actions a session may run, built once from the declarations (no per-line check)."""
-    return _TABLES[eval_enabled and peer_is_loopback]
+    return _TABLES[eval_enabled and peer_is_loopback] if authenticated else _BEFORE_AUTH
 
 
-def handlers_for(eval_enabled: bool, peer_is_loopback: bool, over_memory: bool = False) -> dict[bytes, Handler]:
+def handlers_for(eval_enabled: bool, peer_is_loopback: bool, authenticated: bool = True,
+                 over_memory: bool = False) -> dict[bytes, Handler]:
     """`actions_for` as name -> handler: one attribute load less per line (measured: ~2%).
 
-    `over_memory`: the table for a broker past --max-memory, whose publishes are refused.
+    `over_memory`: the table for a broker past --max-memory, whose publishes are refused. Before
+    `auth` the table holds no publish, so the memory state does not change it.
     """
+    if not authenticated:
+        return _HANDLERS_BEFORE_AUTH
     return _HANDLERS[eval_enabled and peer_is_loopback, over_memory]
 
 
@@ -600,10 +664,14 @@ def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]])
         action_name, _, args = rest.partition(b" ")
         handler = handlers.get(action_name)
         if handler is None or not rid:
-            refuse(session, rid, action_name, line)
-            if session.closed:
-                return  # nothing after an HTTP header may run: it could be a browser's payload
-            continue
+            if handlers is not session.handlers:  # an `auth` earlier in this batch opened the full table
+                handlers = session.handlers
+                handler = handlers.get(action_name)
+            if handler is None or not rid:
+                refuse(session, rid, action_name, line)
+                if session.closed:
+                    return  # nothing after an HTTP header (or past the unauthenticated limit) may run
+                continue
         confirm = False
         if args.startswith(CONFIRM) and (len(args) == 9 or args[9] == SPACE):
             confirm = True
@@ -625,11 +693,22 @@ def refuse(session: Session, rid: bytes, action_name: bytes, line: bytes) -> Non
         # a browser page must not be able to speak MQKS to a broker on localhost
         log.warning("closing %s: its line looks like HTTP: %r", session.peer, line[:80])
         session.close()
+    elif not session.authenticated:
+        # any word of the line may be a token sent the wrong way (`s3cret` alone at nc): none is logged
+        session.unauthenticated_lines += 1
+        session.error(rid if rid and action_name else b"-", AUTH_REQUIRED, b"(not logged before auth)")
+        if session.unauthenticated_lines >= MAX_UNAUTHENTICATED_LINES:
+            log.warning("closing %s: %d failed or missing authentications", session.peer,
+                        session.unauthenticated_lines)
+            session.close(flush_first=True)
     elif rid == b"help" and not action_name:
         session.error(b"-", unknown_action(session, b"help"), line)  # a person at `nc` asking
     elif not rid or not action_name:
         session.error(b"-", f"expected {{request_id}} {{action}} {{data}}; actions: {action_names(session)}", line)
     elif (action := ACTIONS.get(action_name)) is not None and action.protected:
+        if session.eval_refusal is not None:
+            session.error(rid, session.eval_refusal, line)
+            return
         reason = ("answers loopback clients only" if session.eval_enabled
                   else "is disabled: start mqksd with --eval to enable it (loopback clients only)")
         session.error(rid, f"{action_name.decode()} {reason}", line)

@@ -29,6 +29,13 @@ class Config:
     metrics_port: int | None = None  # None: no HTTP endpoint (/metrics, /healthz)
     metrics_host: str = "127.0.0.1"  # loopback, as the broker's own port
     metrics_max_queues: int = 100  # per-queue gauges for the deepest queues only: scrapes stay small
+    tls_port: int | None = None  # None: no TLS listener
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None  # set: clients must present a certificate signed by this CA
+    auth_token_file: str | None = None  # one token per line, re-read on SIGHUP; MQKS_AUTH_TOKEN adds one
+    client_ttl: float | None = None  # None: a connection may stay silent for ever unless it says hello --ttl
+    drain_seconds: float = 5.0  # on SIGTERM: how long consumers get to settle what they hold
 
 
 DEFAULTS = Config()

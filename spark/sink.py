@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import decimal
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -22,7 +23,7 @@ from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, Wri
 from pyspark.sql.types import StructType
 
 from mqks.client.wire import answer_error, encode_token, split_answer
-from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError
+from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, Security
 
 try:
     import ujson as _json  # the server's own dependency; escapes newlines as json does
@@ -41,6 +42,7 @@ class SinkOptions:
 
     host: str
     port: int
+    security: Security  # tls, tlsCa, token
     confirm_window: int
     msg_id_prefix: str | None
 
@@ -59,6 +61,7 @@ class SinkOptions:
         return cls(
             host=get("host", "127.0.0.1"),  # type: ignore[arg-type]
             port=int(get("port", "25000")),  # type: ignore[arg-type]
+            security=Security.parse(options, os.environ),
             confirm_window=window,
             msg_id_prefix=prefix,
         )
@@ -163,14 +166,14 @@ class _Publisher:
                 unconfirmed += 1
                 if len(lines) >= SEND_EVERY_ROWS or unconfirmed >= window:
                     if client is None:
-                        client = LineClient(self.options.host, self.options.port)
+                        client = LineClient(self.options.host, self.options.port, security=self.options.security)
                     client.send(lines)
                     lines = []
                     if unconfirmed >= window:
                         unconfirmed -= _read_confirms(client, unconfirmed - window // 2)
             if lines or unconfirmed:
                 if client is None:
-                    client = LineClient(self.options.host, self.options.port)
+                    client = LineClient(self.options.host, self.options.port, security=self.options.security)
                 client.send(lines)
                 _read_confirms(client, unconfirmed)
         except MqksConnectionError:

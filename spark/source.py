@@ -13,6 +13,7 @@ confirm. Invariants (at-least-once):
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -23,7 +24,7 @@ from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows
 from pyspark.sql.types import StructType
 
 from mqks.client.wire import answer_error, consume_line, encode_token, is_update, split_answer, split_header_fields
-from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError
+from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, Security
 
 log = logging.getLogger("mqks.spark")
 
@@ -57,6 +58,7 @@ class SourceOptions:
 
     host: str
     port: int
+    security: Security  # tls, tlsCa, token
     queue: str
     events: tuple[str, ...]
     max_records_per_batch: int
@@ -84,6 +86,7 @@ class SourceOptions:
         return cls(
             host=_option(options, "host", "127.0.0.1"),  # type: ignore[arg-type]
             port=_int_option(options, "port", 25000, 1),
+            security=Security.parse(options, os.environ),
             queue=queue,
             events=events,
             max_records_per_batch=max_records,
@@ -286,7 +289,7 @@ class MqksStreamReader(DataSourceStreamReader):
         self.delivery_prefix = self.consumer_id + b" ok "
         self.consume_confirmed = False
         self.ack_rids_waiting.clear()
-        self.client = LineClient(options.host, options.port)
+        self.client = LineClient(options.host, options.port, security=options.security)
         events = [event.encode() for event in options.events]
         # --add keeps the queue's other bindings; never --delete-queue-when-unused: a Spark restart
         # would lose the queue

@@ -56,6 +56,8 @@ def test_eval_refuses_peers_that_are_not_loopback():
 
         peer = "192.0.2.7:4242"
         eval_enabled = True
+        eval_refusal = None
+        authenticated = True
         closed = False
         actions = table
         handlers = table_handlers

@@ -26,7 +26,7 @@ STATS_KEYS = {"version", "uptime_seconds", "workers", "published", "queued", "co
               "schedule_firings", "memory_full"}
 SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked")
 ACTION_NAMES = ("publish consume ack reject touch rebind delete_consumer delete_queue request reply schedule "
-                "unschedule schedules ping stats queues")
+                "unschedule schedules ping stats queues auth hello")
 
 
 class CountingWire(Wire):
