@@ -384,6 +384,7 @@ class Broker:
         self.consumed = 0
         self.acked = 0
         self.rejected = 0
+        self.leases: Any = None  # server/leases.py's Leases, set by Workers (fetch and settle)
 
     def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
         """Put a copy of the message into every queue bound to `event`."""

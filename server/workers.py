@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .durable import DurableBroker, Journal
+from .leases import Leases
 from .outbox import Outbox
 from .routing import compile_mask
 from .state import Broker, Queue, Schedule
@@ -71,6 +72,8 @@ class Workers:
         else:
             self.brokers = [DurableBroker(worker, count, schedule, self.count_clients, journal=journal)
                             for worker in range(count)]
+        for broker in self.brokers:
+            broker.leases = Leases(broker)  # fetch/settle: messages held under a lease, in the queue's worker
 
     def count_clients(self) -> int:
         return self.clients
@@ -148,6 +151,9 @@ class Workers:
             ranked = heapq.nlargest(TOP_QUEUES, ((depth, name) for one in per_worker
                                                  for name, depth in one["top_queues"]))
             figures["top_queues"] = [(name, depth) for depth, name in ranked]
+        for key in ("leases", "messages_leased"):
+            figures[key] = sum(broker.leases.stats()[key] for broker in
+                               (self.brokers if worker is None else [self.brokers[worker]]))
         figures["connections"] = self.clients
         figures["bytes_in"] = self.bytes_in
         figures["bytes_out"] = self.bytes_out
