@@ -24,8 +24,14 @@ def check_known(options: Mapping[str, str], known: tuple[str, ...], what: str) -
         raise ValueError(f"mqks {what}: unknown option(s) {', '.join(unknown)}; known options: {', '.join(known)}")
 
 
+def lowered(options: Mapping[str, str]) -> dict[str, str]:
+    """The options with lower-case names, as Spark hands them over (a plain dict from a test too)."""
+    return {str(name).lower(): value for name, value in options.items()}
+
+
 def text_option(options: Mapping[str, str], name: str, default: str | None = None) -> str | None:
-    value = options.get(name)
+    """`name`'s value, stripped; `default` when absent or blank. `options` must come from `lowered`."""
+    value = options.get(name.lower())
     return default if value is None or str(value).strip() == "" else str(value).strip()
 
 

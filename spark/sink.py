@@ -24,7 +24,7 @@ from pyspark.sql.types import StructType
 
 from mqks.client.wire import answer_error, encode_token, split_answer
 from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError
-from mqks.spark.options import check_known, host_option, int_option, port_option, text_option
+from mqks.spark.options import check_known, host_option, int_option, lowered, port_option, text_option
 
 try:
     import ujson as _json  # the server's own dependency; escapes newlines as json does
@@ -52,6 +52,7 @@ class SinkOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SinkOptions:
+        options = lowered(options)
         check_known(options, SINK_OPTIONS, "sink")
         prefix = text_option(options, "msgIdPrefix")
         if prefix is not None:

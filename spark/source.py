@@ -41,6 +41,7 @@ from mqks.spark.options import (
     float_option,
     host_option,
     int_option,
+    lowered,
     port_option,
     text_option,
 )
@@ -82,6 +83,7 @@ class SourceOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        options = lowered(options)
         check_known(options, SOURCE_OPTIONS, "source")
         queue = text_option(options, "queue")
         queues_text = text_option(options, "queues")
