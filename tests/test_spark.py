@@ -616,3 +616,59 @@ def test_example_pipeline_publishes_the_last_window_after_events_stop(broker, tm
 
 def _queue_exists(broker, queue: str) -> bool:
     return eval_value(broker, f"{queue.encode()!r} in state.queues")
+
+
+@pytest.mark.timeout(300)
+def test_spark_submit_recipe_works_where_mqks_is_not_installed(broker, tmp_path):
+    """The README's `spark-submit` recipe, with a Python that has pyspark and pyarrow but no mqks."""
+    import sysconfig
+
+    bare = tmp_path / "bare"  # a cluster node's Python: the job's dependencies, not mqks
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    bare_python = bare / "bin" / "python"
+    ask_site = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    bare_site = Path(subprocess.run([str(bare_python), "-c", ask_site], check=True, capture_output=True,
+                                    text=True).stdout.strip())
+    # a plain path line: the directory's own .pth files (mqks's editable install) are not read
+    (bare_site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    missing = subprocess.run([str(bare_python), "-c", "import mqks"], capture_output=True, text=True)
+    assert "No module named 'mqks'" in missing.stderr
+
+    # the recipe: mqks as plain files, a regular package (zipimport cannot import namespace packages), zipped
+    repo = HERE.parent
+    pyfiles, dist = tmp_path / "build" / "pyfiles", tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(pyfiles), str(repo)],
+                   check=True, capture_output=True)
+    (pyfiles / "mqks" / "__init__.py").touch()
+    dist.mkdir()
+    subprocess.run([sys.executable, "-m", "zipfile", "-c", str(dist / "mqks.zip"), "mqks"], cwd=pyfiles, check=True)
+
+    counts_queue = "spark.submit.counts"
+    bind(broker, counts_queue, "stats.events.counted")
+    log = tmp_path / "submit.log"
+    env = dict(os.environ, PYSPARK_PYTHON=str(bare_python), PYSPARK_DRIVER_PYTHON=str(bare_python),
+               SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(dist / "mqks.zip"))
+    submit = Path(sys.executable).parent / "spark-submit"
+    cmd = [str(submit), "--master", "local-cluster[1,1,1024]", "--conf", "spark.ui.enabled=false",
+           "--py-files", str(dist / "mqks.zip"), str(repo / "pipelines" / "event_counts.py"),
+           "--port", str(broker.port), "--queue", "spark.submit", "--events", "page.*", "--window", "2 seconds",
+           "--watermark", "1 second", "--trigger", "1 second", "--heartbeat-seconds", "0.5",
+           "--checkpoint", str(tmp_path / "checkpoint"), "--run-seconds", "250"]
+    with open(log, "ab") as log_file:
+        job = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    wire = broker.wire()
+    try:
+        consume(wire, b"c5", counts_queue)
+        eventually(lambda: _queue_exists(broker, "spark.submit") or job.poll() is not None,
+                   "the pipeline to bind its queue", 150)
+        assert job.poll() is None, log.read_text()[-3000:]
+        publish(broker, [(f"sub{i}", "page.viewed", "{}") for i in range(50)])
+        counted = 0
+        while counted < 50:
+            assert job.poll() is None, log.read_text()[-3000:]
+            line = wire.recv_line(timeout=180.0)
+            counted += json.loads(line.split(b" ", 4)[4])["count"]
+        assert counted == 50
+    finally:
+        wire.close()
+        _kill_group(job)
