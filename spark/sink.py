@@ -183,7 +183,10 @@ class _Publisher:
                         while unconfirmed - wait > window // 2 or unconfirmed_bytes > window_bytes // 2:
                             unconfirmed_bytes -= sizes.popleft()
                             wait += 1
-                        unconfirmed -= _read_confirms(client, wait)
+                        confirmed = _read_confirms(client, wait)  # may read a few more than asked
+                        unconfirmed -= confirmed
+                        for _ in range(confirmed - wait):
+                            unconfirmed_bytes -= sizes.popleft()
             if lines or unconfirmed:
                 if client is None:
                     client = LineClient(self.options.host, self.options.port)
