@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import eval_value, wait_for
+from helpers import eval_value, free_port, wait_for
 
 pytest.importorskip("pyspark", reason="pyspark is not installed: pip install -e '.[spark]'")
 pytest.importorskip("pyarrow", reason="pyarrow is not installed: pip install -e '.[spark]'")
@@ -358,12 +358,10 @@ def test_killed_executor_delays_nothing_and_loses_nothing(broker, tmp_path):
 
 def _reader(broker, queue: str, **options: str):
     """The stream reader without Spark: the calls Spark's driver-side runner makes, made by hand."""
-    from pyspark.sql.types import StructType
-
-    from mqks.spark.source import SOURCE_SCHEMA, MqksStreamReader, SourceOptions
+    from mqks.spark.source import MqksStreamReader, SourceOptions, source_struct
 
     options = {"host": broker.host, "port": str(broker.port), "queue": queue, **options}
-    return MqksStreamReader(SourceOptions.parse(options), StructType.fromDDL(SOURCE_SCHEMA))
+    return MqksStreamReader(SourceOptions.parse(options), source_struct())
 
 
 def _read(reader, partitions) -> list[tuple[str, int]]:
@@ -672,3 +670,15 @@ def test_spark_submit_recipe_works_where_mqks_is_not_installed(broker, tmp_path)
     finally:
         wire.close()
         _kill_group(job)
+
+
+def test_a_broker_away_longer_than_reconnect_seconds_fails_with_the_option_named():
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from mqks.spark.line_client import MqksConnectionError
+    from mqks.spark.source import MqksStreamReader, SourceOptions, source_struct
+
+    options = SourceOptions.parse({"port": str(free_port()), "queue": "q", "reconnectSeconds": "1"})
+    reader = MqksStreamReader(options, source_struct())
+    with pytest.raises(MqksConnectionError, match=r"unreachable for 1s \(reconnectSeconds\)"):
+        reader.latestOffset(reader.initialOffset(), ReadMaxRows(10))
