@@ -442,6 +442,12 @@ def test_a_durable_broker_restart_returns_leased_messages_and_loses_none(make_br
         start = reader.initialOffset()
         end = reader.latestOffset(start, ReadMaxRows(20))
         assert len(_read(reader, reader.partitions(start, end))) == 20
+        wire = server.wire()
+        try:  # a confirm waits for every record before it: the leases' records are on disk now
+            wire.send(b"sync publish --confirm sync.e x")
+            wire.expect(b"sync ok ")
+        finally:
+            wire.close()
         server.kill()
         server.restart()
         reader.commit(end)  # reconnects; the leases died with the broker, so it acks nothing
