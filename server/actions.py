@@ -386,11 +386,11 @@ ACTIONS: dict[bytes, Action] = {
     b"rebind": Action(handle_rebind, REBIND_MISSING, logged=True),
     b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", logged=True),
     b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", logged=True),
-    b"fetch": Action(handle_fetch, FETCH_USAGE, logged=True),
-    b"settle": Action(handle_settle, SETTLE_LEASE_USAGE, logged=True),
     b"ping": Action(handle_ping, "", needs_args=False, needs_auth=False),
     b"stats": Action(handle_stats, "", needs_args=False),
     b"queues": Action(handle_queues, "", needs_args=False),
+    b"fetch": Action(handle_fetch, FETCH_USAGE, logged=True),
+    b"settle": Action(handle_settle, SETTLE_LEASE_USAGE, logged=True),
     b"_eval": Action(handle_eval, "_eval: expected a Python expression", protected=True),
 }
 

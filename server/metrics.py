@@ -39,6 +39,8 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
     "consumers": (GAUGE, "Consumers attached to queues."),
     "messages_waiting": (GAUGE, "Messages waiting in queues for a consumer."),
     "messages_unacked": (GAUGE, "Messages delivered and not acked yet."),
+    "leases": (GAUGE, "Leases holding messages fetched and not settled yet."),
+    "messages_leased": (GAUGE, "Messages held under leases."),
     "events": (GAUGE, "Distinct events and masks that queues are bound to."),
     "connections": (GAUGE, "Live client connections."),
     "workers": (GAUGE, "Workers of this process."),

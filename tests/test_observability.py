@@ -21,9 +21,10 @@ pytestmark = pytest.mark.timeout(60)
 VERSION = importlib.metadata.version("mqks")
 STATS_KEYS = {"version", "uptime_seconds", "workers", "published", "queued", "consumed", "acked", "rejected",
               "queues", "consumers", "messages_waiting", "messages_unacked", "clients", "events", "top_queues",
-              "connections", "bytes_in", "bytes_out", "errors"}
-SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked")
-ACTION_NAMES = "publish consume ack reject rebind delete_consumer delete_queue ping stats queues"
+              "connections", "bytes_in", "bytes_out", "errors", "leases", "messages_leased"}
+SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked",
+          "leases", "messages_leased")
+ACTION_NAMES = "publish consume ack reject rebind delete_consumer delete_queue ping stats queues fetch settle"
 
 
 class CountingWire(Wire):
@@ -112,7 +113,8 @@ def test_stats_counts_known_traffic_over_every_worker(broker_per_worker_count):
     assert after["uptime_seconds"] >= before["uptime_seconds"] >= 0
     assert {key: after[key] - before[key] for key in (*SUMMED, "published", "events", "errors", "connections")} == {
         "published": 3, "queued": 9, "consumed": 7, "acked": 1, "rejected": 1, "queues": 3, "consumers": 2,
-        "messages_waiting": 3, "messages_unacked": 2, "events": 2, "errors": 1, "connections": 0}
+        "messages_waiting": 3, "messages_unacked": 2, "events": 2, "errors": 1, "connections": 0, "leases": 0,
+        "messages_leased": 0}
     assert after["clients"] == after["connections"] == 2
     assert [q2.decode(), 3] in after["top_queues"]
     # one add per read and per write: exactly the bytes that crossed the two connections
