@@ -401,6 +401,11 @@ def _client(endpoint: Endpoint, fresh: bool) -> LineClient:
 def _fetch(client: LineClient, rid: bytes, line: bytes) -> tuple[list[bytes], int]:
     """Send one fetch and read its answer: (message lines without the rid, their bytes)."""
     client.send([line])
+    return _answer(client, rid)
+
+
+def _answer(client: LineClient, rid: bytes) -> tuple[list[bytes], int]:
+    """Read the answer to the fetch `rid`; lines after its end line stay in the client for the next read."""
     mine = rid + b" "
     prefix_length = len(rid) + 4
     lines: list[bytes] = []
@@ -412,7 +417,7 @@ def _fetch(client: LineClient, rid: bytes, line: bytes) -> tuple[list[bytes], in
             if time.monotonic() > deadline:
                 raise MqksConnectionError(f"mqks source: no fetch answer within {ANSWER_TIMEOUT_SECONDS:g}s")
             continue
-        for answer in got:
+        for i, answer in enumerate(got):
             if not answer.startswith(mine):
                 continue  # the rest of an answer an earlier task on this connection stopped reading
             body = answer[prefix_length:]
@@ -420,6 +425,7 @@ def _fetch(client: LineClient, rid: bytes, line: bytes) -> tuple[list[bytes], in
                 reason = answer[len(rid) :][:300].decode(errors="replace")
                 raise MqksError(f"mqks source: broker refused fetch: {reason}")
             if body.startswith(b"--end ") and b" " not in body[6:]:
+                client.ready[:0] = got[i + 1 :]  # the next (pipelined) answer's first lines
                 return lines, size
             lines.append(body)
             size += len(body)
@@ -453,33 +459,42 @@ def _fetch_release(client: LineClient, lease: bytes) -> None:
 
 def _fetch_chunks(options: SourceOptions, partition: MqksPartition, queue_name: bytes, lease: bytes, rid: bytes,
                   names: list[str], arrow_schema, pa) -> Iterator:
-    """Fetch until the part's rows or bytes are read, or the queue runs dry; one record batch per fetch."""
+    """Fetch until the part's rows or bytes are read, or the queue runs dry; one record batch per fetch.
+
+    The next fetch is sent before this one's lines are decoded, so the broker works while we do.
+    """
     rows_left, bytes_left = partition.rows, partition.max_bytes
-    first = True
-    while rows_left > 0:
+
+    def fetch_line(add: bool) -> tuple[bytes, int, int]:
         chunk_rows = min(rows_left, FETCH_ROWS)
         chunk_bytes = min(bytes_left, FETCH_BYTES) if bytes_left else FETCH_BYTES
         line = b"%b fetch %b --max=%d --max-bytes=%d --lease=%b --lease-seconds=%r%b" % (
-            rid, queue_name, chunk_rows, chunk_bytes, lease, options.lease_seconds, b"" if first else b" --add")
-        if first:
-            # nothing yielded yet: a dead cached connection is replaced, and the fetch sent again
-            # (same lease, not --add: what a lost attempt took is released first)
-            try:
-                lines, size = _fetch(_client(options.endpoint, fresh=False), rid, line)
-            except MqksConnectionError:
-                lines, size = _fetch(_client(options.endpoint, fresh=True), rid, line)
-        else:
-            lines, size = _fetch(_client(options.endpoint, fresh=False), rid, line)
-        first = False
-        if lines:
-            yield to_record_batch(lines, partition.queue, names, arrow_schema, pa)
+            rid, queue_name, chunk_rows, chunk_bytes, lease, options.lease_seconds, b" --add" if add else b"")
+        return line, chunk_rows, chunk_bytes
+
+    line, chunk_rows, chunk_bytes = fetch_line(add=False)
+    # nothing yielded yet: a dead cached connection is replaced and the fetch sent again
+    # (same lease, not --add: what a lost attempt took is released first)
+    try:
+        client = _client(options.endpoint, fresh=False)
+        lines, size = _fetch(client, rid, line)
+    except MqksConnectionError:
+        client = _client(options.endpoint, fresh=True)
+        lines, size = _fetch(client, rid, line)
+    while True:
         rows_left -= len(lines)
         if bytes_left:
             bytes_left -= size
-            if bytes_left <= 0:
-                return
-        if len(lines) < chunk_rows and size < chunk_bytes // 2:
-            return  # the queue ran dry (the byte limit did not stop the fetch)
+        dry = len(lines) < chunk_rows and size < chunk_bytes // 2  # the byte limit did not stop it
+        more = rows_left > 0 and not dry and (not partition.max_bytes or bytes_left > 0)
+        if more:
+            line, chunk_rows, chunk_bytes = fetch_line(add=True)
+            client.send([line])
+        if lines:
+            yield to_record_batch(lines, partition.queue, names, arrow_schema, pa)
+        if not more:
+            return
+        lines, size = _answer(client, rid)
 
 
 def to_record_batch(lines: list[bytes], queue: str, names: list[str], arrow_schema, pa):

@@ -400,6 +400,30 @@ def test_a_retried_read_acks_only_what_its_last_fetch_delivered(broker):
         reader.stop()
 
 
+def test_a_part_read_in_several_fetches_holds_them_all_under_one_lease(broker, monkeypatch):
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    import mqks.spark.source
+
+    monkeypatch.setattr(mqks.spark.source, "FETCH_ROWS", 3)  # 10 rows: fetches of 3, 3, 3 and 1, pipelined
+    queue = "spark.chunks"
+    bind(broker, queue, "chunks.e")
+    publish(broker, [(f"k{i}", "chunks.e", "x y") for i in range(12)])
+    reader = _reader(broker, queue, numPartitions="1")
+    try:
+        start = reader.initialOffset()
+        end = reader.latestOffset(start, ReadMaxRows(10))
+        parts = reader.partitions(start, end)
+        assert _read(reader, parts) == [(f"k{i}", 0) for i in range(10)]
+        assert queue_depths(broker, queue) == (2, 10)
+        # a retry releases all four fetches' messages first (the first fetch is not --add)
+        assert _read(reader, parts) == [(f"k{i}", 1) for i in range(10)]
+        reader.commit(end)
+        assert queue_depths(broker, queue) == (2, 0)
+    finally:
+        reader.stop()
+
+
 def test_a_new_run_acks_the_batch_an_earlier_run_left_by_its_leases(broker):
     from pyspark.sql.streaming.datasource import ReadMaxRows
 
