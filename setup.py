@@ -24,7 +24,7 @@ setup(
         "mqks.spark": "spark",
     },
     package_data={"mqks.server": ["py.typed"], "mqks.client": ["py.typed"], "mqks.spark": ["py.typed"]},
-    install_requires=["gevent>=24.2", "ujson>=5.9", "prometheus_client>=0.20"],
+    install_requires=["gevent>=24.2", "ujson>=5.9", "prometheus_client>=0.20", "cronsim>=2.6"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         "dev": ["mypy>=1.10", "ruff>=0.5"],

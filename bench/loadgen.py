@@ -23,6 +23,7 @@ import re
 import selectors
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -54,10 +55,40 @@ def pin(core: int | None) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def connect(host: str, port: int) -> socket.socket:
+def connect(host: str, port: int, tls_ca: str | None = None) -> socket.socket:
+    """A TCP connection; with `tls_ca`, TLS (1.2+) to a server whose certificate that CA signed."""
     sock = socket.create_connection((host, port), timeout=SETUP_TIMEOUT_SECONDS)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls_ca is not None:
+        sock = ssl.create_default_context(cafile=tls_ca).wrap_socket(sock, server_hostname=host)
     return sock
+
+
+def recv_tls(sock: ssl.SSLSocket, size: int) -> bytes:
+    """A blocking TLS read, then every record already there, up to `size` bytes.
+
+    A TLS read returns one record (16 KiB at most): parsing each alone would cap the consumer, not the
+    server, far below what a plain 1 MiB recv allows.
+    """
+    first = sock.recv(size)
+    if not first:
+        return first
+    parts, got = [first], len(first)
+    timeout = sock.gettimeout()
+    sock.setblocking(False)
+    try:
+        while got < size:
+            try:
+                part = sock.recv(size - got)
+            except (ssl.SSLWantReadError, BlockingIOError):
+                break
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+    finally:
+        sock.settimeout(timeout)
+    return b"".join(parts)
 
 
 def read_until(sock: socket.socket, needle: bytes, buf: bytes = b"", count: int = 1) -> bytes:
@@ -441,6 +472,7 @@ class Flow:
     counter_binary: str | None = None  # count push deliveries in C (bench/count.c) when set
     confirm: bool = False       # w5: at most `window` publishes unconfirmed; done once all are confirmed
                                 # and the server shows every message acked (Proto.settled)
+    tls_ca: str | None = None   # set: every connection speaks TLS to `port`, trusting this CA
 
 
 def _drain(sock: socket.socket, proto: Proto, stats: dict, barrier: threading.Event, confirm: bool = False) -> None:
@@ -478,7 +510,7 @@ def _drain(sock: socket.socket, proto: Proto, stats: dict, barrier: threading.Ev
 def producer_main(flow: Flow, counter, ready, go, stop, results) -> None:
     try:
         pin(flow.core)
-        sock = connect(flow.host, flow.port)
+        sock = connect(flow.host, flow.port, flow.tls_ca)
         flow.proto.producer_setup(sock)
         sock.settimeout(None)
         stats = {"reply_bytes": 0, "errors": 0, "confirmed": 0, "t_confirmed": 0}
@@ -488,7 +520,10 @@ def producer_main(flow: Flow, counter, ready, go, stop, results) -> None:
         if not flow.rate:
             for start in range(0, flow.n, flow.chunk):
                 chunks.append(flow.proto.publish(start, min(flow.chunk, flow.n - start)))
-        drain.start()
+        if flow.tls_ca is None:
+            # over TLS no second thread may read while this one writes (one OpenSSL object per socket);
+            # a producer that does not confirm gets no replies to drain anyway
+            drain.start()
         ready.send("ready")
         go.wait()
         t0 = now_ns()
@@ -550,7 +585,7 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
         if flow.confirm:
             flow.proto.limit = flow.n  # this process's copy: ask for no more than will come
         for index in range(flow.fanout):
-            sock = connect(flow.host, flow.port)
+            sock = connect(flow.host, flow.port, flow.tls_ca)
             index_for = index if flow.fanout > 1 else 0
             state, first = flow.proto.consumer_setup(sock, index_for)
             sock.settimeout(flow.timeout_s)
@@ -560,7 +595,8 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
             sel.register(sock, selectors.EVENT_READ, state)
         ready.send("ready")
         target = flow.n * flow.fanout
-        if flow.counter_binary and not latency and all(s.push_only for s in states):
+        # the C counter reads raw sockets: TLS deliveries are counted here, in Python
+        if flow.counter_binary and flow.tls_ca is None and not latency and all(s.push_only for s in states):
             _count_in_c(flow, states, sel, counter, deadline_ns, stop, results, target)
             return
         got = 0
@@ -577,7 +613,7 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
                 state = key.data
                 sock = key.fileobj
                 try:
-                    chunk = sock.recv(RECV_BYTES)
+                    chunk = recv_tls(sock, RECV_BYTES) if flow.tls_ca is not None else sock.recv(RECV_BYTES)
                 except (BlockingIOError, TimeoutError):
                     continue
                 if not chunk:
@@ -628,7 +664,7 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
 
 def _wait_settled(flow: Flow, n: int, deadline: int) -> int:
     """Poll the server on a side connection until it shows every ack taken; the time it did (0: never)."""
-    with connect(flow.host, flow.port) as side:
+    with connect(flow.host, flow.port, flow.tls_ca) as side:
         flow.proto.producer_setup(side)
         while now_ns() < deadline:
             if flow.proto.settled(side, n):

@@ -12,6 +12,9 @@ bench/results/. `--profile` runs mqksd under cProfile through w1 and w2 instead 
 `--workloads w5`: through the confirmed w5 flow, in memory and with each --fsync policy);
 `--compare` prints two result files side by side.
 
+w1 also runs MQKS over TLS (`--tls-port`, a certificate made by openssl for the run): the
+ratio rows "MQKS over TLS / MQKS plain" are the cost of encryption on the batched hot path.
+
 w5 (durable; only when asked for, ~2 min) runs each server with its persistence on, into a
 fresh temporary data directory per run: w1ack-confirmed (one producer pipelining confirmed
 publishes, at most `--window` unconfirmed, one consumer acking everything, msg/s from the
@@ -157,14 +160,30 @@ class Servers:
             self.skipped["mqks"] = (f"{sys.executable} cannot import mqks.server: "
                                     "run with the repo's venv (.venv/bin/python) or `pip install -e .`")
         self.versions["mqks"] = _mqks_version(self.mqks_python or sys.executable)
+        self._tls_files: tuple[str, str] | None = None
 
     def available(self, kind: str) -> bool:
         return kind not in self.skipped
 
+    def tls_files(self) -> tuple[str, str]:
+        """(certificate, key) for 127.0.0.1, made once per run by openssl; the certificate is its own CA."""
+        if self._tls_files is None:
+            directory = tempfile.mkdtemp(prefix="bench-tls-")
+            cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                            "-nodes", "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1",
+                            "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+            self._tls_files = (cert, key)
+        return self._tls_files
+
     def start(self, kind: str, core: int | None, data_dir: str | None = None, persist: str = "",
-              wait: bool = True) -> peers.Server:
+              wait: bool = True, tls_port: int | None = None) -> peers.Server:
         """A fresh server; with `data_dir` (w5) its persistence on there, `persist` being MQKS's --fsync,
-        Redis's appendfsync or beanstalkd's -f milliseconds."""
+        Redis's appendfsync or beanstalkd's -f milliseconds; with `tls_port`, MQKS listens for TLS there too."""
+        if tls_port is not None:
+            cert, key = self.tls_files()
+            return peers.start_mqks(core, LOG_DIR, python=self.mqks_python,
+                                    extra_args=("--tls-port", str(tls_port), "--tls-cert", cert, "--tls-key", key))
         if data_dir is not None:
             if kind == "mqks":
                 return peers.start_mqks(core, LOG_DIR, python=self.mqks_python, data_dir=data_dir, fsync=persist,
@@ -257,6 +276,7 @@ class Cell:
     measure: str = "flow"
     persist: str = ""
     recovery: str = ""
+    tls: bool = False  # MQKS only: every connection of the flow over TLS
 
     @property
     def key(self) -> str:
@@ -269,6 +289,8 @@ def cells_for(workload: str, cfg: Config) -> list[Cell]:
         return [
             Cell("w1", "mqks", "auto-ack", lambda: Mqks()),
             Cell("w1", "mqks", "manual-ack", lambda: Mqks(manual_ack=True), manual_ack=True),
+            Cell("w1", "mqks", "auto-ack over TLS", lambda: Mqks(), tls=True),
+            Cell("w1", "mqks", "manual-ack over TLS", lambda: Mqks(manual_ack=True), manual_ack=True, tls=True),
             Cell("w1", "redis", "pubsub", lambda: RedisPubSub()),
             Cell("w1", "redis", "streams", lambda: RedisStreams(ack=False)),
             Cell("w1", "redis", "streams+xack", lambda: RedisStreams(ack=True)),
@@ -347,8 +369,9 @@ def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
     server_core = SERVER_CORE if pinned else None
     gen_core = GENERATOR_CORE if pinned else None
     data_dir = tempfile.mkdtemp(prefix=f"bench-{cell.server}-data-") if cell.persist else None  # fresh per run
+    tls_port = peers.free_port() if cell.tls else None
     try:
-        server = servers.start(cell.server, server_core, data_dir, cell.persist)
+        server = servers.start(cell.server, server_core, data_dir, cell.persist, tls_port=tls_port)
     except BaseException:
         if data_dir:
             shutil.rmtree(data_dir, ignore_errors=True)
@@ -377,19 +400,22 @@ def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
         else:
             n = cfg.w1_messages
         n //= cell.divisor
-        flow = Flow(proto=proto, host=server.host, port=server.port, n=n, fanout=cell.fanout,
+        flow = Flow(proto=proto, host=server.host, port=tls_port or server.port, n=n, fanout=cell.fanout,
                     window=cfg.window, core=gen_core, timeout_s=cfg.timeout_seconds, rate=cell.rate,
-                    counter_binary=cfg.counter_binary, confirm=cell.workload == "w5")
+                    counter_binary=cfg.counter_binary, confirm=cell.workload == "w5",
+                    tls_ca=servers.tls_files()[0] if cell.tls else None)
         check = mqks_check(server, n, cell.fanout, cell.manual_ack) if cell.server == "mqks" else None
-        cpu0 = process_cpu_seconds(server.pid) if cell.workload == "w5" else 0.0
+        # the server's CPU per message: w5, and MQKS's w1 (plain beside TLS, steadier than msg/s on a busy machine)
+        measure_cpu = cell.workload == "w5" or (cell.workload == "w1" and cell.server == "mqks")
+        cpu0 = process_cpu_seconds(server.pid) if measure_cpu else 0.0
         r = loadgen.run_flow(flow, latency=cell.workload == "w3", check=check)
-        cpu = process_cpu_seconds(server.pid) - cpu0 if cell.workload == "w5" else 0.0
+        cpu = process_cpu_seconds(server.pid) - cpu0 if measure_cpu else 0.0
         if not server.alive():
             r.note = (r.note + "; " if r.note else "") + f"server died: {server.log_tail(300)}"
             r.ok = False
         sample = {"ok": r.ok and not r.errors, "value": r.rate, "got": r.got, "target": r.target,
                   "seconds": r.seconds, "send_rate": r.send_rate, "note": r.note}
-        if cell.workload == "w5":  # where the time went: the server's CPU (all its threads) per message
+        if measure_cpu:  # where the time went: the server's CPU (all its threads) per message
             sample.update(server_cpu_seconds=cpu, server_cpu_us_per_msg=1e6 * cpu / max(1, n))
         if cell.workload == "w3":
             lat = sorted(r.latencies_ns)
@@ -677,6 +703,10 @@ RATIOS = [
     ("w3@5k p99: MQKS / beanstalkd", "w3@5k mqks auto-ack", "w3@5k beanstalkd put/reserve/delete", 1.0, False),
     ("w3@20k p99: MQKS / beanstalkd", "w3@20k mqks auto-ack", "w3@20k beanstalkd put/reserve/delete", 1.0, False),
     ("w4 bytes/msg: MQKS / beanstalkd", "w4 mqks 1 queue, no consumer", "w4 beanstalkd put", 1.0, False),
+    # the plain auto-ack cell is counted by bench/bin/count in C, the TLS one in Python: the manual-ack
+    # ratio (both parsed in Python) is the like-for-like cost of TLS
+    ("w1 manual-ack: MQKS over TLS / MQKS plain", "w1 mqks manual-ack over TLS", "w1 mqks manual-ack", None, True),
+    ("w1 auto-ack: MQKS over TLS / MQKS plain", "w1 mqks auto-ack over TLS", "w1 mqks auto-ack", None, True),
     ("w1 auto-ack: MQKS / Redis pub/sub", "w1 mqks auto-ack", "w1 redis pubsub", None, True),
     ("w1 auto-ack: MQKS / NATS core", "w1 mqks auto-ack", "w1 nats core", None, True),
     ("w2: MQKS / NATS", "w2 mqks 10 exact + 10 mask queues", "w2 nats 10 exact + 10 * subs", None, True),

@@ -305,7 +305,12 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"mqks {args.command}: {reason}", file=sys.stderr)
         return code
 
-    client = Client(args.host, args.port, timeout_seconds=args.timeout, connect_timeout_seconds=args.timeout)
+    try:
+        settings = stats.connection_settings(args)
+    except ValueError as e:
+        return fail(str(e), EXIT_USAGE)
+    client = Client(args.host, args.port, timeout_seconds=args.timeout, connect_timeout_seconds=args.timeout,
+                    **settings)
     try:
         client.connect(retry=False)
         return run(client, args)

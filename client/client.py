@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json as jsonlib
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from . import wire
 from .connection import Connection, Link
 from .consumers import Consumer, Consumers, Message, MessageCallback
 from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError
+from .tls import tls_setting, token_setting
 
 __all__ = ["Client", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError", "MqksTimeoutError"]
 
@@ -32,12 +34,25 @@ class Client:
     Many greenlets may share one client. Blocking calls wait at most `timeout_seconds` (or their own
     `timeout`). A call made while disconnected waits for the reconnect, then raises
     `MqksConnectionError`; nothing is dropped silently.
+
+    `tls=True` speaks TLS to the broker's `--tls-port`, checking its certificate against the system's
+    CAs (give an `ssl.SSLContext` for a private CA: `mqks.client.tls.client_context(ca_file)`).
+    `token` (else the environment's MQKS_AUTH_TOKEN) is sent with `auth` on every connect. The client
+    says `hello --ttl=ttl_seconds` (default 2x ping_seconds; 0: none), so a broker drops a connection
+    whose client has vanished; its pings keep a live one within the TTL. When the broker drains
+    (`ok --draining`), the client lets its consumers settle what they hold, then reconnects: to the
+    next of `fallbacks` ([(host, port), ...], also tried in turn when one cannot be reached), else to
+    the same address once it is back.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, ping_seconds: float = 15.0,
                  ping_timeout_seconds: float | None = None, reconnect_min_seconds: float = 0.05,
                  reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
-                 connect_timeout_seconds: float = 10.0) -> None:
+                 connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
+                 ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = ()) -> None:
+        if ttl_seconds and ping_seconds > ttl_seconds:
+            # the broker drops a connection silent for 2x its TTL: an idle client must ping well within it
+            raise ValueError(f"ping_seconds ({ping_seconds:g}) must not exceed ttl_seconds ({ttl_seconds:g})")
         self.host = host
         self.port = port
         self.timeout_seconds = timeout_seconds
@@ -47,7 +62,9 @@ class Client:
             host, port, self._consumers, self._new_rid, ping_seconds=ping_seconds,
             ping_timeout_seconds=ping_seconds if ping_timeout_seconds is None else ping_timeout_seconds,
             reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
-            timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds)
+            timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds,
+            tls=tls_setting(tls), token=token_setting(token),
+            ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds, fallbacks=fallbacks)
         # internals the tests inspect (and drop connections through); not API
         self._consumers_by_id = self._consumers.by_id
         self._consumers_by_any_id = self._consumers.by_any_id
@@ -56,6 +73,11 @@ class Client:
     @property
     def _conn(self) -> Connection | None:
         return self._link.conn
+
+    @property
+    def server_info(self) -> dict[str, Any] | None:
+        """The broker's `hello` answer (version, protocol, extensions, workers, ttl), or None from one without it."""
+        return self._link.server_info
 
     @property
     def reconnects(self) -> int:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 import random
 import socket
+import ssl
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import gevent
 import gevent.socket
+import gevent.ssl
+import ujson
 from gevent.event import AsyncResult, Event
 from gevent.lock import Semaphore
 
@@ -34,6 +37,9 @@ HIGH_WATER_BYTES = 256 * 1024
 KILL_TIMEOUT_SECONDS = 1.0
 END_OF_LINES = b"--end"  # the last `ok` of an answer in several lines
 PEER_TEXT_CHARS = 80  # of a non-MQKS answer, quoted in the error
+DRAINING = b"--draining"  # `{consumer_id} ok --draining`: the broker is stopping
+DRAIN_POLL_SECONDS = 0.02
+DRAIN_WAIT_SECONDS = 60.0  # the broker closes at its own --drain-seconds anyway; this only bounds our wait
 
 
 class Session(Protocol):
@@ -54,12 +60,15 @@ class Session(Protocol):
     def disconnected(self, notify: bool, closed: bool) -> None:
         """The connection is gone; `notify` is False while handshaking or closing, `closed` when closing."""
 
+    def holds_unacked(self) -> bool:
+        """True while a manual-ack consumer holds a delivery it has not acked or rejected yet."""
+
 
 class Connection:
     """One TCP connection: its output batch, its pending answers, its greenlets."""
 
     __slots__ = ("sock", "where", "on_error", "out", "out_bytes", "wakeup", "send_lock", "futures", "lines_by_rid",
-                 "lost", "reason", "ready", "greenlets")
+                 "lost", "reason", "ready", "greenlets", "draining")
 
     def __init__(self, sock: socket.socket, where: str, on_error: Callable[[str], None]) -> None:
         self.sock = sock
@@ -75,6 +84,7 @@ class Connection:
         self.reason = ""
         self.ready = False  # handshaken: before that, a line that is not MQKS means a wrong peer
         self.greenlets: list[gevent.Greenlet] = []
+        self.draining = False  # the broker said `--draining`: leave once our consumers hold nothing
 
     def write(self, line: bytes) -> None:
         """Queue one line (with its newline) for the next batch."""
@@ -143,9 +153,18 @@ class Link:
 
     def __init__(self, host: str, port: int, session: Session, new_rid: Callable[[], bytes], *, ping_seconds: float,
                  ping_timeout_seconds: float, reconnect_min_seconds: float, reconnect_max_seconds: float,
-                 timeout_seconds: float, connect_timeout_seconds: float) -> None:
-        self.host = host
+                 timeout_seconds: float, connect_timeout_seconds: float, tls: ssl.SSLContext | None = None,
+                 token: bytes | None = None, ttl_seconds: float | None = None,
+                 fallbacks: list[tuple[str, int]] | tuple[()] = ()) -> None:
+        self.host = host  # the address connected to, or tried next
         self.port = port
+        # tried in turn when one cannot be reached, and left for the next when its broker drains
+        self.addresses = [(host, port), *fallbacks]
+        self.address_index = 0
+        self.tls = tls
+        self.token = token
+        self.ttl_seconds = ttl_seconds  # sent as `hello --ttl`: the broker drops us after 2x that in silence
+        self.server_info: dict[str, Any] | None = None  # the last `hello` answer; None from a broker without hello
         self.session = session
         self.new_rid = new_rid
         self.ping_seconds = ping_seconds
@@ -240,11 +259,19 @@ class Link:
     def _run(self) -> None:
         """Keep one live connection: connect, handshake, wait until lost, back off, again."""
         attempt = 0
+        tried = 0  # addresses that failed in a row since the last full round
         while not self.closed:
             try:
                 conn = self._open()
             except (OSError, MqksError) as e:
                 self.last_error = e
+                tried += 1
+                failed_at = f"{self.host}:{self.port}"
+                self._next_address()
+                if tried < len(self.addresses):
+                    log.info("mqks %s: connect failed (%s); trying %s:%s", failed_at, e, self.host, self.port)
+                    continue  # another address to try before backing off
+                tried = 0
                 self._failed.set()
                 delay = self._backoff_seconds(attempt)
                 attempt += 1
@@ -253,6 +280,7 @@ class Link:
                         "mqks %s:%s: connect failed (%s); retrying in %.2fs", self.host, self.port, e, delay)
                 gevent.sleep(delay)
                 continue
+            tried = 0
             if attempt or self.reconnects:
                 log.info("mqks %s:%s: connected", self.host, self.port)
             self.last_error = None
@@ -263,12 +291,18 @@ class Link:
             self._connected.clear()
             self._teardown(conn)
             self.reconnects += 1
+            if conn.draining:
+                self._next_address()  # that broker is stopping: the next address first, if there is one
             if time.monotonic() - opened_at >= self.reconnect_max_seconds:
                 attempt = 0  # it was a good connection: try again at once
             else:
                 # a broker that accepts, answers and drops us again must not get a reconnect storm
                 gevent.sleep(self._backoff_seconds(attempt))
                 attempt += 1
+
+    def _next_address(self) -> None:
+        self.address_index = (self.address_index + 1) % len(self.addresses)
+        self.host, self.port = self.addresses[self.address_index]
 
     def _backoff_seconds(self, attempt: int) -> float:
         """Exponential backoff capped at reconnect_max_seconds, with jitter so clients do not stampede."""
@@ -278,13 +312,16 @@ class Link:
     def _open(self) -> Connection:
         """A new connection with the session replayed and a pong back; raises on failure."""
         sock = gevent.socket.create_connection((self.host, self.port), timeout=self.connect_timeout_seconds)
-        sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            sock = self._wrap_tls(sock)  # the handshake runs under the connect timeout
+        sock.settimeout(None)
         conn = Connection(sock, f"{self.host}:{self.port}", lambda reason: self.lose(conn, reason))
         self.conn = conn
         conn.greenlets = [gevent.spawn(self._read_loop, conn), gevent.spawn(self._write_loop, conn)]
         try:
             deadline = time.monotonic() + self.timeout_seconds
+            self._introduce(conn, deadline)
             confirm_replays = self.session.replay(conn)
             rid = self.new_rid()
             pong = conn.request(rid, rid + b" ping handshake\n")
@@ -303,6 +340,72 @@ class Link:
         self._unsent_publishes = []
         conn.greenlets.append(gevent.spawn(self._ping_loop, conn))
         return conn
+
+    def _wrap_tls(self, sock: socket.socket) -> socket.socket:
+        """The TLS socket over `sock`, handshaken; ssl.SSLError (an OSError) when the broker's certificate fails."""
+        try:
+            # gevent's SSLSocket takes any context, a plain ssl.SSLContext included; the context's own
+            # wrap_socket would make a blocking stdlib socket of it
+            return gevent.ssl.SSLSocket(sock=sock, server_hostname=self.host, _context=self.tls)
+        except BaseException:
+            sock.close()
+            raise
+
+    def _introduce(self, conn: Connection, deadline: float) -> None:
+        """`auth` (with a token), then `hello [--ttl]`, before any consumer is replayed.
+
+        A broker without `hello` (a spec server) is fine: `server_info` is None then. A broker that
+        wants a token we lack, or refuses ours, fails the connect with its reason.
+        """
+        auth_rid = self.new_rid()
+        auth = conn.request(auth_rid, auth_rid + b" auth " + self.token + b"\n") if self.token else None
+        hello_rid = self.new_rid()
+        ttl = b" --ttl=%g" % self.ttl_seconds if self.ttl_seconds else b""
+        hello = conn.request(hello_rid, hello_rid + b" hello" + ttl + b"\n")
+        if auth is not None:
+            try:
+                conn.wait(auth_rid, auth, deadline, "auth")
+            except MqksConnectionError:
+                raise
+            except MqksError as e:
+                if "takes no token" not in str(e) and "unknown action" not in str(e):
+                    raise MqksError(f"the broker refused the token: {e}") from None
+                # a broker without auth (or older than it) serves anyone: the token protects it, not us
+                log.info("mqks %s: the broker takes no token; connected without one", conn.where)
+        try:
+            info = conn.wait(hello_rid, hello, deadline, "hello")
+        except MqksConnectionError:
+            raise
+        except MqksError as e:
+            if "authentication required" in str(e):
+                raise MqksError("the broker requires a token: pass token= (mqks --token) or set "
+                               "MQKS_AUTH_TOKEN") from None
+            self.server_info = None  # a broker that predates hello; no TTL agreed either
+            return
+        try:
+            self.server_info = ujson.loads(info)
+        except ValueError:
+            self.server_info = None
+
+    def _on_draining(self, conn: Connection) -> None:
+        """The broker is stopping: settle what our consumers hold, then leave and reconnect (later, or elsewhere)."""
+        if conn.draining:
+            return
+        conn.draining = True
+        log.info("mqks %s:%s: the broker is draining; reconnecting once our consumers have settled", self.host,
+                 self.port)
+
+        def leave_when_settled() -> None:
+            deadline = time.monotonic() + DRAIN_WAIT_SECONDS
+            while self.session.holds_unacked() and not conn.lost.is_set() and time.monotonic() < deadline:
+                gevent.sleep(DRAIN_POLL_SECONDS)
+            try:
+                conn.flush()  # the last acks go out before we hang up
+            except OSError:
+                pass
+            self.lose(conn, "the broker is draining")
+
+        conn.greenlets.append(gevent.spawn(leave_when_settled))
 
     def _teardown(self, conn: Connection, notify: bool = True) -> None:
         """Stop a lost connection's greenlets, keep its unsent publishes; `notify` runs on_disconnect hooks."""
@@ -348,6 +451,9 @@ class Link:
         """Route one answer line: to the session, its waiting future, or the log."""
         rid, status, data = wire.split_answer(line.rstrip(b"\r"))
         if status == b"ok":
+            if data == DRAINING:
+                self._on_draining(conn)
+                return
             if data and self.session.deliver(rid, data):
                 return
             if conn.lines_by_rid:

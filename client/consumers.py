@@ -304,6 +304,10 @@ class Consumers:
         self.forget(consumer)
         return True
 
+    def holds_unacked(self) -> bool:
+        """True while a manual-ack consumer holds a delivery of this connection not yet acked or rejected."""
+        return any(consumer.unacked for consumer in self.by_id.values())
+
     def disconnected(self, notify: bool, closed: bool) -> None:
         """The connection is gone; `notify` runs every on_disconnect hook, `closed` says the client ended."""
         for consumer in self.by_id.values():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
 import sys
 import time
 from typing import Any, NoReturn
@@ -19,6 +20,7 @@ import gevent
 
 from .client import Client
 from .errors import MqksError
+from .tls import client_context, token_setting
 
 # (key in the stats answer, label) in the order a message lives: published, queued, consumed, acked
 FIGURES: tuple[tuple[str, str], ...] = (
@@ -168,6 +170,28 @@ def add_connection_arguments(parser: argparse.ArgumentParser, defaults: bool = T
     parser.add_argument("--port", type=int, default=default(25000), help="broker port (default 25000)")
     parser.add_argument("--timeout", type=float, default=default(10.0), metavar="SECONDS",
                         help="connect and answer timeout (default 10)")
+    parser.add_argument("--tls", action="store_true", default=default(False),
+                        help="speak TLS (to the broker's --tls-port), checking its certificate")
+    parser.add_argument("--tls-ca", default=default(None), metavar="FILE",
+                        help="check the broker's certificate against this CA (PEM) instead of the system's; "
+                             "implies --tls")
+    parser.add_argument("--tls-cert", default=default(None), metavar="FILE",
+                        help="this client's certificate (PEM), for a broker started with --tls-ca; implies --tls")
+    parser.add_argument("--tls-key", default=default(None), metavar="FILE", help="its private key (PEM)")
+    parser.add_argument("--token", default=default(None),
+                        help="auth token (default: the environment's MQKS_AUTH_TOKEN, which `ps` does not show)")
+
+
+def connection_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """`Client` keywords from --tls, --tls-ca, --tls-cert, --tls-key and --token; ValueError for a file that fails."""
+    tls: ssl.SSLContext | bool = False
+    if args.tls or args.tls_ca or args.tls_cert:
+        try:
+            tls = client_context(args.tls_ca, args.tls_cert, args.tls_key)
+        except OSError as e:  # a missing file, or one that is not PEM (ssl.SSLError)
+            raise ValueError(f"cannot load the TLS CA, certificate or key: {e}") from None
+    token_setting(args.token)  # a token with whitespace: ValueError now, not from inside Client
+    return {"tls": tls, "token": args.token}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,8 +209,12 @@ def run(args: argparse.Namespace) -> int:
         return fail("--watch needs a number of seconds > 0", 2)
     if args.worker is not None and args.worker < 0:
         return fail("--worker needs a worker number >= 0", 2)
+    try:
+        settings = connection_settings(args)
+    except ValueError as e:
+        return fail(str(e), 2)
     client = Client(args.host, args.port, timeout_seconds=args.timeout, connect_timeout_seconds=args.timeout,
-                    reconnect_max_seconds=1.0)
+                    reconnect_max_seconds=1.0, **settings)
     try:
         client.connect(retry=False)
         clear_screen = args.watch is not None and not args.json and sys.stdout.isatty()

@@ -14,15 +14,26 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 from .outbox import Outbox
-from .protocol import ProtocolError, looks_like_http, parse_count, parse_flag_value, parse_seconds, text
-from .state import Broker, Consumer, SeqConsumer
-from .workers import Workers
+from .protocol import (
+    ProtocolError,
+    looks_like_http,
+    parse_count,
+    parse_flag_value,
+    parse_seconds,
+    parse_unix_seconds,
+    text,
+)
+from .schedules import BadRule
+from .state import Broker, Consumer, SeqConsumer, TimedConsumer, TimedSeqConsumer
+from .workers import VERSION, Workers
 
 log = logging.getLogger("mqks.actions")
 
@@ -40,6 +51,12 @@ class Session(Protocol):
     peer: str
     peer_is_loopback: bool
     eval_enabled: bool
+    eval_refusal: str | None  # why _eval is off whatever --eval says (token auth beyond loopback), or None
+    authenticated: bool  # True from the start unless the server wants a token
+    unauthenticated_lines: int
+    said_hello: bool
+    tls: bool
+    ttl_seconds: float | None
     workers: Workers
     brokers: list[Broker]  # workers.brokers, one attribute away for publish
     outbox: Outbox
@@ -54,7 +71,13 @@ class Session(Protocol):
 
     def error(self, rid: bytes, reason: str, line: bytes) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, flush_first: bool = False) -> None: ...
+
+    def authenticate(self, token: bytes) -> bool | None:
+        """Check a token; True opens every action to this session, None: the server wants no token."""
+
+    def set_ttl(self, seconds: float | None) -> None:
+        """Expect traffic at least every `seconds` (None: no limit); 2x that in silence closes the session."""
 
 
 Handler: TypeAlias = Callable[[Session, bytes, bytes, bool], None]
@@ -76,7 +99,8 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
         event = args[:space]
         tail = b"".join((b" ok ", rid, b" event=", args))
     if not event or (event[0] == DASH and event.startswith(b"--")):
-        check_name(event, "publish: event")
+        publish_flagged(session, rid, args, confirm)
+        return
     if confirm:
         publish_confirmed(session, rid, event, tail)
         return
@@ -84,28 +108,185 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
         broker.publish(rid, event, tail)
 
 
+def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`publish [--delay=S | --at=UNIX_SECONDS] {event} {data}` (extension): the copies enter their queues when due."""
+    flag, _, rest = args.partition(b" ")
+    now = time.time()
+    if flag.startswith(b"--at="):
+        due = parse_unix_seconds(flag[5:], "publish: --at")
+    elif flag.startswith(b"--delay="):
+        due = now + parse_seconds(flag[8:], "publish: --delay")
+    else:
+        check_name(flag, "publish: event")  # raises: an event never starts with "--"
+    event, space, _ = rest.partition(b" ")
+    if not event or event[0] == DASH:
+        check_name(event, "publish: event")
+    tail = b"".join((b" ok ", rid, b" event=", rest, b"" if space else b" "))
+    due_ms = math.ceil(due * 1000)  # never early: the first millisecond at or after the due time
+    workers = session.workers
+    if due_ms <= now * 1000:
+        if confirm:
+            publish_confirmed(session, rid, event, tail)
+        else:
+            for broker in session.brokers:
+                broker.publish(rid, event, tail)
+        return
+    journal = workers.journal
+    if confirm and journal is not None and journal.log.disk_full:
+        raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
+    workers.publish_later(due_ms, tail)
+    if confirm:
+        if journal is None:
+            session.ok(rid)
+        else:
+            journal.unconfirmed.append((session.outbox, rid))
+
+
 def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
     """Publish, then `ok`: at once in memory, once the log has it with --data-dir."""
     journal = session.workers.journal
     if journal is not None and journal.log.disk_full:
         raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
+    full = [queue for broker in session.brokers for queue in broker.full_queues(event)]
     for broker in session.brokers:
         broker.publish(rid, event, tail)
+    if full:
+        names = ", ".join(f"queue {text(queue.name)} is full (--max-length={queue.max_length})" for queue in full)
+        raise ProtocolError(f"{names}: the message was not put there (every other bound queue has it)")
     if journal is None:
         session.ok(rid)
     else:
         journal.unconfirmed.append((session.outbox, rid))  # answered once the log has it
 
 
-def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, dict]:
-    """`{queue} [events] [--add events] [flags]` -> (queue, events, added or None without --add, flags)."""
+def parse_limit(token: bytes, limits: dict[str, int | None], action: str) -> bool:
+    """`--max-retries=N|none` or `--max-length=N|none` (queue settings) into `limits`; False if `token` is neither."""
+    for flag, name, least in ((b"--max-retries", "max_retries", 0), (b"--max-length", "max_length", 1)):
+        value = parse_flag_value(token, flag)
+        if value is None:
+            continue
+        if value == b"none":
+            limits[name] = None
+        else:
+            limit = parse_count(value, f"{action}: {flag.decode()}") if value else -1
+            if limit < least:
+                raise ProtocolError(f"{action}: {flag.decode()} wants a whole number >= {least} (or none), "
+                                    f"got {text(value)!r}")
+            limits[name] = limit
+        return True
+    return False
+
+
+DEFAULT_REQUEST_TIMEOUT_SECONDS = 30.0
+
+
+def handle_request(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{rid} request [--timeout=S] {event} {data}` (extension): publish; the first reply is the answer.
+
+    Deliveries carry `,reply={token}` after the event; `{rid} ok --reply {data}` comes when a
+    worker replies, `{rid} error ... no reply within S s` when none does in time.
+    """
+    seconds = DEFAULT_REQUEST_TIMEOUT_SECONDS
+    first, _, rest = args.partition(b" ")
+    if (value := parse_flag_value(first, b"--timeout")) is not None:
+        seconds = parse_seconds(value, "request: --timeout") if value else 0.0
+        if not seconds:
+            raise ProtocolError(f"request: --timeout wants seconds > 0, got {text(value)!r}")
+        args = rest
+    event, _, data = args.partition(b" ")
+    check_name(event, "request: event")
+    if not any(broker.routes(event) for broker in session.brokers):
+        raise ProtocolError(f"request: no queue is bound to event {text(event)!r}")
+    token = session.workers.requests.open(session.outbox, rid, seconds)
+    tail = b"".join((b" ok ", rid, b" event=", event, b",reply=", token, b" ", data))
+    for broker in session.brokers:
+        broker.publish(rid, event, tail)
+
+
+def handle_reply(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} reply {token} {data}` (extension): answer a request; a second reply is dropped and counted."""
+    token, _, data = args.partition(b" ")
+    if not session.workers.requests.reply(token, data):
+        raise ProtocolError(f"reply: unknown token {text(token)!r}: never issued, timed out, or its requester left")
+    if confirm:
+        session.ok(rid)
+
+
+SCHEDULE_USAGE = ("{id} schedule {name} --every=S|--cron M H DOM MON DOW [--count=N] [--nohaste] "
+                  "{event} {data}")
+
+
+def handle_schedule(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`schedule {name} --every=S|--cron M H DOM MON DOW [--count=N] [--nohaste] {event} {data}` (extension)."""
+    name, _, rest = args.partition(b" ")
+    check_name(name, "schedule: name")
+    every: float | None = None
+    cron: str | None = None
+    count: int | None = None
+    nohaste = False
+    while rest.startswith(b"--"):
+        token, _, rest = rest.partition(b" ")
+        if token == b"--cron":
+            fields = rest.split(b" ", 5)
+            if len(fields) < 6 or not all(fields[:5]):
+                raise ProtocolError(f"schedule: --cron wants five fields (M H DOM MON DOW), then the event; "
+                                    f"expected {SCHEDULE_USAGE}")
+            cron, rest = b" ".join(fields[:5]).decode(), fields[5]
+        elif (value := parse_flag_value(token, b"--every")) is not None:
+            every = parse_seconds(value, "schedule: --every") if value else 0.0
+            if not every:
+                raise ProtocolError(f"schedule: --every wants seconds > 0, got {text(value)!r}")
+        elif (value := parse_flag_value(token, b"--count")) is not None:
+            count = parse_count(value, "schedule: --count") if value else 0
+            if not count:
+                raise ProtocolError(f"schedule: --count wants a whole number >= 1, got {text(value)!r}")
+        elif token == b"--nohaste":
+            nohaste = True
+        else:
+            raise ProtocolError(f"schedule: unknown flag {text(token)!r}; expected {SCHEDULE_USAGE}")
+    if (every is None) == (cron is None):
+        raise ProtocolError(f"schedule: give one of --every=S and --cron; expected {SCHEDULE_USAGE}")
+    event, _, data = rest.partition(b" ")
+    check_name(event, "schedule: event")
+    try:
+        session.workers.schedules.set(name, every, cron, count, nohaste, event, data)
+    except BadRule as e:
+        raise ProtocolError(f"schedule: {e}") from None
+    if confirm:
+        session.ok(rid)
+
+
+def handle_unschedule(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    tokens = args.split()
+    if len(tokens) != 1:
+        raise ProtocolError("unschedule: expected {id} unschedule {name}")
+    if not session.workers.schedules.remove(tokens[0]):
+        raise ProtocolError(f"unschedule: no schedule {text(tokens[0])!r}")
+    if confirm:
+        session.ok(rid)
+
+
+def handle_schedules(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} schedules` -> `{id} ok {json}` per schedule, sorted by name, then `{id} ok --end`."""
+    if args.strip():
+        raise ProtocolError(f"schedules: unexpected {text(args)!r}; expected {{id}} schedules")
+    head = rid + b" ok "
+    lines = [b"%b%b\n" % (head, to_json(row)) for row in session.workers.schedules.rows()]
+    lines.append(head + b"--end\n")
+    session.write(b"".join(lines))
+
+
+def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, dict, dict[str, int | None]]:
+    """`{queue} [events] [--add events] [flags]` -> (queue, events, added or None without --add, flags, limits)."""
     tokens = args.split()
     if not tokens:
         raise ProtocolError(CONSUME_MISSING)
     queue = check_name(tokens[0], "consume: queue")
     events: list[bytes] = []
     added: list[bytes] | None = None
-    flags: dict = {"manual_ack": False, "prefetch": 0, "delete_when_unused_seconds": None, "seq": False}
+    flags: dict = {"manual_ack": False, "prefetch": 0, "delete_when_unused_seconds": None, "seq": False,
+                   "ack_timeout_seconds": None}
+    limits: dict[str, int | None] = {}
     target: list[bytes] | None = events
     for token in tokens[1:]:
         if not token.startswith(b"--"):
@@ -125,21 +306,36 @@ def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, 
             flags["delete_when_unused_seconds"] = parse_seconds(value, "--delete-queue-when-unused") if value else 0.0
         elif (value := parse_flag_value(token, b"--prefetch")) is not None:
             flags["prefetch"] = parse_count(value, "--prefetch")
-        else:
+        elif (value := parse_flag_value(token, b"--ack-timeout")) is not None:
+            seconds = parse_seconds(value, "consume: --ack-timeout") if value else 0.0
+            if not seconds:
+                raise ProtocolError(f"consume: --ack-timeout wants seconds > 0, got {text(value)!r}")
+            flags["ack_timeout_seconds"] = seconds
+        elif not parse_limit(token, limits, "consume"):
             raise ProtocolError(f"consume: unknown flag {text(token)!r}")
     if flags["prefetch"] and not flags["manual_ack"]:
         raise ProtocolError("consume: --prefetch needs --manual-ack (auto-ack messages are never in flight)")
-    return queue, events, added, flags
+    if flags["ack_timeout_seconds"] is not None and not flags["manual_ack"]:
+        raise ProtocolError("consume: --ack-timeout needs --manual-ack (auto-ack messages are never in flight)")
+    return queue, events, added, flags, limits
 
 
 def handle_consume(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-    name, events, added, flags = parse_consume(args)
+    name, events, added, flags, limits = parse_consume(args)
     if rid in session.consumers_by_id:
         raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
     broker = session.workers.worker_for(name)
     queue = broker.queue(name)
-    consumer = (SeqConsumer if flags.pop("seq") else Consumer)(rid, queue, session.outbox, **flags)
-    broker.consume(consumer, events, added)
+    seq = flags.pop("seq")
+    ack_timeout_seconds = flags.pop("ack_timeout_seconds")
+    consumer: Consumer
+    if ack_timeout_seconds is None:
+        consumer = (SeqConsumer if seq else Consumer)(rid, queue, session.outbox, **flags)
+    else:
+        consumer = (TimedSeqConsumer if seq else TimedConsumer)(rid, queue, session.outbox, **flags,
+                                                                ack_timeout_seconds=ack_timeout_seconds,
+                                                                clock=broker.clock)
+    broker.consume(consumer, events, added, limits)
     if confirm:
         session.ok(rid)
     broker.pump(queue)
@@ -151,18 +347,23 @@ def handle_rebind(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
         raise ProtocolError(REBIND_MISSING)
     name = check_name(tokens[0], "rebind: queue")
     lists: dict[bytes, list[bytes]] = {b"": [], b"--remove": [], b"--remove-mask": [], b"--add": []}
+    limits: dict[str, int | None] = {}
     target = lists[b""]
     for token in tokens[1:]:
         if token.startswith(b"--"):
-            if token not in lists:
+            if token in lists:
+                target = lists[token]
+            elif not parse_limit(token, limits, "rebind"):
                 raise ProtocolError(f"rebind: unknown flag {text(token)!r}")
-            target = lists[token]
         else:
             target.append(token)
     broker = session.workers.worker_for(name)
     queue = broker.queue(name)
-    if broker.rebind(queue, replace=lists[b""] or None, add=lists[b"--add"], remove=lists[b"--remove"],
-                    remove_masks=lists[b"--remove-mask"]):
+    changed = broker.rebind(queue, replace=lists[b""] or None, add=lists[b"--add"], remove=lists[b"--remove"],
+                            remove_masks=lists[b"--remove-mask"])
+    if limits and broker.set_limits(queue, limits):
+        changed = True
+    if changed:
         broker.updates(queue)
     if confirm:
         session.ok(rid)
@@ -195,12 +396,37 @@ def handle_reject(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
 
 def settle(session: Session, rid: bytes, args: bytes, confirm: bool, action: str) -> None:
     """`ack` or `reject` one, several or all un-acked messages of a consumer."""
+    delay_seconds = None
+    if action == "reject" and b"--delay" in args:
+        head, _, flag = args.rpartition(b" ")
+        value = parse_flag_value(flag, b"--delay")
+        if value is not None:
+            args = head
+            delay_seconds = parse_seconds(value, "reject: --delay")
     consumer, msg_ids = parse_ack(session, action, args)
     broker = session.workers.worker_for(consumer.queue.name)
-    if msg_ids is None:
+    if delay_seconds:
+        due_ms = math.ceil((time.time() + delay_seconds) * 1000)
+        if unknown := broker.reject_later(consumer, msg_ids, due_ms):
+            raise ProtocolError(f"reject: no un-acked message {text(b' '.join(unknown))!r} "
+                                f"for consumer {text(consumer.consumer_id)!r}")
+    elif msg_ids is None:
         (broker.ack_all if action == "ack" else broker.reject_all)(consumer)
     elif unknown := (broker.ack if action == "ack" else broker.reject)(consumer, msg_ids):
         raise ProtocolError(f"{action}: no un-acked message {text(b' '.join(unknown))!r} "
+                            f"for consumer {text(consumer.consumer_id)!r}")
+    if confirm:
+        session.ok(rid)
+
+
+def handle_touch(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`touch {consumer_id} {msg_id} ...|--all` (extension): restart the ack-timeout clock of copies in flight."""
+    consumer, msg_ids = parse_ack(session, "touch", args)
+    broker = session.workers.worker_for(consumer.queue.name)
+    if msg_ids is None:
+        msg_ids = list(consumer.seq_by_msg_id)
+    if unknown := broker.touch(consumer, msg_ids):
+        raise ProtocolError(f"touch: no un-acked message {text(b' '.join(unknown))!r} "
                             f"for consumer {text(consumer.consumer_id)!r}")
     if confirm:
         session.ok(rid)
@@ -290,6 +516,48 @@ def handle_queues(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
     lines = [b"%b%b\n" % (head, to_json(row)) for row in session.workers.queue_rows(tokens[0] if tokens else None)]
     lines.append(head + b"--end\n")
     session.write(b"".join(lines))  # one write: the limit on unread output still applies to the whole answer
+
+
+PROTOCOL_VERSION = 1  # the spec's line protocol; extensions are named in EXTENSIONS, never implied by it
+# what `hello` says this server supports beyond the spec: one name per feature, added with the feature
+EXTENSIONS: tuple[str, ...] = ("masks", "prefetch", "seq", "confirm", "rebind", "stats", "queues", "durable",
+                               "workers", "ack_timeout", "touch", "dead_letters", "max_length", "delay", "schedules",
+                               "request_reply", "max_memory", "auth", "tls", "hello", "ttl", "drain", "leases")
+MAX_UNAUTHENTICATED_LINES = 3  # then the connection is closed: no guessing tokens at line rate
+AUTH_REQUIRED = "authentication required: send {id} auth {token} first"
+
+
+def handle_hello(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} hello [--ttl=S]` -> `{id} ok {json}`: version, protocol, extensions, workers, the TTL in force."""
+    tokens = args.split()
+    value = parse_flag_value(tokens[0], b"--ttl") if len(tokens) == 1 else None
+    if tokens and value is None:
+        raise ProtocolError(f"hello: unexpected {text(args)!r}; expected {{id}} hello [--ttl=S]")
+    if value is not None:
+        session.set_ttl(parse_seconds(value, "--ttl") or None)  # --ttl=0: no limit
+    session.said_hello = True
+    workers = session.workers
+    session.ok(rid, to_json({"version": VERSION, "protocol": PROTOCOL_VERSION, "extensions": list(EXTENSIONS),
+                             "workers": workers.count, "ttl": session.ttl_seconds,
+                             "tls": session.tls, "authenticated": session.authenticated}))
+
+
+def handle_auth(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} auth {token}`: the line is never logged (errors are logged with `auth ***` in its place)."""
+    redacted = rid + b" auth ***"
+    found = session.authenticate(args.strip())
+    if found is None:
+        session.error(rid, "auth: this server takes no token (start mqksd with --auth-token-file or "
+                           "MQKS_AUTH_TOKEN to require one)", redacted)
+    elif found:
+        session.ok(rid)
+    else:
+        session.unauthenticated_lines += 1
+        session.error(rid, "authentication failed", redacted)
+        if session.unauthenticated_lines >= MAX_UNAUTHENTICATED_LINES:
+            log.warning("closing %s: %d failed or missing authentications", session.peer,
+                        session.unauthenticated_lines)
+            session.close(flush_first=True)
 
 
 FETCH_USAGE = ("fetch: expected {id} fetch {queue} --lease={lease_id} [--max=N] [--max-bytes=B] "
@@ -383,34 +651,74 @@ ACTIONS: dict[bytes, Action] = {
     b"consume": Action(handle_consume, CONSUME_MISSING, logged=True),
     b"ack": Action(handle_ack, "ack: " + SETTLE_USAGE, logged=True),
     b"reject": Action(handle_reject, "reject: " + SETTLE_USAGE, logged=True),
+    b"touch": Action(handle_touch, "touch: " + SETTLE_USAGE),
     b"rebind": Action(handle_rebind, REBIND_MISSING, logged=True),
     b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", logged=True),
     b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", logged=True),
+    b"request": Action(handle_request, "request: event expected: {id} request [--timeout=S] {event} {data}",
+                       logged=True),
+    b"reply": Action(handle_reply, "reply: expected {id} reply {token} {data}"),
+    b"schedule": Action(handle_schedule, "schedule: name expected: " + SCHEDULE_USAGE, logged=True),
+    b"unschedule": Action(handle_unschedule, "unschedule: expected {id} unschedule {name}", logged=True),
+    b"schedules": Action(handle_schedules, "", needs_args=False),
     b"ping": Action(handle_ping, "", needs_args=False, needs_auth=False),
     b"stats": Action(handle_stats, "", needs_args=False),
     b"queues": Action(handle_queues, "", needs_args=False),
+    b"auth": Action(handle_auth, "auth: expected {id} auth {token}", needs_auth=False),
+    b"hello": Action(handle_hello, "", needs_args=False),
     b"fetch": Action(handle_fetch, FETCH_USAGE, logged=True),
     b"settle": Action(handle_settle, SETTLE_LEASE_USAGE, logged=True),
     b"_eval": Action(handle_eval, "_eval: expected a Python expression", protected=True),
 }
 
+
+def refuse_publish_over_memory(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`publish` past --max-memory: a confirmed one gets an error, an unconfirmed one is dropped and counted."""
+    if confirm:
+        raise ProtocolError(memory_reason(session))
+    session.workers.dropped_by_memory += 1
+
+
+def refuse_request_over_memory(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    raise ProtocolError(memory_reason(session))
+
+
+def memory_reason(session: Session) -> str:
+    return (f"memory limit reached (--max-memory={session.workers.max_memory_bytes} bytes): publishes are refused "
+            "until consumers drain the queues")
+
+
+OVER_MEMORY: dict[bytes, Handler] = {b"publish": refuse_publish_over_memory, b"request": refuse_request_over_memory}
+
 _TABLES: dict[bool, dict[bytes, Action]] = {
     allowed: {name: action for name, action in ACTIONS.items() if allowed or not action.protected}
     for allowed in (False, True)
 }
-_HANDLERS: dict[bool, dict[bytes, Handler]] = {
-    allowed: {name: action.handler for name, action in table.items()} for allowed, table in _TABLES.items()
+# before `auth`, on a server that wants a token: the few actions that need none
+_BEFORE_AUTH: dict[bytes, Action] = {name: action for name, action in ACTIONS.items() if not action.needs_auth}
+_HANDLERS: dict[tuple[bool, bool], dict[bytes, Handler]] = {
+    (allowed, over_memory): {name: OVER_MEMORY.get(name, action.handler) if over_memory else action.handler
+                             for name, action in table.items()}
+    for allowed, table in _TABLES.items() for over_memory in (False, True)
 }
+_HANDLERS_BEFORE_AUTH: dict[bytes, Handler] = {name: action.handler for name, action in _BEFORE_AUTH.items()}
 
 
-def actions_for(eval_enabled: bool, peer_is_loopback: bool) -> dict[bytes, Action]:
+def actions_for(eval_enabled: bool, peer_is_loopback: bool, authenticated: bool = True) -> dict[bytes, Action]:
     """The actions a session may run, built once from the declarations (no per-line check)."""
-    return _TABLES[eval_enabled and peer_is_loopback]
+    return _TABLES[eval_enabled and peer_is_loopback] if authenticated else _BEFORE_AUTH
 
 
-def handlers_for(eval_enabled: bool, peer_is_loopback: bool) -> dict[bytes, Handler]:
-    """`actions_for` as name -> handler: one attribute load less per line (measured: ~2%)."""
-    return _HANDLERS[eval_enabled and peer_is_loopback]
+def handlers_for(eval_enabled: bool, peer_is_loopback: bool, authenticated: bool = True,
+                 over_memory: bool = False) -> dict[bytes, Handler]:
+    """`actions_for` as name -> handler: one attribute load less per line (measured: ~2%).
+
+    `over_memory`: the table for a broker past --max-memory, whose publishes are refused. Before
+    `auth` the table holds no publish, so the memory state does not change it.
+    """
+    if not authenticated:
+        return _HANDLERS_BEFORE_AUTH
+    return _HANDLERS[eval_enabled and peer_is_loopback, over_memory]
 
 
 def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]]) -> None:
@@ -430,10 +738,14 @@ def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]])
         action_name, _, args = rest.partition(b" ")
         handler = handlers.get(action_name)
         if handler is None or not rid:
-            refuse(session, rid, action_name, line)
-            if session.closed:
-                return  # nothing after an HTTP header may run: it could be a browser's payload
-            continue
+            if handlers is not session.handlers:  # an `auth` earlier in this batch opened the full table
+                handlers = session.handlers
+                handler = handlers.get(action_name)
+            if handler is None or not rid:
+                refuse(session, rid, action_name, line)
+                if session.closed:
+                    return  # nothing after an HTTP header (or past the unauthenticated limit) may run
+                continue
         confirm = False
         if args.startswith(CONFIRM) and (len(args) == 9 or args[9] == SPACE):
             confirm = True
@@ -455,11 +767,22 @@ def refuse(session: Session, rid: bytes, action_name: bytes, line: bytes) -> Non
         # a browser page must not be able to speak MQKS to a broker on localhost
         log.warning("closing %s: its line looks like HTTP: %r", session.peer, line[:80])
         session.close()
+    elif not session.authenticated:
+        # any word of the line may be a token sent the wrong way (`s3cret` alone at nc): none is logged
+        session.unauthenticated_lines += 1
+        session.error(rid if rid and action_name else b"-", AUTH_REQUIRED, b"(not logged before auth)")
+        if session.unauthenticated_lines >= MAX_UNAUTHENTICATED_LINES:
+            log.warning("closing %s: %d failed or missing authentications", session.peer,
+                        session.unauthenticated_lines)
+            session.close(flush_first=True)
     elif rid == b"help" and not action_name:
         session.error(b"-", unknown_action(session, b"help"), line)  # a person at `nc` asking
     elif not rid or not action_name:
         session.error(b"-", f"expected {{request_id}} {{action}} {{data}}; actions: {action_names(session)}", line)
     elif (action := ACTIONS.get(action_name)) is not None and action.protected:
+        if session.eval_refusal is not None:
+            session.error(rid, session.eval_refusal, line)
+            return
         reason = ("answers loopback clients only" if session.eval_enabled
                   else "is disabled: start mqksd with --eval to enable it (loopback clients only)")
         session.error(rid, f"{action_name.decode()} {reason}", line)

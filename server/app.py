@@ -3,8 +3,11 @@
 One `Server` per process wires the parts together: the `Workers` (a queue belongs to
 worker `crc32(queue) % workers`), the one timer heap and its greenlet, the error ids, and
 a `Connection` per client, which gets the workers and an error-id source, never the
-server itself. SIGTERM or SIGINT stops accepting, flushes what is owed, and exits 0.
-With `--metrics-port` the same loop serves `/metrics` and `/healthz` (server/metrics.py).
+server itself. SIGTERM or SIGINT drains: stop accepting, stop delivering, give consumers
+`--drain-seconds` to settle what they hold (those that said `hello` hear `ok --draining`),
+flush what is owed, requeue the rest (durably with --data-dir), exit 0. SIGHUP re-reads the
+token file. With `--tls-port` a second listener speaks the same protocol over TLS; with
+`--metrics-port` the same loop serves `/metrics` and `/healthz` (server/metrics.py).
 
 Exit codes: 0 a clean stop, 1 cannot listen or the log is corrupt, 2 bad flags (argparse),
 70 a failed fsync (server/log.py).
@@ -24,13 +27,16 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, NoReturn
 
 import gevent
+import gevent.socket
 from gevent.event import Event
 from gevent.server import StreamServer
 
+from .actions import handlers_for
 from .config import DEFAULTS, Config
 from .connection import Connection
 from .durable import Journal, rebuild, recover
 from .protocol import format_error
+from .sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
 from .timers import Timers
 from .workers import VERSION, Workers
 
@@ -41,8 +47,20 @@ log = logging.getLogger("mqks.server")
 
 SHUTDOWN_FLUSH_SECONDS = 5.0
 SHUTDOWN_CLEAN_UP_SECONDS = 2.0
+DRAIN_POLL_SECONDS = 0.02
+TLS_HANDSHAKE_SECONDS = 10.0  # a peer that connects and never finishes the handshake holds nothing longer
+DRAINING = b" ok --draining\n"
+PLAIN_TEXT_REASONS = ("WRONG_VERSION_NUMBER",)  # an HTTP request is closed at once, as on the plain port
 MAX_PORT = 65535
+MEMORY_CHECK_SECONDS = 0.01  # at 1M msg/s of 100 bytes, ~2 MB of messages come in between two checks
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def resident_bytes() -> int:
+    """This process's resident set size (Linux)."""
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * PAGE_BYTES
 
 
 class CannotListen(Exception):
@@ -107,8 +125,18 @@ class Server:
         self.timers = Timers(on_earlier=self.timers_due.set)
         self.next_error_id = ErrorIds()
         self.journal = self.open_journal() if config.data_dir else None
-        self.workers = Workers(config.workers, self.timers.call_later, self.journal)
+        self.workers = Workers(config.workers, self.timers, self.journal)
+        self.workers.error_line = self.error_line
+        self.workers.max_memory_bytes = config.max_memory_bytes
         self.stream_server: Listener | None = None
+        self.tls_server: Listener | None = None
+        self.tls_context = (tls_server_context(config.tls_cert, config.tls_key, config.tls_ca)
+                            if config.tls_port is not None and config.tls_cert and config.tls_key else None)
+        env_token = os.environ.get(AUTH_TOKEN_ENV)
+        self.tokens = Tokens(config.auth_token_file, env_token) if config.auth_token_file or env_token else None
+        self.eval_refusal = eval_lock_reason(config.host, self.tokens is not None) if config.eval_enabled else None
+        self.silence_watch = SilenceWatch(self.timers.call_later)
+        self.drain_ends_at = 0.0
         self.metrics_server: WSGIServer | None = None
         self.no_connections = Event()  # set whenever the last connection's clean-up is done
         self.no_connections.set()
@@ -139,7 +167,9 @@ class Server:
         started = time.monotonic()
         records = journal.log.replay(repair=self.config.repair)
         try:
-            queues, messages = rebuild(recover(records), self.workers.worker_for)
+            recovery = recover(records)
+            queues, messages = rebuild(recovery.queues, self.workers.worker_for)
+            self.workers.restore(recovery)
         except LogCorrupt as e:
             log.error("cannot start: %s", e)  # names the file, the offset and --repair
             sys.exit(1)
@@ -165,8 +195,30 @@ class Server:
             if timers.run_due():
                 self.workers.flush_pending()
 
-    def handle(self, sock: socket.socket, address: object) -> None:
-        conn = Connection(sock, address, self.config, self.workers, self.next_error_id)
+    def check_memory(self) -> None:
+        """Every MEMORY_CHECK_SECONDS with --max-memory: past the limit, publishes are refused until it drains.
+
+        Refusal swaps each connection's handler table, so the publish path itself checks nothing.
+        A broker that holds no message is never refusing, whatever its RSS: only messages can drain.
+        """
+        workers = self.workers
+        limit = self.config.max_memory_bytes
+        assert limit is not None
+        over = resident_bytes() > limit and workers.holds_messages()
+        if over != workers.memory_full:
+            workers.memory_full = over
+            log.warning("resident memory %s --max-memory=%d: publishes are %s", "over" if over else "back under",
+                        limit, "refused until consumers drain the queues" if over else "accepted again")
+            for conn in self.connections:
+                # a connection still owing its `auth` keeps its table of the few actions allowed before it
+                conn.handlers = handlers_for(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated, over)
+        self.timers.call_later(MEMORY_CHECK_SECONDS, self.check_memory)
+
+    def handle(self, sock: socket.socket, address: object, tls: bool = False) -> None:
+        conn = Connection(sock, address, self.config, self.workers, self.next_error_id, tls=tls, tokens=self.tokens,
+                          eval_refusal=self.eval_refusal, silence_watch=self.silence_watch)
+        if self.workers.memory_full:
+            conn.handlers = handlers_for(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated, True)
         self.connections.add(conn)
         self.no_connections.clear()
         try:
@@ -176,9 +228,55 @@ class Server:
             if not self.connections:
                 self.no_connections.set()
 
+    def handle_tls(self, sock: socket.socket, address: object) -> None:
+        """Handshake (bounded in time), then serve as `handle`; a failed handshake closes that peer alone."""
+        assert self.tls_context is not None
+        peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+        try:
+            tls_sock = self.tls_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as e:
+            log.info("TLS from %s failed: %s", peer, e)
+            sock.close()
+            return
+        try:
+            tls_sock.settimeout(TLS_HANDSHAKE_SECONDS)
+            tls_sock.do_handshake()
+            tls_sock.settimeout(None)
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: a plain client, a bad certificate
+            log.info("TLS handshake with %s failed: %s", peer, e)
+            if getattr(e, "reason", None) in PLAIN_TEXT_REASONS:
+                self.tell_plain_client(tls_sock)
+            tls_sock.close()
+            return
+        self.handle(tls_sock, address, tls=True)
+
+    def tell_plain_client(self, tls_sock: socket.socket) -> None:
+        """A person at `nc` on the TLS port reads why nothing works, then sees the connection end cleanly."""
+        raw = socket.socket(tls_sock.family, tls_sock.type, fileno=tls_sock.fileno())  # the kernel socket beneath
+        try:
+            raw.setblocking(False)
+            raw.send(format_error(b"-", self.next_error_id(), "this port speaks TLS: connect with TLS "
+                                                              "(mqks --tls), or to the plain port"))
+            raw.shutdown(socket.SHUT_WR)
+            # read what the client sent before closing: unread input would turn the close into a reset
+            # that can discard our line before the client reads it
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                gevent.socket.wait_read(raw.fileno(), timeout=max(0.0, deadline - time.monotonic()))
+                if not raw.recv(65536):
+                    break
+        except (OSError, gevent.Timeout):
+            pass
+        finally:
+            raw.detach()
+
+    def reload_tokens(self) -> None:
+        if self.tokens is not None:
+            self.tokens.reload()
+
     def health(self) -> str | None:
         """None while the broker accepts connections and its log can write; else why not (`/healthz`)."""
-        listener = self.stream_server
+        listener = self.stream_server or self.tls_server
         if listener is None or listener.closed:
             return "not accepting connections: starting or stopping"
         if listener.failed_accepts:
@@ -190,11 +288,18 @@ class Server:
     def listen(self) -> None:
         """Bind the broker's port and, with --metrics-port, the HTTP one; CannotListen names the one that failed."""
         config = self.config
-        self.stream_server = Listener((config.host, config.port), self.handle, backlog=1024)
-        try:
-            self.stream_server.init_socket()
-        except OSError as e:
-            raise CannotListen(f"cannot listen on {config.host}:{config.port}: {e}") from None
+        if config.port:  # --port 0: TLS only
+            self.stream_server = Listener((config.host, config.port), self.handle, backlog=1024)
+            try:
+                self.stream_server.init_socket()
+            except OSError as e:
+                raise CannotListen(f"cannot listen on {config.host}:{config.port}: {e}") from None
+        if config.tls_port is not None:
+            self.tls_server = Listener((config.host, config.tls_port), self.handle_tls, backlog=1024)
+            try:
+                self.tls_server.init_socket()
+            except OSError as e:
+                raise CannotListen(f"cannot listen for TLS on {config.host}:{config.tls_port}: {e}") from None
         if config.metrics_port is not None:
             from .metrics import metrics_server  # prometheus_client is loaded only when asked for
 
@@ -214,16 +319,24 @@ class Server:
             self.recover()
             self.log_wake.start(self.on_log_wake)
         self.listen()
-        assert self.stream_server is not None
         hub = gevent.get_hub()
         hub.NOT_ERROR = (*hub.NOT_ERROR, AcceptFailed)  # logged by Listener, once per burst
         gevent.spawn(self.run_timers)
+        if config.max_memory_bytes is not None:
+            self.check_memory()
         for signum in (signal.SIGTERM, signal.SIGINT):
             gevent.signal_handler(signum, gevent.spawn, self.shutdown)
-        log.info("mqksd listening on %s:%d (workers=%d, eval=%s, %s)", config.host, self.stream_server.server_port,
-                 config.workers, "on" if config.eval_enabled else "off",
+        if self.tokens is not None:
+            gevent.signal_handler(signal.SIGHUP, self.reload_tokens)
+        ports = [f"{config.host}:{listener.server_port}{' (TLS)' if listener is self.tls_server else ''}"
+                 for listener in (self.stream_server, self.tls_server) if listener is not None]
+        log.info("mqksd listening on %s (workers=%d, eval=%s, auth=%s, %s)", ", ".join(ports), config.workers,
+                 "refused: token auth beyond loopback" if self.eval_refusal else "on" if config.eval_enabled else "off",
+                 f"{len(self.tokens.tokens)} tokens" if self.tokens is not None else "off",
                  f"data dir {config.data_dir}, fsync {config.fsync}" if config.data_dir else "in memory")
-        self.stream_server.start()
+        for listener in (self.stream_server, self.tls_server):
+            if listener is not None:
+                listener.start()
         self.stopped.wait()  # not the listener's serve_forever: it returns as soon as the listener closes
         log.info("mqksd stopped")
 
@@ -234,11 +347,18 @@ class Server:
         detached, un-acked messages back in their queues, the log told) before the log
         closes; only then may `serve_forever` return and the process exit.
         """
-        if self.stream_server is None or self.stream_server.closed:
+        listeners = [listener for listener in (self.stream_server, self.tls_server) if listener is not None]
+        if not listeners or listeners[0].closed:
+            if self.drain_ends_at > time.monotonic():
+                log.warning("second stop signal: ending the drain now; what is still un-acked goes back to its queue")
+                self.drain_ends_at = 0.0
             return
-        log.info("stopping: no new connections, flushing %d clients", len(self.connections))
-        self.stream_server.close()
+        log.info("stopping: no new connections, draining %d clients for up to %g s", len(self.connections),
+                 self.config.drain_seconds)
+        for listener in listeners:
+            listener.close()
         try:
+            self.drain()
             self.workers.flush_pending()
             deadline = time.monotonic() + SHUTDOWN_FLUSH_SECONDS
             while any(conn.outbox.out for conn in self.connections) and time.monotonic() < deadline:
@@ -254,12 +374,40 @@ class Server:
         finally:
             self.stopped.set()
 
+    def drain(self) -> None:
+        """Deliver nothing more; tell hello'd consumers; wait up to --drain-seconds until nothing is un-acked.
+
+        What is still un-acked afterwards goes back to its queue when the connections close
+        (`Connection._clean_up`, through the journal with --data-dir): nothing is lost.
+        """
+        for conn in self.connections:
+            conn.draining = True
+            conn.outbox.paused = True  # Consumer.ready() and Queue.put see it: no delivery from now on
+            if conn.said_hello:
+                for consumer_id in conn.consumers_by_id:
+                    conn.write(consumer_id + DRAINING)
+        self.workers.flush_pending()
+        self.drain_ends_at = time.monotonic() + self.config.drain_seconds  # a second SIGTERM sets it to 0
+        while time.monotonic() < self.drain_ends_at and any(
+                consumer.unacked for conn in self.connections for consumer in conn.consumers_by_id.values()):
+            gevent.sleep(DRAIN_POLL_SECONDS)
+
 
 class Parser(argparse.ArgumentParser):
     """argparse, with a bad flag answered in one line (mqksd's usage alone is several) and exit 2."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
+def byte_size(text: str) -> int:
+    """`512M`, `2G`, `1048576` -> bytes (K, M and G are powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    number, unit = (text[:-1], units[text[-1].upper()]) if text[-1:].upper() in units else (text, 1)
+    try:
+        return int(float(number) * unit)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512M, 2G)") from None
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -278,6 +426,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--max-output-bytes", type=int, default=d.max_output_bytes,
                         help="unsent bytes after which a client that does not read is disconnected "
                              "(deliveries pause at a quarter of it; default: %(default)s)")
+    parser.add_argument("--max-memory", type=byte_size, default=d.max_memory_bytes, dest="max_memory_bytes",
+                        metavar="BYTES",
+                        help="past this resident memory (a number, or with K, M or G), publishes are refused "
+                             "(confirmed ones with an error) while every other action keeps working, so consumers "
+                             "drain the broker back under it (default: no limit)")
     parser.add_argument("--eval", action="store_true", dest="eval_enabled", default=d.eval_enabled,
                         help="enable the _eval backdoor (remote code execution; loopback clients only)")
     parser.add_argument("--data-dir", default=d.data_dir, metavar="DIR",
@@ -299,22 +452,60 @@ def parse_args(argv: list[str] | None = None) -> Config:
                         help="address of the metrics port (default: %(default)s)")
     parser.add_argument("--metrics-max-queues", type=int, default=d.metrics_max_queues, metavar="N",
                         help="per-queue gauges for the N deepest queues only (default: %(default)s)")
+    parser.add_argument("--tls-port", type=int, default=d.tls_port, metavar="PORT",
+                        help="also listen for TLS (1.2 or newer) on this port; needs --tls-cert and --tls-key "
+                             "(default: off; --port 0 leaves TLS alone)")
+    parser.add_argument("--tls-cert", default=d.tls_cert, metavar="FILE", help="the server's certificate (PEM)")
+    parser.add_argument("--tls-key", default=d.tls_key, metavar="FILE", help="its private key (PEM)")
+    parser.add_argument("--tls-ca", default=d.tls_ca, metavar="FILE",
+                        help="clients must present a certificate signed by this CA (PEM)")
+    parser.add_argument("--auth-token-file", default=d.auth_token_file, metavar="FILE",
+                        help="require `{id} auth {token}` first; one token per line, re-read on SIGHUP "
+                             f"(the environment variable {AUTH_TOKEN_ENV} adds one token; default: no auth)")
+    parser.add_argument("--client-ttl", type=float, default=d.client_ttl, metavar="SECONDS",
+                        help="close any connection silent for 2x this, returning its un-acked messages "
+                             "(a client's hello --ttl=S sets its own; default: off)")
+    parser.add_argument("--drain-seconds", type=float, default=d.drain_seconds, metavar="SECONDS",
+                        help="on SIGTERM, how long consumers get to ack what they hold before it is requeued "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
-    for flag, value, minimum in (("--port", args.port, 0), ("--workers", args.workers, 1),
+    for flag, value, minimum in (("--port", args.port, 0), ("--tls-port", args.tls_port, 1),
+                                 ("--client-ttl", args.client_ttl, 0), ("--drain-seconds", args.drain_seconds, 0),
+                                 ("--workers", args.workers, 1),
                                  ("--max-line-bytes", args.max_line_bytes, 64),
                                  ("--max-output-bytes", args.max_output_bytes, 4096),
                                  ("--log-segment-bytes", args.log_segment_bytes, 1),
                                  ("--compact-min-bytes", args.compact_min_bytes, 0),
                                  ("--metrics-port", args.metrics_port, 1),
-                                 ("--metrics-max-queues", args.metrics_max_queues, 0)):
+                                 ("--metrics-max-queues", args.metrics_max_queues, 0),
+                                 ("--max-memory", args.max_memory_bytes, 1 << 20)):
         if value is not None and value < minimum:
             parser.error(f"{flag} must be at least {minimum}, not {value}")
-    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port), ("--tls-port", args.tls_port)):
         if value is not None and value > MAX_PORT:
             parser.error(f"{flag} must be a TCP port, at most {MAX_PORT}, not {value}")
     if args.metrics_port is not None and args.metrics_port == args.port and args.metrics_host == args.host:
         parser.error("--metrics-port must differ from --port")
+    check_tls_args(parser, args)
     return Config(**vars(args))
+
+
+def check_tls_args(parser: Parser, args: argparse.Namespace) -> None:
+    """TLS flags come together; a certificate or key that cannot be loaded stops mqksd with exit 2, not later."""
+    if args.tls_port is None:
+        if args.tls_cert or args.tls_key or args.tls_ca:
+            parser.error("--tls-cert, --tls-key and --tls-ca need --tls-port")
+        if args.port == 0:
+            parser.error("--port 0 turns the plain port off: give --tls-port to listen somewhere")
+        return
+    if not (args.tls_cert and args.tls_key):
+        parser.error("--tls-port needs --tls-cert and --tls-key")
+    if args.tls_port == args.port:
+        parser.error("--tls-port must differ from --port")
+    try:
+        tls_server_context(args.tls_cert, args.tls_key, args.tls_ca)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        parser.error(f"cannot load the TLS certificate, key or CA: {e}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -326,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     except CannotListen as e:
         log.error("%s", e)
         sys.exit(1)
-    except OSError as e:  # the data dir, for one
+    except (OSError, ValueError) as e:  # the data dir, the token file
         log.error("cannot start: %s", e)
         sys.exit(1)
 

@@ -20,6 +20,7 @@ class Config:
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     max_output_bytes: int = 64 << 20
     eval_enabled: bool = False  # _eval is remote code execution: off unless asked for
+    max_memory_bytes: int | None = None  # past this RSS, publishes are refused until consumers drain
     data_dir: str | None = None  # None: in memory only, as the spec's server
     fsync: str = "always"  # with data_dir: safe by default, fast by group commit
     repair: bool = False  # truncate the log at a bad frame instead of refusing to start
@@ -28,6 +29,13 @@ class Config:
     metrics_port: int | None = None  # None: no HTTP endpoint (/metrics, /healthz)
     metrics_host: str = "127.0.0.1"  # loopback, as the broker's own port
     metrics_max_queues: int = 100  # per-queue gauges for the deepest queues only: scrapes stay small
+    tls_port: int | None = None  # None: no TLS listener
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None  # set: clients must present a certificate signed by this CA
+    auth_token_file: str | None = None  # one token per line, re-read on SIGHUP; MQKS_AUTH_TOKEN adds one
+    client_ttl: float | None = None  # None: a connection may stay silent for ever unless it says hello --ttl
+    drain_seconds: float = 5.0  # on SIGTERM: how long consumers get to settle what they hold
 
 
 DEFAULTS = Config()

@@ -4,13 +4,20 @@ Only with `mqksd --data-dir`: then each worker is a `DurableBroker` whose queues
 `DurableQueue`s, and every change goes through the process's `Journal` as one text line
 (a tail never holds a newline). Records, by their first byte:
 
-    Q {queue} {seconds|-} {event}...      the queue's events and delete-when-unused (full state)
+    Q {queue} {seconds|-} {event}... [--max-retries=N] [--max-length=N]
+                                          the queue's events and settings (full state)
     X {queue}                             the queue was deleted
     P {k} {queue} [-]{seq}...{tail}       a message put into k queues (its body written once);
                                           "-": delivered at once and held for an ack
     D {queue} {seq}...                    delivered and held for an ack
     A {queue} {seq}...                    gone: acked, or delivered to an auto-ack consumer
     R {queue} {seq} {retry}...            back at the front of the queue with this retry count
+    Y {queue} {due_ms} {seq} {retry}...   rejected with --delay: back at the front at due_ms (Unix ms)
+    T {due_ms}{tail}                      a publish delayed until due_ms (Unix ms), routed then
+    F {due_ms}                            the publishes delayed until due_ms went out (P records follow)
+    K {name} {json}                       a schedule's whole state (set, or after each firing)
+    U {name}                              the schedule was removed (unscheduled, or its count reached)
+    E {queue} {seq} {retry}{tail}         a dead letter put into this queue, keeping its retry count
     S                                     a snapshot follows: forget everything before it
     N {queue} {next_seq}                  (snapshot) the queue's next seq
     M {queue} {seq} {retry} {0|1}{tail}   (snapshot) a live message; 1: it was held for an ack
@@ -27,7 +34,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from itertools import groupby, islice
+from itertools import chain, groupby
 from operator import itemgetter
 from typing import Any, Protocol
 
@@ -131,13 +138,17 @@ class Journal:
         growth = max(self.snapshot_min_growth_bytes, int(self.last_snapshot_bytes * SNAPSHOT_GROWTH))
         return self.log.handed_bytes - self.snapshot_mark > growth
 
-    def snapshot(self, brokers: Iterable[Broker]) -> None:
-        """Write the whole live state as one frame in a new segment; the log then drops older ones."""
+    def snapshot(self, brokers: Iterable[Broker], process_lines: Iterable[bytes] = ()) -> None:
+        """Write the whole live state as one frame in a new segment; the log then drops older ones.
+
+        `process_lines`: the state kept above the workers (delayed publishes, schedules) as records.
+        """
         self.commit()  # what came before stays before
         started = time.monotonic()
         size = 0
         append = self.log.append
         append(b"S")
+        brokers = list(brokers)
         for broker in brokers:
             leased = broker.leases.held_by_queue() if broker.leases is not None else {}
             for queue in broker.queues.values():
@@ -145,6 +156,9 @@ class Journal:
                 for line in queue.snapshot_lines(leased.get(queue.name, ())):
                     size += len(line) + 1
                     append(line)
+        for line in chain(*map(parked_lines, brokers), process_lines):
+            size += len(line) + 1
+            append(line)
         number = self.log.commit(new_segment=True)
         if number is not None:
             self.last_commit = number
@@ -169,6 +183,20 @@ def answer_ok(confirms: list[tuple[Outbox, bytes]]) -> None:
         outbox.write(b"".join([b"%b ok \n" % rid for _, rid in run]))
 
 
+def parked_lines(broker: Broker) -> Iterator[bytes]:
+    """The copies rejected with --delay, as snapshot records: each message, then when it comes back."""
+    for due_ms, entries in broker.parked.items():
+        for queue, records in entries:
+            name: bytes = queue.name
+            if broker.queues.get(name) is not queue:
+                continue
+            fields = [b"Y", name, b"%d" % due_ms]
+            for record in records:
+                yield b"M %b %d %d 0%b" % (name, record.seq, record.retry, record.tail)
+                fields += [b"%d" % record.seq, b"%d" % record.retry]
+            yield b" ".join(fields)
+
+
 def holds(queue: Queue, seq: int) -> bool:
     """True if a consumer of `queue` holds copy `seq` for an ack."""
     return any(seq in consumer.unacked for consumer in queue.consumers)
@@ -176,7 +204,13 @@ def holds(queue: Queue, seq: int) -> bool:
 
 def queue_line(queue: Queue) -> bytes:
     seconds = queue.delete_when_unused_seconds
-    return b" ".join([b"Q", queue.name, b"-" if seconds is None else repr(seconds).encode(), *queue.events])
+    fields = [b"Q", queue.name, b"-" if seconds is None else repr(seconds).encode(), *queue.events]
+    # events never start with "--" (the parser reads those as flags), so settings follow them unambiguously
+    if queue.max_retries is not None:
+        fields.append(b"--max-retries=%d" % queue.max_retries)
+    if queue.max_length is not None:
+        fields.append(b"--max-length=%d" % queue.max_length)
+    return b" ".join(fields)
 
 
 class DurableQueue(Queue):
@@ -197,13 +231,18 @@ class DurableQueue(Queue):
         self.journal.append(b"%b %b %d" % (b"D" if consumer.manual_ack else b"A", self.name, seq))
         return seq
 
-    def requeue(self, taken: list[tuple[int, Item]]) -> None:
-        Queue.requeue(self, taken)
-        if taken:
+    def put_front(self, records: list[Message]) -> None:
+        Queue.put_front(self, records)
+        if records:
             fields = [b"R", self.name]
-            for record in islice(self.messages, len(taken)):  # the records Queue.requeue just put in front
+            for record in records:
                 fields += [b"%d" % record.seq, b"%d" % record.retry]
             self.journal.append(b" ".join(fields))
+
+    def put_record(self, tail: bytes, retry: int) -> Message:
+        record = Queue.put_record(self, tail, retry)
+        self.journal.append(b"E %b %d %d%b" % (self.name, record.seq, retry, tail))
+        return record
 
     def snapshot_lines(self, leased: Iterable[tuple[int, Item]] = ()) -> Iterator[bytes]:
         """This queue's live state as snapshot records: held messages (by consumers or leases) first,
@@ -247,7 +286,10 @@ class DurableBroker(Broker):
         refs: list[bytes] = []
         for queue in queues:
             seq = queue.next_seq
-            if queue.put(tail, msg_id):
+            delivered = queue.put(tail, msg_id)
+            if delivered is None:
+                continue  # refused: the queue is at its --max-length
+            if delivered:
                 self.consumed += 1
                 if queue.next_seq == seq:
                     continue  # delivered to an auto-ack consumer at once: gone, never written
@@ -271,8 +313,10 @@ class DurableBroker(Broker):
         """`publish` for an event bound to one queue, the common case: no list, one format."""
         self.queued += 1
         seq = queue.next_seq
-        if not queue.put(tail, msg_id):
-            self.journal.append(b"P 1 %b %d%b" % (queue.name, seq, tail))
+        delivered = queue.put(tail, msg_id)
+        if not delivered:
+            if delivered is not None:  # None: refused, the queue is at its --max-length
+                self.journal.append(b"P 1 %b %d%b" % (queue.name, seq, tail))
             return
         self.consumed += 1
         if queue.next_seq == seq:
@@ -287,12 +331,28 @@ class DurableBroker(Broker):
             self.journal.append(queue_line(queue))
         return changed
 
-    def consume(self, consumer: Consumer, replace: list[bytes], add: list[bytes] | None) -> None:
+    def consume(self, consumer: Consumer, replace: list[bytes], add: list[bytes] | None,
+                limits: dict[str, int | None] | None = None) -> None:
         queue = consumer.queue
         setting = queue.delete_when_unused_seconds
-        super().consume(consumer, replace, add)
+        super().consume(consumer, replace, add, limits)
         if queue.delete_when_unused_seconds != setting:
             self.journal.append(queue_line(queue))
+
+    def limits_changed(self, queue: Queue) -> None:
+        self.journal.append(queue_line(queue))  # before the dead letters it may cause, as replay needs
+        super().limits_changed(queue)
+
+    def park(self, queue: Queue, due_ms: int, records: list[Message]) -> None:
+        fields = [b"Y", queue.name, b"%d" % due_ms]
+        for record in records:
+            fields += [b"%d" % record.seq, b"%d" % record.retry]
+        self.journal.append(b" ".join(fields))
+        super().park(queue, due_ms, records)
+
+    def dead_letter(self, queue: Queue, taken: list[tuple[int, Item]], raise_retry: bool = True) -> None:
+        self.journal.append(b" ".join([b"A", queue.name, *(b"%d" % seq for seq, _ in taken)]))
+        super().dead_letter(queue, taken, raise_retry)
 
     def ack(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
         unknown: list[bytes] = []
@@ -324,19 +384,34 @@ class DurableBroker(Broker):
 class Recovered:
     """One queue as replay rebuilds it."""
 
-    __slots__ = ("events", "seconds", "messages", "front", "next_seq")
+    __slots__ = ("events", "seconds", "limits", "messages", "front", "parked", "next_seq")
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
         self.seconds: float | None = None
+        self.limits: dict[str, int | None] = {"max_retries": None, "max_length": None}
         self.messages: dict[int, list] = {}  # seq -> [tail, retry, held]
         self.front: list[int] = []  # requeued seqs, front first (may hold stale entries)
+        self.parked: dict[int, int] = {}  # seq -> the Unix ms it comes back (rejected with --delay)
         self.next_seq = 0
 
 
-def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
+class Recovery:
+    """The whole state as replay rebuilds it: the queues, and what the process keeps above them."""
+
+    __slots__ = ("queues", "delayed", "schedules")
+
+    def __init__(self) -> None:
+        self.queues: dict[bytes, Recovered] = {}
+        self.delayed: dict[int, list[bytes]] = {}  # due Unix ms -> the tails published then
+        self.schedules: dict[bytes, bytes] = {}  # name -> its last K record
+
+
+def recover(records: Iterable[bytes]) -> Recovery:
     """Replay records into queue states; a record about an unknown seq or queue is skipped."""
-    queues: dict[bytes, Recovered] = {}
+    recovery = Recovery()
+    queues = recovery.queues
+    delayed = recovery.delayed
 
     def queue(name: bytes) -> Recovered:
         found = queues.get(name)
@@ -378,17 +453,52 @@ def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
                 message = found.messages.get(seq)
                 if message is not None:
                     message[1], message[2] = retry, False
+                    found.parked.pop(seq, None)
                     requeued.append(seq)
             found.front[:0] = requeued
+        elif kind == b"Y":
+            fields = line.split(b" ")
+            found = queues.get(fields[1])
+            if found is None:
+                continue
+            due_ms = int(fields[2])
+            for i in range(3, len(fields), 2):
+                seq, retry = int(fields[i]), int(fields[i + 1])
+                message = found.messages.get(seq)
+                if message is not None:
+                    message[1], message[2] = retry, False
+                    found.parked[seq] = due_ms
+        elif kind == b"T":
+            due_text, space, tail = line[2:].partition(b" ")
+            delayed.setdefault(int(due_text), []).append(space + tail)
+        elif kind == b"F":
+            delayed.pop(int(line[2:]), None)
+        elif kind == b"K":
+            recovery.schedules[line[2:].partition(b" ")[0]] = line
+        elif kind == b"U":
+            recovery.schedules.pop(line[2:], None)
         elif kind == b"Q":
             fields = line.split(b" ")
             q = queue(fields[1])
             q.seconds = None if fields[2] == b"-" else float(fields[2])
-            q.events = fields[3:]
+            q.events = [event for event in fields[3:] if not event.startswith(b"--")]
+            q.limits = {"max_retries": None, "max_length": None}
+            for setting in fields[3:]:
+                if setting.startswith(b"--"):
+                    name, _, value = setting[2:].partition(b"=")
+                    q.limits[name.decode().replace("-", "_")] = int(value)
+        elif kind == b"E":
+            _, name, seq_text, rest = line.split(b" ", 3)
+            retry_text, space, tail = rest.partition(b" ")
+            q, seq = queue(name), int(seq_text)
+            q.messages[seq] = [space + tail, int(retry_text), False]
+            q.next_seq = max(q.next_seq, seq + 1)
         elif kind == b"X":
             queues.pop(line[2:], None)
         elif kind == b"S":
             queues.clear()
+            delayed.clear()
+            recovery.schedules.clear()
         elif kind == b"N":
             _, name, seq_text = line.split(b" ")
             queue(name).next_seq = int(seq_text)
@@ -401,7 +511,7 @@ def recover(records: Iterable[bytes]) -> dict[bytes, Recovered]:
                 q.front.append(seq)  # a requeued one: the snapshot lists them front first
         else:
             raise ValueError(f"unknown record {line[:40]!r}")
-    return queues
+    return recovery
 
 
 def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Broker]) -> tuple[int, int]:
@@ -416,9 +526,17 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         queue = broker.queue(name)
         Broker.rebind(broker, queue, replace=state.events or None)  # already in the log: not again
         queue.delete_when_unused_seconds = state.seconds
+        queue.max_retries = state.limits["max_retries"]
+        queue.max_length = state.limits["max_length"]
         messages = state.messages
         held = sorted(seq for seq, m in messages.items() if m[2])
-        seen: set[int] = set(held)
+        seen: set[int] = set(held) | state.parked.keys()
+        parked_by_due: dict[int, list[Message]] = {}
+        for seq, due_ms in sorted(state.parked.items()):
+            tail, retry, _ = messages[seq]
+            parked_by_due.setdefault(due_ms, []).append(Message(seq, retry, tail))
+        for due_ms, parked in parked_by_due.items():
+            Broker.park(broker, queue, due_ms, parked)  # already in the log: not again
         front = []
         for seq in state.front:
             if seq in messages and seq not in seen:
@@ -432,7 +550,7 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         while plain_from and messages[rest[plain_from - 1]][1] == 0 and (
                 plain_from == len(rest) or rest[plain_from - 1] == rest[plain_from] - 1):
             plain_from -= 1
-        if (held and rest and held[-1] > rest[-1]) or (front and rest and max(front) > rest[-1]):
+        if rest and max(held[-1:] + front + list(state.parked), default=-1) > rest[-1]:
             plain_from = len(rest)  # a live record above them: keep every seq explicit
         records = []
         for seq in held:
@@ -455,4 +573,11 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         else:
             queue.next_seq = max(state.next_seq, queue.next_seq)
         total += len(records) + len(plain)
+    for name in recovered:
+        # a copy held at the crash came back with retry raised: past max_retries it is a dead letter,
+        # moved only now that every queue, its dead-letter queue included, is rebuilt
+        broker = broker_for(name)
+        queue = broker.queues[name]
+        if queue.max_retries is not None:
+            broker.limits_changed(queue)
     return len(recovered), total

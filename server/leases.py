@@ -6,7 +6,8 @@ A lease belongs to the worker of its queue and holds messages of that queue only
 - a lease holds exactly what its last fetch answered (plus `--add` fetches after it): a re-fetch
   under the same id first releases what the lease still held, so an ack never covers messages
   a re-run did not deliver;
-- released or expired messages go back to the front of their queue with retry+1, as a reject;
+- released or expired messages go back to the front of their queue with retry+1, as a reject
+  (past the queue's --max-retries, to its dead letters);
 - one timer per lease (re-armed by each fetch), never one per message;
 - with --data-dir, leased messages are journaled as held for an ack (`D`), so a crash
   returns them to their queue. No sockets, no gevent.
@@ -130,7 +131,7 @@ class Leases:
         if self._alive(lease):
             broker = self.broker
             broker.rejected += len(taken)
-            lease.queue.requeue(taken)
+            broker.requeue(lease.queue, taken)  # past the queue's --max-retries: to its dead letters
             broker.pump(lease.queue)
 
     def _drop(self, lease: Lease) -> None:

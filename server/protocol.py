@@ -130,6 +130,17 @@ def parse_seconds(value: bytes, flag: str) -> float:
     return seconds
 
 
+def parse_unix_seconds(value: bytes, flag: str) -> float:
+    """A point in time as Unix seconds (a float), sane enough to schedule: after 1970, before 2^33 (year 2242)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ProtocolError(f"{flag} wants Unix seconds, got {text(value)!r}") from None
+    if not 0 <= seconds < 1 << 33:
+        raise ProtocolError(f"{flag} wants Unix seconds between 0 and {1 << 33}, got {text(value)!r}")
+    return seconds
+
+
 def parse_count(value: bytes, flag: str) -> int:
     try:
         count = int(value)

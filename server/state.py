@@ -22,12 +22,14 @@ requeued message goes back to the front, with its retry counter raised.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 from .outbox import Outbox
 from .routing import Routing, compile_mask
+from .timers import Buckets
 
 Schedule = Callable[[float, Callable[[], None]], Callable[[], None]]  # (seconds, fn) -> cancel
 # tails per Packed run: ~128 KiB of 100-byte messages, past glibc's mmap threshold, so a run
@@ -66,6 +68,10 @@ class Message:
 
 
 Item: TypeAlias = "bytes | Message"  # what a queue holds and un-acked maps keep
+
+
+def retry_of(item: Item) -> int:
+    return item.retry if type(item) is Message else 0
 
 
 def msg_id_of(tail: bytes) -> bytes:
@@ -134,6 +140,24 @@ class Consumer:
                     del self.later_seqs_by_msg_id[msg_id]
         return seq, self.unacked.pop(seq)
 
+    def take_seq(self, seq: int) -> Item:
+        """Remove un-acked copy `seq` (it must be in flight), whichever copy of its msg_id it is."""
+        item = self.unacked.pop(seq)
+        msg_id = msg_id_of(item.tail if isinstance(item, Message) else item)
+        if self.seq_by_msg_id.get(msg_id) == seq:
+            del self.seq_by_msg_id[msg_id]
+            later = self.later_seqs_by_msg_id.get(msg_id)
+            if later is not None:
+                self.seq_by_msg_id[msg_id] = later.popleft()
+                if not later:
+                    del self.later_seqs_by_msg_id[msg_id]
+        else:
+            later = self.later_seqs_by_msg_id[msg_id]
+            later.remove(seq)
+            if not later:
+                del self.later_seqs_by_msg_id[msg_id]
+        return item
+
     def take_acked(self, msg_ids: list[bytes], unknown: list[bytes]) -> list[int]:
         """Remove the oldest un-acked copy of each id; returns their seqs, appends ids not in flight to `unknown`."""
         seqs: list[int] = []
@@ -167,15 +191,83 @@ class Consumer:
 
     def flags(self) -> list[bytes]:
         """The consume flags, as `--update` lines repeat them: the queue's setting, then this consumer's."""
-        flags = []
-        seconds = self.queue.delete_when_unused_seconds
-        if seconds is not None:
-            flags.append(b"--delete-queue-when-unused=%r" % seconds if seconds else b"--delete-queue-when-unused")
+        flags = self.queue.flags()
         if self.manual_ack:
             flags.append(b"--manual-ack")
         if self.prefetch:
             flags.append(b"--prefetch=%d" % self.prefetch)
         return flags
+
+
+class TimedConsumer(Consumer):
+    """A `consume --manual-ack --ack-timeout=S` (extension): a copy not settled within S seconds goes back.
+
+    Deadlines are kept in delivery order (a `touch` moves its copy to the end), so the
+    earliest is always first and one timer per consumer serves them all.
+    """
+
+    __slots__ = ("ack_timeout_seconds", "deadline_by_seq", "clock", "arm", "cancel_timer")
+
+    def __init__(self, *args: Any, ack_timeout_seconds: float, clock: Callable[[], float] = time.monotonic,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ack_timeout_seconds = ack_timeout_seconds
+        self.deadline_by_seq: dict[int, float] = {}  # seq -> monotonic deadline, earliest first
+        self.clock = clock
+        self.arm: Callable[[float], Callable[[], None]] | None = None  # (seconds) -> cancel; set by the Broker
+        self.cancel_timer: Callable[[], None] | None = None
+
+    def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Item | None = None) -> None:
+        super().deliver(tail, seq, msg_id, held)
+        self.deadline_by_seq[seq] = self.clock() + self.ack_timeout_seconds
+        if self.cancel_timer is None and self.arm is not None:
+            self.cancel_timer = self.arm(self.ack_timeout_seconds)
+
+    def take_unacked(self, msg_id: bytes) -> tuple[int, Item] | None:
+        found = super().take_unacked(msg_id)
+        if found is not None:
+            self.deadline_by_seq.pop(found[0], None)
+        return found
+
+    def take_seq(self, seq: int) -> Item:
+        self.deadline_by_seq.pop(seq, None)
+        return super().take_seq(seq)
+
+    def take_acked(self, msg_ids: list[bytes], unknown: list[bytes]) -> list[int]:
+        seqs = super().take_acked(msg_ids, unknown)
+        pop = self.deadline_by_seq.pop
+        for seq in seqs:
+            pop(seq, None)
+        return seqs
+
+    def take_all_unacked(self) -> list[tuple[int, Item]]:
+        self.deadline_by_seq.clear()
+        if self.cancel_timer is not None:
+            self.cancel_timer()
+            self.cancel_timer = None
+        return super().take_all_unacked()
+
+    def touch(self, seq: int) -> None:
+        """Restart the clock of copy `seq`: it moves to the end of the deadline order."""
+        self.deadline_by_seq.pop(seq, None)
+        self.deadline_by_seq[seq] = self.clock() + self.ack_timeout_seconds
+
+    def take_expired(self) -> list[tuple[int, Item]]:
+        """Remove every copy past its deadline, oldest delivery first, and re-arm for the next one."""
+        self.cancel_timer = None
+        now = self.clock()
+        expired = []
+        for seq, deadline in self.deadline_by_seq.items():
+            if deadline > now:
+                break
+            expired.append(seq)
+        taken = [(seq, self.take_seq(seq)) for seq in expired]
+        if self.deadline_by_seq and self.arm is not None:
+            self.cancel_timer = self.arm(max(0.0, next(iter(self.deadline_by_seq.values())) - now))
+        return taken
+
+    def flags(self) -> list[bytes]:
+        return [*Consumer.flags(self), b"--ack-timeout=%r" % self.ack_timeout_seconds]
 
 
 class SeqConsumer(Consumer):
@@ -193,10 +285,16 @@ class SeqConsumer(Consumer):
     def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Item | None = None) -> None:
         header_end = tail.index(b" ", tail.index(b" ", 4) + 1)  # as in Message.delivery_tail
         shown = b"%b,seq=%d%b" % (tail[:header_end], seq, tail[header_end:])
-        Consumer.deliver(self, shown, seq, msg_id, tail if held is None else held)
+        super().deliver(shown, seq, msg_id, tail if held is None else held)
 
     def flags(self) -> list[bytes]:
-        return [*Consumer.flags(self), b"--seq"]
+        return [*super().flags(), b"--seq"]
+
+
+class TimedSeqConsumer(SeqConsumer, TimedConsumer):
+    """`--seq` and `--ack-timeout` together."""
+
+    __slots__ = ()
 
 
 def update_line(consumer: Consumer) -> bytes:
@@ -213,7 +311,8 @@ class Queue:
     """Messages waiting for consumers, the consumers competing for them, and the queue's events."""
 
     __slots__ = ("name", "messages", "packed_extra", "appended_since_pack", "next_seq", "requeued", "consumers",
-                 "next_consumer", "events", "delete_when_unused_seconds", "cancel_delete")
+                 "next_consumer", "events", "delete_when_unused_seconds", "cancel_delete", "max_retries", "max_length",
+                 "dropped")
 
     def __init__(self, name: bytes) -> None:
         self.name = name
@@ -227,6 +326,21 @@ class Queue:
         self.events: dict[bytes, None] = {}  # an ordered set
         self.delete_when_unused_seconds: float | None = None
         self.cancel_delete: Callable[[], None] | None = None
+        self.max_retries: int | None = None  # past it a message goes to `{queue}.dead` (extension)
+        self.max_length: int | None = None  # a put that would make the queue longer is refused (extension)
+        self.dropped = 0  # puts refused by max_length
+
+    def flags(self) -> list[bytes]:
+        """The queue's own settings as consume flags, in the order `--update` lines show them."""
+        flags = []
+        seconds = self.delete_when_unused_seconds
+        if seconds is not None:
+            flags.append(b"--delete-queue-when-unused=%r" % seconds if seconds else b"--delete-queue-when-unused")
+        if self.max_retries is not None:
+            flags.append(b"--max-retries=%d" % self.max_retries)
+        if self.max_length is not None:
+            flags.append(b"--max-length=%d" % self.max_length)
+        return flags
 
     def ready_consumer(self) -> Consumer | None:
         """The next consumer in round-robin order that may take a message now."""
@@ -242,11 +356,12 @@ class Queue:
                 return consumer
         return None
 
-    def put(self, tail: bytes, msg_id: bytes) -> bool:
+    def put(self, tail: bytes, msg_id: bytes) -> bool | None:
         """Deliver now if a consumer is ready and nothing waits ahead; else keep. True if delivered.
 
         A copy that waits or is held for an ack takes the queue's next seq; one delivered at
         once to an auto-ack consumer that did not ask for `--seq` is gone at once and needs none.
+        None: refused, the queue is at its `max_length` (counted in `dropped`).
         """
         if not self.messages:
             consumers = self.consumers
@@ -268,10 +383,13 @@ class Queue:
                     self.next_seq = seq + 1
                     ready.deliver(tail, seq, msg_id)
                     return True
+        messages = self.messages
+        if self.max_length is not None and len(messages) + self.packed_extra >= self.max_length:
+            self.dropped += 1
+            return None
         # waiting tails hold consecutive seqs ending at next_seq - 1: only an empty queue
         # delivers directly, so no seq is skipped between them
         self.next_seq += 1
-        messages = self.messages
         messages.append(tail)
         self.appended_since_pack += 1
         if self.appended_since_pack >= PACK_TAILS and len(messages) >= PACK_MIN_DEPTH:
@@ -361,20 +479,66 @@ class Queue:
 
     def requeue(self, taken: list[tuple[int, Item]]) -> None:
         """Put messages back at the front, in the order given, with retry raised."""
-        records = [Message(seq, item.retry + 1, item.tail) if isinstance(item, Message) else Message(seq, 1, item)
-                   for seq, item in taken]
+        self.put_front([Message(seq, item.retry + 1, item.tail) if isinstance(item, Message) else Message(seq, 1, item)
+                        for seq, item in taken])
+
+    def put_front(self, records: list[Message]) -> None:
+        """Put records at the front as they are, in the order given."""
         self.messages.extendleft(reversed(records))
         self.requeued += len(records)
+
+    def put_record(self, tail: bytes, retry: int) -> Message:
+        """Put a message that keeps its retry counter (a dead letter) at the back, with the next seq.
+
+        Records sit in front of plain tails (whose seqs are implicit), so plain tails waiting
+        here are first made records too: each tail is converted at most once, and a queue
+        that only ever gets records, as a dead-letter queue does, converts nothing.
+        """
+        if len(self.messages) + self.packed_extra > self.requeued:
+            self._make_explicit()
+        record = Message(self.next_seq, retry, tail)
+        self.next_seq += 1
+        self.messages.append(record)
+        self.requeued += 1
+        return record
+
+    def _make_explicit(self) -> None:
+        messages = self.messages
+        records = [messages.popleft() for _ in range(self.requeued)]
+        seq = self.next_seq - (len(messages) + self.packed_extra)
+        for item in messages:
+            for tail in (item.split(NEWLINE) if type(item) is Packed else (item,)):
+                records.append(Message(seq, 0, tail))
+                seq += 1
+        messages.clear()
+        messages.extend(records)
+        self.requeued = len(records)
+        self.packed_extra = 0
+        self.appended_since_pack = 0
+
+    def take_front_over(self, max_retries: int) -> list[Message]:
+        """Remove the records at the front whose retry is past `max_retries` (a lowered setting)."""
+        messages = self.messages
+        front = [messages.popleft() for _ in range(self.requeued)]
+        self.requeued = 0
+        self.put_front([record for record in front if record.retry <= max_retries])
+        return [record for record in front if record.retry > max_retries]
 
 
 class Broker:
     """The queues, bindings and consumers of one worker, and its counters."""
 
     def __init__(self, worker: int = 0, workers: int = 1, schedule: Schedule | None = None,
-                 count_clients: Callable[[], int] = lambda: 0, cache_routes: bool = True) -> None:
+                 count_clients: Callable[[], int] = lambda: 0, cache_routes: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.worker = worker
         self.workers = workers
         self.schedule = schedule
+        self.clock = clock  # the schedule's clock: ack-timeout deadlines are on it
+        # the worker that owns a queue name (dead letters may belong to another); set by Workers
+        self.broker_for: Callable[[bytes], Broker] = lambda name: self
+        # copies rejected with --delay, waiting to go back to the front of their queue: (queue, records)
+        self.parked = Buckets(schedule, self._unpark)
         self.count_clients = count_clients  # for stats only: a worker knows no connections
         self.queues: dict[bytes, Queue] = {}
         self.routing = Routing(cache_enabled=cache_routes)
@@ -384,6 +548,10 @@ class Broker:
         self.consumed = 0
         self.acked = 0
         self.rejected = 0
+        self.ack_timeouts = 0
+        self.touched = 0
+        self.dead_lettered = 0
+        self.dropped_by_deleted_queues = 0
         self.leases: Any = None  # server/leases.py's Leases, set by Workers (fetch and settle)
 
     def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
@@ -396,6 +564,21 @@ class Broker:
             if queue.put(tail, msg_id):
                 self.consumed += 1
         self.queued += len(queues)
+
+    def routes(self, event: bytes) -> bool:
+        """True if a queue of this worker is bound to `event`."""
+        queues = self.route_cache.get(event)
+        if queues is None:
+            queues = self.routing.route(event)
+        return bool(queues)
+
+    def full_queues(self, event: bytes) -> list[Queue]:
+        """The queues bound to `event` that would refuse a copy now (at their `max_length`)."""
+        queues = self.route_cache.get(event)
+        if queues is None:
+            queues = self.routing.route(event)
+        return [queue for queue in queues
+                if queue.max_length is not None and queue.depth() >= queue.max_length]
 
     def queue(self, name: bytes) -> Queue:
         """The queue called `name`, created if missing."""
@@ -431,8 +614,9 @@ class Broker:
         queue.events = wanted
         return True
 
-    def consume(self, consumer: Consumer, replace: list[bytes], add: list[bytes] | None) -> None:
-        """Bind, set the queue's delete-when-unused, attach the consumer, tell the others.
+    def consume(self, consumer: Consumer, replace: list[bytes], add: list[bytes] | None,
+                limits: dict[str, int | None] | None = None) -> None:
+        """Bind, set the queue's delete-when-unused and the `limits` given, attach the consumer, tell the others.
 
         A change of events or setting sends `--update` to every consumer of the queue but
         the new one, unless it used `--add` (`add` is not None): only the server knows the
@@ -443,9 +627,34 @@ class Broker:
         if queue.delete_when_unused_seconds != consumer.delete_when_unused_seconds:
             queue.delete_when_unused_seconds = consumer.delete_when_unused_seconds
             changed = True
+        if limits and self.set_limits(queue, limits):
+            changed = True
         self.add_consumer(consumer)
+        if isinstance(consumer, TimedConsumer) and self.schedule is not None:
+            schedule = self.schedule
+            consumer.arm = lambda seconds: schedule(seconds, lambda: self.expire(consumer))
         if changed:
             self.updates(queue, skip=None if add is not None else consumer)
+
+    def set_limits(self, queue: Queue, limits: dict[str, int | None]) -> bool:
+        """Set `max_retries` and/or `max_length` (None clears one); True if one changed.
+
+        A lowered `max_retries` moves the waiting copies already past it to the dead letters.
+        """
+        changed = False
+        for name, value in limits.items():
+            if getattr(queue, name) != value:
+                setattr(queue, name, value)
+                changed = True
+        if changed:
+            self.limits_changed(queue)
+        return changed
+
+    def limits_changed(self, queue: Queue) -> None:
+        if queue.max_retries is not None and queue.requeued:
+            dead = queue.take_front_over(queue.max_retries)
+            if dead:
+                self.dead_letter(queue, [(record.seq, record) for record in dead], raise_retry=False)
 
     def updates(self, queue: Queue, skip: Consumer | None = None) -> None:
         """Tell every consumer of `queue` (but `skip`) its current events and flags (`--update`)."""
@@ -475,7 +684,7 @@ class Broker:
             return  # the queue was deleted under it
         if taken:
             self.rejected += len(taken)
-            queue.requeue(taken)
+            self.requeue(queue, taken)
         if queue.consumers:
             self.pump(queue)
         elif queue.delete_when_unused_seconds is not None:
@@ -520,14 +729,95 @@ class Broker:
         self._requeue(consumer, taken)
         return unknown
 
+    def reject_later(self, consumer: Consumer, msg_ids: list[bytes] | None, due_ms: int) -> list[bytes]:
+        """`reject --delay`: the copies go back to the front of the queue at `due_ms`, retry raised now."""
+        unknown: list[bytes] = []
+        if msg_ids is None:
+            taken = consumer.take_all_unacked()
+        else:
+            taken = []
+            for msg_id in msg_ids:
+                found = consumer.take_unacked(msg_id)
+                if found is None:
+                    unknown.append(msg_id)
+                else:
+                    taken.append(found)
+        self.rejected += len(taken)
+        queue = consumer.queue
+        if taken and self.queues.get(queue.name) is queue:
+            max_retries = queue.max_retries
+            if max_retries is not None:
+                dead = [taken_one for taken_one in taken if retry_of(taken_one[1]) >= max_retries]
+                if dead:
+                    taken = [taken_one for taken_one in taken if retry_of(taken_one[1]) < max_retries]
+                    self.dead_letter(queue, dead)
+            if taken:
+                self.park(queue, due_ms, [Message(seq, retry_of(item) + 1, item.tail if isinstance(item, Message)
+                                                  else item) for seq, item in taken])
+            if consumer.prefetch:
+                self.pump(queue)
+        return unknown
+
+    def park(self, queue: Queue, due_ms: int, records: list[Message]) -> None:
+        self.parked.add(due_ms, (queue, records))
+
+    def _unpark(self, due_ms: int, entries: list[tuple[Queue, list[Message]]]) -> None:
+        for queue, records in entries:
+            if self.queues.get(queue.name) is queue:  # else the queue was deleted meanwhile
+                queue.put_front(records)
+                self.pump(queue)
+
     def reject_all(self, consumer: Consumer) -> None:
         self._requeue(consumer, consumer.take_all_unacked())
 
     def _requeue(self, consumer: Consumer, taken: list[tuple[int, Item]]) -> None:
         self.rejected += len(taken)
         if taken and self.queues.get(consumer.queue.name) is consumer.queue:
-            consumer.queue.requeue(taken)
+            self.requeue(consumer.queue, taken)
             self.pump(consumer.queue)
+
+    def requeue(self, queue: Queue, taken: list[tuple[int, Item]]) -> None:
+        """Copies taken from consumers go back to the front with retry+1; past `max_retries`, to the dead letters."""
+        max_retries = queue.max_retries
+        if max_retries is not None:
+            dead = [taken_one for taken_one in taken if retry_of(taken_one[1]) >= max_retries]
+            if dead:
+                taken = [taken_one for taken_one in taken if retry_of(taken_one[1]) < max_retries]
+                self.dead_letter(queue, dead)
+        if taken:
+            queue.requeue(taken)
+
+    def dead_letter(self, queue: Queue, taken: list[tuple[int, Item]], raise_retry: bool = True) -> None:
+        """Put copies into `{queue}.dead` (created if missing) with their event, data and retry counter."""
+        name = queue.name + b".dead"
+        broker = self.broker_for(name)
+        dead_queue = broker.queue(name)
+        for _, item in taken:
+            if isinstance(item, Message):
+                dead_queue.put_record(item.tail, item.retry + 1 if raise_retry else item.retry)
+            else:
+                dead_queue.put_record(item, 1 if raise_retry else 0)
+        self.dead_lettered += len(taken)
+        broker.pump(dead_queue)
+
+    def expire(self, consumer: TimedConsumer) -> None:
+        """The consumer's ack timeout: copies past their deadline go back as if rejected."""
+        taken = consumer.take_expired()
+        if taken:
+            self.ack_timeouts += len(taken)
+            self._requeue(consumer, taken)
+
+    def touch(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
+        """Restart the ack-timeout clock of in-flight copies; returns the ids not in flight."""
+        unknown = []
+        for msg_id in msg_ids:
+            seq = consumer.seq_by_msg_id.get(msg_id)
+            if seq is None:
+                unknown.append(msg_id)
+            elif isinstance(consumer, TimedConsumer):
+                consumer.touch(seq)
+        self.touched += len(msg_ids) - len(unknown)
+        return unknown
 
     def delete_queue(self, name: bytes) -> bool:
         """Drop a queue with its bindings, messages and consumers; False if there was none.
@@ -552,6 +842,7 @@ class Broker:
         queue.messages.clear()
         queue.packed_extra = 0
         queue.requeued = 0
+        self.dropped_by_deleted_queues += queue.dropped
         return True
 
     def stats(self) -> dict[str, Any]:
@@ -566,6 +857,10 @@ class Broker:
             "consumed": self.consumed,
             "acked": self.acked,
             "rejected": self.rejected,
+            "ack_timeouts": self.ack_timeouts,
+            "touched": self.touched,
+            "dead_lettered": self.dead_lettered,
+            "dropped": self.dropped_by_deleted_queues + sum(q.dropped for q in queues),
             "queues": len(self.queues),
             "consumers": sum(len(q.consumers) for q in queues),
             "messages_waiting": sum(q.depth() for q in queues),

@@ -18,14 +18,17 @@ import heapq
 import importlib.metadata
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from .durable import DurableBroker, Journal
+from .durable import DurableBroker, Journal, Recovery
 from .leases import Leases
 from .outbox import Outbox
+from .requests import Requests
 from .routing import compile_mask
-from .state import Broker, Queue, Schedule
+from .schedules import Schedules
+from .state import Broker, Queue, msg_id_of
+from .timers import Buckets, Timers
 
 TOP_QUEUES = 10  # as many as Broker.stats() ranks per worker
 # per worker these count what reached *that* worker; every worker sees every publish and the
@@ -47,18 +50,17 @@ VERSION = package_version()
 
 def queue_flags(queue: Queue) -> list[str]:
     """The queue's own flags, as `--update` lines show them (a consumer's flags are not the queue's)."""
-    seconds = queue.delete_when_unused_seconds
-    if seconds is None:
-        return []
-    return [f"--delete-queue-when-unused={seconds!r}" if seconds else "--delete-queue-when-unused"]
+    return [flag.decode() for flag in queue.flags()]
 
 
 class Workers:
     """Every worker of this process, the placement of queues on them, and the outboxes owed a flush."""
 
-    __slots__ = ("brokers", "count", "pending", "clients", "journal", "started", "bytes_in", "bytes_out", "errors")
+    __slots__ = ("brokers", "count", "pending", "clients", "journal", "timers", "delayed", "requests", "schedules",
+                 "error_line", "max_memory_bytes", "memory_full", "dropped_by_memory", "started", "bytes_in",
+                 "bytes_out", "errors")
 
-    def __init__(self, count: int = 1, schedule: Schedule | None = None, journal: Journal | None = None) -> None:
+    def __init__(self, count: int = 1, timers: Timers | None = None, journal: Journal | None = None) -> None:
         self.count = count
         self.pending: list[Outbox] = []
         self.clients = 0  # live connections, for stats
@@ -67,13 +69,27 @@ class Workers:
         self.bytes_out = 0  # added once per write by the connections
         self.errors = 0  # error lines sent
         self.journal = journal  # None: in memory only
+        self.timers = timers if timers is not None else Timers()
+        schedule, clock = self.timers.call_later, self.timers.clock
         if journal is None:
-            self.brokers = [Broker(worker, count, schedule, self.count_clients) for worker in range(count)]
+            self.brokers = [Broker(worker, count, schedule, self.count_clients, clock=clock) for worker in range(count)]
         else:
-            self.brokers = [DurableBroker(worker, count, schedule, self.count_clients, journal=journal)
+            self.brokers = [DurableBroker(worker, count, schedule, self.count_clients, clock=clock, journal=journal)
                             for worker in range(count)]
         for broker in self.brokers:
+            broker.broker_for = self.worker_for
             broker.leases = Leases(broker)  # fetch/settle: messages held under a lease, in the queue's worker
+        # publishes with --delay/--at: routed when due, as if published then (extension)
+        self.delayed = Buckets(self.timers.call_later, self._publish_due)
+        # (rid, reason) -> an error line with a fresh error id; the app sets its own
+        self.error_line: Callable[[bytes, str], bytes] = lambda rid, reason: b"%b error - %b\n" % (rid, reason.encode())
+        self.requests = Requests(self.timers.call_later, lambda rid, reason: self.error_line(rid, reason))
+        self.schedules = Schedules(self.timers.call_later, self.publish)
+        self.max_memory_bytes: int | None = None  # mqksd --max-memory; the app checks it
+        self.memory_full = False  # past max_memory_bytes: publishes are refused
+        self.dropped_by_memory = 0
+        if journal is not None:
+            self.schedules.record = journal.append
 
     def count_clients(self) -> int:
         return self.clients
@@ -83,13 +99,54 @@ class Workers:
         brokers = self.brokers
         return brokers[zlib.crc32(queue) % self.count] if self.count > 1 else brokers[0]
 
+    def publish_later(self, due_ms: int, tail: bytes) -> None:
+        """Publish `tail` (its msg id and event inside) at wall-clock millisecond `due_ms`."""
+        self.delayed.add(due_ms, tail)
+        if self.journal is not None:
+            self.journal.append(b"T %d%b" % (due_ms, tail))
+
+    def _publish_due(self, due_ms: int, tails: list[bytes]) -> None:
+        if self.journal is not None:
+            self.journal.append(b"F %d" % due_ms)  # with the P records below, in the same commit
+        brokers = self.brokers
+        for tail in tails:
+            msg_id = msg_id_of(tail)
+            start = len(msg_id) + 11  # b" ok " + msg_id + b" event="
+            event = tail[start : tail.index(b" ", start)]
+            for broker in brokers:
+                broker.publish(msg_id, event, tail)
+
+    def holds_messages(self) -> bool:
+        """True if any queue holds a message, waiting or un-acked."""
+        return any(queue.messages or any(consumer.unacked for consumer in queue.consumers)
+                   for broker in self.brokers for queue in broker.queues.values())
+
+    def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
+        """Put a copy into every queue of every worker bound to `event`."""
+        for broker in self.brokers:
+            broker.publish(msg_id, event, tail)
+
+    def restore(self, recovery: Recovery) -> None:
+        """Take back what replay found above the queues: delayed publishes and schedules (overdue: at once)."""
+        for due_ms, tails in sorted(recovery.delayed.items()):
+            for tail in tails:
+                self.delayed.add(due_ms, tail)
+        self.schedules.restore(recovery.schedules.values())
+
+    def snapshot_lines(self) -> Iterator[bytes]:
+        """The state kept above the workers as records, for the journal's snapshot."""
+        for due_ms, tails in self.delayed.items():
+            for tail in tails:
+                yield b"T %d%b" % (due_ms, tail)
+        yield from self.schedules.snapshot_lines()
+
     def flush_pending(self) -> None:
         """Commit the batch's records (durable mode), then flush every outbox that has output."""
         journal = self.journal
         if journal is not None:
             journal.commit()
             if journal.wants_snapshot():
-                journal.snapshot(self.brokers)
+                journal.snapshot(self.brokers, self.snapshot_lines())
         pending = self.pending
         for outbox in pending:
             outbox.flush_pending = False
@@ -117,6 +174,7 @@ class Workers:
                 if isinstance(consumers, list) and consumer in consumers:
                     consumers.remove(consumer)
         outbox.consumers_by_id.clear()
+        self.requests.forget(outbox)
 
     def stats(self, worker: int | None = None) -> dict[str, Any]:
         """The `stats` answer: one worker's figures, or all workers' summed, with the process's own.
@@ -158,6 +216,11 @@ class Workers:
         figures["bytes_in"] = self.bytes_in
         figures["bytes_out"] = self.bytes_out
         figures["errors"] = self.errors
+        figures["delayed"] = len(self.delayed)
+        figures["dropped"] = figures.get("dropped", 0) + self.dropped_by_memory
+        figures["memory_full"] = self.memory_full
+        figures.update(self.requests.stats())
+        figures.update(self.schedules.stats())
         if self.journal is not None:
             figures["log"] = self.journal.stats()
         return figures

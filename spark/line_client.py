@@ -11,34 +11,87 @@ from __future__ import annotations
 
 import select
 import socket
+import ssl
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 # the gevent client's own classes, so one `except MqksError` serves both clients; importable from
 # here as before, with split_answer, which user code (pipelines/) imports from here too
 from mqks.client.errors import MqksConnectionError, MqksError
+from mqks.client.tls import AUTH_TOKEN_ENV, client_context
 from mqks.client.wire import split_answer
 
-__all__ = ["LineClient", "MqksConnectionError", "MqksError", "split_answer"]
+__all__ = ["LineClient", "MqksConnectionError", "MqksError", "Security", "split_answer"]
 
 RECV_BYTES = 65536
 IO_TIMEOUT_SECONDS = 60.0  # no progress for this long on a send: the connection is dead
 MAX_LINES_PER_READ = 100_000  # bounds one read_lines() call; the rest waits in the kernel
+AUTH_RID = b"spark.auth"
+# a non-blocking TLS socket that needs the other direction first: try again later, as for EAGAIN
+WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+@dataclass(frozen=True, slots=True)
+class Security:
+    """The data source's options `tls`, `tlsCa` and `token`: plain strings, so they pickle to the executors."""
+
+    tls: bool = False
+    tls_ca: str | None = None
+    token: str | None = field(default=None, repr=False)  # never in a log line or a plan
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str], environ: Mapping[str, str]) -> Security:
+        """From the options; `token` defaults to the driver's MQKS_AUTH_TOKEN (executors may not have it)."""
+        tls = str(options.get("tls") or "false").lower()
+        if tls not in ("true", "false"):
+            raise ValueError(f"mqks option tls={tls!r} must be true or false")
+        tls_ca = options.get("tlsCa") or None
+        token = options.get("token") or environ.get(AUTH_TOKEN_ENV) or None
+        if token is not None and (not token.strip() or any(char.isspace() for char in token)):
+            raise ValueError("mqks option token must be one word without whitespace")
+        return cls(tls=tls == "true" or tls_ca is not None, tls_ca=tls_ca, token=token)
 
 
 class LineClient:
-    """One TCP connection: `send()` whole lines, `read_lines()` whole lines back (bytes, no newline)."""
+    """One TCP (or TLS) connection: `send()` whole lines, `read_lines()` whole lines back (bytes, no newline)."""
 
     __slots__ = ("host", "port", "sock", "tail", "ready", "closed")
 
-    def __init__(self, host: str, port: int, timeout_seconds: float = 10.0) -> None:
+    def __init__(self, host: str, port: int, timeout_seconds: float = 10.0, security: Security | None = None) -> None:
         self.host = host
         self.port = port
         self.sock = socket.create_connection((host, port), timeout=timeout_seconds)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if security is not None and security.tls:
+            try:  # the handshake runs blocking, under the connect timeout
+                self.sock = client_context(security.tls_ca).wrap_socket(self.sock, server_hostname=host)
+            except BaseException:
+                self.sock.close()
+                raise
         self.sock.setblocking(False)
         self.tail = b""
         self.ready: list[bytes] = []  # lines read but not yet returned
         self.closed = False
+        if security is not None and security.token:
+            self._authenticate(security.token.encode(), timeout_seconds)
+
+    def _authenticate(self, token: bytes, timeout_seconds: float) -> None:
+        """Send `auth` and wait for its answer; MqksError when the broker refuses the token."""
+        self.send([AUTH_RID + b" auth " + token])
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            lines = self.read_lines(0.2)
+            for index, line in enumerate(lines):
+                rid, status, rest = split_answer(line)
+                if rid == AUTH_RID:
+                    self.ready[:0] = lines[index + 1:]  # nothing else was sent yet, but keep whatever came
+                    if status == b"ok" or b"takes no token" in rest:
+                        return
+                    self.close()
+                    raise MqksError(f"mqks {self.host}:{self.port} refused the token: {rest.decode(errors='replace')}")
+        self.close()
+        raise MqksConnectionError(f"mqks {self.host}:{self.port}: no answer to auth in {timeout_seconds}s")
 
     def _fail(self, what: str) -> MqksConnectionError:
         return MqksConnectionError(f"mqks {self.host}:{self.port}: {what}")
@@ -56,7 +109,7 @@ class LineClient:
             if writable:
                 try:
                     sent = self.sock.send(data)
-                except BlockingIOError:
+                except WOULD_BLOCK:
                     continue
                 except OSError as e:
                     raise self._fail(f"send failed: {e}") from e
@@ -71,7 +124,8 @@ class LineClient:
         Returns [] on timeout; raises MqksConnectionError once the server closed the connection
         and every line it sent before closing was returned.
         """
-        if not self.ready and not self.closed and select.select([self.sock], [], [], timeout_seconds)[0]:
+        if (not self.ready and not self.closed
+                and (self._pending() or select.select([self.sock], [], [], timeout_seconds)[0])):
             self._receive()
         while not self.closed and len(self.ready) < MAX_LINES_PER_READ and self._receive():
             pass
@@ -84,7 +138,7 @@ class LineClient:
         """Read one chunk without blocking; False if nothing was there or the peer closed."""
         try:
             chunk = self.sock.recv(RECV_BYTES)
-        except BlockingIOError:
+        except WOULD_BLOCK:
             return False
         except OSError as e:
             raise self._fail(f"recv failed: {e}") from e
@@ -95,6 +149,10 @@ class LineClient:
         self.tail = lines.pop()
         self.ready.extend(lines)
         return True
+
+    def _pending(self) -> int:
+        """Bytes TLS has decrypted but not handed over: select cannot see them."""
+        return self.sock.pending() if isinstance(self.sock, ssl.SSLSocket) else 0
 
     def close(self) -> None:
         try:

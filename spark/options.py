@@ -7,10 +7,12 @@ on silently. Spark hands options over lower-cased, so names compare case-insensi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mqks.client.wire import encode_token
+from mqks.spark.line_client import Security
 
 # options Spark itself adds to a data source's options, never ours to refuse
 SPARK_OWN_OPTIONS = frozenset({"path", "checkpointlocation", "queryname"})
@@ -81,10 +83,17 @@ def token_option(options: Mapping[str, str], name: str) -> str | None:
     return value
 
 
+def security_option(options: Mapping[str, str]) -> Security:
+    """`tls`, `tlsCa` and `token` (default: the driver's MQKS_AUTH_TOKEN), checked as the line client wants them."""
+    given = {name: value for name in ("tls", "tlsCa", "token") if (value := text_option(options, name)) is not None}
+    return Security.parse(given, os.environ)
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """Where the broker is, and how long to keep trying it when it is away."""
+    """Where the broker is, how to talk to it, and how long to keep trying it when it is away."""
 
     host: str
     port: int
     reconnect_seconds: float
+    security: Security = field(default_factory=Security)

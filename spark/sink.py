@@ -23,8 +23,8 @@ from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, Wri
 from pyspark.sql.types import StructType
 
 from mqks.client.wire import answer_error, encode_token, split_answer
-from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError
-from mqks.spark.options import check_known, host_option, int_option, lowered, port_option, text_option
+from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, Security
+from mqks.spark.options import check_known, host_option, int_option, lowered, port_option, security_option, text_option
 
 try:
     import ujson as _json  # the server's own dependency; escapes newlines as json does
@@ -37,7 +37,7 @@ CONFIRM_TIMEOUT_SECONDS = 60.0
 SEND_EVERY_ROWS = 256  # one sendall per this many publishes
 
 
-SINK_OPTIONS = ("host", "port", "confirmWindow", "confirmWindowBytes", "msgIdPrefix")
+SINK_OPTIONS = ("host", "port", "tls", "tlsCa", "token", "confirmWindow", "confirmWindowBytes", "msgIdPrefix")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,7 @@ class SinkOptions:
 
     host: str
     port: int
+    security: Security  # tls, tlsCa, token
     confirm_window: int
     confirm_window_bytes: int
     msg_id_prefix: str | None
@@ -60,6 +61,7 @@ class SinkOptions:
         return cls(
             host=host_option(options),
             port=port_option(options),
+            security=security_option(options),
             confirm_window=int_option(options, "confirmWindow", 1000, 1, 1_000_000),
             confirm_window_bytes=int_option(options, "confirmWindowBytes", 8 << 20, 1024, 1 << 34),
             msg_id_prefix=prefix,
@@ -174,7 +176,7 @@ class _Publisher:
                 full = unconfirmed >= window or unconfirmed_bytes >= window_bytes
                 if len(lines) >= SEND_EVERY_ROWS or full:
                     if client is None:
-                        client = LineClient(self.options.host, self.options.port)
+                        client = LineClient(self.options.host, self.options.port, security=self.options.security)
                     client.send(lines)
                     lines = []
                     if full:
@@ -189,7 +191,7 @@ class _Publisher:
                             unconfirmed_bytes -= sizes.popleft()
             if lines or unconfirmed:
                 if client is None:
-                    client = LineClient(self.options.host, self.options.port)
+                    client = LineClient(self.options.host, self.options.port, security=self.options.security)
                 client.send(lines)
                 _read_confirms(client, unconfirmed)
         except MqksConnectionError:

@@ -43,6 +43,7 @@ from mqks.spark.options import (
     int_option,
     lowered,
     port_option,
+    security_option,
     text_option,
 )
 
@@ -52,8 +53,8 @@ SOURCE_SCHEMA = ("msg_id STRING, event STRING, data STRING, retry INT, queue STR
                  "seq BIGINT")
 SOURCE_FIELDS = [("msg_id", "string"), ("event", "string"), ("data", "string"), ("retry", "int"),
                  ("queue", "string"), ("received_at", "timestamp"), ("seq", "bigint")]
-SOURCE_OPTIONS = ("host", "port", "queue", "queues", "events", "maxRecordsPerBatch", "maxBytesPerBatch",
-                  "numPartitions", "leaseSeconds", "idleAckSeconds", "reconnectSeconds")
+SOURCE_OPTIONS = ("host", "port", "tls", "tlsCa", "token", "queue", "queues", "events", "maxRecordsPerBatch",
+                  "maxBytesPerBatch", "numPartitions", "leaseSeconds", "idleAckSeconds", "reconnectSeconds")
 ANSWER_TIMEOUT_SECONDS = 60.0
 FETCH_ROWS = 20_000  # one fetch answer: bounded well below the broker's limit on unread output
 FETCH_BYTES = 8 << 20
@@ -106,7 +107,7 @@ class SourceOptions:
                              "stays leased until the next batch (or the idle tick) acks it")
         return cls(
             endpoint=Endpoint(host_option(options), port_option(options),
-                              float_option(options, "reconnectSeconds", 60.0, 0.0, 86_400.0)),
+                              float_option(options, "reconnectSeconds", 60.0, 0.0, 86_400.0), security_option(options)),
             queues=queues,
             events=events,
             max_records_per_batch=int_option(options, "maxRecordsPerBatch", 50_000, 1, 100_000_000),
@@ -202,7 +203,7 @@ class Control:
         while True:
             try:
                 if self.client is None:
-                    self.client = LineClient(endpoint.host, endpoint.port)
+                    self.client = LineClient(endpoint.host, endpoint.port, security=endpoint.security)
                 return self._exchange(requests)
             except (OSError, MqksConnectionError) as e:
                 self.close()
@@ -387,7 +388,7 @@ def _client(endpoint: Endpoint, fresh: bool) -> LineClient:
         delay = 0.1
         while True:
             try:
-                client = _CLIENTS[key] = LineClient(endpoint.host, endpoint.port)
+                client = _CLIENTS[key] = LineClient(endpoint.host, endpoint.port, security=endpoint.security)
                 break
             except OSError as e:
                 if time.monotonic() + delay > deadline:

@@ -56,6 +56,8 @@ def test_eval_refuses_peers_that_are_not_loopback():
 
         peer = "192.0.2.7:4242"
         eval_enabled = True
+        eval_refusal = None
+        authenticated = True
         closed = False
         actions = table
         handlers = table_handlers
@@ -101,10 +103,22 @@ def test_mqksd_defaults_are_safe():
     assert "default: 127.0.0.1" in out and "--eval" in out and "--max-line-bytes" in out
 
 
-def test_bad_flag_value_exits_with_usage_error():
-    result = subprocess.run([sys.executable, "-m", "mqks.server", "--workers", "0"], capture_output=True,
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--max-memory", "lots"], "not a size in bytes: 'lots'"),
+    (["--max-memory", "1K"], "--max-memory must be at least 1048576"),
+])
+def test_bad_flag_value_exits_with_usage_error(flags, reason):
+    result = subprocess.run([sys.executable, "-m", "mqks.server", *flags], capture_output=True,
                             text=True, timeout=30)
-    assert result.returncode == 2 and "--workers must be at least 1" in result.stderr
+    assert result.returncode == 2 and reason in result.stderr
+
+
+def test_max_memory_reads_sizes_with_units():
+    assert parse_args(["--max-memory", "512M"]).max_memory_bytes == 512 << 20
+    assert parse_args(["--max-memory", "2G"]).max_memory_bytes == 2 << 30
+    assert parse_args(["--max-memory", "1048576"]).max_memory_bytes == 1 << 20
+    assert parse_args([]).max_memory_bytes is None
 
 
 def queues_one_per_worker(wire, prefix: str) -> list[bytes]:

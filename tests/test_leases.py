@@ -225,3 +225,18 @@ def test_a_snapshot_keeps_leased_messages(make_broker, tmp_path):
         assert [m for m, _, _ in got] == [b"m0", b"m1", b"m2"]
     finally:
         wire.close()
+
+
+def test_a_released_lease_past_max_retries_goes_to_the_dead_letters(wire):
+    queue, event = unique_bytes("lq"), unique_bytes("le")
+    wire.send(b"b rebind --confirm %s %s --max-retries=1" % (queue, event))
+    wire.expect(b"b ok ")
+    publish(wire, event, 1)
+    fetch(wire, b"f1", queue + b" --lease=X1")
+    assert settle(wire, b"X1 --release") == 1  # retry 1: still within --max-retries=1
+    fetch(wire, b"f2", queue + b" --lease=X2")
+    assert settle(wire, b"X2 --release") == 1  # a second time: past it
+    assert depth(wire, queue) == (0, 0)
+    got = fetch(wire, b"f3", queue + b".dead --lease=X3")
+    assert [m for m, _, _ in got] == [b"m0"]
+    assert settle(wire, b"X3 --ack") == 1

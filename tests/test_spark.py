@@ -712,3 +712,59 @@ def test_a_broker_away_longer_than_reconnect_seconds_fails_with_the_option_named
     reader = MqksStreamReader(options, source_struct())
     with pytest.raises(MqksConnectionError, match=r"unreachable for 1s \(reconnectSeconds\)"):
         reader.latestOffset(reader.initialOffset(), ReadMaxRows(10))
+
+
+def test_sink_and_source_over_tls_with_a_token(spark, make_broker, tmp_path):
+    from helpers import free_port, unique
+    from tls_certs import make_certs
+
+    from mqks.spark.source import MqksStreamReader, SourceOptions, source_struct
+
+    certs = make_certs(tmp_path)
+    token = "spark-s3cret-token"
+    (tmp_path / "tokens").write_text(token + "\n")
+    tls_port = free_port()
+    server = make_broker("--eval", *certs.server_args(tls_port), "--auth-token-file", str(tmp_path / "tokens"))
+    security = {"tls": "true", "tlsCa": certs.ca, "token": token}
+    out_queue, in_queue = unique("spark.tls.out"), unique("spark.tls.in")
+    wire = server.wire()  # the plain port: a token is needed there too
+    try:
+        wire.send(b"a auth " + token.encode())
+        wire.expect(b"a ok ")
+        wire.send(b"rb rebind --confirm %s tls.out" % out_queue.encode(),
+                  b"rb2 rebind --confirm %s tls.in" % in_queue.encode())
+        wire.expect(b"rb ok ")
+        wire.expect(b"rb2 ok ")
+        consume(wire, b"c1", out_queue)
+        writer = spark.range(50).selectExpr("'tls.out' as event", "cast(id as string) as data").write.format("mqks")
+        writer = writer.mode("append").option("host", "localhost").option("port", str(tls_port))
+        for key, value in security.items():
+            writer = writer.option(key, value)
+        writer.save()
+        assert sorted(int(data) for _, _, data in collect_deliveries(wire, b"c1", 50)) == list(range(50))
+
+        wire.send(*(b"s%d publish tls.in x%d" % (i, i) for i in range(10)))
+        assert wire.barrier() == []
+        reader = MqksStreamReader(SourceOptions.parse({"host": "localhost", "port": str(tls_port), "queue": in_queue,
+                                                       **security}), source_struct())
+        try:
+            from pyspark.sql.streaming.datasource import ReadMaxRows
+
+            start = reader.initialOffset()
+            end = reader.latestOffset(start, ReadMaxRows(10))
+            rows = [msg_id for msg_id, _ in _read(reader, reader.partitions(start, end))]
+            assert rows == [f"s{i}" for i in range(10)]  # fetched by the "executor" over TLS with the token
+            reader.commit(end)
+            wait_for(lambda: b"ok (0, 0)" in eval_on_authenticated(wire, in_queue), "the acks over TLS")
+        finally:
+            reader.stop()
+    finally:
+        wire.close()
+    assert token not in server.log()
+
+
+def eval_on_authenticated(wire, queue: str) -> bytes:
+    wire.send(b"ev _eval (lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)"
+              b" + sum(len(l.held) for l in state.leases.by_id.values() if l.queue is q)))(state.queues[%r])"
+              % queue.encode())
+    return wire.recv_line()

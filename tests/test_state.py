@@ -3,7 +3,7 @@
 import pytest
 
 from mqks.server.outbox import Outbox
-from mqks.server.state import PACK_MIN_DEPTH, Broker, Consumer, Message, Packed, update_line
+from mqks.server.state import PACK_MIN_DEPTH, Broker, Consumer, Message, Packed, TimedConsumer, update_line
 from mqks.server.timers import Timers
 
 pytestmark = pytest.mark.timeout(10)
@@ -297,3 +297,45 @@ def test_deep_queue_packs_messages_and_still_delivers_all_in_order(broker, outbo
     assert order[1000] == b"m0"  # the rejected one came back first
     assert order[1001:] == [b"m%d" % i for i in range(1000, count)]
     assert broker.stats()["messages_waiting"] == 0
+
+
+def test_a_dead_letter_behind_a_deep_packed_queue_keeps_every_seq_and_the_order(broker, outbox):
+    dead = broker.queue(b"q.dead")
+    broker.rebind(dead, replace=[b"direct"])
+    count = PACK_MIN_DEPTH + 2000  # deep enough to be packed
+    for i in range(count):
+        publish(broker, b"p%d" % i, b"direct")
+    assert any(type(item) is Packed for item in dead.messages)
+    record = dead.put_record(tail(b"m1", b"e1", b"poison"), 3)
+    assert record.seq == count and dead.depth() == count + 1
+    publish(broker, b"after", b"direct")
+    consumer = consume(broker, outbox, b"c1", b"q.dead", manual_ack=True)
+    lines = delivered(outbox)
+    assert lines[0] == b"c1 ok p0 event=direct d" and lines[count - 1] == b"c1 ok p%d event=direct d" % (count - 1)
+    assert lines[count:] == [b"c1 ok m1 event=e1,retry=3 poison", b"c1 ok after event=direct d"]
+    assert list(consumer.unacked) == list(range(count + 2))  # seqs in order, none skipped or repeated
+
+
+def test_ack_timeout_expires_in_delivery_order_and_touch_moves_one_to_the_end(outbox):
+    clock = FakeClock()
+    broker = Broker(schedule=clock.schedule, clock=lambda: clock.now)
+    queue = broker.queue(b"q1")
+    consumer = TimedConsumer(b"c1", queue, outbox, manual_ack=True, ack_timeout_seconds=10, clock=lambda: clock.now)
+    broker.consume(consumer, [b"e1"], None)
+    for i in range(3):
+        publish(broker, b"m%d" % i, b"e1")
+        clock.advance(1)
+    delivered(outbox)
+    assert len(clock.timers) == 1  # one timer for the consumer, not one per message
+    broker.touch(consumer, [b"m0"])  # m0's clock restarts at t=3: due at 13
+    clock.advance(7.5)  # t=10.5: m1 (due 11) and m2 (due 12) not yet
+    assert delivered(outbox) == []
+    clock.advance(1)  # t=11.5: m1 is due
+    assert delivered(outbox) == [b"c1 ok m1 event=e1,retry=1 d"]
+    broker.ack(consumer, [b"m2"])
+    clock.advance(1.6)  # t=13.1: m0 is due; m2 was acked; m1, delivered again at 11.5, is due at 21.5
+    assert delivered(outbox) == [b"c1 ok m0 event=e1,retry=1 d"]
+    assert broker.ack_timeouts == 2 and broker.touched == 1
+    assert list(consumer.deadline_by_seq) == [1, 0]
+    broker.remove_consumer(consumer)
+    assert consumer.deadline_by_seq == {} and consumer.cancel_timer is None

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mqks.server.timers import COMPACT_MIN_CANCELLED, Timers
+from mqks.server.timers import COMPACT_MIN_CANCELLED, Buckets, Timers
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -69,3 +69,24 @@ def test_many_cancels_compact_the_heap():
         cancel()
     assert len(timers.heap) < COMPACT_MIN_CANCELLED * 2  # rebuilt without the inert entries
     assert len(timers) == COMPACT_MIN_CANCELLED - 10
+
+
+def test_buckets_fire_in_due_order_with_one_timer_for_the_earliest():
+    now = [1000.0]
+    timers = Timers(clock=lambda: now[0])
+    fired = []
+    buckets = Buckets(timers.call_later, lambda due_ms, items: fired.append((due_ms, items)), wall=lambda: now[0])
+    for i in range(1000):
+        buckets.add(1_000_500 + i % 10, i)  # 1000 items in 10 milliseconds
+    buckets.add(1_000_200, "first")
+    assert len(buckets) == 1001 and len(timers) <= 2  # not a timer per item
+    now[0] = 1000.3
+    timers.run_due()
+    assert fired == [(1_000_200, ["first"])]
+    now[0] = 1000.505
+    timers.run_due()
+    assert [due for due, _ in fired[1:]] == list(range(1_000_500, 1_000_506))
+    assert fired[1][1] == list(range(0, 1000, 10))  # in the order they were added
+    now[0] = 1001
+    timers.run_due()
+    assert len(buckets) == 0 and len(fired) == 11
