@@ -53,7 +53,7 @@ class Leases:
 
     def fetch(self, queue_name: bytes, lease_id: bytes, max_count: int, max_bytes: int, lease_seconds: float,
               add: bool, prefix: bytes) -> tuple[list[bytes], int]:
-        """Take up to `max_count` messages (and `max_bytes` of them, but at least one) under the lease.
+        """Take up to `max_count` messages (and `max_bytes` of them; a lease's first one whatever its size).
 
         Returns the answer lines (`{prefix}{tail with seq}\\n`) and how many. Without `add`, what
         the lease held goes back to its queue first. The lease's expiry restarts at `lease_seconds`.
@@ -86,8 +86,10 @@ class Leases:
                 queue._unpack_front()
                 front = messages[0]
             length = len(front.tail) if type(front) is Message else len(front)
-            if count and size + length > max_bytes:
-                break  # the first message goes alone whatever its size, so nothing blocks the queue
+            if (count or held) and size + length > max_bytes:
+                # a lease's first message goes whatever its size, so nothing blocks the queue; an
+                # --add fetch for a lease that holds some already stays within its bytes
+                break
             seq, item = queue.pop()
             held[seq] = item
             lines.append(prefix + shown_tail(seq, item) + NEWLINE)

@@ -115,6 +115,8 @@ def test_max_bytes_bounds_a_fetch_but_a_bigger_message_still_goes_alone(wire):
     assert [(m, len(d)) for m, _, d in got] == [(b"big", 5000)]  # larger than the limit, alone
     got = fetch(wire, b"f2", queue + b" --max=10 --max-bytes=300 --lease=L6")
     assert [m for m, _, _ in got] == [b"m0", b"m1"]  # ~125-byte tails: two fit in 300
+    # a lease that holds messages takes no more than --max-bytes on --add, not even one message
+    assert fetch(wire, b"f3", queue + b" --max=10 --max-bytes=50 --lease=L6 --add") == []
     assert settle(wire, b"L5 L6 --ack") == 3
 
 
