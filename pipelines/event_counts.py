@@ -9,6 +9,11 @@ one `stats.events.counted` event per finished window and event, with data like
 {"window_start": "...", "window_end": "...", "event": "page.viewed", "count": 42}.
 With --parquet DIR it also appends the counts to Parquet. At-least-once end to end: a restart
 from the same --checkpoint can count a message twice (see the README).
+
+The watermark advances while no events come: the driver publishes a heartbeat event into its own
+queue every --heartbeat-seconds, whose `received_at` moves the watermark on; heartbeats are dropped
+after the watermark and never counted. So the last window is published about --watermark plus a
+trigger after its end, even when the events stop.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 
 
@@ -32,7 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-mode", choices=["append", "update"], default="append",
                         help="append: one final count per window; update: a running count every batch")
     parser.add_argument("--trigger", default="2 seconds", help="micro-batch interval (default: %(default)s)")
-    parser.add_argument("--max-records-per-batch", type=int, default=10_000)
+    parser.add_argument("--max-records-per-batch", type=int, default=50_000)
+    parser.add_argument("--heartbeat-seconds", type=float, default=1.0,
+                        help="how often the watermark is moved on while no events come (0: never)")
     parser.add_argument("--checkpoint", default="checkpoints/event-counts",
                         help="Spark checkpoint dir; reuse it to resume (default: %(default)s)")
     parser.add_argument("--parquet", default=None, help="also append the counts to Parquet files in this dir")
@@ -72,9 +80,34 @@ def bind_queue(host: str, port: int, queue: str, events: str) -> None:
         client.close()
 
 
+def heartbeat_event(queue: str) -> str:
+    return f"event_counts.heartbeat.{queue}"
+
+
+def send_heartbeats(host: str, port: int, queue: str, seconds: float, stop: threading.Event) -> None:
+    """Publish a heartbeat into the pipeline's queue every `seconds` until `stop`; a lost broker is retried."""
+    from mqks.spark.line_client import LineClient
+
+    event = heartbeat_event(queue).encode()
+    client: LineClient | None = None
+    beat = 0
+    while not stop.wait(seconds):
+        try:
+            if client is None:
+                client = LineClient(host, port)
+            beat += 1
+            client.send([b"hb.%d publish %b {}" % (beat, event)])
+            client.read_lines(0.0)  # nothing is answered; drop anything unexpected
+        except OSError:
+            if client is not None:
+                client.close()
+            client = None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    bind_queue(args.host, args.port, args.queue, args.events)
+    heartbeat = heartbeat_event(args.queue)
+    bind_queue(args.host, args.port, args.queue, f"{args.events} {heartbeat}")
     spark = build_session(args.master)
     spark.sparkContext.setLogLevel("WARN")
     from pyspark.sql import functions as F
@@ -94,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     counts = (
         events.withWatermark("received_at", args.watermark)
+        # heartbeats have moved the watermark and go no further; the test of received_at keeps Spark
+        # from pushing this filter below the watermark (it pushes filters that do not read the event time)
+        .where((F.col("event") != heartbeat) | F.col("received_at").isNull())
         .groupBy(F.window("received_at", args.window).alias("window"), "event")
         .count()
         .select(
@@ -125,6 +161,10 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     print(f"event-counts: query {query.id} reads {args.queue} ({args.events}), publishes {args.out_event}", flush=True)
+    stop_heartbeats = threading.Event()
+    if args.heartbeat_seconds > 0:
+        threading.Thread(target=send_heartbeats, args=(args.host, args.port, args.queue, args.heartbeat_seconds,
+                                                       stop_heartbeats), daemon=True).start()
     started = time.monotonic()
     last_batch = -1
     try:
@@ -140,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        stop_heartbeats.set()
         query.stop()
         spark.stop()
 

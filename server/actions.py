@@ -522,7 +522,7 @@ PROTOCOL_VERSION = 1  # the spec's line protocol; extensions are named in EXTENS
 # what `hello` says this server supports beyond the spec: one name per feature, added with the feature
 EXTENSIONS: tuple[str, ...] = ("masks", "prefetch", "seq", "confirm", "rebind", "stats", "queues", "durable",
                                "workers", "ack_timeout", "touch", "dead_letters", "max_length", "delay", "schedules",
-                               "request_reply", "max_memory", "auth", "tls", "hello", "ttl", "drain")
+                               "request_reply", "max_memory", "auth", "tls", "hello", "ttl", "drain", "leases")
 MAX_UNAUTHENTICATED_LINES = 3  # then the connection is closed: no guessing tokens at line rate
 AUTH_REQUIRED = "authentication required: send {id} auth {token} first"
 
@@ -560,6 +560,78 @@ def handle_auth(session: Session, rid: bytes, args: bytes, confirm: bool) -> Non
             session.close(flush_first=True)
 
 
+FETCH_USAGE = ("fetch: expected {id} fetch {queue} --lease={lease_id} [--max=N] [--max-bytes=B] "
+               "[--lease-seconds=S] [--add]")
+SETTLE_LEASE_USAGE = "settle: expected {id} settle {lease_id} ... --ack|--release"
+FETCH_MAX_COUNT = 1_000_000
+DEFAULT_FETCH_BYTES = 1 << 20
+DEFAULT_LEASE_SECONDS = 60.0
+
+
+def handle_fetch(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} fetch {queue} --lease=L ...` -> `{id} ok {msg_id} event=E[,retry=n],seq=S {data}` per message,
+    then `{id} ok --end {count}`. The messages stay held under lease L until `settle` or expiry."""
+    tokens = args.split()
+    if not tokens:
+        raise ProtocolError(FETCH_USAGE)
+    name = check_name(tokens[0], "fetch: queue")
+    lease_id = b""
+    max_count, max_bytes, seconds, add = 1, DEFAULT_FETCH_BYTES, DEFAULT_LEASE_SECONDS, False
+    for token in tokens[1:]:
+        if (value := parse_flag_value(token, b"--lease")) is not None:
+            lease_id = value
+        elif (value := parse_flag_value(token, b"--max")) is not None:
+            max_count = parse_count(value, "--max")
+        elif (value := parse_flag_value(token, b"--max-bytes")) is not None:
+            max_bytes = parse_count(value, "--max-bytes")
+        elif (value := parse_flag_value(token, b"--lease-seconds")) is not None:
+            seconds = parse_seconds(value, "--lease-seconds")
+        elif token == b"--add":
+            add = True
+        else:
+            raise ProtocolError(f"fetch: unexpected {text(token)!r}; {FETCH_USAGE[7:]}")
+    if not lease_id:
+        raise ProtocolError(f"fetch: --lease={{lease_id}} is required; {FETCH_USAGE[7:]}")
+    if not 1 <= max_count <= FETCH_MAX_COUNT:
+        raise ProtocolError(f"fetch: --max wants 1..{FETCH_MAX_COUNT}, got {max_count}")
+    if max_bytes < 1:
+        raise ProtocolError("fetch: --max-bytes wants a number >= 1")
+    if seconds <= 0:
+        raise ProtocolError("fetch: --lease-seconds wants seconds > 0")
+    # one answer never passes the point where deliveries to this client pause: it must fit the
+    # limit on unread output with room to spare
+    max_bytes = min(max_bytes, session.outbox.high_water_bytes)
+    broker = session.workers.worker_for(name)
+    lines, count = broker.leases.fetch(name, lease_id, max_count, max_bytes, seconds, add, rid)
+    lines.append(b"%b ok --end %d\n" % (rid, count))
+    session.write(b"".join(lines))
+
+
+def handle_settle(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} settle {lease_id} ... --ack|--release` -> `{id} ok {count}`: the messages those leases held."""
+    tokens = args.split()
+    ack = release = False
+    lease_ids = []
+    for token in tokens:
+        if token == b"--ack":
+            ack = True
+        elif token == b"--release":
+            release = True
+        elif token.startswith(b"--"):
+            raise ProtocolError(f"settle: unknown flag {text(token)!r}; {SETTLE_LEASE_USAGE[8:]}")
+        else:
+            lease_ids.append(token)
+    if ack == release or not lease_ids:
+        raise ProtocolError(SETTLE_LEASE_USAGE)
+    count = 0
+    # a lease lives in its queue's worker; its id does not name the queue, so every worker is asked
+    for broker in session.workers.brokers:
+        settle_lease = broker.leases.settle
+        for lease_id in lease_ids:
+            count += settle_lease(lease_id, ack)
+    session.ok(rid, b"%d" % count)
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
     """An action as the dispatcher sees it."""
@@ -594,6 +666,8 @@ ACTIONS: dict[bytes, Action] = {
     b"queues": Action(handle_queues, "", needs_args=False),
     b"auth": Action(handle_auth, "auth: expected {id} auth {token}", needs_auth=False),
     b"hello": Action(handle_hello, "", needs_args=False),
+    b"fetch": Action(handle_fetch, FETCH_USAGE, logged=True),
+    b"settle": Action(handle_settle, SETTLE_LEASE_USAGE, logged=True),
     b"_eval": Action(handle_eval, "_eval: expected a Python expression", protected=True),
 }
 

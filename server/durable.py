@@ -150,9 +150,10 @@ class Journal:
         append(b"S")
         brokers = list(brokers)
         for broker in brokers:
+            leased = broker.leases.held_by_queue() if broker.leases is not None else {}
             for queue in broker.queues.values():
                 assert isinstance(queue, DurableQueue)  # a journal's brokers make only these
-                for line in queue.snapshot_lines():
+                for line in queue.snapshot_lines(leased.get(queue.name, ())):
                     size += len(line) + 1
                     append(line)
         for line in chain(*map(parked_lines, brokers), process_lines):
@@ -243,12 +244,14 @@ class DurableQueue(Queue):
         self.journal.append(b"E %b %d %d%b" % (self.name, record.seq, retry, tail))
         return record
 
-    def snapshot_lines(self) -> Iterator[bytes]:
-        """This queue's live state as snapshot records: held messages first, then waiting ones."""
+    def snapshot_lines(self, leased: Iterable[tuple[int, Item]] = ()) -> Iterator[bytes]:
+        """This queue's live state as snapshot records: held messages (by consumers or leases) first,
+        then waiting ones."""
         yield queue_line(self)
         yield b"N %b %d" % (self.name, self.next_seq)
         name = self.name
-        held = sorted((seq, item) for consumer in self.consumers for seq, item in consumer.unacked.items())
+        held = sorted([*((seq, item) for consumer in self.consumers for seq, item in consumer.unacked.items()),
+                       *leased], key=itemgetter(0))
         for seq, item in held:
             message = item if isinstance(item, Message) else Message(seq, 0, item)
             yield b"M %b %d %d 1%b" % (name, seq, message.retry, message.tail)

@@ -48,6 +48,8 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
     "consumers": (GAUGE, "Consumers attached to queues."),
     "messages_waiting": (GAUGE, "Messages waiting in queues for a consumer."),
     "messages_unacked": (GAUGE, "Messages delivered and not acked yet."),
+    "leases": (GAUGE, "Leases holding messages fetched and not settled yet."),
+    "messages_leased": (GAUGE, "Messages held under leases."),
     "events": (GAUGE, "Distinct events and masks that queues are bound to."),
     "delayed": (GAUGE, "Publishes waiting for their --delay or --at time."),
     "requests_waiting": (GAUGE, "Requests waiting for a reply."),

@@ -552,6 +552,7 @@ class Broker:
         self.touched = 0
         self.dead_lettered = 0
         self.dropped_by_deleted_queues = 0
+        self.leases: Any = None  # server/leases.py's Leases, set by Workers (fetch and settle)
 
     def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
         """Put a copy of the message into every queue bound to `event`."""

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .durable import DurableBroker, Journal, Recovery
+from .leases import Leases
 from .outbox import Outbox
 from .requests import Requests
 from .routing import compile_mask
@@ -77,6 +78,7 @@ class Workers:
                             for worker in range(count)]
         for broker in self.brokers:
             broker.broker_for = self.worker_for
+            broker.leases = Leases(broker)  # fetch/settle: messages held under a lease, in the queue's worker
         # publishes with --delay/--at: routed when due, as if published then (extension)
         self.delayed = Buckets(self.timers.call_later, self._publish_due)
         # (rid, reason) -> an error line with a fresh error id; the app sets its own
@@ -207,6 +209,9 @@ class Workers:
             ranked = heapq.nlargest(TOP_QUEUES, ((depth, name) for one in per_worker
                                                  for name, depth in one["top_queues"]))
             figures["top_queues"] = [(name, depth) for depth, name in ranked]
+        for key in ("leases", "messages_leased"):
+            figures[key] = sum(broker.leases.stats()[key] for broker in
+                               (self.brokers if worker is None else [self.brokers[worker]]))
         figures["connections"] = self.clients
         figures["bytes_in"] = self.bytes_in
         figures["bytes_out"] = self.bytes_out

@@ -1,7 +1,9 @@
 """`MqksDataSource`, format name "mqks": the entry point Spark calls on the driver.
 
 It only parses options and builds the reader or writer; all I/O happens in `source.py`
-(driver-side consumer) and `sink.py` (executor-side publishers).
+(a driver that plans and acks, executors that fetch under leases) and `sink.py`
+(executor-side publishers). Options are checked when Spark builds the data source, so a
+bad or unknown option fails `load()` or `start()`, not the first batch.
 """
 
 from __future__ import annotations
@@ -10,20 +12,22 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, DataSourc
 from pyspark.sql.types import StructType
 
 from mqks.spark.sink import MqksBatchWriter, MqksStreamWriter, SinkOptions
-from mqks.spark.source import SOURCE_SCHEMA, MqksStreamReader, SourceOptions
+from mqks.spark.source import SOURCE_SCHEMA, MqksStreamReader, SourceOptions, check_schema
 
 
 class MqksDataSource(DataSource):
-    """Read an MQKS queue as a stream (ack on commit); write rows as published events."""
+    """Read MQKS queues as a stream (executors fetch under leases, acked on commit); write rows as events."""
 
     @classmethod
     def name(cls) -> str:
         return "mqks"
 
     def schema(self) -> str:
+        SourceOptions.parse(self.options)  # load() fails here, before any query starts
         return SOURCE_SCHEMA
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        check_schema(schema)
         return MqksStreamReader(SourceOptions.parse(self.options), schema)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:

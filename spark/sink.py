@@ -1,9 +1,9 @@
 """The `mqks` sink: every row becomes `{msg_id} publish --confirm {event} {data}`.
 
 Runs in executor tasks (write()) and the driver (commit/abort). Each task opens its own
-connection, keeps at most `confirmWindow` publishes unconfirmed, waits for every `ok` and fails
-with the server's reason on an `error`. Guarantee: at-least-once. A retried task or a re-run batch
-publishes again under the same deterministic msg ids `{query}.{batch}.{partition}.{row}`.
+connection, keeps at most `confirmWindow` publishes and `confirmWindowBytes` unconfirmed, waits for
+every `ok` and fails with the server's reason on an `error`. Guarantee: at-least-once. A retried task or a re-run batch
+publishes again under the same deterministic msg ids `{query or msgIdPrefix}.{batch}.{partition}.{row}`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import datetime
 import decimal
 import logging
-import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,7 @@ from pyspark.sql.types import StructType
 
 from mqks.client.wire import answer_error, encode_token, split_answer
 from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, Security
+from mqks.spark.options import check_known, host_option, int_option, lowered, port_option, security_option, text_option
 
 try:
     import ujson as _json  # the server's own dependency; escapes newlines as json does
@@ -36,6 +37,9 @@ CONFIRM_TIMEOUT_SECONDS = 60.0
 SEND_EVERY_ROWS = 256  # one sendall per this many publishes
 
 
+SINK_OPTIONS = ("host", "port", "tls", "tlsCa", "token", "confirmWindow", "confirmWindowBytes", "msgIdPrefix")
+
+
 @dataclass(frozen=True, slots=True)
 class SinkOptions:
     """The writer's options, checked once on the driver."""
@@ -44,25 +48,22 @@ class SinkOptions:
     port: int
     security: Security  # tls, tlsCa, token
     confirm_window: int
+    confirm_window_bytes: int
     msg_id_prefix: str | None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SinkOptions:
-        def get(name: str, default: str | None) -> str | None:
-            value = options.get(name)
-            return default if value is None or value == "" else str(value)
-
-        window = int(get("confirmWindow", "1000"))  # type: ignore[arg-type]
-        if window < 1:
-            raise ValueError(f"mqks option confirmWindow={window} must be >= 1")
-        prefix = get("msgIdPrefix", None)
+        options = lowered(options)
+        check_known(options, SINK_OPTIONS, "sink")
+        prefix = text_option(options, "msgIdPrefix")
         if prefix is not None:
             encode_token(prefix, "mqks option msgIdPrefix", dashes_ok=True)
         return cls(
-            host=get("host", "127.0.0.1"),  # type: ignore[arg-type]
-            port=int(get("port", "25000")),  # type: ignore[arg-type]
-            security=Security.parse(options, os.environ),
-            confirm_window=window,
+            host=host_option(options),
+            port=port_option(options),
+            security=security_option(options),
+            confirm_window=int_option(options, "confirmWindow", 1000, 1, 1_000_000),
+            confirm_window_bytes=int_option(options, "confirmWindowBytes", 8 << 20, 1024, 1 << 34),
             msg_id_prefix=prefix,
         )
 
@@ -126,13 +127,15 @@ class _Publisher:
 
         context = TaskContext.get()
         partition_id = context.partitionId() if context is not None else 0
-        if self.options.msg_id_prefix is not None:
-            return self.options.msg_id_prefix, partition_id
+        given = self.options.msg_id_prefix
         if context is not None:
             query_id = context.getLocalProperty("sql.streaming.queryId")
             batch_id = context.getLocalProperty("streaming.sql.batchId")
             if query_id and batch_id is not None:
-                return f"{query_id[:8]}.{batch_id}", partition_id
+                # a stream: the batch id is always in the id, or every batch would repeat the same ids
+                return f"{given if given is not None else query_id[:8]}.{batch_id}", partition_id
+        if given is not None:
+            return given, partition_id
         # df.write: the writer is built once on the driver, so retries of a task reuse this id
         return self.write_id, partition_id
 
@@ -145,9 +148,12 @@ class _Publisher:
         msg_id_at = names.index("msg_id") if "msg_id" in names else None
         prefix, partition_id = self._task_prefix()
         window = self.options.confirm_window
+        window_bytes = self.options.confirm_window_bytes
         client: LineClient | None = None
         lines: list[bytes] = []
         unconfirmed = 0
+        sizes: deque[int] = deque()  # the unconfirmed publishes' sizes, oldest first
+        unconfirmed_bytes = 0
         count = 0
         first_msg_id = last_msg_id = None
         try:
@@ -158,19 +164,31 @@ class _Publisher:
                 rid = encode_token(msg_id, "mqks sink msg_id", dashes_ok=True)
                 event = encode_token(row[event_at], "mqks sink event", dashes_ok=True)
                 data = encode_data(row[data_at]) if data_at is not None else b""
-                lines.append(b"%s publish --confirm %s %s" % (rid, event, data))
+                line = b"%s publish --confirm %s %s" % (rid, event, data)
+                lines.append(line)
                 if first_msg_id is None:
                     first_msg_id = msg_id
                 last_msg_id = msg_id
                 count += 1
                 unconfirmed += 1
-                if len(lines) >= SEND_EVERY_ROWS or unconfirmed >= window:
+                sizes.append(len(line))
+                unconfirmed_bytes += len(line)
+                full = unconfirmed >= window or unconfirmed_bytes >= window_bytes
+                if len(lines) >= SEND_EVERY_ROWS or full:
                     if client is None:
                         client = LineClient(self.options.host, self.options.port, security=self.options.security)
                     client.send(lines)
                     lines = []
-                    if unconfirmed >= window:
-                        unconfirmed -= _read_confirms(client, unconfirmed - window // 2)
+                    if full:
+                        # wait until half the window (by count and by bytes) is confirmed
+                        wait = 0
+                        while unconfirmed - wait > window // 2 or unconfirmed_bytes > window_bytes // 2:
+                            unconfirmed_bytes -= sizes.popleft()
+                            wait += 1
+                        confirmed = _read_confirms(client, wait)  # may read a few more than asked
+                        unconfirmed -= confirmed
+                        for _ in range(confirmed - wait):
+                            unconfirmed_bytes -= sizes.popleft()
             if lines or unconfirmed:
                 if client is None:
                     client = LineClient(self.options.host, self.options.port, security=self.options.security)

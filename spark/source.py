@@ -1,386 +1,571 @@
-"""The `mqks` streaming source: a driver-side manual-ack consumer that acks on Spark's commit.
+"""The `mqks` streaming source: executors fetch under leases, the driver only plans and acks.
 
-Flow: latestOffset() reads deliveries off one blocking socket into a buffer and numbers them
-(`seq`); partitions() ships the rows of (start, end] inside the partitions, so executors never
-touch the network; commit(end) acks every row up to `end` with batch ack lines and waits for the
-confirm. Invariants (at-least-once):
-- a message is acked only after Spark committed the batch that held it;
-- offsets carry a session id: a commit or a batch re-run from another session (an earlier run,
-  or before a reconnect) acks nothing and yields no rows; those messages come back by redelivery;
+Flow: latestOffset() asks the broker how deep the queues are and plans the next batch as
+parts (queue, rows, bytes), carried inside the offset; partitions() turns the parts into
+InputPartitions named by lease `spark.{session}.{batch}.{part}`; read() runs on executors and
+fetches its part from the broker under that lease; commit(end) settles the batch's leases
+with `--ack` from the driver. Invariants (at-least-once):
+- a message is acked only after Spark committed the batch that read it (commit runs after
+  the sink's commit and the commit log's entry);
+- a lease acks what its last fetch delivered: a retried task, a re-run batch after a driver
+  crash (same offsets, same lease ids) or a recomputed partition re-fetches, which releases
+  what the lease held first; a lease never settled (a dead executor, a dead driver) expires
+  after leaseSeconds and its messages come back with retry+1;
 - nothing connects in __init__: the constructor also runs in Spark's planner process.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
-from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
 from pyspark.sql.types import StructType
 
-from mqks.client.wire import answer_error, consume_line, encode_token, is_update, split_answer, split_header_fields
-from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, Security
+from mqks.client.wire import encode_token, split_answer, split_header_fields
+from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError
+from mqks.spark.options import (
+    Endpoint,
+    check_known,
+    float_option,
+    host_option,
+    int_option,
+    lowered,
+    port_option,
+    security_option,
+    text_option,
+)
 
 log = logging.getLogger("mqks.spark")
 
-SOURCE_SCHEMA = "msg_id STRING, event STRING, data STRING, retry INT, queue STRING, received_at TIMESTAMP"
-POLL_SECONDS = 0.05  # the longest latestOffset() waits for a first delivery: keeps an idle query cheap
-ACK_TIMEOUT_SECONDS = 60.0
-ACK_LINE_BYTES = 60_000  # far below the server's default --max-line-bytes (1 MiB)
-CONNECT_ATTEMPTS = 5
-ARROW_BATCH_ROWS = 10_000
-
-
-def _option(options: Mapping[str, str], name: str, default: str | None = None) -> str | None:
-    value = options.get(name)
-    return default if value is None or value == "" else str(value)
-
-
-def _int_option(options: Mapping[str, str], name: str, default: int, minimum: int) -> int:
-    raw = _option(options, name, str(default))
-    try:
-        value = int(raw)  # type: ignore[arg-type]
-    except ValueError:
-        raise ValueError(f"mqks option {name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"mqks option {name}={value} must be >= {minimum}")
-    return value
+SOURCE_SCHEMA = ("msg_id STRING, event STRING, data STRING, retry INT, queue STRING, received_at TIMESTAMP, "
+                 "seq BIGINT")
+SOURCE_FIELDS = [("msg_id", "string"), ("event", "string"), ("data", "string"), ("retry", "int"),
+                 ("queue", "string"), ("received_at", "timestamp"), ("seq", "bigint")]
+SOURCE_OPTIONS = ("host", "port", "tls", "tlsCa", "token", "queue", "queues", "events", "maxRecordsPerBatch",
+                  "maxBytesPerBatch", "numPartitions", "leaseSeconds", "idleAckSeconds", "reconnectSeconds")
+ANSWER_TIMEOUT_SECONDS = 60.0
+FETCH_ROWS = 20_000  # one fetch answer: bounded well below the broker's limit on unread output
+FETCH_BYTES = 8 << 20
+NO_BYTE_LIMIT = 0
 
 
 @dataclass(frozen=True, slots=True)
 class SourceOptions:
     """The reader's options, checked once on the driver."""
 
-    host: str
-    port: int
-    security: Security  # tls, tlsCa, token
-    queue: str
+    endpoint: Endpoint
+    queues: tuple[str, ...]  # names and masks (`orders.*`) of queues to read
     events: tuple[str, ...]
     max_records_per_batch: int
-    prefetch: int
+    max_bytes_per_batch: int
     num_partitions: int
+    lease_seconds: float
     idle_ack_seconds: float
+
+    @property
+    def host(self) -> str:
+        return self.endpoint.host
+
+    @property
+    def port(self) -> int:
+        return self.endpoint.port
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
-        queue = _option(options, "queue")
-        if queue is None:
-            raise ValueError("mqks source needs option queue=<name>")
-        encode_token(queue, "mqks option queue", dashes_ok=True)
-        events = tuple((_option(options, "events", "") or "").replace(",", " ").split())
-        max_records = _int_option(options, "maxRecordsPerBatch", 10_000, 1)
-        prefetch = _int_option(options, "prefetch", 2 * max_records, 1)
-        if prefetch <= max_records:
-            # batch N+1 must be able to form while batch N is still un-acked (commits are lazy)
-            raise ValueError(f"mqks option prefetch={prefetch} must exceed maxRecordsPerBatch={max_records}")
-        idle = _option(options, "idleAckSeconds", "5")
-        try:
-            idle_seconds = float(idle)  # type: ignore[arg-type]
-        except ValueError:
-            raise ValueError(f"mqks option idleAckSeconds={idle!r} is not a number") from None
+        options = lowered(options)
+        check_known(options, SOURCE_OPTIONS, "source")
+        queue = text_option(options, "queue")
+        queues_text = text_option(options, "queues")
+        if (queue is None) == (queues_text is None):
+            raise ValueError("mqks source needs exactly one of the options queue=<name> or "
+                             "queues=<names or masks, separated by commas or spaces>")
+        queues = (queue,) if queue is not None else tuple(queues_text.replace(",", " ").split())  # type: ignore[union-attr]
+        for name in queues:
+            encode_token(name, "mqks option queue(s)")
+        events = tuple((text_option(options, "events", "") or "").replace(",", " ").split())
+        for event in events:
+            encode_token(event, "mqks option events")
+        if events and (len(queues) != 1 or "*" in queues[0]):
+            raise ValueError("mqks option events binds one queue: use it with queue=<name>, not with several "
+                             "queues or a mask")
+        idle = float_option(options, "idleAckSeconds", 5.0, 0.0, 3600.0)
+        lease = float_option(options, "leaseSeconds", 300.0, 1.0, 86_400.0)
+        if lease <= idle:
+            raise ValueError(f"mqks option leaseSeconds={lease:g} must exceed idleAckSeconds={idle:g}: a batch "
+                             "stays leased until the next batch (or the idle tick) acks it")
         return cls(
-            host=_option(options, "host", "127.0.0.1"),  # type: ignore[arg-type]
-            port=_int_option(options, "port", 25000, 1),
-            security=Security.parse(options, os.environ),
-            queue=queue,
+            endpoint=Endpoint(host_option(options), port_option(options),
+                              float_option(options, "reconnectSeconds", 60.0, 0.0, 86_400.0), security_option(options)),
+            queues=queues,
             events=events,
-            max_records_per_batch=max_records,
-            prefetch=prefetch,
-            num_partitions=_int_option(options, "numPartitions", 2, 1),
-            idle_ack_seconds=max(0.0, idle_seconds),
+            max_records_per_batch=int_option(options, "maxRecordsPerBatch", 50_000, 1, 100_000_000),
+            max_bytes_per_batch=int_option(options, "maxBytesPerBatch", 64 << 20, 1024, 1 << 40),
+            num_partitions=int_option(options, "numPartitions", 2, 1, 10_000),
+            lease_seconds=lease,
+            idle_ack_seconds=idle,
         )
 
 
-class MqksPartition(InputPartition):
-    """The rows of one slice of a micro-batch; executors only decode them."""
+def source_struct() -> StructType:
+    """SOURCE_SCHEMA as a StructType, built without a Spark session."""
+    from pyspark.sql.types import (
+        IntegerType,
+        LongType,
+        StringType,
+        StructField,
+        TimestampType,
+    )
 
-    def __init__(self, queue: str, msg_ids: list[bytes], bodies: list[bytes], received_at_us: list[int]) -> None:
+    types = {"string": StringType(), "int": IntegerType(), "bigint": LongType(), "timestamp": TimestampType()}
+    return StructType([StructField(name, types[kind]) for name, kind in SOURCE_FIELDS])
+
+
+def check_schema(schema: StructType) -> None:
+    """The source's columns are fixed: a user schema that differs is refused before the query starts."""
+    given = [(field.name, field.dataType.simpleString()) for field in schema.fields]
+    if given != SOURCE_FIELDS:
+        raise ValueError(f"mqks source: the schema is fixed ({SOURCE_SCHEMA}); do not call .schema() on the "
+                         f"reader (got {schema.simpleString()}). Select or cast columns after load() instead")
+
+
+class MqksPartition(InputPartition):
+    """One part of a batch: fetch up to `rows` messages (and `max_bytes`) of `queue` under `lease_id`."""
+
+    def __init__(self, queue: str, lease_id: str, rows: int, max_bytes: int) -> None:
         super().__init__(None)
         self.queue = queue
-        self.msg_ids = msg_ids
-        self.bodies = bodies  # b"event={event}[,retry={n}] {data}" as delivered
-        self.received_at_us = received_at_us
+        self.lease_id = lease_id
+        self.rows = rows
+        self.max_bytes = max_bytes  # 0: no byte limit (Trigger.Once reads all)
 
     def __repr__(self) -> str:
-        return f"MqksPartition(queue={self.queue!r}, rows={len(self.msg_ids)})"
+        return f"MqksPartition({self.queue!r}, {self.lease_id!r}, rows={self.rows}, max_bytes={self.max_bytes})"
 
 
-def _strings(values: list[bytes]):
-    """A pyarrow string array from UTF-8 bytes; invalid bytes become U+FFFD instead of failing the task."""
-    import pyarrow as pa
-
-    try:
-        return pa.array(values, type=pa.string())
-    except (pa.ArrowInvalid, UnicodeDecodeError):
-        return pa.array([v.decode("utf-8", "replace") for v in values], type=pa.string())
+def lease_ids(offset: Mapping) -> list[str]:
+    """The lease of every part of the batch that ends at `offset`."""
+    return [f"spark.{offset['session']}.{offset['batch']}.{i}" for i in range(len(offset.get("parts") or ()))]
 
 
-def parse_body(body: bytes) -> tuple[bytes, int, bytes]:
-    """`event={event}[,retry={n}] {data}` -> (event, retry, data), read as the Python client reads it."""
-    head, _, data = body.partition(b" ")
-    event, fields = split_header_fields(head[6:] if head.startswith(b"event=") else head)
-    return event, fields.get(b"retry", 0), data
+def plan_parts(depths: dict[str, int], rows: int, max_bytes: int, partitions: int) -> list[list]:
+    """Split `rows` over the queues by depth, and each queue's share over partitions: [[queue, rows, bytes]]."""
+    waiting = {queue: depth for queue, depth in sorted(depths.items()) if depth > 0}
+    total = sum(waiting.values())
+    rows = min(rows, total)
+    parts: list[list] = []
+    if rows <= 0:
+        return parts
+    for queue, depth in waiting.items():
+        share = max(1, rows * depth // total)
+        count = max(1, min(share, round(partitions * share / rows)))
+        step, extra = divmod(share, count)
+        for i in range(count):
+            part_rows = step + (1 if i < extra else 0)
+            part_bytes = max(1, max_bytes * part_rows // rows) if max_bytes else NO_BYTE_LIMIT
+            parts.append([queue, part_rows, part_bytes])
+    return parts
 
 
-class MqksStreamReader(DataSourceStreamReader):
-    """Consumes `queue` with --manual-ack --prefetch on the driver; acks a batch once Spark commits it."""
+class Control:
+    """The driver's one connection: queue depths, bindings and settles; reconnects for `reconnect_seconds`."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.client: LineClient | None = None
+        self.counter = 0
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def call(self, requests: list[tuple[str, str]]) -> dict[bytes, list[bytes]]:
+        """Send `(action, args)` requests pipelined; their answers' data by rid. Retries whole on a lost link.
+
+        Every request the source makes is idempotent (queues, rebind --add, settle by lease id:
+        a repeated settle finds the lease gone and answers 0), so resending after a reconnect is safe.
+        """
+        endpoint = self.endpoint
+        deadline = time.monotonic() + endpoint.reconnect_seconds
+        delay = 0.1
+        while True:
+            try:
+                if self.client is None:
+                    self.client = LineClient(endpoint.host, endpoint.port, security=endpoint.security)
+                return self._exchange(requests)
+            except (OSError, MqksConnectionError) as e:
+                self.close()
+                if time.monotonic() + delay > deadline:
+                    raise MqksConnectionError(
+                        f"mqks source: broker {endpoint.host}:{endpoint.port} unreachable for "
+                        f"{endpoint.reconnect_seconds:g}s (reconnectSeconds): {e}") from e
+                log.warning("mqks source: %s; retrying in %.1fs", e, delay)
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+
+    def _exchange(self, requests: list[tuple[str, str]]) -> dict[bytes, list[bytes]]:
+        assert self.client is not None
+        lines: list[bytes] = []
+        waiting: dict[bytes, str] = {}
+        for action, args in requests:
+            self.counter += 1
+            rid = b"src.%d" % self.counter
+            lines.append(b"%b %b %b" % (rid, action.encode(), args.encode()))
+            waiting[rid] = action
+        self.client.send(lines)
+        answers: dict[bytes, list[bytes]] = {rid: [] for rid in waiting}
+        deadline = time.monotonic() + ANSWER_TIMEOUT_SECONDS
+        while waiting:
+            got = self.client.read_lines(1.0)
+            if not got and time.monotonic() > deadline:
+                raise MqksConnectionError(f"mqks source: no answer within {ANSWER_TIMEOUT_SECONDS:g}s")
+            for line in got:
+                rid, status, data = split_answer(line)
+                if rid not in waiting:
+                    continue
+                action = waiting[rid]
+                if status == b"error":
+                    raise MqksError(f"mqks source: broker refused {action}: {data.decode(errors='replace')}")
+                if action == "queues" and data != b"--end":
+                    answers[rid].append(data)
+                    continue
+                answers[rid].append(data)
+                del waiting[rid]
+        return answers
+
+    def depths(self, queues: tuple[str, ...]) -> dict[str, int]:
+        """Messages waiting in each queue named or matched by a mask (absent queues: none)."""
+        answers = self.call([("queues", name) for name in queues])
+        depths: dict[str, int] = {}
+        for rows in answers.values():
+            for row in rows[:-1]:
+                found = json.loads(row)
+                depths[found["queue"]] = int(found["depth"])
+        return depths
+
+    def settle(self, leases: list[str]) -> int:
+        """Ack what the leases hold now; returns how many messages that was."""
+        if not leases:
+            return 0
+        chunks = [" ".join(leases[i : i + 500]) + " --ack" for i in range(0, len(leases), 500)]
+        return sum(int(answer[0] or 0) for answer in self.call([("settle", chunk) for chunk in chunks]).values())
+
+
+class MqksStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Plans batches of `queues` on the driver; executors fetch them under leases; commit acks them."""
 
     def __init__(self, options: SourceOptions, schema: StructType) -> None:
         # no socket here: Spark also builds this object in its planner process
         self.options = options
         self.schema = schema
-        self.client: LineClient | None = None
+        self.control: Control | None = None
         self.session = ""
-        self.consumer_id = b""
-        self.delivery_prefix = b""
-        self.consume_confirmed = False
-        self.ack_rid_counter = 0
-        self.ack_rids_waiting: set[bytes] = set()
-        self._reset_buffer()
-
-    def _reset_buffer(self) -> None:
-        self.acked_seq = 0  # every seq <= acked_seq was acked (or belongs to a dead connection)
-        self.received_seq = 0  # msg_ids[i] holds seq acked_seq + 1 + i
-        self.msg_ids: list[bytes] = []
-        self.bodies: list[bytes] = []
-        self.received_at_us: list[int] = []
-        self.last_planned_at = time.monotonic()  # when the last batch with rows was handed to Spark
+        self.batch = 0
+        self.tick = 0
+        self.unsettled: dict[int, list[str]] = {}  # own batches planned and not yet committed: their leases
+        self.last_planned_at = time.monotonic()
+        self.budget: int | None = None  # Trigger.AvailableNow: messages left of what was there at the start
 
     def __getstate__(self) -> dict:
-        # the planner pickles this reader for read(); never ship a socket or a buffer
+        # the planner pickles this reader for read(): options and schema only, never a socket
         return {"options": self.options, "schema": self.schema}
 
     def __setstate__(self, state: dict) -> None:
         MqksStreamReader.__init__(self, state["options"], state["schema"])
 
+    def _control(self) -> Control:
+        if self.control is None:
+            self.session = uuid.uuid4().hex[:16]
+            self.control = Control(self.options.endpoint)
+            options = self.options
+            binds = [("rebind", f"--confirm {name}" + (" --add " + " ".join(options.events) if options.events else ""))
+                     for name in options.queues if "*" not in name]
+            if binds:
+                self.control.call(binds)  # creates the queues: messages routed from now on wait for the query
+            log.info("mqks source: session %s reads %s", self.session, " ".join(options.queues))
+        return self.control
+
     def initialOffset(self) -> dict:
-        return {"session": "", "seq": 0, "tick": 0}
+        return {"session": "", "batch": 0, "tick": 0, "parts": []}
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.options.max_records_per_batch)
 
+    def prepareForTriggerAvailableNow(self) -> None:
+        """Trigger.AvailableNow: read what waits now, then stop (the last batch acked by a final empty one)."""
+        self.budget = sum(self._control().depths(self.options.queues).values())
+        log.info("mqks source: Trigger.AvailableNow reads the %d messages waiting now", self.budget)
+
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
-        """The end of the next batch: new deliveries up to the limit, or a tick to flush idle acks."""
-        self._ensure_connected()
-        cap = limit.max_rows if isinstance(limit, ReadMaxRows) else self.options.prefetch
-        self._pump(int(start.get("seq", 0)) if start.get("session") == self.session else 0, cap)
-        own = start.get("session") == self.session  # after _pump: a reconnect starts a new session
-        base = int(start.get("seq", 0)) if own else 0
-        tick = int(start.get("tick", 0)) if own else 0
-        end = min(self.received_seq, base + cap)
+        """The next batch's plan, a tick that lets Spark commit the previous batch, or `start` (nothing new)."""
+        control = self._control()
+        options = self.options
+        rows = options.max_records_per_batch
+        max_bytes = options.max_bytes_per_batch
+        if isinstance(limit, ReadMaxRows):
+            rows = limit.max_rows
+        elif isinstance(limit, ReadMaxBytes):
+            max_bytes = limit.max_bytes
+        elif isinstance(limit, ReadAllAvailable):
+            rows, max_bytes = 1 << 62, NO_BYTE_LIMIT  # Trigger.Once: one batch of everything
+        if self.budget is not None:
+            rows = min(rows, self.budget)
+        depths = control.depths(options.queues) if rows > 0 else {}
+        parts = plan_parts(depths, rows, max_bytes, options.num_partitions)
         now = time.monotonic()
-        if end > base:
+        if parts:
+            self.batch += 1
+            end = {"session": self.session, "batch": self.batch, "tick": self.tick, "parts": parts}
+            self.unsettled[self.batch] = lease_ids(end)
+            if self.budget is not None:
+                self.budget -= sum(part[1] for part in parts)
             self.last_planned_at = now
-            return {"session": self.session, "seq": end, "tick": tick}
-        if own and self.acked_seq < base and now - self.last_planned_at >= self.options.idle_ack_seconds:
-            # An empty batch makes Spark commit the previous one: the last batch before a quiet
-            # period gets acked too (Spark commits a source only while planning the next batch).
+            return end
+        own = start.get("session") == self.session
+        foreign_batch = not own and bool(start.get("parts"))
+        idle = now - self.last_planned_at >= options.idle_ack_seconds or self.budget is not None
+        if foreign_batch or (own and self.unsettled and idle):
+            # An empty batch makes Spark commit the one before it: the last batch before a quiet
+            # period, the end of an AvailableNow run, or the last batch of a previous run is acked now
+            # (Spark commits a source only while it plans the next batch).
+            self.tick += 1
             self.last_planned_at = now
-            return {"session": self.session, "seq": base, "tick": tick + 1}
+            return {"session": self.session, "batch": self.batch, "tick": self.tick, "parts": []}
         return start
 
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
-        """The rows of (start, end] split into numPartitions; none for another session's batch."""
-        if end.get("session") != self.session or self.client is None:
-            # a batch planned by an earlier run or connection: the broker has redelivered its rows
-            log.info("mqks: batch %s..%s is from another session; its messages come back by redelivery", start, end)
-            return []
-        first = int(start.get("seq", 0)) if start.get("session") == self.session else 0
-        last = int(end["seq"])
-        if first < self.acked_seq:
-            log.warning("mqks: rows %d..%d were acked already; planning from %d", first, self.acked_seq, self.acked_seq)
-            first = self.acked_seq
-        lo, hi = first - self.acked_seq, last - self.acked_seq
-        count = hi - lo
-        if count <= 0:
-            return []
-        parts = min(self.options.num_partitions, count)
-        step, extra = divmod(count, parts)
-        partitions: list[InputPartition] = []
-        i = lo
-        for p in range(parts):
-            j = i + step + (1 if p < extra else 0)
-            partitions.append(
-                MqksPartition(self.options.queue, self.msg_ids[i:j], self.bodies[i:j], self.received_at_us[i:j])
-            )
-            i = j
-        return partitions
+        """The parts of the batch that ends at `end`, each under its lease (a re-run gets the same leases)."""
+        return [MqksPartition(queue, lease, rows, max_bytes)
+                for (queue, rows, max_bytes), lease in zip(end.get("parts") or (), lease_ids(end), strict=True)]
 
     def read(self, partition: InputPartition) -> Iterator:
-        """Runs on executors: decode the shipped rows into Arrow batches; no network."""
-        import pyarrow as pa
-        from pyspark.sql.pandas.types import to_arrow_schema
-
+        """Runs on executors: fetch the part under its lease, yield Arrow record batches."""
         assert isinstance(partition, MqksPartition)
-        arrow_schema = to_arrow_schema(self.schema, timezone="UTC")
-        names = self.schema.fieldNames()
-        total = len(partition.msg_ids)
-        for lo in range(0, total, ARROW_BATCH_ROWS):
-            hi = min(total, lo + ARROW_BATCH_ROWS)
-            events, retries, data = [], [], []
-            for body in partition.bodies[lo:hi]:
-                event, retry, payload = parse_body(body)
-                events.append(event)
-                retries.append(retry)
-                data.append(payload)
-            columns = {
-                "msg_id": _strings(partition.msg_ids[lo:hi]),
-                "event": _strings(events),
-                "data": _strings(data),
-                "retry": pa.array(retries, type=pa.int32()),
-                "queue": pa.array([partition.queue] * (hi - lo), type=pa.string()),
-                "received_at": pa.array(partition.received_at_us[lo:hi], type=pa.timestamp("us", tz="UTC")),
-            }
-            yield pa.RecordBatch.from_arrays([columns[name] for name in names], schema=arrow_schema)
+        yield from fetch_part(self.options, self.schema, partition)
 
     def commit(self, end: dict) -> None:
-        """Ack every row up to `end` (batch ack lines, confirmed); ignore another session's offsets."""
-        if end.get("session") != self.session or self.client is None:
-            log.info("mqks: commit %s is from another session; nothing to ack", end)
-            return
-        upto = min(int(end["seq"]), self.received_seq)
-        count = upto - self.acked_seq
-        if count <= 0:
-            return
-        ids = self.msg_ids[:count]
-        try:
-            self._ack(ids)
-        except MqksConnectionError as e:
-            # the connection died: the server has requeued these rows; a new session starts next batch
-            log.warning("mqks: could not ack %d messages (%s); they will be redelivered", count, e)
-            return
-        del self.msg_ids[:count], self.bodies[:count], self.received_at_us[:count]
-        self.acked_seq = upto
+        """Ack the leases of every batch up to `end`: this run's, or the one batch an earlier run left."""
+        if end.get("session") == self.session:
+            leases = []
+            for batch in sorted(self.unsettled):
+                if batch <= int(end.get("batch", 0)):
+                    leases += self.unsettled.pop(batch)
+        else:
+            leases = lease_ids(end)  # a batch of an earlier run: its leases ack what its last fetch took
+        if leases:
+            acked = self._control().settle(leases)
+            log.info("mqks source: batch %s committed, %d messages acked", end.get("batch"), acked)
 
     def stop(self) -> None:
-        """Best effort: Spark usually kills this process instead; the broker requeues on disconnect."""
-        self._drop_client()
+        """Best effort: Spark usually kills this process instead; leases outlive the connection anyway."""
+        if self.control is not None:
+            self.control.close()
 
-    def _ensure_connected(self) -> None:
-        if self.client is not None:
-            return
-        last_error: Exception | None = None
-        for attempt in range(CONNECT_ATTEMPTS):
+
+_CLIENTS: dict[tuple[str, int], LineClient] = {}  # one connection per executor Python worker, reused by tasks
+
+
+def _client(endpoint: Endpoint, fresh: bool) -> LineClient:
+    key = (endpoint.host, endpoint.port)
+    client = _CLIENTS.get(key)
+    if client is not None and (fresh or client.closed):
+        client.close()
+        client = None
+    if client is None:
+        deadline = time.monotonic() + endpoint.reconnect_seconds
+        delay = 0.1
+        while True:
             try:
-                self._connect()
-                return
-            except (OSError, MqksConnectionError) as e:
-                last_error = e
-                self._drop_client()
-                time.sleep(min(2.0, 0.2 * 2**attempt))
-            except MqksError:
-                self._drop_client()  # the broker refused the consume: no point retrying
-                raise
-        raise MqksConnectionError(
-            f"mqks source cannot consume {self.options.queue} at {self.options.host}:{self.options.port}: {last_error}"
-        )
+                client = _CLIENTS[key] = LineClient(endpoint.host, endpoint.port, security=endpoint.security)
+                break
+            except OSError as e:
+                if time.monotonic() + delay > deadline:
+                    raise MqksConnectionError(f"mqks source: cannot reach {endpoint.host}:{endpoint.port} for "
+                                              f"{endpoint.reconnect_seconds:g}s (reconnectSeconds): {e}") from e
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+    return client
 
-    def _connect(self) -> None:
-        """A new connection is a new session: a fresh consumer and an empty buffer."""
-        options = self.options
-        self._reset_buffer()
-        self.session = uuid.uuid4().hex
-        self.consumer_id = f"spark.{self.session[:12]}".encode()
-        self.delivery_prefix = self.consumer_id + b" ok "
-        self.consume_confirmed = False
-        self.ack_rids_waiting.clear()
-        self.client = LineClient(options.host, options.port, security=options.security)
-        events = [event.encode() for event in options.events]
-        # --add keeps the queue's other bindings; never --delete-queue-when-unused: a Spark restart
-        # would lose the queue
-        line = consume_line(self.consumer_id, options.queue.encode(), events, add=True, confirm=True, manual_ack=True,
-                            delete_queue_when_unused=None, prefetch=options.prefetch)
-        self.client.send([line])
-        deadline = time.monotonic() + ACK_TIMEOUT_SECONDS
-        while not self.consume_confirmed:
+
+def _fetch(client: LineClient, rid: bytes, line: bytes) -> tuple[list[bytes], int]:
+    """Send one fetch and read its answer: (message lines without the rid, their bytes)."""
+    client.send([line])
+    return _answer(client, rid)
+
+
+def _answer(client: LineClient, rid: bytes) -> tuple[list[bytes], int]:
+    """Read the answer to the fetch `rid`: its message lines as sent (`{rid} ok ...`) and their bytes.
+
+    An answer comes in one piece, so when a read starts and ends with this rid's lines every line
+    between is one of them: no per-line Python work but at the edges.
+    """
+    mine = rid + b" ok "
+    end = mine + b"--end "
+    lines: list[bytes] = []
+    deadline = time.monotonic() + ANSWER_TIMEOUT_SECONDS
+    while True:
+        got = client.read_lines(1.0)
+        if not got:
             if time.monotonic() > deadline:
-                raise MqksConnectionError(f"mqks: no confirm for consume on {options.queue}")
-            self._handle(self.client.read_lines(1.0))
-        log.info("mqks: session %s consumes %s (prefetch %d)", self.session, options.queue, options.prefetch)
-
-    def _drop_client(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-
-    def _pump(self, base: int, cap: int) -> None:
-        """Read deliveries: wait a little only if nothing new is buffered; stop once `cap` is reached."""
-        assert self.client is not None
-        wait = 0.0 if self.received_seq > base else POLL_SECONDS
-        try:
-            lines = self.client.read_lines(wait)
-            while lines:
-                self._handle(lines)
-                if self.received_seq - base >= cap:
-                    return
-                lines = self.client.read_lines(0.0)
-        except MqksConnectionError as e:
-            # rows already handed to Spark stay in partitions; the broker requeues the rest
-            log.warning("mqks: connection lost (%s); reconnecting with a new session", e)
-            self._drop_client()
-            self._ensure_connected()
-
-    def _handle(self, lines: list[bytes]) -> None:
-        """Buffer deliveries, note confirms; raise on an error answer."""
-        prefix = self.delivery_prefix
-        cut = len(prefix)
-        now_us = int(time.time() * 1_000_000)
-        for line in lines:
-            if line.startswith(prefix):
-                rest = line[cut:]
-                if not rest:
-                    self.consume_confirmed = True
-                elif not is_update(rest):
-                    msg_id, _, body = rest.partition(b" ")
-                    self.msg_ids.append(msg_id)
-                    self.bodies.append(body)
-                    self.received_at_us.append(now_us)
-                    self.received_seq += 1
+                raise MqksConnectionError(f"mqks source: no fetch answer within {ANSWER_TIMEOUT_SECONDS:g}s")
+            continue
+        if not (got[0].startswith(mine) and got[-1].startswith(mine)):
+            got = _own_lines(got, rid, mine)  # lines of an earlier, abandoned fetch first, or a refusal
+            if not got:
                 continue
-            rid, status, data = split_answer(line)
-            if status == b"ok":
-                if rid in self.ack_rids_waiting:
-                    self.ack_rids_waiting.discard(rid)
-                elif rid == self.consumer_id:
-                    self.consume_confirmed = True
-                continue
-            if status == b"error":
-                raise answer_error(rid, data, f"mqks answered {rid.decode(errors='replace')}: ")
-            log.warning("mqks: unexpected line %r", line[:200])
+        last = got[-1]
+        if last.startswith(end) and b" " not in last[len(end) :]:
+            lines += got[:-1]
+            return lines, sum(map(len, lines))
+        lines += got
 
-    def _ack(self, msg_ids: list[bytes]) -> None:
-        """Pipeline `ack --confirm {cid} id...` lines and wait for every confirm."""
-        assert self.client is not None
-        head_bytes = len(self.consumer_id) + 32
-        lines: list[bytes] = []
-        chunk: list[bytes] = []
-        size = head_bytes
-        for msg_id in msg_ids:
-            if chunk and size + len(msg_id) + 1 > ACK_LINE_BYTES:
-                lines.append(self._ack_line(chunk))
-                chunk, size = [], head_bytes
-            chunk.append(msg_id)
-            size += len(msg_id) + 1
-        if chunk:
-            lines.append(self._ack_line(chunk))
+
+def _own_lines(got: list[bytes], rid: bytes, mine: bytes) -> list[bytes]:
+    """The lines of `got` that answer `rid`; raises on the broker's refusal."""
+    refused = rid + b" error "
+    own = []
+    for line in got:
+        if line.startswith(mine):
+            own.append(line)
+        elif line.startswith(refused):
+            raise MqksError(f"mqks source: broker refused fetch: {line[len(rid) + 1 :][:300].decode(errors='replace')}")
+    return own
+
+
+def fetch_part(options: SourceOptions, schema: StructType, partition: MqksPartition) -> Iterator:
+    """Fetch a part in chunks under one lease (the first fetch replaces, the next ones `--add`)."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    arrow_schema = to_arrow_schema(schema, timezone="UTC")
+    names = schema.fieldNames()
+    queue_name = encode_token(partition.queue, "queue")
+    lease = partition.lease_id.encode()
+    rid = b"rd." + lease
+    try:
+        yield from _fetch_chunks(options, partition, queue_name, lease, rid, names, arrow_schema, pa)
+    except GeneratorExit:
+        # Spark stopped reading this part early (a limit): what the lease holds may not all have
+        # been used, so give it all back rather than let the batch's commit ack it (duplicates, not loss)
         try:
-            self.client.send(lines)
-            deadline = time.monotonic() + ACK_TIMEOUT_SECONDS
-            while self.ack_rids_waiting:
-                if time.monotonic() > deadline:
-                    raise MqksConnectionError(f"mqks: no ack confirm within {ACK_TIMEOUT_SECONDS}s")
-                self._handle(self.client.read_lines(1.0))
-        except MqksConnectionError:
-            self._drop_client()
-            raise
+            _fetch_release(_client(options.endpoint, fresh=False), lease)
+        except (OSError, MqksError):
+            pass  # the lease expires instead
+        raise
 
-    def _ack_line(self, msg_ids: list[bytes]) -> bytes:
-        self.ack_rid_counter += 1
-        rid = b"ack.%d" % self.ack_rid_counter
-        self.ack_rids_waiting.add(rid)
-        return b"%s ack --confirm %s %s" % (rid, self.consumer_id, b" ".join(msg_ids))
+
+def _fetch_release(client: LineClient, lease: bytes) -> None:
+    client.send([b"rl.%b settle %b --release" % (lease, lease)])
+
+
+def _fetch_chunks(options: SourceOptions, partition: MqksPartition, queue_name: bytes, lease: bytes, rid: bytes,
+                  names: list[str], arrow_schema, pa) -> Iterator:
+    """Fetch until the part's rows or bytes are read, or the queue runs dry; one record batch per fetch.
+
+    The next fetch is sent before this one's lines are decoded, so the broker works while we do.
+    """
+    rows_left, bytes_left = partition.rows, partition.max_bytes
+
+    def fetch_line(add: bool) -> tuple[bytes, int, int]:
+        chunk_rows = min(rows_left, FETCH_ROWS)
+        chunk_bytes = min(bytes_left, FETCH_BYTES) if bytes_left else FETCH_BYTES
+        line = b"%b fetch %b --max=%d --max-bytes=%d --lease=%b --lease-seconds=%r%b" % (
+            rid, queue_name, chunk_rows, chunk_bytes, lease, options.lease_seconds, b" --add" if add else b"")
+        return line, chunk_rows, chunk_bytes
+
+    line, chunk_rows, chunk_bytes = fetch_line(add=False)
+    # nothing yielded yet: a dead cached connection is replaced and the fetch sent again
+    # (same lease, not --add: what a lost attempt took is released first)
+    try:
+        client = _client(options.endpoint, fresh=False)
+        lines, size = _fetch(client, rid, line)
+    except MqksConnectionError:
+        client = _client(options.endpoint, fresh=True)
+        lines, size = _fetch(client, rid, line)
+    while True:
+        rows_left -= len(lines)
+        if bytes_left:
+            bytes_left -= size
+        dry = len(lines) < chunk_rows and size < chunk_bytes // 2  # the byte limit did not stop it
+        more = rows_left > 0 and not dry and (not partition.max_bytes or bytes_left > 0)
+        if more:
+            line, chunk_rows, chunk_bytes = fetch_line(add=True)
+            client.send([line])
+        if lines:
+            yield to_record_batch(lines, partition.queue, names, arrow_schema, pa, skip_fields=2)
+        if not more:
+            return
+        lines, size = _answer(client, rid)
+
+
+def to_record_batch(lines: list[bytes], queue: str, names: list[str], arrow_schema, pa, skip_fields: int = 0):
+    """`{msg_id} event={event}[,retry=n],seq=s {data}` lines -> one Arrow record batch.
+
+    `skip_fields` space-separated fields before msg_id are dropped (`{rid} ok ` of a fetch answer).
+    Split in Arrow's compute kernels (measured: ~3.5x the rows/s of a Python loop); lines that are
+    not UTF-8 or do not have that shape take the Python path, which reads fields as the client does.
+    """
+    import pyarrow.compute as pc
+
+    count = len(lines)
+    try:
+        parts = pc.split_pattern(pa.array(lines, type=pa.string()), " ", max_splits=2 + skip_fields)
+        if pc.min(pc.list_value_length(parts)).as_py() != 3 + skip_fields:
+            raise ValueError("a line without its fields")
+        head = pc.split_pattern(pc.list_element(parts, 1 + skip_fields), ",seq=", max_splits=1, reverse=True)
+        meta_retry = pc.split_pattern(pc.list_element(head, 0), ",retry=", max_splits=1, reverse=True)
+        retry_text = pc.list_element(pc.list_slice(meta_retry, 1, 2, return_fixed_size_list=True), 0)
+        event = pc.list_element(meta_retry, 0)
+        if not pc.all(pc.starts_with(event, "event=")).as_py():
+            raise ValueError("a head without event=")
+        columns = {
+            "msg_id": pc.list_element(parts, skip_fields),
+            "event": pc.utf8_slice_codeunits(event, 6),
+            "data": pc.list_element(parts, 2 + skip_fields),
+            "retry": pc.fill_null(pc.cast(retry_text, pa.int32()), 0),
+            "seq": pc.cast(pc.list_element(pc.list_slice(head, 1, 2, return_fixed_size_list=True), 0), pa.int64()),
+        }
+        if columns["seq"].null_count:
+            raise ValueError("a head without seq")
+    except (pa.ArrowInvalid, ValueError, UnicodeDecodeError):
+        columns = _parse_lines([line.split(b" ", skip_fields)[-1] for line in lines] if skip_fields else lines, pa)
+    now_us = int(time.time() * 1_000_000)
+    columns["queue"] = pa.repeat(pa.scalar(queue, type=pa.string()), count)
+    columns["received_at"] = pa.repeat(pa.scalar(now_us, type=pa.timestamp("us", tz="UTC")), count)
+    return pa.RecordBatch.from_arrays([columns[name] for name in names], schema=arrow_schema)
+
+
+def _parse_lines(lines: list[bytes], pa) -> dict:
+    """The Python path of to_record_batch: fields read from the right, invalid UTF-8 replaced."""
+    msg_ids, events, retries, seqs, data = [], [], [], [], []
+    for line in lines:
+        msg_id, _, rest = line.partition(b" ")
+        head, _, payload = rest.partition(b" ")
+        event, fields = split_header_fields(head[6:] if head.startswith(b"event=") else head)
+        msg_ids.append(msg_id)
+        events.append(event)
+        retries.append(fields.get(b"retry", 0))
+        seqs.append(fields.get(b"seq"))
+        data.append(payload)
+    return {"msg_id": _strings(msg_ids, pa), "event": _strings(events, pa), "data": _strings(data, pa),
+            "retry": pa.array(retries, type=pa.int32()), "seq": pa.array(seqs, type=pa.int64())}
+
+
+def _strings(values: list[bytes], pa):
+    """A string array from UTF-8 bytes; invalid bytes become U+FFFD instead of failing the task."""
+    try:
+        return pa.array(values, type=pa.string())
+    except (pa.ArrowInvalid, UnicodeDecodeError):
+        return pa.array([v.decode("utf-8", "replace") for v in values], type=pa.string())

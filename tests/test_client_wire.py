@@ -80,13 +80,30 @@ def test_only_plain_publishes_are_resent_after_a_reconnect() -> None:
     assert not wire.is_fire_and_forget_publish(b"a1 ack c1 m1\n")
 
 
-def test_spark_source_reads_headers_with_the_clients_parser() -> None:
+def test_spark_source_reads_headers_as_the_clients_parser_does() -> None:
     pytest.importorskip("pyspark")
-    from mqks.spark.source import parse_body
+    pa = pytest.importorskip("pyarrow")
+    from pyspark.sql.pandas.types import to_arrow_schema
 
-    assert parse_body(b"event=x,retry=z hello") == (b"x,retry=z", 0, b"hello")
-    assert parse_body(b"event=y,retry=5,retry=1 hi") == (b"y,retry=5", 1, b"hi")
-    assert parse_body(b"event=e1,retry=2,seq=7 d e") == (b"e1", 2, b"d e")
+    from mqks.spark.source import source_struct, to_record_batch
+
+    schema = source_struct()
+    arrow_schema = to_arrow_schema(schema, timezone="UTC")
+    cases = [  # (fetch answer line, (event, retry, data)) as wire.split_header_fields reads the head
+        (b"m1 event=x,retry=z,seq=1 hello", ("x,retry=z", 0, "hello")),
+        (b"m2 event=y,retry=5,retry=1,seq=2 hi", ("y,retry=5", 1, "hi")),
+        (b"m3 event=e1,retry=2,seq=7 d e", ("e1", 2, "d e")),
+        (b"m4 event=a,b,seq=8 ", ("a,b", 0, "")),
+    ]
+    plain = b"m9 event=plain,seq=9 z"
+    for line, expected in cases:
+        head = line.split(b" ")[1][len(b"event="):]
+        event, fields = wire.split_header_fields(head)
+        assert (event.decode(), fields.get(b"retry", 0)) == expected[:2]
+        for lines in ([line], [line, plain]):  # odd lines go the Python way, with all the batch's lines
+            got = to_record_batch(lines, "q", schema.fieldNames(), arrow_schema, pa).to_pydict()
+            assert (got["event"][0], got["retry"][0], got["data"][0]) == expected
+            assert got["seq"][0] == int(line.split(b"seq=")[1].split(b" ")[0])
 
 
 def test_the_line_helpers_import_without_gevent() -> None:

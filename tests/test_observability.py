@@ -23,10 +23,11 @@ STATS_KEYS = {"version", "uptime_seconds", "workers", "published", "queued", "co
               "queues", "consumers", "messages_waiting", "messages_unacked", "clients", "events", "top_queues",
               "connections", "bytes_in", "bytes_out", "errors", "ack_timeouts", "touched", "dead_lettered", "dropped",
               "delayed", "requests", "requests_waiting", "replies", "replies_late", "request_timeouts", "schedules",
-              "schedule_firings", "memory_full"}
-SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked")
+              "schedule_firings", "memory_full", "leases", "messages_leased"}
+SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked",
+          "leases", "messages_leased")
 ACTION_NAMES = ("publish consume ack reject touch rebind delete_consumer delete_queue request reply schedule "
-                "unschedule schedules ping stats queues auth hello")
+                "unschedule schedules ping stats queues auth hello fetch settle")
 
 
 class CountingWire(Wire):
@@ -115,7 +116,8 @@ def test_stats_counts_known_traffic_over_every_worker(broker_per_worker_count):
     assert after["uptime_seconds"] >= before["uptime_seconds"] >= 0
     assert {key: after[key] - before[key] for key in (*SUMMED, "published", "events", "errors", "connections")} == {
         "published": 3, "queued": 9, "consumed": 7, "acked": 1, "rejected": 1, "queues": 3, "consumers": 2,
-        "messages_waiting": 3, "messages_unacked": 2, "events": 2, "errors": 1, "connections": 0}
+        "messages_waiting": 3, "messages_unacked": 2, "events": 2, "errors": 1, "connections": 0, "leases": 0,
+        "messages_leased": 0}
     assert after["clients"] == after["connections"] == 2
     assert [q2.decode(), 3] in after["top_queues"]
     # one add per read and per write: exactly the bytes that crossed the two connections

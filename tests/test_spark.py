@@ -11,13 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import eval_value, wait_for
+from helpers import eval_value, free_port, wait_for
 
 pytest.importorskip("pyspark", reason="pyspark is not installed: pip install -e '.[spark]'")
 pytest.importorskip("pyarrow", reason="pyarrow is not installed: pip install -e '.[spark]'")
@@ -44,10 +43,11 @@ def eventually(condition, what: str, timeout: float = WAIT_SECONDS):
 
 
 def queue_depths(broker, queue: str) -> tuple[int, int]:
-    """(messages waiting, messages un-acked) of one queue, read from the server's state."""
+    """(messages waiting, messages in flight: un-acked or leased) of one queue, read from the server's state."""
     return eval_value(
         broker,
-        "(lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)) if q else (0, 0))"
+        "(lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)"
+        " + sum(len(l.held) for l in state.leases.by_id.values() if l.queue is q)) if q else (0, 0))"
         f"(state.queues.get({queue.encode()!r}))",
     )
 
@@ -191,6 +191,7 @@ def test_stream_write_publishes_with_deterministic_ids(spark, broker, tmp_path):
             .option("host", broker.host)
             .option("port", str(broker.port))
             .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .option("msgIdPrefix", "pipe")
             .start()
         )
         try:
@@ -201,10 +202,11 @@ def test_stream_write_publishes_with_deterministic_ids(spark, broker, tmp_path):
         wire.close()
     assert sorted(data for _, _, data in got) == sorted(f"payload {i}".encode() for i in range(500))
     assert {head for _, head, _ in got} == {b"event=piped.pipe.in"}
-    query_prefix = query.id[:8].encode()
+    # {msgIdPrefix}.{batch}.{partition}.{row}: the batch id keeps the ids of different batches apart
     for msg_id, _, _ in got:
         prefix, batch, partition, row = msg_id.split(b".")
-        assert prefix == query_prefix and batch.isdigit() and partition.isdigit() and row.isdigit(), msg_id
+        assert prefix == b"pipe" and batch.isdigit() and partition.isdigit() and row.isdigit(), msg_id
+    assert len({msg_id for msg_id, _, _ in got}) == 500
 
 
 def test_batch_write_uses_the_msg_id_column_when_given(spark, broker):
@@ -244,14 +246,20 @@ def _spark_process(cmd: list[str], log: Path) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def _run_job(broker, queue: str, checkpoint: Path, out: Path, log: Path, block_batch: int | None) -> subprocess.Popen:
+CLUSTER = "local-cluster[2,1,1024]"  # two executor JVMs of one core each, as on a real cluster
+
+
+def _run_job(broker, queue: str, checkpoint: Path, out: Path, log: Path, block_batch: int | None = None,
+             stall_executor_batch: int | None = None) -> subprocess.Popen:
     cmd = [
         str(HERE / "spark_failure_job.py"),
-        "--port", str(broker.port), "--queue", queue,
+        "--port", str(broker.port), "--queue", queue, "--master", CLUSTER,
         "--checkpoint", str(checkpoint), "--out", str(out), "--max-records-per-batch", "100",
     ]
     if block_batch is not None:
         cmd += ["--block-batch", str(block_batch)]
+    if stall_executor_batch is not None:
+        cmd += ["--stall-executor-batch", str(stall_executor_batch)]
     return _spark_process(cmd, log)
 
 
@@ -272,7 +280,7 @@ def _recorded(out: Path) -> list[tuple[str, str, int]]:
 
 
 @pytest.mark.timeout(300)  # two Spark processes start one after the other
-def test_killed_query_restarts_from_checkpoint_without_loss(broker, tmp_path):
+def test_killed_driver_restarts_from_checkpoint_without_loss(broker, tmp_path):
     queue = "spark.crash"
     bind(broker, queue, "crash.e")
     ids = [f"k{i}" for i in range(1000)]
@@ -314,87 +322,299 @@ def test_killed_query_restarts_from_checkpoint_without_loss(broker, tmp_path):
     assert all(retry > 0 for name, m, retry in recorded if m in duplicates and f"-{second.pid}." in name)
 
 
+@pytest.mark.timeout(300)
+def test_killed_executor_delays_nothing_and_loses_nothing(broker, tmp_path):
+    queue = "spark.executor.kill"
+    bind(broker, queue, "executor.kill")
+    ids = [f"x{i}" for i in range(600)]
+    publish(broker, [(m, "executor.kill", "x") for m in ids])
+    checkpoint, out, log = tmp_path / "checkpoint", tmp_path / "out", tmp_path / "job.log"
+
+    job = _run_job(broker, queue, checkpoint, out, log, stall_executor_batch=2)
+    try:
+        eventually(lambda: (out / "stalled").exists() or job.poll() is not None, "a task to stall in its executor", 150)
+        assert job.poll() is None, log.read_text()[-3000:]
+        executor_pid, stalled_rows = map(int, wait_for(lambda: (out / "stalled").read_text().split() or None,
+                                                       "the stalled executor's pid"))
+        os.kill(executor_pid, signal.SIGKILL)  # the executor JVM with its Python workers' parent
+        # Spark retries the task on the other executor: the retry fetches under the same lease,
+        # which first gives back what the killed attempt held, so nothing waits for the lease to expire
+        eventually(lambda: {m for _, m, _ in _recorded(out)} >= set(ids) or job.poll() is not None,
+                   "every message to be processed after the executor died", 150)
+        assert job.poll() is None, log.read_text()[-3000:]
+        eventually(lambda: queue_depths(broker, queue) == (0, 0), "the queue to drain with nothing in flight")
+    finally:
+        _kill_group(job)
+    recorded = _recorded(out)
+    counts = Counter(m for _, m, _ in recorded)
+    redelivered = {m for _, m, retry in recorded if retry > 0}
+    print(f"executor kill: {len(ids)} messages, {len(recorded)} processed, "
+          f"{sum(c - 1 for c in counts.values())} duplicates, {len(redelivered)} came back with retry > 0 "
+          f"(the killed task held {stalled_rows})")
+    assert set(counts) == set(ids)
+    assert len(redelivered) == stalled_rows  # the killed attempt's messages, released by the retry's fetch
+    assert all(c == 1 for c in counts.values())  # the killed attempt's rows never reached the sink
+
+
 def _reader(broker, queue: str, **options: str):
     """The stream reader without Spark: the calls Spark's driver-side runner makes, made by hand."""
-    from mqks.spark.source import MqksStreamReader, SourceOptions
+    from mqks.spark.source import MqksStreamReader, SourceOptions, source_struct
 
     options = {"host": broker.host, "port": str(broker.port), "queue": queue, **options}
-    return MqksStreamReader(SourceOptions.parse(options), None)
+    return MqksStreamReader(SourceOptions.parse(options), source_struct())
 
 
-def test_reader_ignores_offsets_of_another_session(broker):
+def _read(reader, partitions) -> list[tuple[str, int]]:
+    """What executors would read: (msg_id, retry) of every row of every partition."""
+    rows = []
+    for partition in partitions:
+        for batch in reader.read(partition):
+            rows += zip(batch.column("msg_id").to_pylist(), batch.column("retry").to_pylist(), strict=True)
+    return rows
+
+
+def test_a_retried_read_acks_only_what_its_last_fetch_delivered(broker):
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    queue = "spark.retry"
+    bind(broker, queue, "retry.e")
+    publish(broker, [(f"r{i}", "retry.e", "x") for i in range(10)])
+    reader = _reader(broker, queue, numPartitions="1")
+    try:
+        start = reader.initialOffset()
+        end = reader.latestOffset(start, ReadMaxRows(6))
+        assert [part[1] for part in end["parts"]] == [6]
+        parts = reader.partitions(start, end)
+        first = _read(reader, parts)
+        assert first == [(f"r{i}", 0) for i in range(6)]
+        assert queue_depths(broker, queue) == (4, 6)
+        # a task retry (or a recomputed partition) reads again under the same lease: what the first
+        # attempt held comes back first, with retry 1, and only the second attempt's rows are acked
+        assert _read(reader, parts) == [(f"r{i}", 1) for i in range(6)]
+        assert queue_depths(broker, queue) == (4, 6)
+        reader.commit(end)
+        assert queue_depths(broker, queue) == (4, 0)
+        reader.commit(end)  # committing again acks nothing more
+        assert queue_depths(broker, queue) == (4, 0)
+    finally:
+        reader.stop()
+
+
+def test_a_part_read_in_several_fetches_holds_them_all_under_one_lease(broker, monkeypatch):
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    import mqks.spark.source
+
+    monkeypatch.setattr(mqks.spark.source, "FETCH_ROWS", 3)  # 10 rows: fetches of 3, 3, 3 and 1, pipelined
+    queue = "spark.chunks"
+    bind(broker, queue, "chunks.e")
+    publish(broker, [(f"k{i}", "chunks.e", "x y") for i in range(12)])
+    reader = _reader(broker, queue, numPartitions="1")
+    try:
+        start = reader.initialOffset()
+        end = reader.latestOffset(start, ReadMaxRows(10))
+        parts = reader.partitions(start, end)
+        assert _read(reader, parts) == [(f"k{i}", 0) for i in range(10)]
+        assert queue_depths(broker, queue) == (2, 10)
+        # a retry releases all four fetches' messages first (the first fetch is not --add)
+        assert _read(reader, parts) == [(f"k{i}", 1) for i in range(10)]
+        reader.commit(end)
+        assert queue_depths(broker, queue) == (2, 0)
+    finally:
+        reader.stop()
+
+
+def test_a_new_run_acks_the_batch_an_earlier_run_left_by_its_leases(broker):
     from pyspark.sql.streaming.datasource import ReadMaxRows
 
     queue = "spark.sessions"
     bind(broker, queue, "sessions.e")
     publish(broker, [(f"s{i}", "sessions.e", "x") for i in range(10)])
-    reader = _reader(broker, queue)
+    earlier = _reader(broker, queue)
+    start = earlier.initialOffset()
+    end = earlier.latestOffset(start, ReadMaxRows(10))
+    assert len(_read(earlier, earlier.partitions(start, end))) == 10
+    earlier.stop()  # the driver dies after the sink committed the batch, before the source's commit
+    later = _reader(broker, queue)
     try:
-        start = reader.initialOffset()
-        end = eventually(lambda: (lambda e: e if e != start else None)(reader.latestOffset(start, ReadMaxRows(10))),
-                       "10 deliveries")
-        assert end["seq"] == 10 and end["session"] == reader.session
-        earlier_run = {"session": "an-earlier-run", "seq": 10, "tick": 0}
-        # a batch re-run or a commit from an earlier run: no rows, no acks
-        assert reader.partitions({"session": "an-earlier-run", "seq": 4, "tick": 0}, earlier_run) == []
-        reader.commit(earlier_run)
+        # no new data, but the batch of the earlier run is un-acked: an empty batch lets Spark commit it
+        tick = later.latestOffset(end, ReadMaxRows(10))
+        assert tick != end and tick["parts"] == [] and later.partitions(end, tick) == []
         assert queue_depths(broker, queue) == (0, 10)
-        partitions = reader.partitions(start, end)
-        assert sum(len(p.msg_ids) for p in partitions) == 10
-        assert len(partitions) == 2  # numPartitions defaults to 2
-        reader.commit(end)
+        later.commit(end)
         assert queue_depths(broker, queue) == (0, 0)
+        assert later.latestOffset(tick, ReadMaxRows(10)) == tick  # nothing more to do
     finally:
-        reader.stop()
+        later.stop()
 
 
-def test_reader_starts_a_new_session_when_the_broker_restarts(make_broker):
+def test_a_durable_broker_restart_returns_leased_messages_and_loses_none(make_broker, tmp_path):
     from pyspark.sql.streaming.datasource import ReadMaxRows
 
-    server = make_broker("--eval")
+    server = make_broker("--eval", "--data-dir", str(tmp_path / "data"))
     queue = "spark.restart"
     bind(server, queue, "restart.e")
-    publish(server, [("r1", "restart.e", "x")])
-    reader = _reader(server, queue)
+    wire = server.wire()
+    try:
+        wire.send(*(b"d%d publish --confirm restart.e x" % i for i in range(20)))
+        for i in range(20):
+            wire.expect(b"d%d ok " % i)
+    finally:
+        wire.close()
+    reader = _reader(server, queue, reconnectSeconds="30")
     try:
         start = reader.initialOffset()
-        end = eventually(lambda: (lambda e: e if e != start else None)(reader.latestOffset(start, ReadMaxRows(10))),
-                       "a delivery")
+        end = reader.latestOffset(start, ReadMaxRows(20))
+        assert len(_read(reader, reader.partitions(start, end))) == 20
+        wire = server.wire()
+        try:  # a confirm waits for every record before it: the leases' records are on disk now
+            wire.send(b"sync publish --confirm sync.e x")
+            wire.expect(b"sync ok ")
+        finally:
+            wire.close()
         server.kill()
         server.restart()
-        bind(server, queue, "restart.e")
-        publish(server, [("r2", "restart.e", "y")])
-        # the batch planned before the restart now belongs to a dead session
-        after = eventually(lambda: (lambda e: e if e != end else None)(reader.latestOffset(end, ReadMaxRows(10))),
-                         "a delivery after the restart")
-        assert after["session"] != end["session"] and after["seq"] == 1
-        assert reader.partitions(start, end) == []
-        rows = [m for p in reader.partitions(end, after) for m in p.msg_ids]
-        assert rows == [b"r2"]
-        reader.commit(end)  # the dead session's commit acks nothing and does not fail
-        reader.commit(after)
+        reader.commit(end)  # reconnects; the leases died with the broker, so it acks nothing
+        assert queue_depths(server, queue) == (20, 0)
+        again = reader.latestOffset(end, ReadMaxRows(20))
+        rows = _read(reader, reader.partitions(end, again))
+        assert sorted(rows) == sorted((f"d{i}", 1) for i in range(20))  # back, with their retry raised
+        reader.commit(again)
         assert queue_depths(server, queue) == (0, 0)
     finally:
         reader.stop()
 
 
-def test_prefetch_must_exceed_max_records_per_batch():
+def test_plan_splits_rows_over_queues_by_depth_and_bytes_over_parts():
+    from mqks.spark.source import plan_parts
+
+    assert plan_parts({"a": 0, "b": 0}, 100, 1000, 2) == []
+    assert plan_parts({"a": 300}, 100, 1000, 2) == [["a", 50, 500], ["a", 50, 500]]
+    parts = plan_parts({"a": 30, "b": 10, "c": 0}, 1000, 0, 4)
+    assert [(q, rows) for q, rows, _ in parts] == [("a", 10), ("a", 10), ("a", 10), ("b", 10)]  # 4 parts by depth
+    assert {max_bytes for _, _, max_bytes in parts} == {0}  # no byte limit (Trigger.Once)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"queue": "q", "maxRecordPerBatch": "5"}, "unknown option(s) maxrecordperbatch; known options: host, port"),
+    ({"queue": "q", "port": "abc"}, "port='abc' is not a whole number; expected 1..65535"),
+    ({"queue": "q", "port": "70000"}, "port=70000 is out of range; expected 1..65535"),
+    ({"queue": "q", "maxBytesPerBatch": "10"}, "maxBytesPerBatch=10 is out of range"),
+    ({"queue": "q", "leaseSeconds": "3", "idleAckSeconds": "5"}, "leaseSeconds=3 must exceed idleAckSeconds=5"),
+    ({}, "exactly one of the options queue=<name> or queues="),
+    ({"queues": "a b", "events": "e"}, "events binds one queue"),
+])
+def test_source_options_are_checked_with_their_names(options, message):
     from mqks.spark.source import SourceOptions
 
-    with pytest.raises(ValueError, match="prefetch"):
-        SourceOptions.parse({"queue": "q", "maxRecordsPerBatch": "100", "prefetch": "100"})
-    assert SourceOptions.parse({"queue": "q", "maxRecordsPerBatch": "100"}).prefetch == 200
+    with pytest.raises(ValueError) as refused:
+        SourceOptions.parse({key.lower(): value for key, value in options.items()})  # Spark lower-cases them
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"port": "abc"}, "port='abc' is not a whole number; expected 1..65535"),
+    ({"port": "70000"}, "port=70000 is out of range"),
+    ({"confirmwindow": "0"}, "confirmWindow=0 is out of range; expected 1..1000000"),
+    ({"msgidprefx": "p"}, "unknown option(s) msgidprefx; known options: host, port, tls, tlsCa, token, confirmWindow"),
+])
+def test_sink_options_are_checked_with_their_names(options, message):
+    from mqks.spark.sink import SinkOptions
+
+    with pytest.raises(ValueError) as refused:
+        SinkOptions.parse(options)
+    assert message in str(refused.value)
+
+
+def test_bad_options_and_a_user_schema_fail_before_the_query_starts(spark, broker):
+    with pytest.raises(Exception, match="unknown option"):
+        spark.readStream.format("mqks").option("queue", "q").option("maxRecordPerBatch", "5").load()
+    with pytest.raises(Exception, match="the schema is fixed"):
+        (spark.readStream.format("mqks").schema("msg_id STRING").option("queue", "q")
+         .option("port", str(broker.port)).load().writeStream.format("noop").start().awaitTermination(60))
+
+
+@pytest.mark.timeout(300)
+def test_available_now_three_runs_process_each_message_once_and_leave_it_acked(spark, broker, tmp_path):
+    queue = "spark.available.now"
+    bind(broker, queue, "now.e")
+    ids = [f"n{i}" for i in range(5000)]
+    publish(broker, [(m, "now.e", "x") for m in ids])
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    batches = []
+    for _ in range(3):
+        query = (mqks_stream(spark, broker, queue, maxRecordsPerBatch="1000").writeStream.format("parquet")
+                 .option("path", str(out)).option("checkpointLocation", str(checkpoint))
+                 .trigger(availableNow=True).start())
+        assert query.awaitTermination(120), "an AvailableNow run did not end"
+        batches.append([p["numInputRows"] for p in query.recentProgress])
+        assert queue_depths(broker, queue) == (0, 0)  # acked when the run ends, not by the next run
+    rows = spark.read.parquet(str(out)).select("msg_id").collect()
+    print(f"AvailableNow: batches per run {batches}")
+    assert sorted(r.msg_id for r in rows) == sorted(ids)  # each message once
+    assert batches[0][:5] == [1000] * 5 and sum(batches[0]) == 5000
+    assert sum(batches[1]) == sum(batches[2]) == 0
+
+
+@pytest.mark.timeout(300)
+def test_messages_larger_than_the_byte_limit_flow_in_bounded_batches(spark, make_broker):
+    server = make_broker("--eval", "--max-line-bytes", str(4 << 20))
+    queue = "spark.large"
+    bind(server, queue, "large.e")
+    big = "b" * (1 << 20)
+    wire = server.wire()
+    try:
+        wire.send(b"huge publish large.e " + b"h" * (3 << 20))  # larger than the whole batch limit
+        for i in range(40):
+            wire.send(f"l{i} publish large.e {big}".encode())
+        assert wire.barrier() == []
+    finally:
+        wire.close()
+    stream = mqks_stream(spark, server, queue, maxBytesPerBatch=str(4 << 20), idleAckSeconds="1")
+    query = stream.selectExpr("msg_id", "length(data) AS size").writeStream.format("memory").queryName(
+        "spark_large").start()
+    try:
+        eventually(lambda: spark.sql("select count(*) from spark_large").first()[0] >= 41, "41 large rows")
+        eventually(lambda: queue_depths(server, queue) == (0, 0), "the queue to drain")
+    finally:
+        query.stop()
+    sizes = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+    print(f"1 MiB messages with maxBytesPerBatch=4 MiB: rows per batch {sizes}")
+    # two partitions of 2 MiB each: the 3 MiB message went alone in one (instead of blocking the queue),
+    # two 1 MiB messages in the other; later batches hold at most two 1 MiB messages per partition
+    assert sizes[0] <= 3 and max(sizes) <= 4
+    got = dict(spark.sql("select msg_id, size from spark_large").collect())
+    assert got.pop("huge") == 3 << 20 and got == {f"l{i}": 1 << 20 for i in range(40)}
+
+
+def test_several_queues_and_masks_in_one_source_with_a_queue_column(spark, broker):
+    bind(broker, "spark.multi.a", "multi.a")
+    bind(broker, "spark.multi.b", "multi.b")
+    bind(broker, "spark.other", "multi.other")
+    publish(broker, [(f"a{i}", "multi.a", "x") for i in range(30)] + [(f"b{i}", "multi.b", "y") for i in range(20)]
+            + [(f"o{i}", "multi.other", "z") for i in range(10)])
+    reader = (spark.readStream.format("mqks").option("port", str(broker.port))
+              .option("queues", "spark.multi.*, spark.other").option("idleAckSeconds", "1").load())
+    query = reader.writeStream.format("memory").queryName("spark_multi").start()
+    try:
+        eventually(lambda: spark.sql("select count(*) from spark_multi").first()[0] >= 60, "60 rows")
+        eventually(lambda: queue_depths(broker, "spark.multi.a") == (0, 0) == queue_depths(broker, "spark.other"),
+                   "the queues to drain")
+    finally:
+        query.stop()
+    by_queue = dict(spark.sql("select queue, count(*) from spark_multi group by queue").collect())
+    assert by_queue == {"spark.multi.a": 30, "spark.multi.b": 20, "spark.other": 10}
 
 
 @pytest.mark.timeout(240)
-def test_example_pipeline_publishes_window_counts(broker, tmp_path):
+def test_example_pipeline_publishes_the_last_window_after_events_stop(broker, tmp_path):
     counts_queue = "spark.counts.printer"
     bind(broker, counts_queue, "stats.events.counted")
     log = tmp_path / "pipeline.log"
     cmd = [
         str(HERE.parent / "pipelines" / "event_counts.py"),
-        "--port", str(broker.port), "--queue", "spark.pipeline", "--events", "page.* tick.*",
-        "--window", "2 seconds", "--watermark", "1 second", "--trigger", "1 second",
+        "--port", str(broker.port), "--queue", "spark.pipeline", "--events", "page.*",
+        "--window", "2 seconds", "--watermark", "1 second", "--trigger", "1 second", "--heartbeat-seconds", "0.5",
         "--checkpoint", str(tmp_path / "checkpoint"), "--run-seconds", "200",
     ]
     job = _spark_process(cmd, log)
@@ -403,27 +623,19 @@ def test_example_pipeline_publishes_window_counts(broker, tmp_path):
         consume(wire, b"c4", counts_queue)
         # the pipeline binds its queue before Spark starts: events published from then on are counted
         eventually(lambda: _queue_exists(broker, "spark.pipeline") or job.poll() is not None,
-                 "the pipeline to bind its queue")
+                   "the pipeline to bind its queue")
         publish(broker, [(f"v{i}", "page.viewed", "{}") for i in range(300)])
+        # no event is published after these: only the pipeline's heartbeats can close their window
         counted = 0
-        deadline = time.monotonic() + 180
-        ticks = 0
         while counted < 300:
             assert job.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"counted {counted} of 300; {log.read_text()[-3000:]}"
-            # later events move the watermark, so that append mode emits the finished windows
-            publish(broker, [(f"t{ticks}", "tick.now", "{}")])
-            ticks += 1
-            try:
-                line = wire.recv_line(timeout=1.0)
-            except TimeoutError:
-                continue
+            line = wire.recv_line(timeout=180.0)
             _msg_id, head, data = line[len(b"c4 ok ") :].split(b" ", 2)
             assert head == b"event=stats.events.counted", line
             count = json.loads(data)
             assert set(count) == {"window_start", "window_end", "event", "count"}, count
-            if count["event"] == "page.viewed":
-                counted += count["count"]
+            assert count["event"] == "page.viewed", count  # heartbeats are never counted
+            counted += count["count"]
         assert counted == 300
     finally:
         wire.close()
@@ -434,11 +646,79 @@ def _queue_exists(broker, queue: str) -> bool:
     return eval_value(broker, f"{queue.encode()!r} in state.queues")
 
 
+@pytest.mark.timeout(300)
+def test_spark_submit_recipe_works_where_mqks_is_not_installed(broker, tmp_path):
+    """The README's `spark-submit` recipe, with a Python that has pyspark and pyarrow but no mqks."""
+    import sysconfig
+
+    bare = tmp_path / "bare"  # a cluster node's Python: the job's dependencies, not mqks
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    bare_python = bare / "bin" / "python"
+    ask_site = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    bare_site = Path(subprocess.run([str(bare_python), "-c", ask_site], check=True, capture_output=True,
+                                    text=True).stdout.strip())
+    # a plain path line: the directory's own .pth files (mqks's editable install) are not read
+    (bare_site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    missing = subprocess.run([str(bare_python), "-c", "import mqks"], capture_output=True, text=True)
+    assert "No module named 'mqks'" in missing.stderr
+
+    # the recipe: mqks as plain files, a regular package (zipimport cannot import namespace packages), zipped
+    repo = HERE.parent
+    pyfiles, dist = tmp_path / "build" / "pyfiles", tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(pyfiles), str(repo)],
+                   check=True, capture_output=True)
+    (pyfiles / "mqks" / "__init__.py").touch()
+    dist.mkdir()
+    subprocess.run([sys.executable, "-m", "zipfile", "-c", str(dist / "mqks.zip"), "mqks"], cwd=pyfiles, check=True)
+
+    counts_queue = "spark.submit.counts"
+    bind(broker, counts_queue, "stats.events.counted")
+    log = tmp_path / "submit.log"
+    env = dict(os.environ, PYSPARK_PYTHON=str(bare_python), PYSPARK_DRIVER_PYTHON=str(bare_python),
+               SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(dist / "mqks.zip"))
+    submit = Path(sys.executable).parent / "spark-submit"
+    cmd = [str(submit), "--master", "local-cluster[1,1,1024]", "--conf", "spark.ui.enabled=false",
+           "--py-files", str(dist / "mqks.zip"), str(repo / "pipelines" / "event_counts.py"),
+           "--port", str(broker.port), "--queue", "spark.submit", "--events", "page.*", "--window", "2 seconds",
+           "--watermark", "1 second", "--trigger", "1 second", "--heartbeat-seconds", "0.5",
+           "--checkpoint", str(tmp_path / "checkpoint"), "--run-seconds", "250"]
+    with open(log, "ab") as log_file:
+        job = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    wire = broker.wire()
+    try:
+        consume(wire, b"c5", counts_queue)
+        eventually(lambda: _queue_exists(broker, "spark.submit") or job.poll() is not None,
+                   "the pipeline to bind its queue", 150)
+        assert job.poll() is None, log.read_text()[-3000:]
+        publish(broker, [(f"sub{i}", "page.viewed", "{}") for i in range(50)])
+        counted = 0
+        while counted < 50:
+            assert job.poll() is None, log.read_text()[-3000:]
+            line = wire.recv_line(timeout=180.0)
+            counted += json.loads(line.split(b" ", 4)[4])["count"]
+        assert counted == 50
+    finally:
+        wire.close()
+        _kill_group(job)
+
+
+def test_a_broker_away_longer_than_reconnect_seconds_fails_with_the_option_named():
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from mqks.spark.line_client import MqksConnectionError
+    from mqks.spark.source import MqksStreamReader, SourceOptions, source_struct
+
+    options = SourceOptions.parse({"port": str(free_port()), "queue": "q", "reconnectSeconds": "1"})
+    reader = MqksStreamReader(options, source_struct())
+    with pytest.raises(MqksConnectionError, match=r"unreachable for 1s \(reconnectSeconds\)"):
+        reader.latestOffset(reader.initialOffset(), ReadMaxRows(10))
+
+
 def test_sink_and_source_over_tls_with_a_token(spark, make_broker, tmp_path):
     from helpers import free_port, unique
     from tls_certs import make_certs
 
-    from mqks.spark.source import MqksStreamReader, SourceOptions
+    from mqks.spark.source import MqksStreamReader, SourceOptions, source_struct
 
     certs = make_certs(tmp_path)
     token = "spark-s3cret-token"
@@ -466,15 +746,14 @@ def test_sink_and_source_over_tls_with_a_token(spark, make_broker, tmp_path):
         wire.send(*(b"s%d publish tls.in x%d" % (i, i) for i in range(10)))
         assert wire.barrier() == []
         reader = MqksStreamReader(SourceOptions.parse({"host": "localhost", "port": str(tls_port), "queue": in_queue,
-                                                       **security}), None)
+                                                       **security}), source_struct())
         try:
             from pyspark.sql.streaming.datasource import ReadMaxRows
 
             start = reader.initialOffset()
-            end = eventually(lambda: (lambda e: e if e["seq"] >= 10 else None)(
-                reader.latestOffset(start, ReadMaxRows(10))), "10 deliveries over TLS")
-            rows = [m for p in reader.partitions(start, end) for m in p.msg_ids]
-            assert rows == [b"s%d" % i for i in range(10)]
+            end = reader.latestOffset(start, ReadMaxRows(10))
+            rows = [msg_id for msg_id, _ in _read(reader, reader.partitions(start, end))]
+            assert rows == [f"s{i}" for i in range(10)]  # fetched by the "executor" over TLS with the token
             reader.commit(end)
             wait_for(lambda: b"ok (0, 0)" in eval_on_authenticated(wire, in_queue), "the acks over TLS")
         finally:
@@ -485,6 +764,7 @@ def test_sink_and_source_over_tls_with_a_token(spark, make_broker, tmp_path):
 
 
 def eval_on_authenticated(wire, queue: str) -> bytes:
-    wire.send(b"ev _eval (lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)))(state.queues[%r])"
+    wire.send(b"ev _eval (lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)"
+              b" + sum(len(l.held) for l in state.leases.by_id.values() if l.queue is q)))(state.queues[%r])"
               % queue.encode())
     return wire.recv_line()
