@@ -82,7 +82,15 @@ def beanstalkd_bytes_per_delayed_job(messages: int, spread_seconds: float, lead_
             baseline = rss_bytes(server.pid)
             first_due = time.time() + lead_seconds
             step = spread_seconds / messages
-            batch = []
+            answered, buffer, batch = 0, b"", []
+
+            def read_answers(down_to: int) -> None:
+                nonlocal answered, buffer
+                while answered < down_to:  # beanstalkd stops reading while its answers wait unread
+                    buffer += sock.recv(1 << 20)
+                    answered += buffer.count(b"\r\n")
+                    buffer = buffer[buffer.rfind(b"\r\n") + 2 :]
+
             for i in range(messages):
                 due = first_due + i * step
                 body = b"%.3f" % due
@@ -90,12 +98,9 @@ def beanstalkd_bytes_per_delayed_job(messages: int, spread_seconds: float, lead_
                 if len(batch) == 2000:
                     sock.sendall(b"".join(batch))
                     batch.clear()
+                    read_answers(i + 1 - 20_000)
             sock.sendall(b"".join(batch))
-            answered, buffer = 0, b""
-            while answered < messages:  # every put answered: all jobs are in
-                buffer += sock.recv(1 << 20)
-                answered += buffer.count(b"\r\n")
-                buffer = buffer[buffer.rfind(b"\r\n") + 2 :]
+            read_answers(messages)  # every put answered: all jobs are in
             return (rss_bytes(server.pid) - baseline) / messages
         finally:
             server.stop()
