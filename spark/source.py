@@ -530,6 +530,8 @@ def to_record_batch(lines: list[bytes], queue: str, names: list[str], arrow_sche
         event = pc.list_element(meta_retry, 0)
         if not pc.all(pc.starts_with(event, "event=")).as_py():
             raise ValueError("a head without event=")
+        if pc.any(pc.match_substring(event, ",reply=")).as_py():
+            raise ValueError("a request's delivery: the Python path reads its reply field as the client does")
         columns = {
             "msg_id": pc.list_element(parts, skip_fields),
             "event": pc.utf8_slice_codeunits(event, 6),

@@ -62,10 +62,20 @@ def test_deliveries_of_requests_carry_the_reply_token_right_after_the_event(data
 
 def test_spark_source_reads_a_requests_delivery_without_its_token() -> None:
     pytest.importorskip("pyspark")
-    from mqks.spark.source import parse_body
+    pa = pytest.importorskip("pyarrow")
+    from pyspark.sql.pandas.types import to_arrow_schema
 
-    assert parse_body(b"event=e1,reply=k7,retry=1 d") == (b"e1", 1, b"d")
-    assert parse_body(b"event=a,reply=x,reply=k7 d") == (b"a,reply=x", 0, b"d")
+    from mqks.spark.source import source_struct, to_record_batch
+
+    schema = source_struct()
+    arrow_schema = to_arrow_schema(schema, timezone="UTC")
+    plain = b"m9 event=plain,seq=9 z"
+    for line, expected in ((b"m1 event=e1,reply=k7,retry=1,seq=3 d", ("e1", 1, "d")),
+                           (b"m2 event=a,reply=x,reply=k7,seq=4 d", ("a,reply=x", 0, "d"))):
+        for lines in ([line], [line, plain], [plain, line]):  # alone, and beside lines Arrow splits
+            got = to_record_batch(lines, "q", schema.fieldNames(), arrow_schema, pa).to_pydict()
+            row = lines.index(line)
+            assert (got["event"][row], got["retry"][row], got["data"][row]) == expected
 
 
 def test_consume_flags_of_the_extensions_as_the_broker_reads_them() -> None:
