@@ -408,15 +408,18 @@ def settle(session: Session, rid: bytes, args: bytes, confirm: bool, action: str
     if delay_seconds:
         due_ms = math.ceil((time.time() + delay_seconds) * 1000)
         if unknown := broker.reject_later(consumer, msg_ids, due_ms):
-            raise ProtocolError(f"reject: no un-acked message {text(b' '.join(unknown))!r} "
-                                f"for consumer {text(consumer.consumer_id)!r}")
+            raise not_in_flight(action, unknown, consumer)
     elif msg_ids is None:
         (broker.ack_all if action == "ack" else broker.reject_all)(consumer)
     elif unknown := (broker.ack if action == "ack" else broker.reject)(consumer, msg_ids):
-        raise ProtocolError(f"{action}: no un-acked message {text(b' '.join(unknown))!r} "
-                            f"for consumer {text(consumer.consumer_id)!r}")
+        raise not_in_flight(action, unknown, consumer)
     if confirm:
         session.ok(rid)
+
+
+def not_in_flight(action: str, msg_ids: list[bytes], consumer: Consumer) -> ProtocolError:
+    return ProtocolError(f"{action}: no un-acked message {text(b' '.join(msg_ids))!r} "
+                         f"for consumer {text(consumer.consumer_id)!r}")
 
 
 def handle_touch(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
@@ -426,8 +429,7 @@ def handle_touch(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
     if msg_ids is None:
         msg_ids = list(consumer.seq_by_msg_id)
     if unknown := broker.touch(consumer, msg_ids):
-        raise ProtocolError(f"touch: no un-acked message {text(b' '.join(unknown))!r} "
-                            f"for consumer {text(consumer.consumer_id)!r}")
+        raise not_in_flight("touch", unknown, consumer)
     if confirm:
         session.ok(rid)
 

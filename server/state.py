@@ -745,12 +745,7 @@ class Broker:
         self.rejected += len(taken)
         queue = consumer.queue
         if taken and self.queues.get(queue.name) is queue:
-            max_retries = queue.max_retries
-            if max_retries is not None:
-                dead = [taken_one for taken_one in taken if retry_of(taken_one[1]) >= max_retries]
-                if dead:
-                    taken = [taken_one for taken_one in taken if retry_of(taken_one[1]) < max_retries]
-                    self.dead_letter(queue, dead)
+            taken = self.divert_dead(queue, taken)
             if taken:
                 self.park(queue, due_ms, [Message(seq, retry_of(item) + 1, item.tail if isinstance(item, Message)
                                                   else item) for seq, item in taken])
@@ -778,14 +773,20 @@ class Broker:
 
     def requeue(self, queue: Queue, taken: list[tuple[int, Item]]) -> None:
         """Copies taken from consumers go back to the front with retry+1; past `max_retries`, to the dead letters."""
-        max_retries = queue.max_retries
-        if max_retries is not None:
-            dead = [taken_one for taken_one in taken if retry_of(taken_one[1]) >= max_retries]
-            if dead:
-                taken = [taken_one for taken_one in taken if retry_of(taken_one[1]) < max_retries]
-                self.dead_letter(queue, dead)
+        taken = self.divert_dead(queue, taken)
         if taken:
             queue.requeue(taken)
+
+    def divert_dead(self, queue: Queue, taken: list[tuple[int, Item]]) -> list[tuple[int, Item]]:
+        """Send the copies that would come back past the queue's `max_retries` to its dead letters; the rest."""
+        max_retries = queue.max_retries
+        if max_retries is None:
+            return taken
+        dead = [taken_one for taken_one in taken if retry_of(taken_one[1]) >= max_retries]
+        if dead:
+            self.dead_letter(queue, dead)
+            taken = [taken_one for taken_one in taken if retry_of(taken_one[1]) < max_retries]
+        return taken
 
     def dead_letter(self, queue: Queue, taken: list[tuple[int, Item]], raise_retry: bool = True) -> None:
         """Put copies into `{queue}.dead` (created if missing) with their event, data and retry counter."""
