@@ -23,7 +23,7 @@ import select
 import signal
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -125,15 +125,20 @@ def render_schedules(rows: list[dict]) -> str:
         table.append((str(row.get("name", "-")), str(row.get("rule", "-")), due, stats.cell(row.get("fired")),
                       "-" if count is None else stats.cell(count), str(row.get("event", "-")),
                       str(row.get("data", ""))))
-    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    return render_table(table, right_aligned=(3, 4), empty="(no schedules)")
+
+
+def render_table(table: Sequence[tuple[str, ...]], right_aligned: tuple[int, ...], empty: str) -> str:
+    """Rows (the headers first) in columns two spaces apart; the last column is left ragged; `empty` under no rows."""
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
     lines = []
     for line in table:
-        cells = [value.rjust(width) if i in (3, 4) else value.ljust(width)
-                 for i, (value, width) in enumerate(zip(line[:6], widths[:6], strict=True))]
-        cells.append(line[6])
+        cells = [value.rjust(width) if i in right_aligned else value.ljust(width)
+                 for i, (value, width) in enumerate(zip(line[:-1], widths, strict=True))]
+        cells.append(line[-1])
         lines.append("  ".join(cells).rstrip())
-    if not rows:
-        lines.append("(no schedules)")
+    if len(table) == 1:
+        lines.append(empty)
     return "\n".join(lines)
 
 
@@ -249,16 +254,7 @@ def render_queues(rows: list[dict]) -> str:
         table.append((str(row.get("queue", "-")), stats.cell(row.get("depth")), stats.cell(row.get("unacked")),
                       stats.cell(row.get("consumers")), stats.cell(row.get("bindings")),
                       " ".join(map(str, flags)) if isinstance(flags, list) else stats.cell(flags)))
-    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
-    lines = []
-    for line in table:
-        cells = [line[0].ljust(widths[0])]
-        cells += [value.rjust(width) for value, width in zip(line[1:5], widths[1:5], strict=True)]
-        cells.append(line[5])
-        lines.append("  ".join(cells).rstrip())
-    if not rows:
-        lines.append("(no queues)")
-    return "\n".join(lines)
+    return render_table(table, right_aligned=(1, 2, 3, 4), empty="(no queues)")
 
 
 def cmd_top(client: Client, args: argparse.Namespace) -> int:
