@@ -719,6 +719,12 @@ class Broker:
 
     def reject(self, consumer: Consumer, msg_ids: list[bytes]) -> list[bytes]:
         """Return messages to the front of the queue with retry+1; returns the unknown ids."""
+        taken, unknown = self._take(consumer, msg_ids)
+        self._requeue(consumer, taken)
+        return unknown
+
+    def _take(self, consumer: Consumer, msg_ids: list[bytes]) -> tuple[list[tuple[int, Item]], list[bytes]]:
+        """Take the oldest un-acked copy of each id from the consumer: (taken, ids not in flight)."""
         unknown, taken = [], []
         for msg_id in msg_ids:
             found = consumer.take_unacked(msg_id)
@@ -726,8 +732,7 @@ class Broker:
                 unknown.append(msg_id)
             else:
                 taken.append(found)
-        self._requeue(consumer, taken)
-        return unknown
+        return taken, unknown
 
     def reject_later(self, consumer: Consumer, msg_ids: list[bytes] | None, due_ms: int) -> list[bytes]:
         """`reject --delay`: the copies go back to the front of the queue at `due_ms`, retry raised now."""
@@ -735,13 +740,7 @@ class Broker:
         if msg_ids is None:
             taken = consumer.take_all_unacked()
         else:
-            taken = []
-            for msg_id in msg_ids:
-                found = consumer.take_unacked(msg_id)
-                if found is None:
-                    unknown.append(msg_id)
-                else:
-                    taken.append(found)
+            taken, unknown = self._take(consumer, msg_ids)
         self.rejected += len(taken)
         queue = consumer.queue
         if taken and self.queues.get(queue.name) is queue:
