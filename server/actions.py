@@ -23,6 +23,7 @@ from typing import Protocol, TypeAlias
 
 from .outbox import Outbox
 from .protocol import (
+    Hold,
     ProtocolError,
     looks_like_http,
     parse_count,
@@ -147,6 +148,10 @@ def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -
     journal = session.workers.journal
     if journal is not None and journal.log.disk_full:
         raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
+    forwarder = session.workers.forwarder
+    if forwarder is not None and forwarder.routes(event):
+        forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'
+        return
     full = [queue for broker in session.brokers for queue in broker.full_queues(event)]
     for broker in session.brokers:
         broker.publish(rid, event, tail)
@@ -540,8 +545,8 @@ def handle_hello(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
     session.said_hello = True
     workers = session.workers
     session.ok(rid, to_json({"version": VERSION, "protocol": PROTOCOL_VERSION, "extensions": list(EXTENSIONS),
-                             "workers": workers.count, "ttl": session.ttl_seconds,
-                             "tls": session.tls, "authenticated": session.authenticated}))
+                             "ttl": session.ttl_seconds, "tls": session.tls, "authenticated": session.authenticated,
+                             **workers.topology()}))
 
 
 def handle_auth(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
@@ -720,7 +725,23 @@ def handlers_for(eval_enabled: bool, peer_is_loopback: bool, authenticated: bool
     """
     if not authenticated:
         return _HANDLERS_BEFORE_AUTH
-    return _HANDLERS[eval_enabled and peer_is_loopback, over_memory]
+    table = _HANDLERS[eval_enabled and peer_is_loopback, over_memory]
+    return _RELAYED.get(id(table), table)
+
+
+# with worker processes (server/relay.py): the same tables, with the actions that may run elsewhere wrapped
+_RELAYED: dict[int, dict[bytes, Handler]] = {}
+
+
+def relay_handlers(wrap: Callable[[dict[bytes, Handler]], dict[bytes, Handler]]) -> None:
+    """Make `handlers_for` hand out `wrap`ped tables (set once, by a worker of several, before it serves)."""
+    for table in _HANDLERS.values():
+        _RELAYED[id(table)] = wrap(table)
+
+
+def local_handlers_for(eval_enabled: bool, over_memory: bool = False) -> dict[bytes, Handler]:
+    """The unwrapped table: lines another worker forwarded run here, never further."""
+    return _HANDLERS[eval_enabled, over_memory]
 
 
 def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]]) -> None:
@@ -729,7 +750,8 @@ def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]])
     A `None` in `lines` is a line the splitter refused; its (rid, reason) waits in `rejected`.
     """
     handlers = session.handlers
-    for line in lines:
+    remaining = iter(lines)  # with worker processes, a Hold keeps what is left of it for later
+    for line in remaining:
         if not line:
             if line is None:
                 rid, reason = rejected.popleft()
@@ -758,6 +780,9 @@ def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]])
             handler(session, rid, args, confirm)
         except ProtocolError as e:
             session.error(rid, str(e), line)
+        except Hold as hold:
+            session.held = [line, *remaining] if hold.again else list(remaining)  # type: ignore[attr-defined]
+            return
         except Exception:
             log.exception("internal error on line %r", line[:200])
             session.error(rid, "internal error", line)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ import socket
 import sys
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import gevent
 import gevent.socket
@@ -37,11 +38,14 @@ from .connection import Connection
 from .durable import Journal, rebuild, recover
 from .protocol import format_error
 from .sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
+from .slots import SLOTS, slot_ranges
 from .timers import Timers
 from .workers import VERSION, Workers
 
 if TYPE_CHECKING:
     from gevent.pywsgi import WSGIServer
+
+    from .peers import Peers
 
 log = logging.getLogger("mqks.server")
 
@@ -54,6 +58,7 @@ PLAIN_TEXT_REASONS = ("WRONG_VERSION_NUMBER",)  # an HTTP request is closed at o
 MAX_PORT = 65535
 MEMORY_CHECK_SECONDS = 0.01  # at 1M msg/s of 100 bytes, ~2 MB of messages come in between two checks
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+LINK_WAIT_SECONDS = 10.0  # at start: how long a worker waits for the others before it serves anyway
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -125,7 +130,15 @@ class Server:
         self.timers = Timers(on_earlier=self.timers_due.set)
         self.next_error_id = ErrorIds()
         self.journal = self.open_journal() if config.data_dir else None
-        self.workers = Workers(config.workers, self.timers, self.journal)
+        self.peers: Peers | None = None
+        if config.worker_index is None:
+            self.workers = Workers(config.workers, self.timers, self.journal)
+        else:
+            self.workers = Workers(1, self.timers, self.journal)
+            self.link_workers(config.worker_index, config.workers)
+        self.workers.topology_extra = self.topology
+        self.direct_listeners: list[Listener] = []
+        self.link_listener: Listener | None = None
         self.workers.error_line = self.error_line
         self.workers.max_memory_bytes = config.max_memory_bytes
         self.stream_server: Listener | None = None
@@ -142,6 +155,49 @@ class Server:
         self.no_connections.set()
         self.stopped = Event()  # shutdown is complete: serve_forever may return
 
+    def link_workers(self, worker: int, count: int) -> None:
+        """This process is worker `worker` of `count`: reach the others, route lines to the owners."""
+        from .actions import relay_handlers
+        from .peers import Peers
+        from .relay import relay_table
+
+        assert self.config.run_dir is not None
+        broker = self.workers.brokers[0]
+        broker.worker, broker.workers = worker, count
+        self.peers = Peers(self.workers, worker, count, self.config.run_dir)
+        self.peers.on_link_lost = self.on_link_lost
+        self.workers.link(self.peers)
+        self.workers.requests.prefix = f"{worker}w{self.workers.requests.prefix}"  # a reply finds its worker
+        relay_handlers(relay_table)
+
+    def topology(self) -> dict[str, Any]:
+        """`hello`'s fields about placement: this worker, the slot map, and every worker's own address."""
+        config = self.config
+        count = self.peers.count if self.peers is not None else 1
+        worker = self.peers.worker if self.peers is not None else 0
+        fields: dict[str, Any] = {"worker": worker, "slots": SLOTS, "slot_map": slot_ranges(count)}
+        if self.peers is None:
+            listener = self.stream_server
+            fields["direct"] = [{"worker": 0, "host": config.host,
+                                 "port": listener.server_port if listener is not None else None, "unix": None}]
+            return fields
+        direct = []
+        for peer in range(count):
+            try:
+                with open(os.path.join(self.peers.run_dir, f"direct-{peer}.json"), encoding="utf-8") as f:
+                    direct.append(json.load(f))
+            except (OSError, ValueError):
+                direct.append({"worker": peer, "host": None, "port": None, "unix": None})  # starting
+        fields["direct"] = direct
+        return fields
+
+    def on_link_lost(self, worker: int) -> None:
+        """Worker `worker` is gone (it will be restarted): clients with consumers or answers there are closed,
+        so they reconnect and replay, as after a broker restart."""
+        for conn in list(self.connections):
+            if worker in conn.remote or conn.awaiting:
+                conn.close()
+
     def open_journal(self) -> Journal:
         """The write-ahead log in --data-dir, woken from its writer thread through a gevent async watcher."""
         from .log import Log  # only durable servers load the storage layer
@@ -149,7 +205,11 @@ class Server:
         config = self.config
         assert config.data_dir is not None
         self.log_wake = gevent.get_hub().loop.async_()
-        log_ = Log(config.data_dir, config.fsync, segment_bytes=config.log_segment_bytes, wake=self.log_wake.send)
+        data_dir = config.data_dir
+        if config.worker_index is not None:  # each worker its own log (server/reshard.py moves queues between them)
+            data_dir = os.path.join(data_dir, f"worker-{config.worker_index}")
+            os.makedirs(data_dir, exist_ok=True)
+        log_ = Log(data_dir, config.fsync, segment_bytes=config.log_segment_bytes, wake=self.log_wake.send)
         return Journal(log_, self.error_line, config.compact_min_bytes)
 
     def error_line(self, rid: bytes, reason: str) -> bytes:
@@ -288,19 +348,14 @@ class Server:
     def listen(self) -> None:
         """Bind the broker's port and, with --metrics-port, the HTTP one; CannotListen names the one that failed."""
         config = self.config
+        shared = self.peers is not None  # every worker accepts on the public ports (SO_REUSEPORT)
         if config.port:  # --port 0: TLS only
-            self.stream_server = Listener((config.host, config.port), self.handle, backlog=1024)
-            try:
-                self.stream_server.init_socket()
-            except OSError as e:
-                raise CannotListen(f"cannot listen on {config.host}:{config.port}: {e}") from None
+            self.stream_server = self.listener(config.host, config.port, self.handle, "", shared)
         if config.tls_port is not None:
-            self.tls_server = Listener((config.host, config.tls_port), self.handle_tls, backlog=1024)
-            try:
-                self.tls_server.init_socket()
-            except OSError as e:
-                raise CannotListen(f"cannot listen for TLS on {config.host}:{config.tls_port}: {e}") from None
-        if config.metrics_port is not None:
+            self.tls_server = self.listener(config.host, config.tls_port, self.handle_tls, " for TLS", shared)
+        if self.peers is not None:
+            self.listen_direct()
+        if config.metrics_port is not None and (self.peers is None or self.peers.worker == 0):
             from .metrics import metrics_server  # prometheus_client is loaded only when asked for
 
             self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.workers,
@@ -312,6 +367,68 @@ class Server:
                                    f"{e}") from None
             log.info("metrics on http://%s:%d/metrics and /healthz", config.metrics_host,
                      self.metrics_server.server_port)
+
+    def listener(self, host: str, port: int, handle: Any, what: str, shared: bool = False) -> Listener:
+        """A listening TCP port; `shared`: with SO_REUSEPORT, so each worker process accepts on it too."""
+        try:
+            if not shared:
+                listener = Listener((host, port), handle, backlog=1024)
+                listener.init_socket()
+                return listener
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = gevent.socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+            return Listener(sock, handle)
+        except OSError as e:
+            raise CannotListen(f"cannot listen{what} on {host}:{port}: {e}") from None
+
+    def unix_listener(self, path: str, handle: Any) -> Listener:
+        if os.path.exists(path):
+            os.unlink(path)  # left by this worker's previous life
+        sock = gevent.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        sock.listen(1024)
+        return Listener(sock, handle)
+
+    def listen_direct(self) -> None:
+        """Worker i's own addresses: a TCP port and a Unix socket for clients, a Unix socket for the other workers.
+
+        The addresses are written to the run dir before the link socket exists, so a worker that can
+        link to this one can also tell clients where it is.
+        """
+        config, peers = self.config, self.peers
+        assert peers is not None
+        port = config.direct_port + peers.worker if config.direct_port else 0
+        direct = self.listener(config.host, port, self.handle, " (this worker's own port)")
+        unix_path = os.path.join(peers.run_dir, f"worker-{peers.worker}.sock")
+        self.direct_listeners = [direct, self.unix_listener(unix_path, self.handle)]
+        info = {"worker": peers.worker, "host": config.host, "port": direct.server_port, "unix": unix_path}
+        path = os.path.join(peers.run_dir, f"direct-{peers.worker}.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(info, f)
+        os.replace(path + ".tmp", path)
+        self.link_listener = self.unix_listener(peers.socket_path(peers.worker), self.handle_link)
+
+    def handle_link(self, sock: socket.socket, address: object) -> None:
+        """Another worker's link: its first line says which worker it is."""
+        assert self.peers is not None
+        data = b""
+        while b"\n" not in data and len(data) < 256:
+            chunk = sock.recv(256)
+            if not chunk:
+                sock.close()
+                return
+            data += chunk
+        line, _, rest = data.partition(b"\n")
+        parts = line.split()
+        if parts[:2] != [b"-", b"_link"] or len(parts) != 3 or not parts[2].isdigit():
+            log.warning("closing the link socket's peer: it sent %r", line[:80])
+            sock.close()
+            return
+        self.peers.accept_link(sock, int(parts[2]), rest)
 
     def serve_forever(self) -> None:
         config = self.config
@@ -330,10 +447,19 @@ class Server:
             gevent.signal_handler(signal.SIGHUP, self.reload_tokens)
         ports = [f"{config.host}:{listener.server_port}{' (TLS)' if listener is self.tls_server else ''}"
                  for listener in (self.stream_server, self.tls_server) if listener is not None]
+        if self.peers is not None:
+            ports.append(f"{config.host}:{self.direct_listeners[0].server_port} (this worker's own)")
         log.info("mqksd listening on %s (workers=%d, eval=%s, auth=%s, %s)", ", ".join(ports), config.workers,
                  "refused: token auth beyond loopback" if self.eval_refusal else "on" if config.eval_enabled else "off",
                  f"{len(self.tokens.tokens)} tokens" if self.tokens is not None else "off",
                  f"data dir {config.data_dir}, fsync {config.fsync}" if config.data_dir else "in memory")
+        if self.peers is not None:
+            for listener in (self.link_listener, *self.direct_listeners):
+                assert listener is not None
+                listener.start()
+            if not self.peers.connect_all(LINK_WAIT_SECONDS):
+                log.warning("not every other worker answered within %g s: serving anyway; lines for their queues "
+                            "get an error until they do", LINK_WAIT_SECONDS)
         for listener in (self.stream_server, self.tls_server):
             if listener is not None:
                 listener.start()
@@ -356,6 +482,8 @@ class Server:
         log.info("stopping: no new connections, draining %d clients for up to %g s", len(self.connections),
                  self.config.drain_seconds)
         for listener in listeners:
+            listener.close()
+        for listener in self.direct_listeners:
             listener.close()
         try:
             self.drain()
@@ -386,10 +514,17 @@ class Server:
             if conn.said_hello:
                 for consumer_id in conn.consumers_by_id:
                     conn.write(consumer_id + DRAINING)
+        self.workers.draining = True
+        sessions: list[Any] = list(self.connections)
+        if self.peers is not None:  # other workers' clients consuming here stop getting deliveries too
+            for link in self.peers.incoming:
+                for session in link.sessions.values():
+                    session.outbox.paused = True
+                    sessions.append(session)
         self.workers.flush_pending()
         self.drain_ends_at = time.monotonic() + self.config.drain_seconds  # a second SIGTERM sets it to 0
         while time.monotonic() < self.drain_ends_at and any(
-                consumer.unacked for conn in self.connections for consumer in conn.consumers_by_id.values()):
+                consumer.unacked for session in sessions for consumer in session.consumers_by_id.values()):
             gevent.sleep(DRAIN_POLL_SECONDS)
 
 
@@ -410,6 +545,16 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512M, 2G)") from None
 
 
+def worker_count(text: str) -> int:
+    """`--workers`: a number, or `auto` for the cores this process may run on."""
+    if text == "auto":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of workers: {text!r} (a number, or auto)") from None
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     """The command line as a Config; defaults and their help text come from `config.DEFAULTS`."""
     d = DEFAULTS
@@ -417,8 +562,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--version", action="version", version=f"mqksd {VERSION}")
     parser.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=d.workers,
-                        help="workers; a queue belongs to crc32(queue) %% workers (default: %(default)s)")
+    parser.add_argument("--workers", type=worker_count, default=d.workers,
+                        help="worker processes, or `auto` for one per core; a queue belongs to the worker that owns "
+                             "its slot, crc32(queue) %% 16384 (default: %(default)s)")
+    parser.add_argument("--direct-port", type=int, default=d.direct_port, metavar="PORT",
+                        help="with --workers N: worker i also listens on PORT+i, for clients that reach a queue's "
+                             "owner directly (default: any free port; hello tells clients)")
+    parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
                         help="(default: %(default)s)")
     parser.add_argument("--max-line-bytes", type=int, default=d.max_line_bytes,
@@ -510,8 +661,17 @@ def check_tls_args(parser: Parser, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    worker = "" if config.worker_index is None else f" worker-{config.worker_index}"
     logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s %(name)s{worker}: %(message)s")
+    if config.workers > 1 and config.worker_index is None:
+        from .supervisor import Supervisor
+
+        sys.exit(Supervisor(config, sys.argv[1:] if argv is None else argv).run())
+    if config.worker_index is not None:
+        from .supervisor import die_with_parent
+
+        die_with_parent()
     try:
         Server(config).serve_forever()
     except CannotListen as e:

@@ -36,6 +36,9 @@ class Config:
     auth_token_file: str | None = None  # one token per line, re-read on SIGHUP; MQKS_AUTH_TOKEN adds one
     client_ttl: float | None = None  # None: a connection may stay silent for ever unless it says hello --ttl
     drain_seconds: float = 5.0  # on SIGTERM: how long consumers get to settle what they hold
+    direct_port: int = 0  # with workers > 1: worker i's own port is this + i (0: any free port, told in hello)
+    worker_index: int | None = None  # set by the supervisor: this process is worker i of `workers`
+    run_dir: str | None = None  # set by the supervisor: where the workers' Unix sockets are
 
 
 DEFAULTS = Config()

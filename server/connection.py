@@ -20,6 +20,7 @@ import os
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable
 
 import gevent
@@ -56,7 +57,9 @@ class Connection:
     __slots__ = ("sock", "fd", "peer", "peer_is_loopback", "eval_enabled", "workers", "outbox", "consumers_by_id",
                  "actions", "handlers", "brokers", "splitter", "next_error_id", "wake", "writing", "closed",
                  "max_output_bytes", "errors", "tls", "tokens", "authenticated", "unauthenticated_lines",
-                 "eval_refusal", "said_hello", "ttl_seconds", "reads", "silence_watch", "draining")
+                 "eval_refusal", "said_hello", "ttl_seconds", "reads", "silence_watch", "draining",
+                 # with worker processes (server/relay.py): this session on the other workers
+                 "key", "remote", "unsynced", "awaiting", "held", "unheld", "relay_paused")
 
     def __init__(self, sock: socket.socket, address: object, config: Config, workers: Workers,
                  next_error_id: Callable[[], str], *, tls: bool = False, tokens: Tokens | None = None,
@@ -87,7 +90,14 @@ class Connection:
         self.reads = 0  # recv calls: the silence watch compares it between its checks
         self.silence_watch = silence_watch
         self.draining = False  # the server is stopping: deliveries stay paused
-        self.brokers: list[Broker] = workers.brokers
+        self.brokers: list[Broker] = workers.publishers
+        self.key = b""  # this session's name on the other workers, once it has one
+        self.remote: set[int] = set()  # workers that run lines for this session
+        self.unsynced: set[int] = set()  # ... and have not answered since: a ping waits for them
+        self.awaiting = 0  # answers owed by other workers before `held` may run
+        self.held: list | None = None
+        self.unheld = Event()
+        self.relay_paused = False
         self.splitter = LineSplitter(config.max_line_bytes)
         self.next_error_id = next_error_id
         self.wake = Event()
@@ -141,6 +151,71 @@ class Connection:
                 self.silence_watch.watch(self)
             else:
                 self.silence_watch.forget(self)
+
+    def peer_key(self) -> bytes:
+        """This session's name on the other workers: their answers and its deliveries come back under it."""
+        if not self.key:
+            peers = self.workers.peers
+            self.key = peers.new_key()
+            peers.targets[self.key] = self
+        return self.key
+
+    def take(self, data: bytes) -> None:
+        """Bytes another worker owes this client (answers, deliveries of relayed consumers), in one piece."""
+        if self.closed:
+            return
+        outbox = self.outbox
+        outbox.out.append(data)
+        outbox.out_bytes += len(data)
+        if not outbox.flush_pending:
+            outbox.flush_pending = True
+            outbox.pending.append(outbox)
+        if outbox.out_bytes > outbox.high_water_bytes:
+            outbox.paused = True
+            if not self.relay_paused:
+                self.relay_paused = True
+                self.tell_remote(65)  # pause: the client reads slower than the owners deliver
+            if outbox.out_bytes > self.max_output_bytes:
+                log.warning("closing %s: %d bytes of replies unread (limit %d)", self.peer, outbox.out_bytes,
+                            self.max_output_bytes)
+                self.close()
+
+    def tell_remote(self, kind: int) -> None:
+        links = self.workers.peers.links
+        for worker in self.remote:
+            link = links[worker]
+            if link is not None:
+                link.frame(kind, self.key)
+
+    def done(self) -> None:
+        """A worker has run everything this session sent it before its last sync mark."""
+        self.answered()
+
+    def answered(self) -> None:
+        self.awaiting -= 1
+        if self.awaiting <= 0:
+            self.awaiting = 0
+            self.unheld.set()
+
+    def run_held(self, rejected: deque) -> None:
+        """Run the lines a forward held back, each time the answers they wait for are in."""
+        workers = self.workers
+        while self.held is not None and not self.closed:
+            workers.flush_pending()  # the forwards go out
+            while self.awaiting and not self.closed:
+                self.unheld.wait()
+                self.unheld.clear()
+            lines, self.held = self.held, None
+            if not self.closed:
+                run_lines(self, lines, rejected)
+        self.held = None
+
+    def resumed(self) -> None:
+        """The client read its backlog: local consumers deliver again, and so do the owners of relayed ones."""
+        if self.relay_paused:
+            self.relay_paused = False
+            self.tell_remote(85)
+        self.workers.resume(self.outbox)
 
     def wake_writer(self) -> None:
         """The flush of a TLS connection: its writer greenlet encrypts and sends the batch."""
@@ -235,6 +310,10 @@ class Connection:
         if self.silence_watch is not None:
             self.silence_watch.forget(self)
         workers.detach(self.outbox, self._log_failed_detach)
+        if self.key:
+            self.tell_remote(88)  # the owners drop this session: its relayed consumers' messages go back
+            workers.peers.targets.pop(self.key, None)
+        self.unheld.set()
         self.outbox.out.clear()
         try:
             workers.flush_pending()  # the requeued messages, to the consumers that remain
@@ -286,6 +365,7 @@ class Connection:
         journal = workers.journal
         delayed = workers.delayed
         delayed_keys = delayed.keys  # a heap, changed in place
+        peers = workers.peers
         debug = log.isEnabledFor(logging.DEBUG)
         unyielded_bytes = 0
         while not self.closed:
@@ -302,6 +382,12 @@ class Connection:
                     # what came due goes first: a line read after a due time sees that message published
                     delayed.fire_due()
                 run_lines(self, lines, rejected)
+                if self.held is not None:
+                    self.run_held(rejected)
+                if peers is not None:
+                    for worker, link in enumerate(peers.links):
+                        if link is not None and link.flush_pending:
+                            self.unsynced.add(worker)  # a later ping waits for what went there
             if pending or journal is not None:  # durable: the batch's records are committed there too
                 flush_pending()
             if journal is not None and journal.backlogged and PUBLISH in chunk:
@@ -334,7 +420,7 @@ class Connection:
                     workers.bytes_out += len(data)
                     if outbox.paused and outbox.out_bytes < outbox.high_water_bytes // 2 and not self.draining:
                         outbox.paused = False
-                        self.workers.resume(outbox)
+                        self.resumed()
         except OSError as e:
             log.info("write to %s failed: %s", self.peer, e)
             self.close()

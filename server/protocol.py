@@ -20,6 +20,17 @@ class ProtocolError(Exception):
     """A client mistake; the connection stays open and gets `{rid} error {id} {reason}`."""
 
 
+class Hold(Exception):
+    """With worker processes: this session's next lines wait until the answers it awaits from other workers are in.
+
+    `again`: the line that raised runs again then (it waited for a sync); else it is done.
+    """
+
+    def __init__(self, again: bool = False) -> None:
+        super().__init__()
+        self.again = again
+
+
 def rid_of(line: bytes) -> bytes:
     """The request id at the head of a (possibly broken) line, or `-`."""
     head, space, _ = line[:RID_PEEK_BYTES].partition(b" ")

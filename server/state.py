@@ -84,6 +84,8 @@ class Consumer:
     __slots__ = ("consumer_id", "line_overhead", "queue", "outbox", "manual_ack", "wants_seq", "prefetch", "unacked",
                  "seq_by_msg_id", "later_seqs_by_msg_id", "delete_when_unused_seconds")
 
+    relayed = False  # a stand-in for a consumer another worker process holds (server/relay.py) says True
+
     def __init__(self, consumer_id: bytes, queue: Queue, outbox: Outbox, manual_ack: bool = False,
                  prefetch: int = 0, delete_when_unused_seconds: float | None = None) -> None:
         self.consumer_id = consumer_id
@@ -553,6 +555,8 @@ class Broker:
         self.dead_lettered = 0
         self.dropped_by_deleted_queues = 0
         self.leases: Any = None  # server/leases.py's Leases, set by Workers (fetch and settle)
+        # with worker processes, every other worker's replica of the bindings must learn each change
+        self.bindings_changed: Callable[[Queue], None] | None = None
 
     def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
         """Put a copy of the message into every queue bound to `event`."""
@@ -612,6 +616,8 @@ class Broker:
             if event not in queue.events:
                 self.routing.bind(queue, event)
         queue.events = wanted
+        if self.bindings_changed is not None:
+            self.bindings_changed(queue)
         return True
 
     def consume(self, consumer: Consumer, replace: list[bytes], add: list[bytes] | None,
@@ -830,7 +836,10 @@ class Broker:
             return False
         for event in queue.events:
             self.routing.unbind(queue, event)
+        had_events = bool(queue.events)
         queue.events = {}
+        if had_events and self.bindings_changed is not None:
+            self.bindings_changed(queue)
         if queue.cancel_delete is not None:
             queue.cancel_delete()
             queue.cancel_delete = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import importlib.metadata
+import os
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -56,9 +57,9 @@ def queue_flags(queue: Queue) -> list[str]:
 class Workers:
     """Every worker of this process, the placement of queues on them, and the outboxes owed a flush."""
 
-    __slots__ = ("brokers", "count", "pending", "clients", "journal", "timers", "delayed", "requests", "schedules",
-                 "error_line", "max_memory_bytes", "memory_full", "dropped_by_memory", "started", "bytes_in",
-                 "bytes_out", "errors")
+    __slots__ = ("brokers", "publishers", "peers", "forwarder", "draining", "topology_extra", "count", "pending",
+                 "clients", "journal", "timers", "delayed", "requests", "schedules", "error_line", "max_memory_bytes",
+                 "memory_full", "dropped_by_memory", "started", "bytes_in", "bytes_out", "errors")
 
     def __init__(self, count: int = 1, timers: Timers | None = None, journal: Journal | None = None) -> None:
         self.count = count
@@ -76,6 +77,13 @@ class Workers:
         else:
             self.brokers = [DurableBroker(worker, count, schedule, self.count_clients, clock=clock, journal=journal)
                             for worker in range(count)]
+        # what a publish calls: these brokers, and with worker processes the Forwarder to the others
+        self.publishers: list[Any] = list(self.brokers)
+        self.peers: Any = None  # server/peers.py's Peers, with worker processes
+        self.forwarder: Any = None
+        self.draining = False
+        # what `hello` says of the workers beside how many: the slot map, their direct addresses (set by the app)
+        self.topology_extra: Callable[[], dict[str, Any]] = dict
         for broker in self.brokers:
             broker.broker_for = self.worker_for
             broker.leases = Leases(broker)  # fetch/settle: messages held under a lease, in the queue's worker
@@ -94,6 +102,16 @@ class Workers:
     def count_clients(self) -> int:
         return self.clients
 
+    def link(self, peers: Any) -> None:
+        """Become one worker process of several: `peers` reaches the others."""
+        self.peers = peers
+        self.forwarder = peers.forwarder
+        self.publishers = [*self.brokers, peers.forwarder]
+
+    def topology(self) -> dict[str, Any]:
+        """`hello`'s fields about the workers: how many, which one answers, the slot map, their direct addresses."""
+        return {"workers": self.peers.count if self.peers is not None else self.count, **self.topology_extra()}
+
     def worker_for(self, queue: bytes) -> Broker:
         """The worker that owns `queue`."""
         brokers = self.brokers
@@ -108,12 +126,11 @@ class Workers:
     def _publish_due(self, due_ms: int, tails: list[bytes]) -> None:
         if self.journal is not None:
             self.journal.append(b"F %d" % due_ms)  # with the P records below, in the same commit
-        brokers = self.brokers
         for tail in tails:
             msg_id = msg_id_of(tail)
             start = len(msg_id) + 11  # b" ok " + msg_id + b" event="
             event = tail[start : tail.index(b" ", start)]
-            for broker in brokers:
+            for broker in self.publishers:
                 broker.publish(msg_id, event, tail)
 
     def holds_messages(self) -> bool:
@@ -123,7 +140,7 @@ class Workers:
 
     def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
         """Put a copy into every queue of every worker bound to `event`."""
-        for broker in self.brokers:
+        for broker in self.publishers:
             broker.publish(msg_id, event, tail)
 
     def restore(self, recovery: Recovery) -> None:
@@ -156,7 +173,8 @@ class Workers:
     def resume(self, outbox: Outbox) -> None:
         """A paused outbox drained: hand its consumers the messages that waited."""
         for consumer in list(outbox.consumers_by_id.values()):
-            self.worker_for(consumer.queue.name).pump(consumer.queue)
+            if not consumer.relayed:  # a relayed one's owner hears of the resume from the connection
+                self.worker_for(consumer.queue.name).pump(consumer.queue)
         self.flush_pending()
 
     def detach(self, outbox: Outbox, on_failure: Callable[[Any, BaseException], None]) -> None:
@@ -166,6 +184,8 @@ class Workers:
         the consumer is still taken off its queue, so nothing keeps delivering into a dead outbox.
         """
         for consumer in list(outbox.consumers_by_id.values()):
+            if consumer.relayed:
+                continue  # its owner drops it when the connection's session there ends
             try:
                 self.worker_for(consumer.queue.name).remove_consumer(consumer)
             except Exception as e:
@@ -223,6 +243,11 @@ class Workers:
         figures.update(self.schedules.stats())
         if self.journal is not None:
             figures["log"] = self.journal.stats()
+        if self.peers is not None:
+            figures["workers"] = self.peers.count
+            figures["worker"] = self.peers.worker
+            figures["pid"] = os.getpid()
+            figures.update(self.peers.stats())
         return figures
 
     def queue_rows(self, mask: bytes | None = None) -> list[dict[str, Any]]:

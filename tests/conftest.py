@@ -167,20 +167,19 @@ class Broker:
         self.start()
 
 
-@pytest.fixture(scope="module")
-def broker() -> Iterator[Broker]:
-    """One broker per test module, with `_eval` on (tests read its state through it)."""
-    server = Broker("--eval")
-    yield server
-    server.kill()
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
-def broker_per_worker_count(request) -> Iterator[Broker]:
-    """The same broker with one and with two workers, for placement-sensitive tests."""
+def broker(request) -> Iterator[Broker]:
+    """One broker per test module, with `_eval` on (tests read its state through it).
+
+    Every test on it runs twice: with one worker process, and with two, where any line may
+    land on a worker that does not own its queue (the public port reaches either).
+    """
     server = Broker("--eval", "--workers", str(request.param))
     yield server
     server.kill()
+
+
+broker_per_worker_count = broker  # the older name, kept by tests that are about placement
 
 
 @pytest.fixture

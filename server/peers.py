@@ -1,0 +1,764 @@
+"""Worker processes (`mqksd --workers N`, N >= 2): the links between them and what crosses them.
+
+Each worker owns the queues of its slots (server/slots.py) and accepts clients like any
+other. A line about a queue another worker owns is forwarded to that owner; every worker
+keeps a replica of every other worker's bindings, so a publish goes only to the owners of
+bound queues. Nothing crosses one message at a time: what a batch of lines owes a peer
+is gathered in runs and written as frames once, when the batch is flushed.
+
+A link is one Unix socket per ordered pair of workers, opened by the worker that asks.
+On it the asker sends requests; the owner answers on the same socket, and also sends its
+binding changes there, so an answer never overtakes the bindings it caused. A frame is a
+header line `{kind}{key} {size}\\n` and `size` bytes of payload:
+
+  asker -> owner                            owner -> asker
+  P  tails, one per line: publish them      >  bytes for session `key`'s client (or gather)
+  C  `{fanin} {tail}` lines: publish,       .  session `key` has run everything sent before
+     answer each once durable               c  `{fanin} ok` / `{fanin} error ...` lines
+  E  `{retry} {queue}{tail}`: dead letters  B  `{queue} {event}...` lines: the queue's events now
+  S  client lines of session `key`          Z  forget every binding of the owner (it restarted)
+  M  answer `.{key}` when you get here
+  X  session `key`'s client left
+  A / U  pause / resume session `key`'s deliveries (its client reads slowly)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import socket
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import gevent
+import gevent.socket
+from gevent.event import Event
+
+from .outbox import Outbox
+from .protocol import format_ok
+from .routing import Routing
+from .slots import owner_of
+from .state import Broker, Queue, msg_id_of
+
+if TYPE_CHECKING:
+    from .workers import Workers
+
+log = logging.getLogger("mqks.peers")
+
+RECV_BYTES = 1 << 18
+NO_LIMIT = 1 << 62  # a remote session never pauses on its own: its client's worker says when
+CONNECT_RETRY_SECONDS = 0.05
+NEWLINE = b"\n"
+
+
+class FrameReader:
+    """Frames out of a byte stream: (kind, key, payload)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self) -> None:
+        self.buffer = b""
+
+    def feed(self, chunk: bytes) -> list[tuple[int, bytes, bytes]]:
+        data = self.buffer + chunk if self.buffer else chunk
+        frames = []
+        pos, end = 0, len(data)
+        while pos < end:
+            newline = data.find(NEWLINE, pos)
+            if newline < 0:
+                break
+            key, _, size = data[pos + 1 : newline].partition(b" ")
+            stop = newline + 1 + int(size)
+            if stop > end:
+                break
+            frames.append((data[pos], key, data[newline + 1 : stop]))
+            pos = stop
+        self.buffer = data[pos:]
+        return frames
+
+
+class FrameSocket:
+    """A link's socket and the frames owed on it; the open run of lines is closed into a frame at flush."""
+
+    __slots__ = ("sock", "fd", "out", "run_kind", "run_key", "run", "flush_pending", "pending", "writing", "wake",
+                 "closed", "name")
+
+    def __init__(self, sock: socket.socket, pending: list, name: str) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.out: list[Any] = []
+        self.run_kind = 0
+        self.run_key = b""
+        self.run: list[bytes] = []
+        self.flush_pending = False
+        self.pending = pending
+        self.writing = False
+        self.wake = Event()
+        self.closed = False
+        self.name = name
+
+    def owe(self) -> None:
+        if not self.flush_pending:
+            self.flush_pending = True
+            self.pending.append(self)
+
+    def add(self, kind: int, key: bytes, line: bytes) -> None:
+        """One line into the run of `kind` for `key` (a new run closes the open one: order is kept)."""
+        if kind != self.run_kind or key != self.run_key:
+            self.close_run()
+            self.run_kind, self.run_key = kind, key
+            self.owe()
+        self.run.append(line)
+
+    def close_run(self) -> None:
+        run = self.run
+        if run:
+            run.append(b"")
+            payload = NEWLINE.join(run)
+            self.out.append(b"%c%b %d\n" % (self.run_kind, self.run_key, len(payload)))
+            self.out.append(payload)
+            run.clear()
+        self.run_kind = 0
+
+    def frame(self, kind: int, key: bytes, payload: bytes = b"") -> None:
+        self.close_run()
+        self.out.append(b"%c%b %d\n" % (kind, key or b"-", len(payload)))
+        if payload:
+            self.out.append(payload)
+        self.owe()
+
+    def flush(self) -> None:
+        """Write what is owed now, as far as the socket takes it; the writer greenlet sends the rest."""
+        self.close_run()
+        out = self.out
+        if not out or self.closed:
+            return
+        if self.writing:
+            self.wake.set()
+            return
+        data = b"".join(out)
+        out.clear()
+        try:
+            sent = os.write(self.fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as e:
+            self.lost(f"write failed: {e}")
+            return
+        if sent < len(data):
+            out.append(memoryview(data)[sent:])
+            self.wake.set()
+
+    def write_loop(self) -> None:
+        try:
+            while not self.closed:
+                self.wake.wait()
+                self.wake.clear()
+                while self.out and not self.closed:
+                    data = b"".join(self.out)
+                    self.out.clear()
+                    self.writing = True
+                    self.sock.sendall(data)
+                    self.writing = False
+        except OSError as e:
+            self.lost(f"write failed: {e}")
+
+    def lost(self, reason: str) -> None:
+        raise NotImplementedError
+
+
+class RemoteQueue:
+    """Another worker's queue as the replica knows it: a name, its owner, its events."""
+
+    __slots__ = ("name", "owner", "events")
+
+    def __init__(self, name: bytes, owner: int) -> None:
+        self.name = name
+        self.owner = owner
+        self.events: tuple[bytes, ...] = ()
+
+
+class FanIn:
+    """One confirmed publish whose copies went to several workers: one answer once every part has answered.
+
+    Stands in for the client's outbox in the journal's confirms (it has `write`).
+    """
+
+    __slots__ = ("outbox", "rid", "parts", "error", "owners")
+
+    def __init__(self, outbox: Outbox, rid: bytes, parts: int, owners: Iterable[int]) -> None:
+        self.outbox = outbox
+        self.rid = rid
+        self.parts = parts
+        self.error: bytes | None = None
+        self.owners = tuple(owners)
+
+    def write(self, line: bytes) -> None:
+        """A part's answer: `{anything} ok ...` or `{anything} error {error_id} {reason}`."""
+        if self.error is None:
+            rest = line.partition(b" ")[2]
+            if rest.startswith(b"error "):
+                self.error = rest
+        self.parts -= 1
+        if self.parts == 0:
+            self.outbox.write(b"%b %b" % (self.rid, self.error) if self.error is not None else format_ok(self.rid))
+
+
+class Gather:
+    """An action every worker answers (`stats`, `queues`, ...): the peers' answers, merged once all are in."""
+
+    __slots__ = ("session", "key", "waiting", "answers", "merge")
+
+    def __init__(self, session: Any, key: bytes, waiting: int, merge: Callable[[list[bytes]], bytes]) -> None:
+        self.session = session
+        self.key = key
+        self.waiting = waiting
+        self.answers: list[bytes] = []
+        self.merge = merge
+
+    def take(self, payload: bytes) -> None:
+        self.answers.append(payload)
+
+    def done(self) -> None:
+        self.waiting -= 1
+        if self.waiting == 0:
+            session = self.session
+            session.workers.peers.targets.pop(self.key, None)
+            if not session.closed:
+                session.write(self.merge(self.answers))
+            session.answered()
+
+
+class PeerLink(FrameSocket):
+    """This worker's link to peer `worker`: requests out, answers and the peer's bindings in."""
+
+    __slots__ = ("worker", "peers", "reader", "up")
+
+    def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
+        super().__init__(sock, peers.workers.pending, f"link to worker {worker}")
+        self.worker = worker
+        self.peers = peers
+        self.reader = FrameReader()
+        self.up = True
+
+    def lost(self, reason: str) -> None:
+        if not self.closed:
+            self.closed = True
+            self.up = False
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.wake.set()
+            self.peers.link_lost(self, reason)
+
+    def read_loop(self) -> None:
+        peers = self.peers
+        targets = peers.targets
+        fanins = peers.fanins
+        replica = peers.replica
+        flush_pending = peers.workers.flush_pending
+        recv = self.sock.recv
+        feed = self.reader.feed
+        try:
+            while not self.closed:
+                chunk = recv(RECV_BYTES)
+                if not chunk:
+                    break
+                for kind, key, payload in feed(chunk):
+                    if kind == 62:  # ">"
+                        target = targets.get(key)
+                        if target is not None:
+                            target.take(payload)
+                    elif kind == 46:  # "."
+                        target = targets.get(key)
+                        if target is not None:
+                            target.done()
+                    elif kind == 99:  # "c"
+                        for line in payload.split(NEWLINE)[:-1]:
+                            fanin_id, _, answer = line.partition(b" ")
+                            fanin = fanins.pop(fanin_id, None)
+                            if fanin is not None:
+                                fanin.write(answer)
+                    elif kind == 66:  # "B"
+                        replica.update(self.worker, payload)
+                    elif kind == 90:  # "Z"
+                        replica.forget(self.worker)
+                flush_pending()
+        except OSError as e:
+            self.lost(f"read failed: {e}")
+            return
+        self.lost("closed by the peer")
+
+
+class RemoteSession:
+    """A client of another worker, as its lines run here: its consumers, and the frames its output goes back in."""
+
+    __slots__ = ("link", "key", "peer", "workers", "brokers", "outbox", "consumers_by_id", "actions", "handlers",
+                 "closed", "unauthenticated_lines")
+
+    peer_is_loopback = True  # the client's own worker has checked what it may run
+    eval_enabled = True
+    eval_refusal = None
+    authenticated = True
+    said_hello = False
+    tls = False
+    ttl_seconds = None
+
+    def __init__(self, link: IncomingLink, key: bytes) -> None:
+        from .actions import actions_for, local_handlers_for
+
+        workers = link.peers.workers
+        self.link = link
+        self.key = key
+        self.peer = f"{link.name} client {key.decode(errors='replace')}"
+        self.workers = workers
+        self.brokers = workers.brokers  # only this worker's queues: the sender already forwarded elsewhere
+        self.outbox = Outbox(workers.pending, NO_LIMIT, self.flush)
+        self.consumers_by_id = self.outbox.consumers_by_id
+        self.actions = actions_for(True, True)
+        self.handlers = local_handlers_for(True, workers.memory_full)
+        self.closed = False
+        self.unauthenticated_lines = 0
+
+    def write(self, data: bytes) -> None:
+        self.outbox.write(data)
+
+    def ok(self, rid: bytes, data: bytes = b"") -> None:
+        self.outbox.write(format_ok(rid, data))
+
+    def error(self, rid: bytes, reason: str, line: bytes) -> None:
+        self.outbox.write(self.workers.error_line(rid, reason))
+
+    def close(self, flush_first: bool = False) -> None:
+        """A remote session is closed by its client's worker (frame X), never from here."""
+
+    def authenticate(self, token: bytes) -> bool | None:
+        return None
+
+    def set_ttl(self, seconds: float | None) -> None:
+        """The client's worker watches its silence."""
+
+    def flush(self) -> None:
+        """Move the client's bytes into the link, as one `>` frame."""
+        outbox = self.outbox
+        out = outbox.out
+        if out:
+            self.link.frame(62, self.key, b"".join(out))
+            out.clear()
+        outbox.out_bytes = 0
+
+
+class IncomingLink(FrameSocket):
+    """A peer's link to this worker: its requests in; answers, and this worker's binding changes, out."""
+
+    __slots__ = ("peers", "worker", "sessions", "confirms", "reader")
+
+    def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
+        super().__init__(sock, peers.workers.pending, f"worker {worker}")
+        self.peers = peers
+        self.worker = worker
+        self.sessions: dict[bytes, RemoteSession] = {}
+        self.confirms = Outbox(peers.workers.pending, NO_LIMIT, self.flush_confirms)
+        self.reader = FrameReader()
+
+    def flush_confirms(self) -> None:
+        out = self.confirms.out
+        if out:
+            self.frame(99, b"-", b"".join(out))
+            out.clear()
+        self.confirms.out_bytes = 0
+
+    def lost(self, reason: str) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.wake.set()
+
+    def serve(self) -> None:
+        """Run the peer's requests until it goes; then its clients' consumers here are detached."""
+        peers = self.peers
+        workers = peers.workers
+        writer = gevent.spawn(self.write_loop)
+        try:
+            self.read_loop(workers)
+        except OSError as e:
+            log.info("link from worker %d failed: %s", self.worker, e)
+        finally:
+            self.lost("closed")
+            peers.incoming.discard(self)
+            for session in list(self.sessions.values()):
+                self.end_session(session)
+            self.sessions.clear()
+            workers.flush_pending()
+            writer.kill(block=True, timeout=1)
+            self.sock.close()
+            log.info("link from worker %d closed", self.worker)
+
+    def end_session(self, session: RemoteSession) -> None:
+        session.closed = True
+        self.peers.workers.detach(session.outbox, lambda consumer, error: log.error(
+            "clean-up of consumer %r of %s failed", getattr(consumer, "consumer_id", None), session.peer,
+            exc_info=error))
+
+    def read_loop(self, workers: Workers) -> None:
+        from .actions import run_lines
+
+        broker = workers.brokers[0]
+        publish = broker.publish
+        sessions = self.sessions
+        recv = self.sock.recv
+        feed = self.reader.feed
+        no_rejects: deque[tuple[bytes, str]] = deque()
+        flush_pending = workers.flush_pending
+        while not self.closed:
+            chunk = recv(RECV_BYTES)
+            if not chunk:
+                return
+            workers.bytes_in += len(chunk)
+            for kind, key, payload in feed(chunk):
+                if kind == 80:  # "P"
+                    tails = payload.split(NEWLINE)[:-1]
+                    broker.published -= len(tails)  # counted by the worker the client published to
+                    for tail in tails:
+                        msg_id = tail[4 : tail.index(b" ", 4)]
+                        start = len(msg_id) + 11  # b" ok " + msg_id + b" event="
+                        publish(msg_id, tail[start : tail.index(b" ", start)], tail)
+                elif kind == 83:  # "S"
+                    session = sessions.get(key)
+                    if session is None:
+                        session = sessions[key] = RemoteSession(self, key)
+                        if workers.draining:
+                            session.outbox.paused = True
+                    run_lines(session, payload.split(NEWLINE)[:-1], no_rejects)
+                elif kind == 77:  # "M"
+                    session = sessions.get(key)
+                    if session is not None:
+                        session.flush()
+                        if key[:1] == b"g":  # a gather's session lives for one answer
+                            del sessions[key]
+                    self.frame(46, key)
+                elif kind == 67:  # "C"
+                    self.publish_confirmed(broker, payload)
+                elif kind == 69:  # "E"
+                    for line in payload.split(NEWLINE)[:-1]:
+                        retry, _, rest = line.partition(b" ")
+                        name = rest[: rest.index(b" ok ")]
+                        queue = broker.queue(name)
+                        queue.put_record(rest[len(name) :], int(retry))
+                        broker.pump(queue)
+                elif kind == 88:  # "X"
+                    session = sessions.pop(key, None)
+                    if session is not None:
+                        self.end_session(session)
+                elif kind == 65 or kind == 85:  # "A", "U"
+                    session = sessions.get(key)
+                    if session is not None and not workers.draining:
+                        session.outbox.paused = kind == 65
+                        if kind == 85:
+                            workers.resume(session.outbox)
+            flush_pending()
+
+    def publish_confirmed(self, broker: Broker, payload: bytes) -> None:
+        workers = self.peers.workers
+        journal = workers.journal
+        confirms = self.confirms
+        for line in payload.split(NEWLINE)[:-1]:
+            fanin_id, _, tail = line.partition(b" ")
+            msg_id = msg_id_of(tail)
+            start = len(msg_id) + 11
+            event = tail[start : tail.index(b" ", start)]
+            if journal is not None and journal.log.disk_full:
+                confirms.write(workers.error_line(fanin_id, "disk full: confirmed publishes are refused until "
+                                                            "the data dir has room again"))
+                continue
+            full = broker.full_queues(event)
+            broker.publish(msg_id, event, tail)
+            if full:
+                names = ", ".join(f"queue {queue.name.decode(errors='replace')} is full "
+                                  f"(--max-length={queue.max_length})" for queue in full)
+                confirms.write(workers.error_line(fanin_id, f"{names}: the message was not put there "
+                                                            "(every other bound queue has it)"))
+            elif journal is None:
+                confirms.write(b"%b ok \n" % fanin_id)
+            else:
+                journal.unconfirmed.append((confirms, fanin_id))
+
+
+class Replica:
+    """Every other worker's bindings: event or mask -> their queues, and the links a publish must reach."""
+
+    __slots__ = ("routing", "queues", "cache", "peers")
+
+    def __init__(self, peers: Peers) -> None:
+        self.routing = Routing()
+        self.queues: dict[bytes, RemoteQueue] = {}
+        self.cache: dict[bytes, tuple[int, ...]] = {}  # event -> owners; cleared on any change
+        self.peers = peers
+
+    def owners(self, event: bytes) -> tuple[int, ...]:
+        owners = self.cache.get(event)
+        if owners is None:
+            owners = self.cache[event] = tuple(sorted({queue.owner for queue in self.routing.route(event)}))
+        return owners
+
+    def update(self, owner: int, payload: bytes) -> None:
+        """`{queue} {event}...` lines from `owner`: each queue's whole set of events now (none: unbound)."""
+        routing = self.routing
+        for line in payload.split(NEWLINE)[:-1]:
+            name, *events = line.split(b" ")
+            queue = self.queues.get(name)
+            if queue is None:
+                if not events:
+                    continue
+                queue = self.queues[name] = RemoteQueue(name, owner)
+            for event in queue.events:
+                routing.unbind(queue, event)
+            queue.events = tuple(events)
+            for event in events:
+                routing.bind(queue, event)
+            if not events:
+                del self.queues[name]
+        self.cache.clear()
+
+    def forget(self, owner: int) -> None:
+        for name, queue in list(self.queues.items()):
+            if queue.owner == owner:
+                for event in queue.events:
+                    self.routing.unbind(queue, event)
+                del self.queues[name]
+        self.cache.clear()
+
+    def count(self) -> int:
+        return len(self.queues)
+
+
+class Forwarder:
+    """Publishing's other half: copies for queues other workers own go to them, one line per owner."""
+
+    __slots__ = ("peers", "replica", "links", "local", "fanins", "next_fanin")
+
+    def __init__(self, peers: Peers) -> None:
+        self.peers = peers
+        self.replica = peers.replica
+        self.links = peers.links
+        self.local: Broker = peers.workers.brokers[0]
+        self.fanins = peers.fanins
+        self.next_fanin = itertools.count(1)
+
+    def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
+        owners = self.replica.cache.get(event)
+        if owners is None:
+            owners = self.replica.owners(event)
+        for owner in owners:
+            link = self.links[owner]
+            if link is not None:
+                if link.run_kind == 80:
+                    link.run.append(tail)
+                else:
+                    link.add(80, b"-", tail)
+            else:
+                self.peers.dropped_unlinked += 1
+
+    def routes(self, event: bytes) -> bool:
+        return bool(self.replica.owners(event))
+
+    def full_queues(self, event: bytes) -> list[Queue]:
+        return []  # the owners answer for their own queues (publish_confirmed)
+
+    def publish_confirmed(self, session: Any, rid: bytes, event: bytes, tail: bytes) -> None:
+        """A confirmed publish some of whose queues are elsewhere: one answer once every owner has it."""
+        owners = self.replica.owners(event)
+        local = self.local
+        workers = self.peers.workers
+        msg_id = msg_id_of(tail)
+        full = local.full_queues(event)
+        local_part = bool(local.routes(event))
+        fanin = FanIn(session.outbox, rid, len(owners) + 1, owners)
+        fanin_id = b"%d" % next(self.next_fanin)
+        self.fanins[fanin_id] = fanin
+        for owner in owners:
+            link = self.links[owner]
+            if link is None:
+                fanin.write(workers.error_line(rid, f"worker {owner}, which owns a bound queue, is restarting: "
+                                                    "the message was not put there"))
+            else:
+                link.add(67, b"-", fanin_id + b" " + tail)
+        local.publish(msg_id, event, tail)
+        if full:
+            names = ", ".join(f"queue {queue.name.decode(errors='replace')} is full (--max-length="
+                              f"{queue.max_length})" for queue in full)
+            fanin.write(workers.error_line(rid, f"{names}: the message was not put there (every other bound "
+                                                "queue has it)"))
+        elif local_part and workers.journal is not None:
+            workers.journal.unconfirmed.append((fanin, rid))
+        else:
+            fanin.write(format_ok(rid))
+
+
+class RemoteDeadLetters:
+    """`Broker.broker_for` for a dead-letter queue another worker owns: the copies go there."""
+
+    __slots__ = ("link", "name")
+
+    def __init__(self, link: PeerLink, name: bytes) -> None:
+        self.link = link
+        self.name = name
+
+    def queue(self, name: bytes) -> RemoteDeadLetters:
+        return self
+
+    def put_record(self, tail: bytes, retry: int) -> None:
+        self.link.add(69, b"-", b"%d %b%b" % (retry, self.name, tail))
+
+    def pump(self, queue: Any) -> None:
+        """The owner pumps when the copies arrive."""
+
+
+class Peers:
+    """This worker's view of the others: links, the bindings replica, sessions waiting on answers."""
+
+    def __init__(self, workers: Workers, worker: int, count: int, run_dir: str) -> None:
+        self.workers = workers
+        self.worker = worker
+        self.count = count
+        self.run_dir = run_dir
+        self.links: list[PeerLink | None] = [None] * count
+        self.incoming: set[IncomingLink] = set()
+        self.targets: dict[bytes, Any] = {}  # session key -> the client connection or gather it answers
+        self.fanins: dict[bytes, FanIn] = {}
+        self.replica = Replica(self)
+        self.forwarder = Forwarder(self)
+        self.next_key = itertools.count(1)
+        self.dropped_unlinked = 0
+        self.on_link_lost: Callable[[int], None] = lambda worker: None
+        local = workers.brokers[0]
+        local.bindings_changed = self.broadcast_bindings
+        local.broker_for = self.broker_for
+
+    def socket_path(self, worker: int) -> str:
+        return os.path.join(self.run_dir, f"link-{worker}.sock")
+
+    def owner(self, queue: bytes) -> int:
+        return owner_of(queue, self.count)
+
+    def broker_for(self, name: bytes) -> Any:
+        owner = owner_of(name, self.count)
+        if owner == self.worker:
+            return self.workers.brokers[0]
+        link = self.links[owner]
+        if link is None:
+            log.warning("dead letters for %r dropped: worker %d is restarting", name, owner)
+            return RemoteDeadLetters(_NowhereLink(), name)  # type: ignore[arg-type]
+        return RemoteDeadLetters(link, name)
+
+    def new_key(self, prefix: bytes = b"") -> bytes:
+        return b"%b%d" % (prefix, next(self.next_key))
+
+    # -- bindings ---------------------------------------------------------------------------------
+
+    def broadcast_bindings(self, queue: Queue) -> None:
+        """The local queue's events changed (or it was deleted): every peer's replica learns it now."""
+        line = b" ".join([queue.name, *queue.events]) if queue.events else queue.name
+        for link in self.incoming:
+            link.frame(66, b"-", line + NEWLINE)
+
+    def binding_dump(self) -> bytes:
+        return b"".join(b" ".join([name, *queue.events]) + NEWLINE
+                        for name, queue in self.workers.brokers[0].queues.items() if queue.events)
+
+    # -- links ------------------------------------------------------------------------------------
+
+    def accept_link(self, sock: socket.socket, worker: int, first_bytes: bytes = b"") -> None:
+        """A peer opened its link to us (the first line named it): serve its requests on this greenlet."""
+        link = IncomingLink(sock, self, worker)
+        link.reader.buffer = first_bytes
+        self.incoming.add(link)
+        link.frame(90, b"-")  # forget what the replica knew of us: we may have restarted
+        dump = self.binding_dump()
+        if dump:
+            link.frame(66, b"-", dump)
+        link.flush()
+        link.serve()
+
+    def connect_all(self, timeout: float) -> bool:
+        """Open a link to every peer, retrying until `timeout`; True if all are up."""
+        greenlets = [gevent.spawn(self.keep_linked, worker) for worker in range(self.count) if worker != self.worker]
+        deadline = gevent.get_hub().loop.now() + timeout
+        while any(self.links[w] is None for w in range(self.count) if w != self.worker):
+            if gevent.get_hub().loop.now() > deadline:
+                return False
+            gevent.sleep(CONNECT_RETRY_SECONDS)
+        del greenlets
+        return True
+
+    def keep_linked(self, worker: int) -> None:
+        """Connect to `worker`, and again whenever the link is lost (the peer restarts)."""
+        path = self.socket_path(worker)
+        while True:
+            sock = gevent.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(path)
+                sock.sendall(b"- _link %d\n" % self.worker)
+            except OSError:
+                sock.close()
+                gevent.sleep(CONNECT_RETRY_SECONDS)
+                continue
+            link = PeerLink(sock, self, worker)
+            self.links[worker] = link
+            log.info("linked to worker %d", worker)
+            writer = gevent.spawn(link.write_loop)
+            link.read_loop()
+            writer.kill(block=False)
+            sock.close()
+            gevent.sleep(CONNECT_RETRY_SECONDS)
+
+    def link_lost(self, link: PeerLink, reason: str) -> None:
+        if self.links[link.worker] is link:
+            self.links[link.worker] = None
+        log.warning("link to worker %d lost (%s): its clients here are closed; reconnecting", link.worker, reason)
+        for fanin_id, fanin in list(self.fanins.items()):
+            if link.worker in fanin.owners:
+                del self.fanins[fanin_id]
+                fanin.parts = 1
+                fanin.write(self.workers.error_line(fanin.rid, f"worker {link.worker} stopped before it had the "
+                                                               "message"))
+        self.on_link_lost(link.worker)
+        self.workers.flush_pending()
+
+    def stats(self) -> dict[str, Any]:
+        return {"worker_links": sum(link is not None for link in self.links), "replica_queues": self.replica.count(),
+                "dropped_unlinked": self.dropped_unlinked}
+
+
+class _NowhereLink:
+    """Where dead letters go while their owner restarts: counted in its log line, then dropped."""
+
+    def add(self, kind: int, key: bytes, line: bytes) -> None:
+        pass
+
+
+def merge_stats(answers: list[bytes], local: dict[str, Any]) -> dict[str, Any]:
+    """Every worker's `stats` as one: counts summed, top queues re-ranked, the rest as this worker has it."""
+    from .workers import TOP_QUEUES
+
+    per_worker = [local] + [json.loads(answer.partition(b" ok ")[2]) for answer in answers]
+    figures: dict[str, Any] = {}
+    for key, value in local.items():
+        if key in ("worker", "pid", "log", "top_queues"):
+            continue  # one worker's own: `stats --worker=N` shows them
+        if isinstance(value, bool) or not isinstance(value, int | float) or key == "uptime_seconds":
+            figures[key] = value
+        else:
+            figures[key] = sum(one.get(key, 0) for one in per_worker)
+    figures["workers"] = len(per_worker)
+    figures["memory_full"] = any(one.get("memory_full") for one in per_worker)
+    ranked = sorted((row for one in per_worker for row in one.get("top_queues", [])), key=lambda row: -row[1])
+    figures["top_queues"] = ranked[:TOP_QUEUES]
+    return figures

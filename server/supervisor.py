@@ -1,0 +1,150 @@
+"""`mqksd --workers N` (N >= 2): the parent process that runs N worker processes and keeps them running.
+
+The parent holds no queues and serves no client. It prepares the data dir for N workers
+(re-sharding a log written with another N, server/reshard.py), makes a private run
+directory for the workers' Unix sockets, starts `mqksd ... --worker-index i` N times,
+restarts a worker that dies (logged, with a back-off if it keeps dying), passes SIGHUP
+on, and on SIGTERM or SIGINT passes it on and exits 0 once every worker has drained and
+exited. Each worker dies with the parent (PR_SET_PDEATHSIG): a killed broker never leaves
+workers behind on its port.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from .config import Config
+
+log = logging.getLogger("mqks.supervisor")
+
+RESTART_BACKOFF_SECONDS = (0.0, 0.1, 0.5, 1.0, 2.0, 5.0)  # after 1, 2, ... quick deaths in a row
+QUICK_DEATH_SECONDS = 10.0  # a worker that ran longer than this starts its back-off over
+STOP_WAIT_SECONDS = 60.0  # past the drain: a worker that will not exit is killed
+SUPERVISOR_PID_ENV = "MQKS_SUPERVISOR_PID"
+
+
+class Supervisor:
+    """N worker processes under one parent."""
+
+    def __init__(self, config: Config, argv: list[str]) -> None:
+        self.config = config
+        self.argv = argv
+        self.count = config.workers
+        self.run_dir = tempfile.mkdtemp(prefix="mqks-")
+        self.children: dict[int, subprocess.Popen] = {}
+        self.started_at: dict[int, float] = {}
+        self.quick_deaths: dict[int, int] = {}
+        self.stopping = False
+        self.stop_deadline = 0.0
+
+    def command(self, worker: int) -> list[str]:
+        package = __spec__.parent if __spec__ is not None else "mqks.server"
+        return [sys.executable, "-m", package, *self.argv, "--worker-index", str(worker), "--run-dir", self.run_dir]
+
+    def start(self, worker: int) -> None:
+        env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())}
+        self.children[worker] = subprocess.Popen(self.command(worker), env=env)
+        self.started_at[worker] = time.monotonic()
+        log.info("worker %d started (pid %d)", worker, self.children[worker].pid)
+
+    def prepare_data_dir(self) -> None:
+        config = self.config
+        if config.data_dir is None:
+            return
+        from .reshard import prepare
+
+        summary = prepare(config.data_dir, self.count, fsync=config.fsync, segment_bytes=config.log_segment_bytes,
+                          repair=config.repair)
+        if summary:
+            log.info("%s", summary)
+
+    def on_stop(self, signum: int, frame: Any) -> None:
+        if not self.stopping:
+            log.info("stopping: passing %s to %d workers", signal.Signals(signum).name, len(self.children))
+            self.stopping = True
+            self.stop_deadline = time.monotonic() + self.config.drain_seconds + STOP_WAIT_SECONDS
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    def on_hup(self, signum: int, frame: Any) -> None:
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGHUP)
+
+    def run(self) -> int:
+        """Start every worker; restart any that dies until told to stop; 0 once all have stopped."""
+        signal.signal(signal.SIGTERM, self.on_stop)
+        signal.signal(signal.SIGINT, self.on_stop)
+        signal.signal(signal.SIGHUP, self.on_hup)
+        try:
+            self.prepare_data_dir()
+            for worker in range(self.count):
+                self.start(worker)
+            log.info("mqksd supervising %d workers on %s:%d (run dir %s)", self.count, self.config.host,
+                     self.config.port, self.run_dir)
+            return self.watch()
+        finally:
+            for child in self.children.values():
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def watch(self) -> int:
+        failed = False
+        while True:
+            for worker, child in list(self.children.items()):
+                code = child.poll()
+                if code is None:
+                    continue
+                if self.stopping:
+                    if code != 0:
+                        log.warning("worker %d exited %d while stopping", worker, code)
+                        failed = True
+                    del self.children[worker]
+                    continue
+                self.restart(worker, code)
+            if self.stopping:
+                if not self.children:
+                    log.info("mqksd stopped")
+                    return 1 if failed else 0
+                if time.monotonic() > self.stop_deadline:
+                    log.error("workers %s did not stop in time: killing them", sorted(self.children))
+                    return 1
+            time.sleep(0.05)  # the parent has nothing else to do: a poll every 50 ms costs nothing
+
+    def restart(self, worker: int, code: int) -> None:
+        ran = time.monotonic() - self.started_at[worker]
+        deaths = self.quick_deaths.get(worker, 0) + 1 if ran < QUICK_DEATH_SECONDS else 1
+        self.quick_deaths[worker] = deaths
+        wait = RESTART_BACKOFF_SECONDS[min(deaths - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
+        log.error("worker %d (pid %d) died (%s) after %.1f s; restarting it%s", worker, self.children[worker].pid,
+                  f"signal {-code}" if code < 0 else f"exit {code}", ran, f" in {wait:g} s" if wait else "")
+        if wait:
+            time.sleep(wait)
+        if not self.stopping:
+            self.start(worker)
+
+
+def die_with_parent() -> None:
+    """A worker: be killed when the supervisor goes (Linux), so no worker outlives a killed broker."""
+    parent_pid = int(os.environ.get(SUPERVISOR_PID_ENV, "0")) or os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        log.warning("cannot ask to die with the supervisor: a killed broker may leave this worker running")
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
