@@ -473,6 +473,8 @@ def handle_eval(session: Session, rid: bytes, args: bytes, confirm: bool) -> Non
         worker = parse_count(value, "--worker")
         if worker >= workers.count:
             raise ProtocolError(f"_eval: no worker {worker}: this server has {workers.count} (0..{workers.count - 1})")
+    elif (value := parse_flag_value(first, b"--owner")) is not None:
+        worker = workers.brokers.index(workers.worker_for(value))  # the worker that owns queue `value`
     else:
         code = args
     if not code.strip():

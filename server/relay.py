@@ -235,7 +235,8 @@ def handle_settle(handler: Handler) -> Handler:
 
 
 def handle_eval(handler: Handler) -> Handler:
-    """_eval runs on worker 0, or on worker N with --worker=N (where `state` is that worker's queues)."""
+    """_eval runs on worker 0, on worker N with --worker=N, or on queue Q's owner with --owner=Q (`state` is
+    that worker's queues)."""
 
     def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
         peers = session.workers.peers
@@ -243,6 +244,8 @@ def handle_eval(handler: Handler) -> Handler:
         first, _, code = args.partition(b" ")
         if (value := parse_flag_value(first, b"--worker")) is not None:
             worker = parse_worker(value, "_eval", peers.count)
+        elif (value := parse_flag_value(first, b"--owner")) is not None:
+            worker = peers.owner(value)  # the worker that owns queue `value`
         else:
             code = args
         if worker == peers.worker:
@@ -259,6 +262,8 @@ def handle_ping(handler: Handler) -> Handler:
     def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
         peers = session.workers.peers
         unsynced = session.unsynced  # type: ignore[attr-defined]
+        # the owners of this session's relayed consumers too: what they delivered before now arrives first
+        unsynced.update(session.remote)  # type: ignore[attr-defined]
         for worker, link in enumerate(peers.links):
             if link is not None and link.flush_pending:
                 unsynced.add(worker)
