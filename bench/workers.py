@@ -127,6 +127,20 @@ def topology(host: str, port: int) -> Topology:
                     direct={d["worker"]: (d["host"], d["port"]) for d in direct} if direct else None)
 
 
+def wait_direct(topo: Topology, timeout: float = peers.READY_TIMEOUT_SECONDS) -> None:
+    """Until every direct address accepts: the public port answering says only that one worker is up."""
+    deadline = time.monotonic() + timeout
+    for host, port in (topo.direct or {}).values():
+        while True:
+            try:
+                socket.create_connection((host, port), timeout=2).close()
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"direct port {host}:{port} not accepting in {timeout:.0f}s: {e}") from e
+                time.sleep(0.03)
+
+
 def queue_groups(queues: list[bytes], workers: int, groups: int) -> list[tuple[int, list[bytes]]]:
     """(owner, queues) for `groups` groups: each worker's queues dealt into groups // workers groups."""
     by_owner: dict[int, list[bytes]] = {w: [] for w in range(workers)}
@@ -308,7 +322,9 @@ def run_groups(flows: list[Flow], server_pid: int, check: Callable[[], str]) -> 
 def start_server(workers: int, python: str) -> tuple[peers.Server, Topology]:
     server = peers.start_mqks(None, LOG_DIR, python=python, extra_args=("--workers", str(workers)))
     try:
-        return server, topology(server.host, server.port)
+        topo = topology(server.host, server.port)
+        wait_direct(topo)
+        return server, topo
     except BaseException:
         server.stop()
         raise
@@ -346,8 +362,9 @@ def spread_cell(workers: int, variant: str, cfg: Config, python: str) -> dict:
         server.stop()
 
 
-def one_queue_cells(workers: int, variant: str, cfg: Config, python: str) -> dict[str, dict]:
-    """w1 on one queue, producer and consumer both on the owner, then both on a non-owner, on one server.
+def one_queue_cells(workers: int, variant: str, cfg: Config, python: str, rep: int = 0) -> dict[str, dict]:
+    """w1 on one queue, producer and consumer both on the owner and both on a non-owner, on one server
+    (the owner first in even reps, last in odd ones, so neither always runs on a warm server).
 
     Without "direct" in `hello` only the public port is reachable: the owner cell runs there and the
     non-owner cell is reported as not run."""
@@ -358,6 +375,8 @@ def one_queue_cells(workers: int, variant: str, cfg: Config, python: str) -> dic
         public = (server.host, server.port)
         paths = [("owner", owner)] + ([("non-owner", (owner + 1) % topo.workers)]
                                       if topo.direct and topo.workers > 1 else [])
+        if rep % 2:
+            paths.reverse()
         manual = variant == "manual-ack"
         published = 0
         for path, worker in paths:
@@ -417,6 +436,8 @@ def run(cfg: Config) -> int:
         f"machine {idle:.0f}% idle before it")
     say(f"# spread: {cfg.queues} queues in {cfg.groups} groups, {cfg.messages:,} msgs a cell; one queue "
         f"at --workers {top}: {cfg.one_queue_messages:,} msgs a cell; reps {cfg.reps}; payload 100 bytes")
+    if cfg.messages < 200_000:
+        say("  ! cells this short are a smoke run: CPU figures move in 10 ms ticks, rates in start-up noise")
     if idle < 80:
         say("  ! other work is running on this machine: expect wide ranges")
     machine0, own0 = busy_seconds()
@@ -430,7 +451,7 @@ def run(cfg: Config) -> int:
                 samples.setdefault(key, []).append(s)
                 say(f"  rep {rep + 1}/{cfg.reps} {key:<40} {sample_text(s)}")
             if top > 1:
-                for path, s in one_queue_cells(top, variant, cfg, python).items():
+                for path, s in one_queue_cells(top, variant, cfg, python, rep).items():
                     key = one_queue_key(path, variant)
                     samples.setdefault(key, []).append(s)
                     say(f"  rep {rep + 1}/{cfg.reps} {key:<40} {sample_text(s)}")
