@@ -75,13 +75,12 @@ def prepare(data_dir: str, workers: int, fsync: str = "always", segment_bytes: i
         write_layout(data_dir, workers)
         return None
     old_workers, slots = layout
+    _refuse_strays(data_dir, old_workers)
     if old_workers == workers and slots == SLOTS:
         if not os.path.exists(os.path.join(data_dir, LAYOUT_FILE)):
             write_layout(data_dir, workers)  # an older version's DIR: say what it is from now on
         return None
-    summary = _reshard(data_dir, old_workers, workers, fsync, segment_bytes, repair)
-    log.info("%s", summary)
-    return summary
+    return _reshard(data_dir, old_workers, workers, fsync, segment_bytes, repair)
 
 
 def read_layout(data_dir: str) -> tuple[int, int] | None:
@@ -115,7 +114,7 @@ def write_layout(data_dir: str, workers: int) -> None:
 
 def _reshard(data_dir: str, old_workers: int, workers: int, fsync: str, segment_bytes: int, repair: bool) -> str:
     """Replay every log in DIR, write the new layout beside it, then swap it in."""
-    recovery = _replay_all(data_dir, fsync, segment_bytes, repair)
+    recovery = _replay_all(data_dir, old_workers, fsync, segment_bytes, repair)
     placed = Workers(workers, Timers(), Journal(NullLog(), lambda rid, reason: b""))
     # records appended while rebuilding (a held copy past --max-retries becomes a dead letter) go
     # to NullLog: the snapshot below holds their outcome
@@ -150,12 +149,12 @@ def _reshard(data_dir: str, old_workers: int, workers: int, fsync: str, segment_
             f"{len(recovery.schedules)} schedules in {data_dir} from {old_workers} to {workers} workers")
 
 
-def _replay_all(data_dir: str, fsync: str, segment_bytes: int, repair: bool) -> Recovery:
-    """Every log in DIR (its root and every worker-* dir) replayed into one state; each queue in one log only."""
+def _replay_all(data_dir: str, old_workers: int, fsync: str, segment_bytes: int, repair: bool) -> Recovery:
+    """Every log of DIR's layout replayed into one state; each queue in one log only."""
     merged = Recovery()
     queue_origin: dict[bytes, str] = {}
     schedule_origin: dict[bytes, str] = {}
-    for path in _log_dirs(data_dir):
+    for path in _log_dirs(data_dir, old_workers):
         one = _replay(path, fsync, segment_bytes, repair)
         for name, state in one.queues.items():
             if name in queue_origin:
@@ -212,6 +211,10 @@ def _finish_interrupted(data_dir: str) -> None:
         log.warning("%s: a re-shard was interrupted after its new logs were complete; finishing it", data_dir)
         _swap(data_dir)
     shutil.rmtree(os.path.join(data_dir, DONE_DIR), ignore_errors=True)
+    try:
+        os.unlink(os.path.join(data_dir, LAYOUT_FILE + ".tmp"))  # a write_layout cut short
+    except FileNotFoundError:
+        pass
 
 
 def _swap(data_dir: str) -> None:
@@ -236,6 +239,7 @@ def _swap(data_dir: str) -> None:
         if SEGMENT_NAME.match(name) or WORKER_DIR.match(name):
             os.rename(os.path.join(ready, name), os.path.join(data_dir, name))
     _fsync_dir(data_dir)
+    _fsync_dir(ready)
     layout = read_layout(ready)
     if layout is None:
         raise ReshardError(f"{ready} has no {LAYOUT_FILE}: it was not written by prepare(); move it away")
@@ -248,12 +252,29 @@ def _swap(data_dir: str) -> None:
     shutil.rmtree(done)
 
 
-def _log_dirs(data_dir: str) -> Iterator[str]:
-    """Every dir in DIR that holds a log: DIR itself if it has segments, then each worker-* dir in order."""
-    if _root_segments(data_dir):
-        yield data_dir
-    for name in _worker_dirs(data_dir):
-        yield os.path.join(data_dir, name)
+def _log_dirs(data_dir: str, workers: int) -> Iterator[str]:
+    """The log dirs of a layout for `workers` that exist (a worker that never wrote may have none)."""
+    for worker in range(workers):
+        path = log_dir(data_dir, worker, workers)
+        if os.path.isdir(path):
+            yield path
+
+
+def _refuse_strays(data_dir: str, workers: int) -> None:
+    """Raise if DIR holds a log its layout does not name: its workers would never read it.
+
+    (An older mqksd run on a re-sharded DIR writes to DIR itself, for one.) Merging it could
+    bring back deleted queues or put one queue twice; the operator has to say which is right.
+    """
+    strays = [name for name in _worker_dirs(data_dir)
+              if (workers == 1 or int(name[len("worker-"):]) >= workers)
+              and _root_segments(os.path.join(data_dir, name))]
+    if workers > 1 and _root_segments(data_dir):
+        strays.insert(0, "its own *.log segments")
+    if strays:
+        raise ReshardError(f"{data_dir} is laid out for {workers} workers ({LAYOUT_FILE}) but also holds logs that "
+                           f"layout does not use: {', '.join(strays)}; move them away (or merge them by hand) "
+                           f"before starting")
 
 
 def _root_segments(data_dir: str) -> list[str]:

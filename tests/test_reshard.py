@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -344,6 +347,63 @@ def test_a_crash_at_any_step_leaves_the_old_or_the_new_layout_whole(built: Built
         prepare(path, new)
         check_layout(path, new, expected, built)
         shutil.rmtree(path)
+
+
+KILL_AT_STEP = """
+import os, shutil, signal, sys
+from mqks.server.reshard import prepare
+data_dir, workers, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+count = 0
+def counted(fn):
+    def wrapper(*args, **kwargs):
+        global count
+        count += 1
+        if count == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fn(*args, **kwargs)
+    return wrapper
+os.rename, os.unlink, shutil.rmtree = counted(os.rename), counted(os.unlink), counted(shutil.rmtree)
+prepare(data_dir, workers)
+"""
+
+
+def test_a_re_shard_killed_with_9_at_any_step_is_finished_by_the_next_prepare(built: Built, tmp_path,
+                                                                                monkeypatch) -> None:
+    """As the crash sweep above, but the process really dies: no finally, no writer thread closing its file."""
+    expected, _ = expected_state(built, tmp_path)
+    base = str(tmp_path / "base")
+    shutil.copytree(built.data_dir, base)
+    prepare(base, 2)
+    probe = str(tmp_path / "probe")
+    shutil.copytree(base, probe)
+    with monkeypatch.context() as m:
+        steps = crash_at(m, 0)
+        prepare(probe, 3)
+    for step in range(1, steps[0] + 1):
+        path = str(tmp_path / f"killed-{step}")
+        shutil.copytree(base, path)
+        done = subprocess.run([sys.executable, "-c", KILL_AT_STEP, path, "3", str(step)], timeout=60,
+                              capture_output=True)
+        assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+        prepare(path, 3)
+        check_layout(path, 3, expected, built)
+        shutil.rmtree(path)
+
+
+def test_logs_outside_the_layout_are_refused_not_merged_or_ignored(built: Built, data_dir: str) -> None:
+    """An older mqksd run on a re-sharded DIR writes to DIR itself: its workers would never read that."""
+    assert prepare(data_dir, 2) is not None
+    stray = os.path.join(data_dir, "000000000001.log")
+    shutil.copy(os.path.join(data_dir, "worker-0", "000000000001.log"), stray)
+    for workers in (2, 3):
+        with pytest.raises(ReshardError, match="own \\*\\.log segments"):
+            prepare(data_dir, workers)
+    os.unlink(stray)
+    os.makedirs(os.path.join(data_dir, "worker-5"))  # a dir with no log in it is harmless
+    assert prepare(data_dir, 2) is None
+    shutil.copy(os.path.join(data_dir, "worker-0", "000000000001.log"), os.path.join(data_dir, "worker-5"))
+    with pytest.raises(ReshardError, match="worker-5"):
+        prepare(data_dir, 2)
 
 
 def test_a_corrupt_log_is_refused_naming_its_dir_unless_repair(built: Built, data_dir: str) -> None:
