@@ -92,8 +92,8 @@ def read_layout(data_dir: str) -> tuple[int, int] | None:
     except FileNotFoundError:
         if _root_segments(data_dir):
             return 1, SLOTS
-        if _worker_dirs(data_dir):
-            raise ReshardError(f"{data_dir} holds worker-* log dirs but no {LAYOUT_FILE}: cannot tell how they "
+        if any(_root_segments(os.path.join(data_dir, name)) for name in _worker_dirs(data_dir)):
+            raise ReshardError(f"{data_dir} holds worker-* logs but no {LAYOUT_FILE}: cannot tell how they "
                                f"are laid out; restore {path} ({{\"workers\": N, \"slots\": {SLOTS}}})") from None
         return None
     try:

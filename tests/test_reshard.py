@@ -435,8 +435,11 @@ def test_a_new_dir_gets_a_layout_and_a_matching_one_is_left_alone(tmp_path) -> N
     assert layout(path) == {"workers": 2, "slots": SLOTS}
 
 
-def test_worker_dirs_without_a_layout_are_refused(tmp_path) -> None:
-    os.makedirs(tmp_path / "data" / "worker-0")
+def test_worker_logs_without_a_layout_are_refused(built: Built, tmp_path) -> None:
+    """Without layout.json nothing says which worker count placed them: guessing could lose queues."""
+    worker = tmp_path / "data" / "worker-0"
+    shutil.copytree(built.data_dir, worker)
     with pytest.raises(ReshardError, match=r"layout\.json"):
         prepare(str(tmp_path / "data"), 2)
+    assert sorted(os.listdir(tmp_path / "data")) == ["worker-0"]
 
