@@ -1,10 +1,10 @@
 """Step 5 of the flow, its front door: which worker owns a queue, and the flush after a batch.
 
-A queue belongs to worker `crc32(queue) % workers` (crc32 is stable across processes,
-unlike `hash()` of a str, so the placement survives restarts and, later, worker
-processes). An event is routed by every worker, since any worker may hold a queue bound
-to it. After a batch of lines, `flush_pending` hands every outbox that got bytes to its
-flush, once. No sockets here: an outbox's flush is whatever its owner set.
+A queue belongs to worker `slots.owner_of(queue, workers)` (its crc32 slot's range: stable
+across processes, restarts and the log's re-sharding, see slots.py). An event is routed
+by every worker, since any worker may hold a queue bound to it. After a batch of lines,
+`flush_pending` hands every outbox that got bytes to its flush, once. No sockets here: an
+outbox's flush is whatever its owner set.
 
 The process's figures for `stats`, `queues` and `/metrics` are read here, from the
 workers' state at the moment they are asked for: nothing is counted per message for them.
@@ -18,7 +18,6 @@ import heapq
 import importlib.metadata
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ from .outbox import Outbox
 from .requests import Requests
 from .routing import compile_mask
 from .schedules import Schedules
+from .slots import owner_of
 from .state import Broker, Queue, msg_id_of
 from .timers import Buckets, Timers
 
@@ -115,7 +115,7 @@ class Workers:
     def worker_for(self, queue: bytes) -> Broker:
         """The worker that owns `queue`."""
         brokers = self.brokers
-        return brokers[zlib.crc32(queue) % self.count] if self.count > 1 else brokers[0]
+        return brokers[owner_of(queue, self.count)] if self.count > 1 else brokers[0]
 
     def publish_later(self, due_ms: int, tail: bytes) -> None:
         """Publish `tail` (its msg id and event inside) at wall-clock millisecond `due_ms`."""

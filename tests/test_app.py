@@ -5,7 +5,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import zlib
 from collections import deque
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from mqks.server import actions
 from mqks.server.app import parse_args
+from mqks.server.slots import owner_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -131,12 +131,12 @@ def queues_one_per_worker(wire, prefix: str) -> list[bytes]:
 def queue_on_worker(worker: int, workers: int, prefix: str) -> bytes:
     for i in range(1000):
         name = f"{prefix}{i}".encode()
-        if zlib.crc32(name) % workers == worker:
+        if owner_of(name, workers) == worker:
             return name
     raise AssertionError("no name found")
 
 
-def test_queues_live_on_their_crc32_worker_and_publish_reaches_all(broker_per_worker_count):
+def test_queues_live_on_their_slot_owner_and_publish_reaches_all(broker_per_worker_count):
     wire = broker_per_worker_count.wire()
     names = queues_one_per_worker(wire, "workerq")
     workers = len(names)

@@ -8,7 +8,6 @@ gevent event; absence and order are proven with a later message on the same queu
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +19,7 @@ from gevent.event import Event
 from test_client import Inbox, make_client, unique, wait_until
 
 from mqks.client import Client, Message, MqksConnectionError, MqksError, MqksTimeoutError, wire
+from mqks.server.slots import owner_of
 
 
 @pytest.fixture
@@ -349,10 +349,10 @@ def test_reject_with_delay_lets_later_messages_pass(client: Client) -> None:
 
 
 def queues_on_both_workers(suffix: str) -> tuple[str, str]:
-    """Two queue names that a two-worker broker places on different workers (it places by crc32)."""
+    """Two queue names that a two-worker broker places on different workers (slots.owner_of)."""
     names = [f"q{number}-{suffix}" for number in range(64)]
-    even = next(name for name in names if zlib.crc32(name.encode()) % 2 == 0)
-    odd = next(name for name in names if zlib.crc32(name.encode()) % 2 == 1)
+    even = next(name for name in names if owner_of(name.encode(), 2) == 0)
+    odd = next(name for name in names if owner_of(name.encode(), 2) == 1)
     return even, odd
 
 
