@@ -205,10 +205,19 @@ class Server:
         config = self.config
         assert config.data_dir is not None
         self.log_wake = gevent.get_hub().loop.async_()
-        data_dir = config.data_dir
-        if config.worker_index is not None:  # each worker its own log (server/reshard.py moves queues between them)
-            data_dir = os.path.join(data_dir, f"worker-{config.worker_index}")
-            os.makedirs(data_dir, exist_ok=True)
+        from .reshard import ReshardError, log_dir, prepare
+
+        if config.worker_index is None:  # one process: a log written by N workers comes back into one first
+            try:
+                summary = prepare(config.data_dir, 1, fsync=config.fsync, segment_bytes=config.log_segment_bytes,
+                                  repair=config.repair)
+            except ReshardError as e:
+                raise ValueError(str(e)) from None
+            if summary:
+                log.info("%s", summary)
+        # with workers, each its own log; the supervisor has re-sharded them for this number of workers
+        data_dir = log_dir(config.data_dir, config.worker_index or 0, config.workers)
+        os.makedirs(data_dir, exist_ok=True)
         log_ = Log(data_dir, config.fsync, segment_bytes=config.log_segment_bytes, wake=self.log_wake.send)
         return Journal(log_, self.error_line, config.compact_min_bytes)
 

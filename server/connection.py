@@ -59,7 +59,7 @@ class Connection:
                  "max_output_bytes", "errors", "tls", "tokens", "authenticated", "unauthenticated_lines",
                  "eval_refusal", "said_hello", "ttl_seconds", "reads", "silence_watch", "draining",
                  # with worker processes (server/relay.py): this session on the other workers
-                 "key", "remote", "unsynced", "awaiting", "held", "unheld", "relay_paused")
+                 "key", "remote", "unsynced", "awaiting", "held", "unheld", "relay_paused", "synced")
 
     def __init__(self, sock: socket.socket, address: object, config: Config, workers: Workers,
                  next_error_id: Callable[[], str], *, tls: bool = False, tokens: Tokens | None = None,
@@ -98,6 +98,7 @@ class Connection:
         self.held: list | None = None
         self.unheld = Event()
         self.relay_paused = False
+        self.synced = False  # a held ping waited for the other workers: it answers when it runs again
         self.splitter = LineSplitter(config.max_line_bytes)
         self.next_error_id = next_error_id
         self.wake = Event()

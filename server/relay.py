@@ -260,6 +260,10 @@ def handle_ping(handler: Handler) -> Handler:
     """ping answers after everything this session sent before it has run, wherever that was."""
 
     def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+        if session.synced:  # type: ignore[attr-defined]
+            session.synced = False  # type: ignore[attr-defined]
+            handler(session, rid, args, confirm)  # this line ran once and waited for the sync: answer now
+            return
         peers = session.workers.peers
         unsynced = session.unsynced  # type: ignore[attr-defined]
         # the owners of this session's relayed consumers too: what they delivered before now arrives first
@@ -276,6 +280,7 @@ def handle_ping(handler: Handler) -> Handler:
                     session.awaiting += 1  # type: ignore[attr-defined]
             unsynced.clear()
             if session.awaiting:  # type: ignore[attr-defined]
+                session.synced = True  # type: ignore[attr-defined]
                 raise Hold(again=True)
         handler(session, rid, args, confirm)
 

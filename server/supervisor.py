@@ -59,10 +59,14 @@ class Supervisor:
         config = self.config
         if config.data_dir is None:
             return
-        from .reshard import prepare
+        from .reshard import ReshardError, prepare
 
-        summary = prepare(config.data_dir, self.count, fsync=config.fsync, segment_bytes=config.log_segment_bytes,
-                          repair=config.repair)
+        try:
+            summary = prepare(config.data_dir, self.count, fsync=config.fsync, segment_bytes=config.log_segment_bytes,
+                              repair=config.repair)
+        except ReshardError as e:
+            log.error("cannot start: %s", e)
+            raise SystemExit(1) from None
         if summary:
             log.info("%s", summary)
 

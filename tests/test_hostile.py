@@ -64,8 +64,8 @@ def test_disconnect_holding_an_event_with_retry_text_loses_nothing_and_leaks_not
     a.close()
     assert_newcomers_never_see_the_secret(broker, publisher, secret_event)
     # nobody consumes secretq now: the secret waits there, and m1 is back in pq with retry raised
-    assert eval_on(publisher, b"(len(state.queues[%r].consumers), state.queues[%r].depth())" % (secretq, secretq)) \
-        == b"(0, 1)"
+    assert eval_on(publisher, b"--owner=%b (len(state.queues[%r].consumers), state.queues[%r].depth())"
+                   % (secretq, secretq, secretq)) == b"(0, 1)"
     publisher.send(b"c9 consume %b --manual-ack" % pq)
     publisher.expect(b"c9 ok m1 event=x,retry=z,retry=1 hello")
     publisher.close()
@@ -74,11 +74,12 @@ def test_disconnect_holding_an_event_with_retry_text_loses_nothing_and_leaks_not
 def test_clean_up_detaches_every_consumer_even_when_one_fails(broker):
     a, publisher, pq, secretq, secret_event = hold_a_retry_lookalike_and_a_secret(broker)
     # break c1's bookkeeping so that its clean-up raises; victim's must still run
-    assert eval_on(publisher, b"setattr(state.queues[%r].consumers[0], 'unacked', 0)" % pq) == b"None"
+    assert eval_on(publisher, b"--owner=%b setattr(state.queues[%r].consumers[0], 'unacked', 0)" % (pq, pq)) \
+        == b"None"
     a.close()
     assert_newcomers_never_see_the_secret(broker, publisher, secret_event)
-    assert eval_on(publisher, b"(len(state.queues[%r].consumers), len(state.queues[%r].consumers))"
-                   % (pq, secretq)) == b"(0, 0)"
+    for queue in (pq, secretq):
+        assert eval_on(publisher, b"--owner=%b len(state.queues[%r].consumers)" % (queue, queue)) == b"0"
     assert "clean-up of consumer b'c1'" in broker.log()
     publisher.close()
 
@@ -102,8 +103,8 @@ def test_repeated_msg_ids_are_acked_in_order_and_leave_nothing_behind(broker):
     wire.send(*(b"a%d ack c1 m%d" % (i, i) for i in range(1, count)))
     assert wire.barrier() == []
     consumer = b"state.queues[%r].consumers[0]" % queue
-    assert eval_on(wire, b"(%b.unacked, %b.seq_by_msg_id, %b.later_seqs_by_msg_id)" % (consumer, consumer, consumer)) \
-        == b"({}, {}, {})"
+    assert eval_on(wire, b"--owner=%b (%b.unacked, %b.seq_by_msg_id, %b.later_seqs_by_msg_id)"
+                   % (queue, consumer, consumer, consumer)) == b"({}, {}, {})"
     wire.close()
 
 
