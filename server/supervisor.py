@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,25 @@ class Supervisor:
         if summary:
             log.info("%s", summary)
 
+    def check_ports_free(self) -> None:
+        """Refuse to start beside another broker on our ports: SO_REUSEPORT alone would let both accept there.
+
+        A bind without SO_REUSEPORT fails while a socket listens on the port, shared or not.
+        """
+        config = self.config
+        for port in (config.port, config.tls_port):
+            if not port:
+                continue
+            probe = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past connections in TIME_WAIT do not count
+            try:
+                probe.bind((config.host, port))
+            except OSError as e:
+                log.error("cannot listen on %s:%d: %s", config.host, port, e)
+                raise SystemExit(1) from None
+            finally:
+                probe.close()
+
     def on_stop(self, signum: int, frame: Any) -> None:
         if not self.stopping:
             log.info("stopping: passing %s to %d workers", signal.Signals(signum).name, len(self.children))
@@ -90,6 +110,7 @@ class Supervisor:
         signal.signal(signal.SIGINT, self.on_stop)
         signal.signal(signal.SIGHUP, self.on_hup)
         try:
+            self.check_ports_free()
             self.prepare_data_dir()
             for worker in range(self.count):
                 self.start(worker)

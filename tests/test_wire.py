@@ -320,7 +320,8 @@ def test_delete_when_unused_timer_arms_again_after_a_consumer_came_back(broker, 
     wire.expect(b"c2 ok ")
     wire.send(b"d2 delete_consumer --confirm c2")  # armed again
     wire.expect(b"d2 ok ")
-    wait_for(lambda: eval_on(wire, b"--owner=%b %r in state.queues" % (queue, queue)) == b"False", "the re-armed delete")
+    wait_for(lambda: eval_on(wire, b"--owner=%b %r in state.queues" % (queue, queue)) == b"False",
+             "the re-armed delete")
     publisher = broker.wire()
     publisher.send(b"p3 publish --confirm %b 3" % event)
     publisher.expect(b"p3 ok ")

@@ -1,0 +1,294 @@
+"""Worker processes (`mqksd --workers N`): lines that cross workers on purpose, and the supervisor.
+
+Each worker's own port (from `hello`'s "direct") reaches that worker alone, so a test can put a
+client on the owner of a queue or on the other worker. Placement is server/slots.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from conftest import Broker, Wire
+from helpers import unique_bytes, wait_for
+
+from mqks.server.slots import owner_of, slot_ranges
+
+WORKERS = 2
+
+
+def hello(wire: Wire) -> dict:
+    wire.send(b"h hello")
+    line = wire.recv_line()
+    assert line.startswith(b"h ok "), line
+    return json.loads(line[5:])
+
+
+def direct(broker: Broker, worker: int) -> Wire:
+    """A connection to worker `worker` alone."""
+    wire = broker.wire()
+    info = hello(wire)
+    wire.close()
+    entry = info["direct"][worker]
+    assert entry["worker"] == worker
+    found = Wire(entry["host"], entry["port"])
+    assert hello(found)["worker"] == worker
+    return found
+
+
+def queue_on(worker: int, prefix: str = "q", workers: int = WORKERS) -> bytes:
+    """A fresh queue name that worker `worker` owns."""
+    while True:
+        name = unique_bytes(prefix)
+        if owner_of(name, workers) == worker:
+            return name
+
+
+def stats(wire: Wire, worker: int | None = None) -> dict:
+    wire.send(b"s stats" + (b" --worker=%d" % worker if worker is not None else b""))
+    line = wire.recv_line()
+    assert line.startswith(b"s ok "), line
+    return json.loads(line[5:])
+
+
+@pytest.fixture(scope="module")
+def two() -> Broker:
+    server = Broker("--eval", "--workers", str(WORKERS))
+    yield server
+    server.kill()
+
+
+def test_hello_tells_the_slot_map_and_each_workers_own_port(two):
+    wire = two.wire()
+    info = hello(wire)
+    assert info["workers"] == WORKERS and info["slots"] == 16384
+    assert info["slot_map"] == slot_ranges(WORKERS)
+    assert [entry["worker"] for entry in info["direct"]] == list(range(WORKERS))
+    for worker in range(WORKERS):
+        own = direct(two, worker)
+        assert stats(own, worker)["worker"] == worker
+        own.close()
+    wire.close()
+
+
+def test_a_publish_on_one_worker_reaches_queues_of_both(two):
+    event = unique_bytes("e")
+    queues = [queue_on(0), queue_on(1)]
+    consumers = [direct(two, worker) for worker in range(WORKERS)]
+    for worker, (consumer, queue) in enumerate(zip(consumers, queues, strict=True)):
+        consumer.send(b"c%d consume --confirm %b %b" % (worker, queue, event))
+        consumer.expect(b"c%d ok " % worker)
+    for publisher_worker in range(WORKERS):
+        publisher = direct(two, publisher_worker)
+        publisher.send(b"p%d publish --confirm %b from-%d" % (publisher_worker, event, publisher_worker))
+        publisher.expect(b"p%d ok " % publisher_worker)
+        for worker, consumer in enumerate(consumers):
+            consumer.expect(b"c%d ok p%d event=%b from-%d" % (worker, publisher_worker, event, publisher_worker))
+        publisher.close()
+    for consumer in consumers:
+        consumer.close()
+
+
+@pytest.mark.parametrize("manual_ack", [False, True], ids=["auto-ack", "manual-ack"])
+def test_a_consume_on_the_worker_that_does_not_own_the_queue(two, manual_ack):
+    queue, event = queue_on(1), unique_bytes("e")
+    consumer = direct(two, 0)  # not the owner: deliveries and acks are relayed
+    flag = b" --manual-ack" if manual_ack else b""
+    consumer.send(b"c consume --confirm %b %b%b" % (queue, event, flag))
+    consumer.expect(b"c ok ")
+    owner = direct(two, 1)
+    acked_before = stats(owner, 1)["acked"]
+    owner.send(*(b"m%d publish %b body-%d" % (n, event, n) for n in range(500)))
+    for n in range(500):
+        consumer.expect(b"c ok m%d event=%b body-%d" % (n, event, n))
+    if manual_ack:
+        consumer.send(b"a ack --confirm c " + b" ".join(b"m%d" % n for n in range(500)))
+        consumer.expect(b"a ok ")
+        assert stats(owner, 1)["acked"] - acked_before == 500  # acked on the owner
+        consumer.send(b"bad ack c nope")
+        consumer.expect_error(b"bad", b"no un-acked message 'nope'")
+    consumer.close()
+    owner.close()
+
+
+def test_masks_spanning_owners(two):
+    base = unique_bytes("m")
+    queues = [queue_on(0), queue_on(1)]
+    consumers = [direct(two, worker) for worker in (1, 0)]  # each consumes on the other worker
+    for n, (consumer, queue) in enumerate(zip(consumers, queues, strict=True)):
+        consumer.send(b"c consume --confirm %b %b.*.%d" % (queue, base, n))
+        consumer.expect(b"c ok ")
+    publisher = two.wire()
+    publisher.send(b"p0 publish %b.x.0 zero" % base, b"p1 publish %b.y.1 one" % base, b"p2 publish %b.z.2 two" % base)
+    publisher.barrier()
+    consumers[0].expect(b"c ok p0 event=%b.x.0 zero" % base)
+    consumers[1].expect(b"c ok p1 event=%b.y.1 one" % base)
+    for consumer in consumers:
+        assert consumer.barrier() == []  # p2 matched nobody
+        consumer.close()
+    publisher.close()
+
+
+def test_update_reaches_consumers_on_other_workers(two):
+    queue, first, second = queue_on(1), unique_bytes("e"), unique_bytes("e")
+    consumers = [direct(two, worker) for worker in range(WORKERS)]
+    for worker, consumer in enumerate(consumers):
+        consumer.send(b"c%d consume --confirm %b %b" % (worker, queue, first))
+        consumer.expect(b"c%d ok " % worker)
+    changer = direct(two, 0)
+    changer.send(b"r rebind --confirm %b %b" % (queue, second))
+    changer.expect(b"r ok ")
+    for worker, consumer in enumerate(consumers):
+        consumer.expect(b"c%d ok --update %b %b" % (worker, queue, second))
+        consumer.close()
+    changer.close()
+
+
+def test_a_disconnect_on_the_non_owner_requeues_on_the_owner(two):
+    queue, event = queue_on(0), unique_bytes("e")
+    holder = direct(two, 1)
+    holder.send(b"c consume --confirm %b %b --manual-ack" % (queue, event))
+    holder.expect(b"c ok ")
+    publisher = two.wire()
+    publisher.send(b"m1 publish --confirm %b precious" % event)
+    publisher.expect(b"m1 ok ")
+    holder.expect(b"c ok m1 event=%b precious" % event)
+    holder.close()  # never acked: the owner takes it back
+    taker = direct(two, 0)
+    taker.send(b"c consume %b %b --manual-ack" % (queue, event))
+    taker.expect(b"c ok m1 event=%b,retry=1 precious" % event)
+    taker.close()
+    publisher.close()
+
+
+def test_delete_queue_when_unused_across_workers(two):
+    queue, event = queue_on(1), unique_bytes("e")
+    consumer = direct(two, 0)
+    consumer.send(b"c consume --confirm %b %b --delete-queue-when-unused" % (queue, event))
+    consumer.expect(b"c ok ")
+    inspector = two.wire()
+    inspector.send(b"e _eval --owner=%b %r in state.queues" % (queue, queue))
+    inspector.expect(b"e ok True")
+    consumer.close()
+
+    def deleted() -> bool:
+        inspector.send(b"e _eval --owner=%b %r in state.queues" % (queue, queue))
+        return inspector.recv_line() == b"e ok False"
+
+    wait_for(deleted, "the owner to delete the queue its last (relayed) consumer left")
+    publisher = direct(two, 0)  # the replica on the other worker forgot the binding too
+    publisher.send(b"p request %b anyone" % event)
+    publisher.expect_error(b"p", b"no queue is bound")
+    publisher.close()
+    inspector.close()
+
+
+def test_stats_sum_every_worker_and_queues_lists_both(two):
+    queues = [queue_on(0, "sq"), queue_on(1, "sq")]
+    wire = two.wire()
+    for n, queue in enumerate(queues):
+        wire.send(b"c%d consume --confirm %b e-%b" % (n, queue, queue))
+        wire.expect(b"c%d ok " % n)
+    per_worker = [stats(wire, worker) for worker in range(WORKERS)]
+    total = stats(wire)
+    assert total["workers"] == WORKERS
+    assert total["queues"] == sum(one["queues"] for one in per_worker) >= 2
+    wire.send(b"l queues sq*")
+    rows = []
+    while (line := wire.recv_line()) != b"l ok --end":
+        rows.append(json.loads(line[5:])["queue"].encode())
+    assert [queue for queue in queues if queue in rows] == sorted(queues)
+    wire.close()
+
+
+def test_a_killed_worker_is_restarted_and_keeps_confirmed_messages(make_broker):
+    data_dir = tempfile.mkdtemp(prefix="mqks-workers-")
+    broker = make_broker("--workers", str(WORKERS), "--data-dir", data_dir)
+    queue, event = queue_on(1, "kq"), unique_bytes("e")
+    wire = broker.wire()
+    wire.send(b"c consume --confirm %b %b --manual-ack" % (queue, event))
+    wire.expect(b"c ok ")
+    wire.send(b"d delete_consumer --confirm c")
+    wire.expect(b"d ok ")
+    wire.send(*(b"m%d publish --confirm %b body-%d" % (n, event, n) for n in range(100)))
+    for n in range(100):
+        wire.expect(b"m%d ok " % n)
+    victim = stats(wire, 1)["pid"]
+    wire.close()
+    os.kill(victim, signal.SIGKILL)
+
+    def restarted() -> bool:
+        try:
+            own = direct(broker, 1)
+        except (OSError, AssertionError, TimeoutError, ConnectionError):
+            return False
+        try:
+            return stats(own, 1)["pid"] != victim
+        finally:
+            own.close()
+
+    wait_for(restarted, "the supervisor to restart worker 1", timeout=20)
+    assert "worker 1" in broker.log() and "restarting it" in broker.log()
+    consumer = broker.wire()
+    consumer.send(b"c consume %b %b" % (queue, event))
+    for n in range(100):
+        consumer.expect(b"c ok m%d event=%b body-%d" % (n, event, n))
+    consumer.close()
+
+
+def test_a_different_number_of_workers_finds_every_queue(make_broker):
+    data_dir = tempfile.mkdtemp(prefix="mqks-reshard-")
+    broker = make_broker("--workers", "2", "--data-dir", data_dir)
+    event = unique_bytes("e")
+    queues = [unique_bytes("rq") for _ in range(8)]
+    wire = broker.wire()
+    for n, queue in enumerate(queues):
+        wire.send(b"c%d consume --confirm %b %b" % (n, queue, event), b"x%d delete_consumer --confirm c%d" % (n, n))
+        wire.expect(b"c%d ok " % n)
+        wire.expect(b"x%d ok " % n)
+    wire.send(b"m publish --confirm %b kept" % event)
+    wire.expect(b"m ok ")
+    wire.close()
+    assert broker.stop() == 0
+    for count in ("3", "1"):
+        broker.args = ["--workers", count, "--data-dir", data_dir]
+        broker.restart()
+        for queue in queues:
+            consumer = broker.wire()
+            consumer.send(b"c consume %b %b --manual-ack" % (queue, event))
+            line = consumer.recv_line()  # held, then requeued on close (retry raised): there again next time
+            assert line.startswith(b"c ok m event=%b" % event) and line.endswith(b" kept"), (count, queue, line)
+            consumer.close()
+        assert broker.stop() == 0
+
+
+def test_a_second_broker_on_the_same_port_is_refused(two):
+    result = subprocess.run([sys.executable, "-m", "mqks.server", "--port", str(two.port), "--workers", "2"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert "cannot listen" in result.stderr
+    assert two.answers_ping()
+
+
+def test_sigterm_stops_every_worker_and_exits_0(make_broker):
+    broker = make_broker("--workers", "2")
+    wire = broker.wire()
+    pids = [stats(wire, worker)["pid"] for worker in range(WORKERS)]
+    wire.close()
+    assert broker.stop() == 0
+    for pid in pids:
+        wait_for(lambda pid=pid: exited(pid), f"worker {pid} to exit")
+
+
+def exited(pid: int) -> bool:
+    """True once `pid` is gone or a zombie (its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
