@@ -12,8 +12,8 @@ binding changes there, so an answer never overtakes the bindings it caused. A fr
 header line `{kind}{key} {size}\\n` and `size` bytes of payload:
 
   asker -> owner                            owner -> asker
-  P  tails, one per line: publish them      >  bytes for session `key`'s client (or gather)
-  C  `{fanin} {tail}` lines: publish,       .  session `key` has run everything sent before
+  P  `{event}{tail}` lines: publish them     >  bytes for session `key`'s client (or gather)
+  C  `{fanin} {event}{tail}` lines: as P,   .  session `key` has run everything sent before
      answer each once durable               c  `{fanin} ok` / `{fanin} error ...` lines
   E  `{retry} {queue}{tail}`: dead letters  B  `{queue} {event}...` lines: the queue's events now
   S  client lines of session `key`          Z  forget every binding of the owner (it restarted)
@@ -201,10 +201,10 @@ class FanIn:
         if self.error is None:
             rest = line.partition(b" ")[2]
             if rest.startswith(b"error "):
-                self.error = rest
+                self.error = rest.rstrip(NEWLINE)  # a local part's line ends in one, a peer's was split off
         self.parts -= 1
         if self.parts == 0:
-            self.outbox.write(b"%b %b" % (self.rid, self.error) if self.error is not None else format_ok(self.rid))
+            self.outbox.write(b"%b %b\n" % (self.rid, self.error) if self.error is not None else format_ok(self.rid))
 
 
 class Gather:
@@ -279,10 +279,11 @@ class PeerLink(FrameSocket):
                             target.done()
                     elif kind == 99:  # "c"
                         for line in payload.split(NEWLINE)[:-1]:
-                            fanin_id, _, answer = line.partition(b" ")
-                            fanin = fanins.pop(fanin_id, None)
+                            fanin = fanins.get(line[: line.index(b" ")])
                             if fanin is not None:
-                                fanin.write(answer)
+                                fanin.write(line)
+                                if fanin.parts == 0:
+                                    del fanins[line[: line.index(b" ")]]
                     elif kind == 66:  # "B"
                         replica.update(self.worker, payload)
                     elif kind == 90:  # "Z"
@@ -424,12 +425,14 @@ class IncomingLink(FrameSocket):
             workers.bytes_in += len(chunk)
             for kind, key, payload in feed(chunk):
                 if kind == 80:  # "P"
-                    tails = payload.split(NEWLINE)[:-1]
-                    broker.published -= len(tails)  # counted by the worker the client published to
-                    for tail in tails:
-                        msg_id = tail[4 : tail.index(b" ", 4)]
-                        start = len(msg_id) + 11  # b" ok " + msg_id + b" event="
-                        publish(msg_id, tail[start : tail.index(b" ", start)], tail)
+                    lines = payload.split(NEWLINE)[:-1]
+                    broker.published -= len(lines)  # counted by the worker the client published to
+                    for line in lines:
+                        # `{event}{tail}`: the event is sent apart, since in the tail a request's
+                        # `,reply=` follows it with no space between
+                        space = line.index(b" ")
+                        tail = line[space:]
+                        publish(tail[4 : tail.index(b" ", 4)], line[:space], tail)
                 elif kind == 83:  # "S"
                     session = sessions.get(key)
                     if session is None:
@@ -470,10 +473,10 @@ class IncomingLink(FrameSocket):
         journal = workers.journal
         confirms = self.confirms
         for line in payload.split(NEWLINE)[:-1]:
-            fanin_id, _, tail = line.partition(b" ")
+            fanin_id, _, rest = line.partition(b" ")
+            event, _, tail = rest.partition(b" ")
+            tail = b" " + tail
             msg_id = msg_id_of(tail)
-            start = len(msg_id) + 11
-            event = tail[start : tail.index(b" ", start)]
             if journal is not None and journal.log.disk_full:
                 confirms.write(workers.error_line(fanin_id, "disk full: confirmed publishes are refused until "
                                                             "the data dir has room again"))
@@ -560,9 +563,9 @@ class Forwarder:
             link = self.links[owner]
             if link is not None:
                 if link.run_kind == 80:
-                    link.run.append(tail)
+                    link.run.append(event + tail)
                 else:
-                    link.add(80, b"-", tail)
+                    link.add(80, b"-", event + tail)
             else:
                 self.peers.dropped_unlinked += 1
 
@@ -589,7 +592,7 @@ class Forwarder:
                 fanin.write(workers.error_line(rid, f"worker {owner}, which owns a bound queue, is restarting: "
                                                     "the message was not put there"))
             else:
-                link.add(67, b"-", fanin_id + b" " + tail)
+                link.add(67, b"-", b"%b %b%b" % (fanin_id, event, tail))
         local.publish(msg_id, event, tail)
         if full:
             names = ", ".join(f"queue {queue.name.decode(errors='replace')} is full (--max-length="
