@@ -20,12 +20,15 @@ import pytest
 import ujson
 from conftest import Broker
 from gevent.event import Event
+from helpers import free_port
+from tls_certs import make_certs
 
 from mqks.client import Client, Message
 from mqks.client.placement import Placement, Route
 from mqks.server.slots import SLOTS, owner_of, slot_ranges
 
 WAIT_SECONDS = 10.0
+TOKEN = "workers-s3cret-0123456789"
 NO_MULTI_PROCESS = ("mqksd --workers N still runs one process here: its hello has no slot map and no direct "
                     "addresses (issue 13's server lands them)")
 
@@ -419,5 +422,60 @@ def test_consumers_follow_their_queues_through_restarts_with_one_then_three_work
                     assert link_worker(client, queue) == owner_of(queue.encode(), 3), queue
             else:
                 assert not client._direct or all(not s.by_id for _, s in client._direct.values())
+    finally:
+        client.close()
+
+
+def test_a_spark_executor_fetches_on_the_owner_and_on_the_public_port_without_a_map(proxies, monkeypatch) -> None:
+    source = pytest.importorskip("mqks.spark.source")
+    from mqks.spark.options import Endpoint
+
+    _, (public, w0, w1, _) = proxies
+    fake_workers(proxies[1], 2)
+    monkeypatch.setattr(source, "_CLIENTS", {})
+    endpoint = Endpoint("127.0.0.1", public.port, 5.0)
+    q1, event = queue_owned_by(1, 2), f"e-{uuid.uuid4().hex[:8]}"
+    client = make_client(public.port)
+    try:
+        client.rebind(q1, [event])
+        client.publish(event, "for spark", confirm=True)
+    finally:
+        client.close()
+    # the line client blocks (no gevent, as on an executor): a thread of its own lets the proxies run
+    in_thread = gevent.get_hub().threadpool.apply
+    try:
+        fetcher = in_thread(source._fetch_client, (endpoint, q1.encode(), False))
+        assert fetcher.port == w1.port
+        line = b"f1 fetch %b --max=10 --max-bytes=65536 --lease=spark.t.1.0 --lease-seconds=30" % q1.encode()
+        lines, _ = in_thread(source._fetch, (fetcher, b"f1", line))
+        assert len(lines) == 1 and lines[0].endswith(b" for spark")
+        assert len(w1.actions(b"fetch")) == 1 and not public.actions(b"fetch") and not w0.actions(b"fetch")
+        fake_workers(proxies[1], 1)  # a restart with one worker: a fresh hello has no map
+        assert in_thread(source._fetch_client, (endpoint, q1.encode(), True)).port == public.port
+    finally:
+        for line_client in source._CLIENTS.values():
+            line_client.close()
+
+
+def test_direct_links_speak_tls_with_the_token_when_the_public_link_does(make_broker, tmp_path) -> None:
+    certs = make_certs(tmp_path)
+    (tmp_path / "tokens").write_text(TOKEN + "\n")
+    tls_port = free_port()
+    make_broker("--workers", "2", *certs.server_args(tls_port), "--auth-token-file", str(tmp_path / "tokens"))
+    client = make_client(tls_port, tls=certs.client_context(), token=TOKEN)
+    try:
+        if Placement.from_hello(client.server_info) is None:
+            pytest.skip(NO_MULTI_PROCESS)
+        q0, q1, event = queue_owned_by(0, 2), queue_owned_by(1, 2), f"e-{uuid.uuid4().hex[:8]}"
+        inbox0, inbox1 = Inbox(ack=True), Inbox(ack=True)
+        client.consume(q0, [event], inbox0, manual_ack=True)
+        client.consume(q1, [event], inbox1, manual_ack=True)
+        client.publish(event, "secret")
+        assert inbox0.wait(1)[0].data == inbox1.wait(1)[0].data == "secret"
+        for worker, (route, session) in client._direct.items():
+            assert session.link is not None and session.link.server_info is not None
+            info = session.link.server_info
+            assert (info["tls"], info["authenticated"], info["worker"]) == (True, True, worker)
+            assert route.unix is None  # never a Unix socket under TLS
     finally:
         client.close()
