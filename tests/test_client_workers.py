@@ -157,14 +157,19 @@ def test_an_entry_without_a_port_or_a_worker_routes_to_the_public_link() -> None
 class HelloProxy:
     """A TCP proxy to a real broker that merges `extra` into every hello answer, and records the lines it passes."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, unix: str | None = None) -> None:
         self.upstream_port = upstream_port
         self.extra: dict[str, Any] = {}
         self.lines: list[bytes] = []  # client -> broker, every connection
         self.socks: list[gevent.socket.socket] = []
-        self.server = gevent.server.StreamServer(("127.0.0.1", 0), self._handle)
+        listener: Any = ("127.0.0.1", 0)
+        if unix is not None:
+            listener = gevent.socket.socket(gevent.socket.AF_UNIX, gevent.socket.SOCK_STREAM)
+            listener.bind(unix)
+            listener.listen()
+        self.server = gevent.server.StreamServer(listener, self._handle)
         self.server.start()
-        self.port: int = self.server.server_port
+        self.port: int = 0 if unix is not None else self.server.server_port
 
     def actions(self, action: bytes) -> list[bytes]:
         return [line for line in self.lines if line.split(b" ", 2)[1:2] == [action]]
@@ -343,6 +348,29 @@ def test_a_direct_port_nobody_answers_falls_back_to_the_public_address(proxies) 
         assert consumed_at(public, q1)
     finally:
         client.close()
+
+
+def test_a_local_client_prefers_the_owners_unix_socket(proxies, tmp_path) -> None:
+    broker, (public, w0, w1, _) = proxies
+    path = str(tmp_path / "worker-1.sock")
+    w1_unix = HelloProxy(broker.port, unix=path)
+    try:
+        fake_workers([public, w0, w1, w1_unix], 2)
+        for proxy in (public, w0, w1, w1_unix):
+            proxy.extra["direct"][1]["unix"] = path
+        client = make_client(public.port)
+        try:
+            q1, event = queue_owned_by(1, 2), f"e-{uuid.uuid4().hex[:8]}"
+            inbox = Inbox(ack=True)
+            client.consume(q1, [event], inbox, manual_ack=True)
+            client.publish(event, "next door")
+            assert inbox.wait(1)[0].data == "next door"
+            wait_until(lambda: w1_unix.actions(b"ack"), "the ack on the Unix socket")
+            assert consumed_at(w1_unix, q1) and not w1.lines
+        finally:
+            client.close()
+    finally:
+        w1_unix.close()
 
 
 # -- the client against mqksd --workers N itself -----------------------------------------------------------------
