@@ -33,13 +33,14 @@ NO_MULTI_PROCESS = ("mqksd --workers N still runs one process here: its hello ha
                     "addresses (issue 13's server lands them)")
 
 
-def wait_until(predicate: Callable[[], object], what: str, timeout: float = WAIT_SECONDS) -> None:
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = WAIT_SECONDS,
+               interval: float = 0.01) -> None:
     """Poll `predicate` (yielding to gevent) until true, or fail naming `what`."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        gevent.sleep(0.01)
+        gevent.sleep(interval)
 
 
 def queue_owned_by(worker: int, workers: int, prefix: str = "q") -> str:
@@ -443,7 +444,7 @@ def test_consumers_follow_their_queues_through_restarts_with_one_then_three_work
             # the replay re-creates the queues and their bindings: publish until each has had one
             wait_until(lambda sent=sent: client.publish(event, sent, confirm=True) and all(
                 any(m.data == sent for m in inbox.messages) for inbox in inboxes.values()),
-                f"every queue to get {sent!r}")
+                f"every queue to get {sent!r}", interval=0.2)
             if workers == 3:
                 multi_process(broker)
                 for queue in queues:
