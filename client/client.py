@@ -4,6 +4,10 @@ Step in the flow: a call checks and encodes its arguments (`wire`), then goes ou
 (connection.py); consumers and their callbacks live in `Consumers` (consumers.py).
 Invariants: a call waits at most its timeout, a reconnect included, and then raises an MqksError;
 a confirmed call returns only after the broker's ok.
+With a broker of several workers (its `hello` lists a slot map and direct addresses), a consume goes
+on a link to its queue's owner, opened on first need, and that consumer's acks, rejects and touches
+follow it there; everything else stays on the one public link. Every link's hello re-reads the map:
+when it changed (a restart with another --workers), each consumer is re-created on its new owner.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+import gevent
 import ujson
 
 from . import wire
 from .connection import Connection, Link
 from .consumers import Consumer, Consumers, Message, MessageCallback
 from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError
+from .placement import Placement, Route
 from .tls import tls_setting, token_setting
 
 __all__ = ["Client", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError", "MqksTimeoutError"]
@@ -62,17 +68,26 @@ class Client:
         self.port = port
         self.timeout_seconds = timeout_seconds
         self._new_rid = wire.rid_maker()
-        self._consumers = Consumers(f"{host}:{port}", self._new_rid)
-        self._link = Link(
-            host, port, self._consumers, self._new_rid, ping_seconds=ping_seconds,
+        by_any_id: dict[str, Consumer] = {}
+        self._consumers = Consumers(f"{host}:{port}", self._new_rid, by_any_id, on_connect=self._on_connect)
+        # what every link shares: direct links speak the same protocol, TLS and token included
+        self._link_options: dict[str, Any] = dict(
+            ping_seconds=ping_seconds,
             ping_timeout_seconds=ping_seconds if ping_timeout_seconds is None else ping_timeout_seconds,
             reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
             timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds,
             tls=tls_setting(tls), token=token_setting(token),
-            ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds, fallbacks=fallbacks)
+            ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds)
+        self._link = Link(host, port, self._consumers, self._new_rid, fallbacks=fallbacks, **self._link_options)
+        self._consumers.link = self._link
+        self._placement: Placement | None = None  # the slot map the last hello told; None: one link for all
+        self._direct: dict[int, tuple[Route, Consumers]] = {}  # by worker: the direct link's route and session
+        self._homeless: list[Consumer] = []  # consumers taken off a link, waiting for _rehome to place them
+        self._rehoming: gevent.Greenlet | None = None
+        self._rehome_again = False
         # internals the tests inspect (and drop connections through); not API
         self._consumers_by_id = self._consumers.by_id
-        self._consumers_by_any_id = self._consumers.by_any_id
+        self._consumers_by_any_id = by_any_id
         self._lose = self._link.lose
 
     @property
@@ -121,12 +136,27 @@ class Client:
         """Make sure the broker has read every line sent so far (ping barrier), then disconnect."""
         if self._link.closed:
             return
-        if self._link.connected:
-            try:
-                self._link.call(b"ping", b"close", self._deadline(timeout))
-            except MqksError as e:
-                log.warning("mqks %s:%s: close could not flush: %s", self.host, self.port, e)
-        self._link.close(self._consumers.stop())
+        deadline = self._deadline(timeout)
+        sessions = self._sessions()
+        for session in sessions:
+            link = session.link
+            if link is not None and link.connected:
+                try:
+                    link.call(b"ping", b"close", deadline)
+                except MqksError as e:
+                    log.warning("mqks %s:%s: close could not flush: %s", link.host, link.port, e)
+        if self._rehoming is not None:
+            self._rehoming.kill()
+        greenlets = [greenlet for session in sessions for greenlet in session.stop()]
+        for consumer in self._homeless:
+            consumer.active = False
+            if consumer.greenlet is not None and consumer.greenlet is not gevent.getcurrent():
+                greenlets.append(consumer.greenlet)
+        self._homeless = []
+        for _, session in self._direct.values():
+            if session.link is not None:
+                session.link.close([])
+        self._link.close(greenlets)
 
     def __enter__(self) -> Client:
         return self.connect()
@@ -137,17 +167,20 @@ class Client:
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout_seconds if timeout is None else timeout)
 
-    def _request(self, action: bytes, args: list[bytes], confirm: bool, timeout: float | None, retry: bool) -> bytes:
+    def _request(self, action: bytes, args: list[bytes], confirm: bool, timeout: float | None, retry: bool,
+                 link: Link | None = None) -> bytes:
         """Send `{rid} {action} [--confirm] {args...}` and return its rid: at once, or with `confirm` after the ok.
 
         `retry` sends a confirmed request cut off by a lost connection again after the reconnect.
+        `link` is a consumer's, for what must reach the worker its consume went to; else the public one.
         """
+        link = link or self._link
         deadline = self._deadline(timeout)
         if confirm:
-            rid, _ = self._link.call(action, b" ".join([b"--confirm", *args]), deadline, retry)
+            rid, _ = link.call(action, b" ".join([b"--confirm", *args]), deadline, retry)
             return rid
         rid = self._new_rid()
-        self._link.send(b" ".join([rid, action, *args]) + b"\n", deadline)
+        link.send(b" ".join([rid, action, *args]) + b"\n", deadline)
         return rid
 
     def publish(self, event: str, data: Any = "", confirm: bool = False, json: bool = False,
@@ -185,12 +218,13 @@ class Client:
         wire.consume_flags(manual_ack, delete_queue_when_unused, prefetch, ack_timeout=ack_timeout,
                            max_retries=max_retries, max_length=max_length)
         deadline = self._deadline(timeout)
-        conn = self._link.live(deadline)
+        session, conn = self._consumer_link(queue_bytes, deadline)
         consumer = Consumer(self._settle, self._new_rid().decode(), queue_bytes.decode(), events, add, callback,
                             manual_ack, delete_queue_when_unused, prefetch, json, on_disconnect, on_reconnect,
                             answer=self._reply, ack_timeout=ack_timeout, max_retries=max_retries,
                             max_length=max_length)
-        self._consumers.start(consumer)
+        session.start(consumer)
+        consumer.conn = conn
         if not confirm:
             conn.write(consumer.consume_line(confirm=False))
             return consumer.id
@@ -202,14 +236,151 @@ class Client:
             # still registered: the reconnect replays it and calls on_reconnect(id, new_id)
             return consumer.reported_id
         except MqksTimeoutError:
-            self._consumers.forget(consumer)
+            session.forget(consumer)
             # the broker may yet start it: a consumer nobody listens to would swallow messages
             conn.write(b"".join((self._new_rid(), b" delete_consumer ", rid, b"\n")))
             raise
         except MqksError:
-            self._consumers.forget(consumer)
+            session.forget(consumer)
             raise
         return consumer.id
+
+    def _consumer_link(self, queue: bytes, deadline: float) -> tuple[Consumers, Connection]:
+        """The session and live connection for a consume of `queue`: its owner's direct link, else the public one."""
+        while True:
+            self._link.live(deadline)  # its hello tells the slot map
+            session = self._session_for(self._route(queue))
+            assert session.link is not None
+            conn = session.link.live(deadline)
+            # waiting may have let a new slot map retire that link: then route again
+            if self._session_for(self._route(queue)) is session:
+                return session, conn
+
+    def _sessions(self) -> list[Consumers]:
+        return [self._consumers, *(session for _, session in self._direct.values())]
+
+    def _route(self, queue: bytes) -> Route | None:
+        """The direct address for a consume of `queue` under the current slot map; None: the public link."""
+        placement = self._placement
+        if placement is None:
+            return None
+        return placement.route(queue, self._link.host, self._link.tls is not None)
+
+    def _session_for(self, route: Route | None) -> Consumers:
+        """The session of the link for `route`, opened (lazily, connecting in the background) on first need."""
+        if route is None:
+            return self._consumers
+        found = self._direct.get(route.worker)
+        if found is not None:
+            if found[0] == route:
+                return found[1]
+            self._retire(route.worker)
+        session = Consumers(f"{route.host}:{route.port}", self._new_rid, self._consumers.by_any_id, route.worker,
+                            self._on_connect)
+        # the public address as a fallback: a direct port a firewall hides still leaves a working (relayed) route
+        session.link = Link(route.host, route.port, session, self._new_rid, unix=route.unix,
+                            tls_hostname=self._link.host, fallbacks=[(self._link.host, self._link.port)],
+                            **self._link_options)
+        self._direct[route.worker] = (route, session)
+        session.link.start(0.0)
+        return session
+
+    def _retire(self, worker: int) -> None:
+        """Close the direct link to `worker` (its address changed or is gone); its consumers wait for _rehome."""
+        _, session = self._direct.pop(worker)
+        for consumer in list(session.by_id.values()):
+            session.release(consumer)
+            self._homeless.append(consumer)
+        if session.link is not None:
+            gevent.spawn(session.link.close, [])
+        self._schedule_rehome()
+
+    def _belongs(self, consumer: Consumer, session: Consumers) -> bool:
+        """True when the current slot map puts `consumer` on `session`'s link."""
+        route = self._route(consumer.queue.encode())
+        if route is None or session.worker is None:
+            return route is None and session.worker is None
+        return self._direct.get(route.worker) == (route, session)
+
+    def _on_connect(self, session: Consumers) -> None:
+        """A link's hello is in: learn the slot map from it, and take off this link what it now places elsewhere.
+
+        Runs inside the link's handshake, before its replay: it never blocks; moving is _rehome's job.
+        """
+        assert session.link is not None
+        placement = Placement.from_hello(session.link.server_info)
+        changed = placement != self._placement
+        if changed:
+            log.info("mqks %s:%s: %s", self.host, self.port, "no slot map: one connection for all" if placement is None
+                     else f"{placement.workers} workers: consumes go to their queue's owner")
+            self._placement = placement
+        for consumer in list(session.by_id.values()):
+            if not self._belongs(consumer, session):
+                session.release(consumer)
+                self._homeless.append(consumer)
+        if changed or self._homeless:
+            self._schedule_rehome()
+
+    def _schedule_rehome(self) -> None:
+        if self._rehoming is not None and not self._rehoming.dead:
+            self._rehome_again = True  # the running pass may have read the map before it changed
+            return
+        self._rehoming = gevent.spawn(self._rehome_loop)
+
+    def _rehome_loop(self) -> None:
+        self._rehome_again = True
+        while self._rehome_again and not self._link.closed:
+            self._rehome_again = False
+            self._rehome()
+
+    def _rehome(self) -> None:
+        """Put every consumer on the link the current slot map names; a moved one comes back as after a reconnect."""
+        placement = self._placement
+        for worker, (route, _) in list(self._direct.items()):
+            now = None if placement is None else placement.worker_route(worker, self._link.host,
+                                                                          self._link.tls is not None)
+            if now != route:
+                self._retire(worker)
+        for session in self._sessions():
+            link = session.link
+            for consumer in list(session.by_id.values()):
+                if self._belongs(consumer, session):
+                    continue
+                old_id, old_conn = consumer.id, consumer.conn
+                session.release(consumer)
+                self._homeless.append(consumer)
+                if link is not None and link.connected and old_conn is link.conn and old_conn is not None:
+                    # still consuming there: it would take messages nobody handles
+                    old_conn.write(b"".join((self._new_rid(), b" delete_consumer ", old_id.encode(), b"\n")))
+        homeless, self._homeless = self._homeless, []
+        for consumer in homeless:
+            if consumer.active:
+                session = self._session_for(self._route(consumer.queue.encode()))
+                session.adopt(consumer)
+                gevent.spawn(self._send_adopted, session, consumer)
+
+    def _send_adopted(self, session: Consumers, consumer: Consumer) -> None:
+        """Send a moved consumer's consume once its new link is up, unless that link's handshake replayed it."""
+        link = session.link
+        assert link is not None
+        while not link.closed and consumer.active and session.by_id.get(consumer.id) is consumer:
+            if not link.wait_connected(1.0):
+                continue
+            conn = link.conn
+            if conn is None or consumer.conn is conn:
+                return
+            consumer.conn = conn
+            rid = consumer.id.encode()
+            future = conn.request(rid, consumer.consume_line(confirm=True))
+            try:
+                conn.wait(rid, future, time.monotonic() + link.timeout_seconds, "consume")
+            except MqksConnectionError:
+                pass  # that link's reconnect replays it
+            except MqksError as e:
+                log.error("mqks %s: consumer %s on queue %s refused on its new worker, dropped: %s",
+                          session.where, consumer.reported_id, consumer.queue, e)
+                session.forget(consumer)
+            return
 
     def ack(self, consumer_id: str, *msg_ids: str, all: bool = False, confirm: bool = False,
             timeout: float | None = None) -> None:
@@ -233,9 +404,11 @@ class Client:
         if not msg_ids and not all:
             raise ValueError(f"{action.decode()} needs msg ids or all=True")
         consumer = self._consumers.find(consumer_id)
+        link = None
         if consumer is not None:
-            if not self._link.connected:
-                return
+            link = consumer.home.link if consumer.home is not None else None
+            if link is None or not link.connected:
+                return  # moving or disconnected: the broker requeued what it held
             if action == b"touch":
                 # still in flight afterwards: only checked, not taken
                 msg_ids = tuple(msg_id for msg_id in msg_ids if msg_id in consumer.unacked)
@@ -250,7 +423,7 @@ class Client:
             consumer_id = consumer.id
         args = [wire.encode_token(consumer_id, "consumer id")]
         args += [b"--all"] if all else wire.encode_tokens(list(msg_ids), "msg id")
-        self._request(action, [*args, *flags], confirm, timeout, retry=False)
+        self._request(action, [*args, *flags], confirm, timeout, retry=False, link=link)
 
     def rebind(self, queue: str, events: list[str] | None = None, remove: list[str] | tuple[str, ...] = (),
                remove_mask: list[str] | tuple[str, ...] = (), add: list[str] | tuple[str, ...] = (),
@@ -271,14 +444,17 @@ class Client:
     def delete_consumer(self, consumer_id: str, confirm: bool = True, timeout: float | None = None) -> None:
         """Stop a consumer: no more callbacks, no replay; its un-acked messages go back to the queue."""
         consumer = self._consumers.find(consumer_id)
+        link = None
         if consumer is not None:
-            self._consumers.forget(consumer)
-            if not self._link.connected:
+            home = consumer.home
+            (home or self._consumers).forget(consumer)
+            link = home.link if home is not None else None
+            if link is None or not link.connected:
                 return  # the broker dropped it with the connection
             consumer_id = consumer.id
         try:
             self._request(b"delete_consumer", [wire.encode_token(consumer_id, "consumer id")], confirm, timeout,
-                          retry=False)
+                          retry=False, link=link)
         except MqksConnectionError:
             if consumer is None:
                 raise
@@ -286,7 +462,11 @@ class Client:
     def delete_queue(self, queue: str, confirm: bool = True, timeout: float | None = None) -> None:
         """Drop the queue with its bindings and messages; this client's consumers of it end too."""
         queue_bytes = wire.encode_token(queue, "queue")
-        self._consumers.forget_queue(queue)
+        for session in self._sessions():
+            session.forget_queue(queue)
+        for consumer in [consumer for consumer in self._homeless if consumer.queue == queue]:
+            self._homeless.remove(consumer)
+            self._consumers.forget(consumer)
         self._request(b"delete_queue", [queue_bytes], confirm, timeout, retry=True)
 
     def ping(self, data: str = "", timeout: float | None = None) -> str:

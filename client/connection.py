@@ -11,6 +11,7 @@ collect several `ok` lines (`queues`): they are kept in order until its `ok --en
 from __future__ import annotations
 
 import logging
+import os
 import random
 import socket
 import ssl
@@ -155,9 +156,14 @@ class Link:
                  ping_timeout_seconds: float, reconnect_min_seconds: float, reconnect_max_seconds: float,
                  timeout_seconds: float, connect_timeout_seconds: float, tls: ssl.SSLContext | None = None,
                  token: bytes | None = None, ttl_seconds: float | None = None,
-                 fallbacks: list[tuple[str, int]] | tuple[()] = ()) -> None:
+                 fallbacks: list[tuple[str, int]] | tuple[()] = (), unix: str | None = None,
+                 tls_hostname: str | None = None) -> None:
         self.host = host  # the address connected to, or tried next
         self.port = port
+        # a Unix socket of the same broker, preferred to host:port (the first address) while it exists
+        self.unix = unix
+        # the name the broker's certificate is checked against: a direct address is still the public broker
+        self.tls_hostname = tls_hostname
         # tried in turn when one cannot be reached, and left for the next when its broker drains
         self.addresses = [(host, port), *fallbacks]
         self.address_index = 0
@@ -311,8 +317,10 @@ class Link:
 
     def _open(self) -> Connection:
         """A new connection with the session replayed and a pong back; raises on failure."""
-        sock = gevent.socket.create_connection((self.host, self.port), timeout=self.connect_timeout_seconds)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = self._connect_unix()
+        if sock is None:
+            sock = gevent.socket.create_connection((self.host, self.port), timeout=self.connect_timeout_seconds)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls is not None:
             sock = self._wrap_tls(sock)  # the handshake runs under the connect timeout
         sock.settimeout(None)
@@ -341,12 +349,26 @@ class Link:
         conn.greenlets.append(gevent.spawn(self._ping_loop, conn))
         return conn
 
+    def _connect_unix(self) -> socket.socket | None:
+        """A connected Unix socket when one is set for this address and answers; else None (TCP then)."""
+        if self.unix is None or self.address_index != 0 or not os.path.exists(self.unix):
+            return None
+        sock = gevent.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.connect_timeout_seconds)
+        try:
+            sock.connect(self.unix)
+        except OSError as e:
+            sock.close()
+            log.info("mqks %s: cannot connect (%s); using %s:%s", self.unix, e, self.host, self.port)
+            return None
+        return sock
+
     def _wrap_tls(self, sock: socket.socket) -> socket.socket:
         """The TLS socket over `sock`, handshaken; ssl.SSLError (an OSError) when the broker's certificate fails."""
         try:
             # gevent's SSLSocket takes any context, a plain ssl.SSLContext included; the context's own
             # wrap_socket would make a blocking stdlib socket of it
-            return gevent.ssl.SSLSocket(sock=sock, server_hostname=self.host, _context=self.tls)
+            return gevent.ssl.SSLSocket(sock=sock, server_hostname=self.tls_hostname or self.host, _context=self.tls)
         except BaseException:
             sock.close()
             raise

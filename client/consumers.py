@@ -5,6 +5,9 @@ queues it on that consumer's deque; the consumer's own greenlet runs the callbac
 Invariants: the reader never runs user code; a consumer id lives for one connection only: a new
 connection replays every live consumer under a new id, and `on_reconnect` is queued before the
 first delivery under it; an ack of a message from an earlier connection sends nothing.
+With several broker workers a client runs one `Consumers` per link (the public one, one per owning
+worker): a consumer belongs to exactly one of them at a time, and moving it re-creates it under a new
+id as a replay does; ids stay known client-wide in one shared `by_any_id`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from . import wire
 from .errors import MqksConnectionError, MqksError
 
 if TYPE_CHECKING:
-    from .connection import Connection
+    from .connection import Connection, Link
 
 log = logging.getLogger("mqks.client")
 
@@ -117,7 +120,7 @@ class Consumer:
     __slots__ = ("settle", "answer", "id", "first_id", "aliases", "reported_id", "queue", "events", "events_known",
                  "manual_ack", "delete_queue_when_unused", "prefetch", "ack_timeout", "max_retries", "max_length",
                  "callback", "json", "on_disconnect", "on_reconnect", "pending", "wakeup", "greenlet", "unacked",
-                 "replaying", "active")
+                 "replaying", "active", "home", "conn")
 
     def __init__(self, settle: Settle, consumer_id: str, queue: str, events: list[str], add: bool,
                  callback: MessageCallback, manual_ack: bool, delete_queue_when_unused: float | bool | None,
@@ -154,6 +157,8 @@ class Consumer:
         self.unacked: dict[str, int] = {}
         self.replaying = False
         self.active = True
+        self.home: Consumers | None = None  # the link's session it lives on
+        self.conn: Connection | None = None  # the connection its last consume line went on
 
     def take_unacked(self, msg_id: str) -> bool:
         """Settle one delivery of `msg_id`; False when none is pending on this connection."""
@@ -240,17 +245,41 @@ class Consumer:
 class Consumers:
     """Every live consumer of one client, by id; the `Session` its link runs (see connection.py)."""
 
-    __slots__ = ("where", "new_rid", "by_id", "by_any_id")
+    __slots__ = ("where", "new_rid", "by_id", "by_any_id", "worker", "link", "on_connect")
 
-    def __init__(self, where: str, new_rid: Callable[[], bytes]) -> None:
+    def __init__(self, where: str, new_rid: Callable[[], bytes], by_any_id: dict[str, Consumer] | None = None,
+                 worker: int | None = None, on_connect: Callable[[Consumers], None] | None = None) -> None:
         self.where = where  # host:port, for the log
         self.new_rid = new_rid
         self.by_id: dict[str, Consumer] = {}  # current ids only
-        self.by_any_id: dict[str, Consumer] = {}  # current and recent ids (see _keep_recent_aliases)
+        # current and recent ids (see _keep_recent_aliases), shared by every session of one client
+        self.by_any_id: dict[str, Consumer] = {} if by_any_id is None else by_any_id
+        self.worker = worker  # the worker whose direct link this is; None: the public link
+        self.link: Link | None = None  # set by the client once the link exists
+        # runs first on every new connection, its hello read: the client learns the slot map there
+        self.on_connect = on_connect
 
     def start(self, consumer: Consumer) -> None:
         """Know `consumer` by its id and start its greenlet."""
         consumer.greenlet = gevent.spawn(consumer.run)
+        consumer.home = self
+        self.by_id[consumer.id] = consumer
+        self.by_any_id[consumer.id] = consumer
+
+    def release(self, consumer: Consumer) -> None:
+        """Stop routing this link's lines to `consumer`, which moves to another link (its ids stay known)."""
+        self.by_id.pop(consumer.id, None)
+        consumer.home = None
+        consumer.unacked.clear()  # the broker requeues what it held here once the old consumer goes
+
+    def adopt(self, consumer: Consumer) -> None:
+        """Take over a consumer from another link under a new id; it is sent as a replay (on_reconnect runs)."""
+        consumer.id = self.new_rid().decode()
+        self._keep_recent_aliases(consumer)
+        consumer.unacked.clear()
+        consumer.replaying = True
+        consumer.home = self
+        consumer.conn = None
         self.by_id[consumer.id] = consumer
         self.by_any_id[consumer.id] = consumer
 
@@ -284,8 +313,11 @@ class Consumers:
         """Recreate every live consumer on `conn` under a new id; returns what waits for their confirms.
 
         The link waits for its handshake pong before that: a broker that is down fails the handshake
-        instead of having its consumers dropped as refused.
+        instead of having its consumers dropped as refused. `on_connect` runs first: it may take away
+        consumers that a new slot map places on another link.
         """
+        if self.on_connect is not None:
+            self.on_connect(self)
         replays: list[tuple[Consumer, bytes, AsyncResult]] = []
         for consumer in list(self.by_id.values()):
             del self.by_id[consumer.id]
@@ -293,6 +325,7 @@ class Consumers:
             self._keep_recent_aliases(consumer)
             consumer.unacked.clear()
             consumer.replaying = True
+            consumer.conn = conn
             self.by_id[consumer.id] = consumer
             self.by_any_id[consumer.id] = consumer
             rid = consumer.id.encode()

@@ -9,16 +9,19 @@ at the same time, and a client that only writes could deadlock with a server tha
 
 from __future__ import annotations
 
+import json
 import select
 import socket
 import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # the gevent client's own classes, so one `except MqksError` serves both clients; importable from
 # here as before, with split_answer, which user code (pipelines/) imports from here too
 from mqks.client.errors import MqksConnectionError, MqksError
+from mqks.client.placement import Placement
 from mqks.client.tls import AUTH_TOKEN_ENV, client_context
 from mqks.client.wire import split_answer
 
@@ -28,6 +31,7 @@ RECV_BYTES = 65536
 IO_TIMEOUT_SECONDS = 60.0  # no progress for this long on a send: the connection is dead
 MAX_LINES_PER_READ = 100_000  # bounds one read_lines() call; the rest waits in the kernel
 AUTH_RID = b"spark.auth"
+HELLO_RID = b"spark.hello"
 # a non-blocking TLS socket that needs the other direction first: try again later, as for EAGAIN
 WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
@@ -56,16 +60,23 @@ class Security:
 class LineClient:
     """One TCP (or TLS) connection: `send()` whole lines, `read_lines()` whole lines back (bytes, no newline)."""
 
-    __slots__ = ("host", "port", "sock", "tail", "ready", "closed")
+    __slots__ = ("host", "port", "sock", "tail", "ready", "closed", "placement")
 
-    def __init__(self, host: str, port: int, timeout_seconds: float = 10.0, security: Security | None = None) -> None:
+    def __init__(self, host: str, port: int, timeout_seconds: float = 10.0, security: Security | None = None, *,
+                 hello: bool = False, tls_hostname: str | None = None) -> None:
+        """Connect, then `auth` (with a token) and, with `hello`, read the broker's slot map into `placement`.
+
+        `tls_hostname` is the name the certificate is checked against when `host` is a worker's direct address.
+        """
         self.host = host
         self.port = port
+        self.placement: Placement | None = None  # None: one worker, an older broker, or no hello asked
         self.sock = socket.create_connection((host, port), timeout=timeout_seconds)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if security is not None and security.tls:
             try:  # the handshake runs blocking, under the connect timeout
-                self.sock = client_context(security.tls_ca).wrap_socket(self.sock, server_hostname=host)
+                self.sock = client_context(security.tls_ca).wrap_socket(self.sock,
+                                                                        server_hostname=tls_hostname or host)
             except BaseException:
                 self.sock.close()
                 raise
@@ -73,25 +84,36 @@ class LineClient:
         self.tail = b""
         self.ready: list[bytes] = []  # lines read but not yet returned
         self.closed = False
-        if security is not None and security.token:
-            self._authenticate(security.token.encode(), timeout_seconds)
+        token = security.token.encode() if security is not None and security.token else None
+        if token is not None or hello:
+            self._introduce(token, hello, timeout_seconds)
 
-    def _authenticate(self, token: bytes, timeout_seconds: float) -> None:
-        """Send `auth` and wait for its answer; MqksError when the broker refuses the token."""
-        self.send([AUTH_RID + b" auth " + token])
+    def _introduce(self, token: bytes | None, hello: bool, timeout_seconds: float) -> None:
+        """Send `auth` and/or `hello` and wait for their answers; MqksError when the broker refuses the token.
+
+        A broker without `hello` answers it with an error: that only means no slot map.
+        """
+        waiting = ([AUTH_RID] if token is not None else []) + ([HELLO_RID] if hello else [])
+        self.send(([AUTH_RID + b" auth " + token] if token is not None else []) + ([HELLO_RID + b" hello"] if hello
+                                                                                   else []))
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             lines = self.read_lines(0.2)
             for index, line in enumerate(lines):
                 rid, status, rest = split_answer(line)
-                if rid == AUTH_RID:
-                    self.ready[:0] = lines[index + 1:]  # nothing else was sent yet, but keep whatever came
-                    if status == b"ok" or b"takes no token" in rest:
-                        return
+                if rid not in waiting:
+                    continue
+                waiting.remove(rid)
+                if rid == HELLO_RID:
+                    self.placement = Placement.from_hello(_json(rest)) if status == b"ok" else None
+                elif status != b"ok" and b"takes no token" not in rest:
                     self.close()
                     raise MqksError(f"mqks {self.host}:{self.port} refused the token: {rest.decode(errors='replace')}")
+                if not waiting:
+                    self.ready[:0] = lines[index + 1:]  # nothing else was sent yet, but keep whatever came
+                    return
         self.close()
-        raise MqksConnectionError(f"mqks {self.host}:{self.port}: no answer to auth in {timeout_seconds}s")
+        raise MqksConnectionError(f"mqks {self.host}:{self.port}: no answer to auth or hello in {timeout_seconds}s")
 
     def _fail(self, what: str) -> MqksConnectionError:
         return MqksConnectionError(f"mqks {self.host}:{self.port}: {what}")
@@ -159,3 +181,11 @@ class LineClient:
             self.sock.close()
         except OSError:
             pass
+
+
+def _json(data: bytes) -> Any:
+    """A hello answer's JSON; None when it is not JSON (then there is no slot map to follow)."""
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None

@@ -4,7 +4,9 @@ Flow: latestOffset() asks the broker how deep the queues are and plans the next 
 parts (queue, rows, bytes), carried inside the offset; partitions() turns the parts into
 InputPartitions named by lease `spark.{session}.{batch}.{part}`; read() runs on executors and
 fetches its part from the broker under that lease; commit(end) settles the batch's leases
-with `--ack` from the driver. Invariants (at-least-once):
+with `--ack` from the driver. With several broker workers an executor fetches on the queue
+owner's direct address (the public connection's hello names it), so no fetch is relayed;
+settles go anywhere (the broker sums a lease's settle over its workers). Invariants (at-least-once):
 - a message is acked only after Spark committed the batch that read it (commit runs after
   the sink's commit and the commit log's entry);
 - a lease acks what its last fetch delivered: a retried task, a re-run batch after a driver
@@ -374,10 +376,13 @@ class MqksStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self.control.close()
 
 
-_CLIENTS: dict[tuple[str, int], LineClient] = {}  # one connection per executor Python worker, reused by tasks
+# one connection per address per executor Python worker, reused by tasks: the public one, and one
+# per worker that owns a queue this process fetched
+_CLIENTS: dict[tuple[str, int], LineClient] = {}
 
 
 def _client(endpoint: Endpoint, fresh: bool) -> LineClient:
+    """The public connection; its hello tells the slot map (a fresh one re-reads it)."""
     key = (endpoint.host, endpoint.port)
     client = _CLIENTS.get(key)
     if client is not None and (fresh or client.closed):
@@ -388,7 +393,8 @@ def _client(endpoint: Endpoint, fresh: bool) -> LineClient:
         delay = 0.1
         while True:
             try:
-                client = _CLIENTS[key] = LineClient(endpoint.host, endpoint.port, security=endpoint.security)
+                client = _CLIENTS[key] = LineClient(endpoint.host, endpoint.port, security=endpoint.security,
+                                                    hello=True)
                 break
             except OSError as e:
                 if time.monotonic() + delay > deadline:
@@ -396,6 +402,33 @@ def _client(endpoint: Endpoint, fresh: bool) -> LineClient:
                                               f"{endpoint.reconnect_seconds:g}s (reconnectSeconds): {e}") from e
                 time.sleep(delay)
                 delay = min(2.0, delay * 2)
+    return client
+
+
+def _fetch_client(endpoint: Endpoint, queue: bytes, fresh: bool) -> LineClient:
+    """The connection a fetch of `queue` goes on: its owner's direct address when the broker names one.
+
+    Routing only saves a hop (every worker serves a fetch), so a direct address that cannot be
+    reached, or an older broker, means the public connection.
+    """
+    public = _client(endpoint, fresh)
+    route = None if public.placement is None else public.placement.route(queue, endpoint.host,
+                                                                          endpoint.security.tls)
+    if route is None:
+        return public
+    key = (route.host, route.port)
+    client = _CLIENTS.get(key)
+    if client is not None and (fresh or client.closed):
+        client.close()
+        client = None
+    if client is None:
+        try:
+            client = _CLIENTS[key] = LineClient(route.host, route.port, security=endpoint.security,
+                                                tls_hostname=endpoint.host)
+        except (OSError, MqksError) as e:
+            log.warning("mqks source: worker %d at %s:%d unreachable (%s); fetching through %s:%d", route.worker,
+                        route.host, route.port, e, endpoint.host, endpoint.port)
+            return public
     return client
 
 
@@ -458,9 +491,10 @@ def fetch_part(options: SourceOptions, schema: StructType, partition: MqksPartit
         yield from _fetch_chunks(options, partition, queue_name, lease, rid, names, arrow_schema, pa)
     except GeneratorExit:
         # Spark stopped reading this part early (a limit): what the lease holds may not all have
-        # been used, so give it all back rather than let the batch's commit ack it (duplicates, not loss)
+        # been used, so give it all back rather than let the batch's commit ack it (duplicates, not loss).
+        # On the fetch's own connection: the broker reads it after the fetch still in flight there
         try:
-            _fetch_release(_client(options.endpoint, fresh=False), lease)
+            _fetch_release(_fetch_client(options.endpoint, queue_name, fresh=False), lease)
         except (OSError, MqksError):
             pass  # the lease expires instead
         raise
@@ -489,10 +523,11 @@ def _fetch_chunks(options: SourceOptions, partition: MqksPartition, queue_name: 
     # nothing yielded yet: a dead cached connection is replaced and the fetch sent again
     # (same lease, not --add: what a lost attempt took is released first)
     try:
-        client = _client(options.endpoint, fresh=False)
+        client = _fetch_client(options.endpoint, queue_name, fresh=False)
         lines, size = _fetch(client, rid, line)
     except MqksConnectionError:
-        client = _client(options.endpoint, fresh=True)
+        # a restart, maybe with another worker count: a fresh hello routes by the new slot map
+        client = _fetch_client(options.endpoint, queue_name, fresh=True)
         lines, size = _fetch(client, rid, line)
     while True:
         rows_left -= len(lines)

@@ -1,0 +1,133 @@
+"""Client side of placement: which worker owns a queue, and where to reach it directly. Pure, no I/O.
+
+Step in the flow: a connection's `hello` answer -> `Placement.from_hello` -> `route(queue)`, the
+direct address a consume (and its acks) for that queue goes to; None sends it on the public
+connection. Routing is only an optimisation: every worker serves every action, relaying to the
+owner, so any doubt about the answer (an older broker, one worker, a malformed map, an entry
+lacking a port) means None, never an error. No gevent: Spark executors import this.
+The slot map comes from the broker, so only the slot function is copied from server/slots.py
+(the client never imports server/: it ships on hosts without the broker's dependencies).
+"""
+
+from __future__ import annotations
+
+import bisect
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SLOTS = 16384  # server/slots.py SLOTS; the broker's hello names its own in "slots"
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # a bind address, not one to dial
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def slot_of(queue: bytes, slots: int = SLOTS) -> int:
+    """The slot of `queue`, as server/slots.py computes it."""
+    return zlib.crc32(queue) % slots
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address on this host: only then can a Unix socket path the broker names be ours too."""
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a direct connection to `worker` goes: TCP host:port, or the Unix socket `unix` when it exists."""
+
+    worker: int
+    host: str
+    port: int
+    unix: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Direct:
+    """One worker's own addresses, as `hello` lists them under "direct"."""
+
+    worker: int
+    host: str
+    port: int | None
+    tls_port: int | None
+    unix: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The broker's slot map and direct addresses; equal placements route every queue alike."""
+
+    workers: int
+    slots: int
+    firsts: tuple[int, ...]  # first slot of each row of the slot map, ascending
+    owners: tuple[int, ...]  # the worker of each row
+    direct: tuple[Direct, ...]
+
+    @classmethod
+    def from_hello(cls, info: Mapping[str, Any] | None) -> Placement | None:
+        """The placement a `hello` answer describes; None when it names fewer than 2 workers or is malformed."""
+        if not isinstance(info, Mapping):
+            return None
+        workers, slots = info.get("workers"), info.get("slots")
+        slot_map, direct = info.get("slot_map"), info.get("direct")
+        if not (isinstance(workers, int) and isinstance(slots, int) and isinstance(slot_map, list)
+                and isinstance(direct, list) and _is_int(workers) and _is_int(slots) and workers >= 2 and slots > 0):
+            return None
+        rows = []
+        for row in slot_map:
+            if not (isinstance(row, list) and len(row) == 3 and all(_is_int(value) for value in row)):
+                return None
+            rows.append((row[0], row[1], row[2]))
+        rows.sort()
+        expected_first = 0
+        for first, last, worker in rows:
+            # contiguous and complete: a gap would leave some queue without an owner
+            if first != expected_first or last < first or not 0 <= worker < workers:
+                return None
+            expected_first = last + 1
+        if expected_first != slots:
+            return None
+        entries = [entry for entry in (_direct(item) for item in direct) if entry is not None]
+        return cls(workers, slots, tuple(row[0] for row in rows), tuple(row[2] for row in rows),
+                   tuple(sorted(entries, key=lambda entry: entry.worker)))
+
+    def owner(self, queue: bytes) -> int:
+        """The worker that owns `queue`."""
+        return self.owners[bisect.bisect_right(self.firsts, slot_of(queue, self.slots)) - 1]
+
+    def route(self, queue: bytes, public_host: str, tls: bool) -> Route | None:
+        """Where a consume of `queue` goes: the owner's direct address, or None for the public connection."""
+        return self.worker_route(self.owner(queue), public_host, tls)
+
+    def worker_route(self, worker: int, public_host: str, tls: bool) -> Route | None:
+        """`worker`'s direct address as this client dials it; None when its entry lacks what `tls` needs.
+
+        A wildcard host (the broker bound every interface) is dialled at the public host. With TLS
+        only the entry's "tls_port" will do, and never the Unix socket (the same rule as the public port).
+        """
+        entry = next((entry for entry in self.direct if entry.worker == worker), None)
+        if entry is None:
+            return None
+        port = entry.tls_port if tls else entry.port
+        if port is None:
+            return None
+        host = public_host if entry.host in WILDCARD_HOSTS else entry.host
+        unix = entry.unix if entry.unix and not tls and is_loopback(public_host) else None
+        return Route(worker, host, port, unix)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _port(value: Any) -> int | None:
+    return value if _is_int(value) and 0 < value < 65536 else None
+
+
+def _direct(item: Any) -> Direct | None:
+    """One "direct" entry; None for one without a worker number (an entry without ports routes nowhere)."""
+    if not isinstance(item, Mapping) or not _is_int(item.get("worker")):
+        return None
+    host, unix = item.get("host"), item.get("unix")
+    return Direct(item["worker"], host if isinstance(host, str) else "", _port(item.get("port")),
+                  _port(item.get("tls_port")), unix if isinstance(unix, str) and unix else None)
