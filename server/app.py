@@ -414,7 +414,12 @@ class Server:
         direct = self.listener(config.host, port, self.handle, " (this worker's own port)")
         unix_path = os.path.join(peers.run_dir, f"worker-{peers.worker}.sock")
         self.direct_listeners = [direct, self.unix_listener(unix_path, self.handle)]
-        info = {"worker": peers.worker, "host": config.host, "port": direct.server_port, "unix": unix_path}
+        info: dict[str, Any] = {"worker": peers.worker, "host": config.host, "port": direct.server_port,
+                                "unix": unix_path}
+        if self.tls_context is not None:
+            direct_tls = self.listener(config.host, 0, self.handle_tls, " for TLS (this worker's own port)")
+            self.direct_listeners.append(direct_tls)
+            info["tls_port"] = direct_tls.server_port
         path = os.path.join(peers.run_dir, f"direct-{peers.worker}.json")
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(info, f)
