@@ -29,6 +29,8 @@ class Outbox:
     __slots__ = ("out", "out_bytes", "paused", "flush_pending", "pending", "high_water_bytes", "consumers_by_id",
                  "flush")
 
+    is_link = False  # a link between worker processes (server/peers.py) is not a client's outbox
+
     def __init__(self, pending: list[Outbox], high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
                  flush: Callable[[], None] = _no_flush) -> None:
         self.out: list[Any] = []  # bytes, or one memoryview of what a partial write left

@@ -86,6 +86,8 @@ class FrameSocket:
     __slots__ = ("sock", "fd", "out", "run_kind", "run_key", "run", "flush_pending", "pending", "writing", "wake",
                  "closed", "name")
 
+    is_link = True  # Workers.flush_pending sends links' frames even while client output is held
+
     def __init__(self, sock: socket.socket, pending: list, name: str) -> None:
         self.sock = sock
         self.fd = sock.fileno()
@@ -286,6 +288,8 @@ class PeerLink(FrameSocket):
                                     del fanins[line[: line.index(b" ")]]
                     elif kind == 66:  # "B"
                         replica.update(self.worker, payload)
+                        if key != b"-":
+                            self.frame(75, key)  # "K": applied; the owner may let its clients see the change
                     elif kind == 90:  # "Z"
                         replica.forget(self.worker)
                 flush_pending()
@@ -356,11 +360,12 @@ class RemoteSession:
 class IncomingLink(FrameSocket):
     """A peer's link to this worker: its requests in; answers, and this worker's binding changes, out."""
 
-    __slots__ = ("peers", "worker", "sessions", "confirms", "reader")
+    __slots__ = ("peers", "worker", "sessions", "confirms", "reader", "acked")
 
     def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
         super().__init__(sock, peers.workers.pending, f"worker {worker}")
         self.peers = peers
+        self.acked = peers.epoch  # it gets every binding at once (the dump), then acks each change
         self.worker = worker
         self.sessions: dict[bytes, RemoteSession] = {}
         self.confirms = Outbox(peers.workers.pending, NO_LIMIT, self.flush_confirms)
@@ -394,6 +399,7 @@ class IncomingLink(FrameSocket):
         finally:
             self.lost("closed")
             peers.incoming.discard(self)
+            peers.check_barrier()  # a worker that left acks nothing: the others decide
             for session in list(self.sessions.values()):
                 self.end_session(session)
             self.sessions.clear()
@@ -414,6 +420,7 @@ class IncomingLink(FrameSocket):
         broker = workers.brokers[0]
         publish = broker.publish
         sessions = self.sessions
+        peers = self.peers
         recv = self.sock.recv
         feed = self.reader.feed
         no_rejects: deque[tuple[bytes, str]] = deque()
@@ -441,12 +448,13 @@ class IncomingLink(FrameSocket):
                             session.outbox.paused = True
                     run_lines(session, payload.split(NEWLINE)[:-1], no_rejects)
                 elif kind == 77:  # "M"
-                    session = sessions.get(key)
-                    if session is not None:
-                        session.flush()
-                        if key[:1] == b"g":  # a gather's session lives for one answer
-                            del sessions[key]
-                    self.frame(46, key)
+                    if peers.acked_epoch != peers.epoch:
+                        peers.deferred_marks.append((self, key))  # answered once every worker has the bindings
+                    else:
+                        self.mark(key)
+                elif kind == 75:  # "K"
+                    self.acked = int(key)
+                    peers.check_barrier()
                 elif kind == 67:  # "C"
                     self.publish_confirmed(broker, payload)
                 elif kind == 69:  # "E"
@@ -467,6 +475,15 @@ class IncomingLink(FrameSocket):
                         if kind == 85:
                             workers.resume(session.outbox)
             flush_pending()
+
+    def mark(self, key: bytes) -> None:
+        """Answer an M: the session's output so far, then `.{key}`."""
+        session = self.sessions.get(key)
+        if session is not None:
+            session.flush()
+            if key[:1] == b"g":  # a gather's session lives for one answer
+                del self.sessions[key]
+        self.frame(46, key)
 
     def publish_confirmed(self, broker: Broker, payload: bytes) -> None:
         workers = self.peers.workers
@@ -641,6 +658,11 @@ class Peers:
         self.next_key = itertools.count(1)
         self.dropped_unlinked = 0
         self.on_link_lost: Callable[[int], None] = lambda worker: None
+        # binding changes made here (epoch) and the latest every other worker has applied: while they
+        # differ, client output is held (Workers.flush_pending) and M marks wait in deferred_marks
+        self.epoch = 0
+        self.acked_epoch = 0
+        self.deferred_marks: list[tuple[IncomingLink, bytes]] = []
         local = workers.brokers[0]
         local.bindings_changed = self.broadcast_bindings
         local.broker_for = self.broker_for
@@ -667,10 +689,29 @@ class Peers:
     # -- bindings ---------------------------------------------------------------------------------
 
     def broadcast_bindings(self, queue: Queue) -> None:
-        """The local queue's events changed (or it was deleted): every peer's replica learns it now."""
+        """The local queue's events changed (or it was deleted): every peer's replica learns it now.
+
+        Until each has said it applied the change, no client sees anything from this worker.
+        """
         line = b" ".join([queue.name, *queue.events]) if queue.events else queue.name
+        if not self.incoming:
+            return
+        self.epoch += 1
+        key = b"%d" % self.epoch
         for link in self.incoming:
-            link.frame(66, b"-", line + NEWLINE)
+            link.frame(66, key, line + NEWLINE)
+
+    def check_barrier(self) -> None:
+        """Every worker has applied our binding changes: let the held output and marks go."""
+        if self.acked_epoch == self.epoch or any(link.acked < self.epoch for link in self.incoming
+                                                 if not link.closed):
+            return
+        self.acked_epoch = self.epoch
+        marks, self.deferred_marks = self.deferred_marks, []
+        for link, key in marks:
+            if not link.closed:
+                link.mark(key)
+        self.workers.flush_pending()
 
     def binding_dump(self) -> bytes:
         return b"".join(b" ".join([name, *queue.events]) + NEWLINE

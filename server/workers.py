@@ -165,6 +165,20 @@ class Workers:
             if journal.wants_snapshot():
                 journal.snapshot(self.brokers, self.snapshot_lines())
         pending = self.pending
+        peers = self.peers
+        if peers is not None and peers.acked_epoch != peers.epoch:
+            # bindings changed here and some worker has not applied them yet: no client may see
+            # anything from now on (an answer, a delivery, an --update) until every worker has,
+            # or a client told of it could publish through a worker that does not know the binding
+            kept = []
+            for outbox in pending:
+                if outbox.is_link:
+                    outbox.flush_pending = False
+                    outbox.flush()
+                else:
+                    kept.append(outbox)
+            pending[:] = kept
+            return
         for outbox in pending:
             outbox.flush_pending = False
             outbox.flush()
