@@ -95,7 +95,8 @@ class StatsCollector(Collector):
         self.max_queues = max_queues
 
     def collect(self) -> Iterable[Metric]:
-        stats = self.workers.stats()
+        peers = self.workers.peers  # with worker processes: every worker's figures, asked for now
+        stats = self.workers.stats() if peers is None else peers.cluster_stats()
         yield InfoMetricFamily("mqks_build", "The mqksd version.", value={"version": str(stats["version"])})
         for key, value in stats.items():
             sample = _number(value)
@@ -116,7 +117,10 @@ class StatsCollector(Collector):
                                   "deepest queues only: --metrics-max-queues).", labels=["queue"])
         unacked = GaugeMetricFamily("mqks_queue_unacked", "Messages of the queue delivered and not acked yet "
                                     "(the same queues as mqks_queue_depth).", labels=["queue"])
-        for name, waiting, held in self.workers.deepest_queues(self.max_queues):
+        peers = self.workers.peers
+        deepest = (self.workers.deepest_queues(self.max_queues) if peers is None
+                   else peers.cluster_deepest_queues(self.max_queues))
+        for name, waiting, held in deepest:
             depth.add_metric([name], waiting)
             unacked.add_metric([name], held)
         yield depth

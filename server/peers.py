@@ -51,6 +51,7 @@ log = logging.getLogger("mqks.peers")
 RECV_BYTES = 1 << 18
 NO_LIMIT = 1 << 62  # a remote session never pauses on its own: its client's worker says when
 CONNECT_RETRY_SECONDS = 0.05
+ASK_SECONDS = 2.0  # a /metrics scrape waits this long at most for the other workers' figures
 NEWLINE = b"\n"
 
 
@@ -232,6 +233,27 @@ class Gather:
             if not session.closed:
                 session.write(self.merge(self.answers))
             session.answered()
+
+
+class Waiter:
+    """The target of `Peers.ask_all`: answers gathered until every worker has marked its end."""
+
+    __slots__ = ("waiting", "answers", "event")
+
+    def __init__(self, waiting: int) -> None:
+        self.waiting = waiting
+        self.answers: list[bytes] = []
+        self.event = Event()
+        if not waiting:
+            self.event.set()
+
+    def take(self, payload: bytes) -> None:
+        self.answers.append(payload)
+
+    def done(self) -> None:
+        self.waiting -= 1
+        if self.waiting <= 0:
+            self.event.set()
 
 
 class PeerLink(FrameSocket):
@@ -429,7 +451,6 @@ class IncomingLink(FrameSocket):
             chunk = recv(RECV_BYTES)
             if not chunk:
                 return
-            workers.bytes_in += len(chunk)
             for kind, key, payload in feed(chunk):
                 if kind == 80:  # "P"
                     lines = payload.split(NEWLINE)[:-1]
@@ -500,6 +521,7 @@ class IncomingLink(FrameSocket):
                 continue
             full = broker.full_queues(event)
             broker.publish(msg_id, event, tail)
+            broker.published -= 1  # counted by the worker the client published to
             if full:
                 names = ", ".join(f"queue {queue.name.decode(errors='replace')} is full "
                                   f"(--max-length={queue.max_length})" for queue in full)
@@ -776,6 +798,46 @@ class Peers:
         self.on_link_lost(link.worker)
         self.workers.flush_pending()
 
+    def ask_all(self, line: bytes, timeout: float = ASK_SECONDS) -> list[bytes]:
+        """Run `line` on every other worker and wait (this greenlet only) for their answers; a worker that is
+        restarting, or silent past `timeout`, is left out."""
+        key = self.new_key(b"g")
+        links = [link for worker, link in enumerate(self.links) if link is not None and worker != self.worker]
+        waiter = Waiter(len(links))
+        self.targets[key] = waiter
+        try:
+            for link in links:
+                link.add(83, key, line)
+                link.frame(77, key)
+            self.workers.flush_pending()
+            waiter.event.wait(timeout)
+        finally:
+            self.targets.pop(key, None)
+        return waiter.answers
+
+    def cluster_stats(self) -> dict[str, Any]:
+        """`stats` summed over every worker, for a reader that is not a client (/metrics)."""
+        return merge_stats(self.ask_all(b"m stats"), self.workers.stats(), self.distinct_events())
+
+    def cluster_deepest_queues(self, limit: int) -> list[tuple[str, int, int]]:
+        rows = list(self.workers.deepest_queues(limit))
+        for answer in self.ask_all(b"m queues"):
+            for line in answer.split(NEWLINE):
+                body = line.partition(b" ok ")[2]
+                if body and body != b"--end":
+                    row = json.loads(body)
+                    rows.append((row["queue"], row["depth"], row["unacked"]))
+        return sorted(rows, key=lambda row: (-row[1], row[0]))[:limit]
+
+    def distinct_events(self) -> int:
+        """Events and masks bound by any worker's queues, each once (the replica knows the others')."""
+        events: set[bytes] = set()
+        for queue in self.workers.brokers[0].queues.values():
+            events.update(queue.events)
+        for remote in self.replica.queues.values():
+            events.update(remote.events)
+        return len(events)
+
     def stats(self) -> dict[str, Any]:
         return {"worker_links": sum(link is not None for link in self.links), "replica_queues": self.replica.count(),
                 "dropped_unlinked": self.dropped_unlinked}
@@ -788,20 +850,23 @@ class _NowhereLink:
         pass
 
 
-def merge_stats(answers: list[bytes], local: dict[str, Any]) -> dict[str, Any]:
+def merge_stats(answers: list[bytes], local: dict[str, Any], events: int) -> dict[str, Any]:
     """Every worker's `stats` as one: counts summed, top queues re-ranked, the rest as this worker has it."""
     from .workers import TOP_QUEUES
 
     per_worker = [local] + [json.loads(answer.partition(b" ok ")[2]) for answer in answers]
     figures: dict[str, Any] = {}
     for key, value in local.items():
-        if key in ("worker", "pid", "log", "top_queues"):
+        if key in ("worker", "pid", "log", "top_queues", "worker_links", "replica_queues", "dropped_unlinked"):
             continue  # one worker's own: `stats --worker=N` shows them
         if isinstance(value, bool) or not isinstance(value, int | float) or key == "uptime_seconds":
             figures[key] = value
         else:
             figures[key] = sum(one.get(key, 0) for one in per_worker)
     figures["workers"] = len(per_worker)
+    figures["events"] = events
+    # copies for a worker that was restarting count as dropped, as those of a full queue do
+    figures["dropped"] = figures.get("dropped", 0) + sum(one.get("dropped_unlinked", 0) for one in per_worker)
     figures["memory_full"] = any(one.get("memory_full") for one in per_worker)
     ranked = sorted((row for one in per_worker for row in one.get("top_queues", [])), key=lambda row: -row[1])
     figures["top_queues"] = ranked[:TOP_QUEUES]

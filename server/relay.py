@@ -161,7 +161,7 @@ def handle_stats(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
         return
 
     def merge(local_answer: bytes, answers: list[bytes]) -> bytes:
-        return format_ok(rid, to_json(merge_stats(answers, local)))
+        return format_ok(rid, to_json(merge_stats(answers, local, peers.distinct_events())))
 
     gather(session, rid, b"%b stats" % rid, b"", merge)
 
