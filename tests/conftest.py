@@ -99,6 +99,20 @@ class Wire:
         self.sock.close()
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (a supervisor's workers), from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        children.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return children
+
+
 class Broker:
     """One `mqksd` subprocess; can be stopped, killed, frozen and restarted on the same port."""
 
@@ -158,10 +172,15 @@ class Broker:
 
     def kill(self) -> None:
         assert self.proc is not None
+        workers: list[int] = []
         if self.proc.poll() is None:
+            workers = child_pids(self.proc.pid)
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.kill()
         self.proc.wait()
+        # with --workers N the workers die with their supervisor, a moment after it
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}/fd") for pid in workers),
+                 "the killed broker's workers to be gone", READY_TIMEOUT_SECONDS)
 
     def restart(self) -> None:
         self.start()

@@ -51,9 +51,14 @@ def wait_for(condition: Callable[[], T], what: str, timeout: float = WAIT_SECOND
         time.sleep(interval)
 
 
-def eval_value(broker, code: str, worker: int | None = None) -> Any:
-    """`_eval` `code` on a fresh connection to `broker` (started with --eval) and return the value."""
+def eval_value(broker, code: str, worker: int | None = None, owner: str | bytes | None = None) -> Any:
+    """`_eval` `code` on a fresh connection to `broker` (started with --eval) and return the value.
+
+    `worker`: on that worker; `owner`: on the worker that owns that queue (`state` is its queues).
+    """
     flag = f"--worker={worker} " if worker is not None else ""
+    if owner is not None:
+        flag = f"--owner={owner.decode() if isinstance(owner, bytes) else owner} "
     wire = broker.wire()
     try:
         wire.send(f"ev _eval {flag}{code}".encode())

@@ -471,7 +471,16 @@ def test_sigkill_and_restart_replays_consumers_with_current_events(make_broker: 
         client.close()
 
 
-def test_many_reconnects_keep_consuming_and_forget_old_ids(client: Client) -> None:
+@pytest.fixture
+def one_link_client(make_broker: Callable[..., Broker]) -> Iterator[Client]:
+    """A client of a one-worker broker: consumers and publishes share its one link (these tests drop it)."""
+    client = make_client(make_broker())
+    yield client
+    client.close()
+
+
+def test_many_reconnects_keep_consuming_and_forget_old_ids(one_link_client: Client) -> None:
+    client = one_link_client
     queue, event = unique("q"), unique("e")
     inbox = Inbox()
     reconnects: list[tuple[str, str]] = []
@@ -497,7 +506,8 @@ def test_many_reconnects_keep_consuming_and_forget_old_ids(client: Client) -> No
     assert client._consumers_by_any_id == {} and client._consumers_by_id == {}
 
 
-def test_connection_lost_during_the_handshake_keeps_hooks_alternating(client: Client) -> None:
+def test_connection_lost_during_the_handshake_keeps_hooks_alternating(one_link_client: Client) -> None:
+    client = one_link_client
     queue, event = unique("q"), unique("e")
     inbox = Inbox()
     hooks: list[str] = []

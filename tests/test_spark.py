@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import Broker
 from helpers import eval_value, free_port, wait_for
 
 pytest.importorskip("pyspark", reason="pyspark is not installed: pip install -e '.[spark]'")
@@ -42,13 +43,26 @@ def eventually(condition, what: str, timeout: float = WAIT_SECONDS):
     return wait_for(condition, what, timeout, interval=POLL_SECONDS)
 
 
+@pytest.fixture(scope="module", params=[1], ids=["workers1"])
+def broker(request) -> Iterator[Broker]:
+    """One broker for the Spark tests, with one worker; the tests marked ON_BOTH run with two as well
+    (a Spark run takes seconds, so the whole module twice would double the suite)."""
+    server = Broker("--eval", "--workers", str(request.param))
+    yield server
+    server.kill()
+
+
+# executors fetch from the queue's owner and settle anywhere: these run with two workers too
+ON_BOTH = pytest.mark.parametrize("broker", [1, 2], ids=["workers1", "workers2"], indirect=True)
+
+
 def queue_depths(broker, queue: str) -> tuple[int, int]:
     """(messages waiting, messages in flight: un-acked or leased) of one queue, read from the server's state."""
     return eval_value(
         broker,
         "(lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)"
         " + sum(len(l.held) for l in state.leases.by_id.values() if l.queue is q)) if q else (0, 0))"
-        f"(state.queues.get({queue.encode()!r}))",
+        f"(state.queues.get({queue.encode()!r}))", owner=queue,
     )
 
 
@@ -104,6 +118,7 @@ def mqks_stream(spark, broker, queue: str, events: str = "", **options: str):
     return reader.load()
 
 
+@ON_BOTH
 def test_stream_delivers_5000_events_and_acks_them_all(spark, broker):
     queue = "spark.all"
     bind(broker, queue, "user.*.created")
@@ -176,6 +191,7 @@ def test_batch_write_publishes_each_row_once(spark, broker):
     assert len({msg_id for _, _, msg_id in by_i.values()}) == n  # one id per row
 
 
+@ON_BOTH
 def test_stream_write_publishes_with_deterministic_ids(spark, broker, tmp_path):
     source_queue, out_queue = "spark.pipe.in", "spark.pipe.out"
     bind(broker, source_queue, "pipe.in")
@@ -424,6 +440,7 @@ def test_a_part_read_in_several_fetches_holds_them_all_under_one_lease(broker, m
         reader.stop()
 
 
+@ON_BOTH
 def test_a_new_run_acks_the_batch_an_earlier_run_left_by_its_leases(broker):
     from pyspark.sql.streaming.datasource import ReadMaxRows
 
@@ -587,6 +604,7 @@ def test_messages_larger_than_the_byte_limit_flow_in_bounded_batches(spark, make
     assert got.pop("huge") == 3 << 20 and got == {f"l{i}": 1 << 20 for i in range(40)}
 
 
+@ON_BOTH
 def test_several_queues_and_masks_in_one_source_with_a_queue_column(spark, broker):
     bind(broker, "spark.multi.a", "multi.a")
     bind(broker, "spark.multi.b", "multi.b")
@@ -643,7 +661,7 @@ def test_example_pipeline_publishes_the_last_window_after_events_stop(broker, tm
 
 
 def _queue_exists(broker, queue: str) -> bool:
-    return eval_value(broker, f"{queue.encode()!r} in state.queues")
+    return eval_value(broker, f"{queue.encode()!r} in state.queues", owner=queue)
 
 
 @pytest.mark.timeout(300)
