@@ -87,7 +87,9 @@ def build_state(server: Broker, data_dir: str) -> Built:
     lines.append(b"sync publish --confirm nobody.listens x")
     wire.send(*lines)
     read_until(wire, b"sync ok ")
-    wire.close()
+    # the connection stays open until the kill: closing it would requeue what it holds (in delivery order)
+    # before the crash, and the test means messages held at the crash
+    server.held_open = wire  # type: ignore[attr-defined]
     return Built(data_dir, queues, events, mask_event, delayed_id, schedule)
 
 
@@ -100,6 +102,8 @@ def built(tmp_path_factory) -> Iterator[Built]:
         state = build_state(server, data_dir)
     finally:
         server.kill()  # -9: nothing is flushed or snapshotted on the way out
+        if hasattr(server, "held_open"):
+            server.held_open.close()
     yield state
 
 
