@@ -256,6 +256,28 @@ class Waiter:
             self.event.set()
 
 
+class HoldRelease:
+    """The mark that ends one hold on client output (see Peers.hold_until_marked)."""
+
+    __slots__ = ("peers", "key", "link")
+
+    def __init__(self, peers: Peers, key: bytes, link: PeerLink) -> None:
+        self.peers = peers
+        self.key = key
+        self.link = link
+
+    def take(self, payload: bytes) -> None:
+        """A mark's session has no output."""
+
+    def done(self) -> None:
+        peers = self.peers
+        peers.targets.pop(self.key, None)
+        peers.holds -= 1
+        if not peers.holds:
+            peers.check_barrier()
+            peers.workers.flush_pending()
+
+
 class PeerLink(FrameSocket):
     """This worker's link to peer `worker`: requests out, answers and the peer's bindings in."""
 
@@ -469,7 +491,7 @@ class IncomingLink(FrameSocket):
                             session.outbox.paused = True
                     run_lines(session, payload.split(NEWLINE)[:-1], no_rejects)
                 elif kind == 77:  # "M"
-                    if peers.acked_epoch != peers.epoch:
+                    if peers.acked_epoch != peers.epoch or peers.holds:
                         peers.deferred_marks.append((self, key))  # answered once every worker has the bindings
                     else:
                         self.mark(key)
@@ -654,13 +676,18 @@ class Forwarder:
 
 
 class RemoteDeadLetters:
-    """`Broker.broker_for` for a dead-letter queue another worker owns: the copies go there."""
+    """`Broker.broker_for` for a dead-letter queue another worker owns: the copies go there.
 
-    __slots__ = ("link", "name")
+    Until that worker has them, no client hears from this one: the `ok` of a reject must mean
+    the dead letter is in place, wherever a client looks next.
+    """
 
-    def __init__(self, link: PeerLink, name: bytes) -> None:
+    __slots__ = ("link", "name", "peers")
+
+    def __init__(self, link: PeerLink, name: bytes, peers: Peers | None = None) -> None:
         self.link = link
         self.name = name
+        self.peers = peers
 
     def queue(self, name: bytes) -> RemoteDeadLetters:
         return self
@@ -669,7 +696,9 @@ class RemoteDeadLetters:
         self.link.add(69, b"-", b"%d %b%b" % (retry, self.name, tail))
 
     def pump(self, queue: Any) -> None:
-        """The owner pumps when the copies arrive."""
+        """The owner pumps when the copies arrive; here, client output waits for its mark."""
+        if self.peers is not None:
+            self.peers.hold_until_marked(self.link)
 
 
 class Peers:
@@ -694,6 +723,7 @@ class Peers:
         self.epoch = 0
         self.acked_epoch = 0
         self.deferred_marks: list[tuple[IncomingLink, bytes]] = []
+        self.holds = 0  # marks awaited before client output may go (dead letters sent to another worker)
         local = workers.brokers[0]
         local.bindings_changed = self.broadcast_bindings
         local.broker_for = self.broker_for
@@ -712,7 +742,7 @@ class Peers:
         if link is None:
             log.warning("dead letters for %r dropped: worker %d is restarting", name, owner)
             return RemoteDeadLetters(_NowhereLink(), name)  # type: ignore[arg-type]
-        return RemoteDeadLetters(link, name)
+        return RemoteDeadLetters(link, name, self)
 
     def new_key(self, prefix: bytes = b"") -> bytes:
         return b"%b%d" % (prefix, next(self.next_key))
@@ -732,10 +762,18 @@ class Peers:
         for link in self.incoming:
             link.frame(66, key, line + NEWLINE)
 
+    def hold_until_marked(self, link: PeerLink) -> None:
+        """Hold client output until `link`'s worker has run what was just sent to it."""
+        key = self.new_key(b"h")
+        self.targets[key] = HoldRelease(self, key, link)
+        link.frame(77, key)
+        self.holds += 1
+
     def check_barrier(self) -> None:
-        """Every worker has applied our binding changes: let the held output and marks go."""
-        if self.acked_epoch == self.epoch or any(link.acked < self.epoch for link in self.incoming
-                                                 if not link.closed):
+        """Every worker has applied our binding changes (and run what holds output): let the held output go."""
+        if self.holds or (self.acked_epoch == self.epoch and not self.deferred_marks):
+            return
+        if any(link.acked < self.epoch for link in self.incoming if not link.closed):
             return
         self.acked_epoch = self.epoch
         marks, self.deferred_marks = self.deferred_marks, []
@@ -804,6 +842,9 @@ class Peers:
                 fanin.parts = 1
                 fanin.write(self.workers.error_line(fanin.rid, f"worker {link.worker} stopped before it had the "
                                                                "message"))
+        for target in list(self.targets.values()):
+            if isinstance(target, HoldRelease) and target.link is link:
+                target.done()  # that worker is gone: what it was sent is lost with it, and so is the wait
         self.on_link_lost(link.worker)
         self.workers.flush_pending()
 

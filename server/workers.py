@@ -166,7 +166,7 @@ class Workers:
                 journal.snapshot(self.brokers, self.snapshot_lines())
         pending = self.pending
         peers = self.peers
-        if peers is not None and peers.acked_epoch != peers.epoch:
+        if peers is not None and (peers.acked_epoch != peers.epoch or peers.holds):
             # bindings changed here and some worker has not applied them yet: no client may see
             # anything from now on (an answer, a delivery, an --update) until every worker has,
             # or a client told of it could publish through a worker that does not know the binding
