@@ -212,8 +212,14 @@ def make_broker() -> Iterator:
         return server
 
     yield make
-    for server in started:
-        server.kill()
+    errors = []
+    for server in started:  # every one is killed, whatever one kill raises
+        try:
+            server.kill()
+        except Exception as e:  # raised below, once the others are dead
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture
