@@ -292,3 +292,22 @@ def exited(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_the_readme_hello_world_on_two_workers(two):
+    """The README's four terminals, each landing on whichever worker the kernel picks."""
+    alice, bob, charlie, dave = (two.wire() for _ in range(4))
+    greetings, byes = unique_bytes("greetings"), unique_bytes("greetings-and-byes")
+    alice.send(b"Alice consume --confirm %b hi hello" % greetings)
+    bob.send(b"Bob consume --confirm %b hi hello" % greetings)
+    charlie.send(b"Charlie consume --confirm %b hi hello bye good-bye" % byes)
+    alice.expect(b"Alice ok ")
+    bob.expect(b"Bob ok ")
+    charlie.expect(b"Charlie ok ")
+    dave.send(b"Dave publish hello world")
+    dave.barrier()
+    got = alice.barrier() + bob.barrier()
+    assert got in ([b"Alice ok Dave event=hello world"], [b"Bob ok Dave event=hello world"])
+    charlie.expect(b"Charlie ok Dave event=hello world")
+    for wire in (alice, bob, charlie, dave):
+        wire.close()
