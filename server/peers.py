@@ -351,11 +351,11 @@ class RemoteSession:
 
     peer_is_loopback = True  # the client's own worker has checked what it may run
     eval_enabled = True
-    eval_refusal = None
+    eval_refusal: str | None = None
     authenticated = True
     said_hello = False
     tls = False
-    ttl_seconds = None
+    ttl_seconds: float | None = None
 
     def __init__(self, link: IncomingLink, key: bytes) -> None:
         from .actions import actions_for, local_handlers_for
@@ -641,12 +641,13 @@ class Forwarder:
         owners = self.replica.owners(event)
         local = self.local
         local_part = bool(local.routes(event))
-        if len(owners) == 1 and not local_part and self.links[owners[0]] is not None:
+        only = self.links[owners[0]] if len(owners) == 1 and not local_part else None
+        if only is not None:
             # one owner has every bound queue: it runs the line in this client's session and answers
             # there, after the deliveries the publish caused, exactly as one worker would
             owner = owners[0]
             key = session.peer_key()
-            self.links[owner].add(83, key, b"%b publish --confirm %b" % (rid, tail[len(rid) + 11 :]))
+            only.add(83, key, b"%b publish --confirm %b" % (rid, tail[len(rid) + 11 :]))
             session.remote.add(owner)
             session.unsynced.add(owner)
             return
@@ -670,7 +671,7 @@ class Forwarder:
             fanin.write(workers.error_line(rid, f"{names}: the message was not put there (every other bound "
                                                 "queue has it)"))
         elif local_part and workers.journal is not None:
-            workers.journal.unconfirmed.append((fanin, rid))
+            workers.journal.unconfirmed.append((fanin, rid))  # type: ignore[arg-type]  # answers as an outbox
         else:
             fanin.write(format_ok(rid))
 

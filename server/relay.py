@@ -72,7 +72,7 @@ def by_queue(action: bytes, handler: Handler) -> Handler:
             parse_consume(args)  # a bad line gets its error from here, as from the owner
             if rid in session.consumers_by_id:
                 raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
-            session.consumers_by_id[rid] = RelayStub(rid, owner)
+            session.consumers_by_id[rid] = RelayStub(rid, owner)  # type: ignore[assignment]  # stands in for one
         else:
             check_name(name, f"{action.decode()}: queue")
         forward(session, owner, line_of(rid, action, args, confirm), block=True)
@@ -208,7 +208,7 @@ def gathered_rows(action: bytes, handler: Handler, key: str) -> Handler:
 
     def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
         capture = Capture(session)
-        handler(capture, rid, args, confirm)  # type: ignore[arg-type]: a bad line raises here, before asking others
+        handler(capture, rid, args, confirm)  # a bad line raises here, before the others are asked
         gather(session, rid, line_of(rid, action, args, False), b"".join(capture.parts),
                merge_for(rid, rid + b" ok "))
 
@@ -220,7 +220,7 @@ def handle_settle(handler: Handler) -> Handler:
 
     def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
         capture = Capture(session)
-        handler(capture, rid, args, confirm)  # type: ignore[arg-type]
+        handler(capture, rid, args, confirm)
 
         def merge(local_answer: bytes, answers: list[bytes]) -> bytes:
             total = 0

@@ -47,7 +47,7 @@ class Supervisor:
         self.stop_deadline = 0.0
 
     def command(self, worker: int) -> list[str]:
-        package = __spec__.parent if __spec__ is not None else "mqks.server"
+        package = (__spec__.parent if __spec__ is not None else None) or "mqks.server"
         return [sys.executable, "-m", package, *self.argv, "--worker-index", str(worker), "--run-dir", self.run_dir]
 
     def start(self, worker: int) -> None:
