@@ -508,13 +508,18 @@ def to_json(value: object) -> bytes:
 def handle_stats(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     """`{id} stats [--worker=N]` -> `{id} ok {json}`: every worker's figures summed, or worker N's."""
     workers = session.workers
+    session.ok(rid, to_json(workers.stats(parse_stats_args(args, workers.count))))
+
+
+def parse_stats_args(args: bytes, count: int) -> int | None:
+    """`[--worker=N]` of `stats` -> N (checked against `count` workers), or None for all."""
     worker = None
     for token in args.split():
         value = parse_flag_value(token, b"--worker")
         if value is None or worker is not None:
             raise ProtocolError(f"stats: unexpected {text(token)!r}; expected {{id}} stats [--worker=N]")
-        worker = parse_worker(value, "stats", workers.count)
-    session.ok(rid, to_json(workers.stats(worker)))
+        worker = parse_worker(value, "stats", count)
+    return worker
 
 
 def handle_queues(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:

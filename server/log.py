@@ -69,7 +69,7 @@ def _segment_name(number: int) -> str:
     return f"{number:012d}.log"
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     """Make a created, truncated or deleted segment's directory entry durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -123,7 +123,7 @@ class Log:
         self.on_fatal = on_fatal
         if not os.path.isdir(data_dir):
             os.makedirs(data_dir, exist_ok=True)
-            _fsync_dir(os.path.dirname(os.path.abspath(data_dir)))
+            fsync_dir(os.path.dirname(os.path.abspath(data_dir)))
         # loop side: only the loop writes these
         self._records: list[bytes] = []
         self.append = self._records.append  # cleared, never replaced: a bound copy stays valid
@@ -278,7 +278,7 @@ class Log:
                 for n in later:
                     os.unlink(self._path(n))
                 if later:
-                    _fsync_dir(self.data_dir)
+                    fsync_dir(self.data_dir)
                 self._log_bytes -= later_bytes
                 self._segments -= len(later)
                 dropped += later_bytes
@@ -562,7 +562,7 @@ class Log:
 
     def _sync_dir(self) -> None:
         try:
-            _fsync_dir(self.data_dir)
+            fsync_dir(self.data_dir)
         except OSError as e:
             self._die(f"fsync of {self.data_dir} failed: {e}")
 

@@ -172,6 +172,18 @@ class FrameSocket:
     def lost(self, reason: str) -> None:
         raise NotImplementedError
 
+    def shut(self) -> bool:
+        """Close the socket under both greenlets (they see EOF and EPIPE); False if it was closed already."""
+        if self.closed:
+            return False
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.wake.set()
+        return True
+
 
 class RemoteQueue:
     """Another worker's queue as the replica knows it: a name, its owner, its events."""
@@ -291,14 +303,8 @@ class PeerLink(FrameSocket):
         self.up = True
 
     def lost(self, reason: str) -> None:
-        if not self.closed:
-            self.closed = True
+        if self.shut():
             self.up = False
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self.wake.set()
             self.peers.link_lost(self, reason)
 
     def read_loop(self) -> None:
@@ -423,13 +429,7 @@ class IncomingLink(FrameSocket):
         self.confirms.out_bytes = 0
 
     def lost(self, reason: str) -> None:
-        if not self.closed:
-            self.closed = True
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self.wake.set()
+        self.shut()
 
     def serve(self) -> None:
         """Run the peer's requests until it goes; then its clients' consumers here are detached."""

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from .actions import Handler, Session, check_name, parse_consume, parse_worker, to_json
+from .actions import Handler, Session, check_name, parse_consume, parse_stats_args, parse_worker, to_json
 from .peers import Gather, merge_stats
 from .protocol import Hold, ProtocolError, format_ok, parse_flag_value, text
 
@@ -147,12 +147,7 @@ def handle_stats(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
     """`stats`: every worker's figures summed; `stats --worker=N`: worker N's."""
     workers = session.workers
     peers = workers.peers
-    worker = None
-    for token in args.split():
-        value = parse_flag_value(token, b"--worker")
-        if value is None or worker is not None:
-            raise ProtocolError(f"stats: unexpected {text(token)!r}; expected {{id}} stats [--worker=N]")
-        worker = parse_worker(value, "stats", peers.count)
+    worker = parse_stats_args(args, peers.count)
     if worker is not None and worker != peers.worker:
         forward(session, worker, b"%b stats" % rid, block=True)
     local = workers.stats()

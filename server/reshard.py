@@ -32,7 +32,7 @@ import shutil
 from collections.abc import Iterator
 
 from .durable import Journal, Recovery, rebuild, recover
-from .log import SEGMENT_NAME, Log, LogCorrupt
+from .log import SEGMENT_NAME, Log, LogCorrupt, fsync_dir
 from .slots import SLOTS, owner_of
 from .state import msg_id_of
 from .timers import Timers
@@ -136,9 +136,9 @@ def _reshard(data_dir: str, old_workers: int, workers: int, fsync: str, segment_
         f.write(json.dumps({"workers": workers, "slots": SLOTS}).encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(temp)
+    fsync_dir(temp)
     os.rename(temp, os.path.join(data_dir, READY_DIR))  # the mark: complete from here on
-    _fsync_dir(data_dir)
+    fsync_dir(data_dir)
     _swap(data_dir)
     # counted as placed: a held copy past --max-retries has moved to a dead-letter queue rebuild made
     queues = sum(len(broker.queues) for broker in placed.brokers)
@@ -197,7 +197,7 @@ def _write_snapshot(path: str, placed: Workers, worker: int, process_lines: list
     log_.close()  # writes and fsyncs the frame on every policy; waits out a full disk
     if fatal:
         raise ReshardError(f"cannot write the re-sharded log {path}: {fatal[0]}")
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
 def _finish_interrupted(data_dir: str) -> None:
@@ -206,7 +206,7 @@ def _finish_interrupted(data_dir: str) -> None:
     if os.path.isdir(temp):
         log.warning("%s: an interrupted re-shard left it incomplete; deleting it (the old logs stand)", temp)
         shutil.rmtree(temp)
-        _fsync_dir(data_dir)
+        fsync_dir(data_dir)
     if os.path.isdir(os.path.join(data_dir, READY_DIR)):
         log.warning("%s: a re-shard was interrupted after its new logs were complete; finishing it", data_dir)
         _swap(data_dir)
@@ -230,16 +230,16 @@ def _swap(data_dir: str) -> None:
             os.unlink(os.path.join(data_dir, LAYOUT_FILE))
         except FileNotFoundError:
             pass
-        _fsync_dir(data_dir)
+        fsync_dir(data_dir)
         with open(marker, "wb") as f:
             os.fsync(f.fileno())
-        _fsync_dir(ready)
+        fsync_dir(ready)
     # from here every segment and worker-* dir in DIR is a new one already moved
     for name in sorted(os.listdir(ready)):
         if SEGMENT_NAME.match(name) or WORKER_DIR.match(name):
             os.rename(os.path.join(ready, name), os.path.join(data_dir, name))
-    _fsync_dir(data_dir)
-    _fsync_dir(ready)
+    fsync_dir(data_dir)
+    fsync_dir(ready)
     layout = read_layout(ready)
     if layout is None:
         raise ReshardError(f"{ready} has no {LAYOUT_FILE}: it was not written by prepare(); move it away")
@@ -248,7 +248,7 @@ def _swap(data_dir: str) -> None:
     # and the next prepare would take the new worker dirs for old ones
     done = os.path.join(data_dir, DONE_DIR)
     os.rename(ready, done)
-    _fsync_dir(data_dir)
+    fsync_dir(data_dir)
     shutil.rmtree(done)
 
 
@@ -294,15 +294,9 @@ def _write_file_atomically(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.rename(temp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class NullLog:
