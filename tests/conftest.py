@@ -185,6 +185,11 @@ class Broker:
     def restart(self) -> None:
         self.start()
 
+    def pids(self) -> list[int]:
+        """The server's processes: mqksd, and with --workers N its N workers."""
+        assert self.proc is not None
+        return [self.proc.pid, *child_pids(self.proc.pid)]
+
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
 def broker(request) -> Iterator[Broker]:
