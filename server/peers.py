@@ -606,20 +606,23 @@ class Replica:
 class Forwarder:
     """Publishing's other half: copies for queues other workers own go to them, one line per owner."""
 
-    __slots__ = ("peers", "replica", "links", "local", "fanins", "next_fanin")
+    __slots__ = ("peers", "replica", "cache", "links", "local", "fanins", "next_fanin")
 
     def __init__(self, peers: Peers) -> None:
         self.peers = peers
         self.replica = peers.replica
+        self.cache = peers.replica.cache  # cleared, never replaced: one attribute load per publish
         self.links = peers.links
         self.local: Broker = peers.workers.brokers[0]
         self.fanins = peers.fanins
         self.next_fanin = itertools.count(1)
 
     def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
-        owners = self.replica.cache.get(event)
+        owners = self.cache.get(event)
         if owners is None:
             owners = self.replica.owners(event)
+        if not owners:
+            return  # most events of a worker's clients bind its own queues only
         for owner in owners:
             link = self.links[owner]
             if link is not None:

@@ -52,7 +52,9 @@ class Supervisor:
 
     def start(self, worker: int) -> None:
         env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())}
-        self.children[worker] = subprocess.Popen(self.command(worker), env=env)
+        # a group of its own: Ctrl-C at a terminal reaches the supervisor alone, which passes one SIGTERM on
+        # (a second signal would cut the workers' drain short)
+        self.children[worker] = subprocess.Popen(self.command(worker), env=env, process_group=0)
         self.started_at[worker] = time.monotonic()
         log.info("worker %d started (pid %d)", worker, self.children[worker].pid)
 
