@@ -56,15 +56,31 @@ NEWLINE = b"\n"
 
 
 class FrameReader:
-    """Frames out of a byte stream: (kind, key, payload)."""
+    """Frames out of a byte stream: (kind, key, payload).
 
-    __slots__ = ("buffer",)
+    A frame larger than one read (a batch of deliveries can be megabytes) is gathered as a
+    list of chunks and joined once, when its last byte is in: re-joining the partial buffer
+    at every read would copy it over and over.
+    """
+
+    __slots__ = ("buffer", "parts", "have", "need")
 
     def __init__(self) -> None:
         self.buffer = b""
+        self.parts: list[bytes] = []
+        self.have = 0  # bytes in `parts`
+        self.need = 0  # bytes the unfinished frame in `parts` takes, header included; 0: none
 
     def feed(self, chunk: bytes) -> list[tuple[int, bytes, bytes]]:
-        data = self.buffer + chunk if self.buffer else chunk
+        if self.need:
+            self.parts.append(chunk)
+            self.have += len(chunk)
+            if self.have < self.need:
+                return []
+            data = b"".join(self.parts)
+            self.parts, self.have, self.need = [], 0, 0
+        else:
+            data = self.buffer + chunk if self.buffer else chunk
         frames = []
         pos, end = 0, len(data)
         while pos < end:
@@ -74,7 +90,9 @@ class FrameReader:
             key, _, size = data[pos + 1 : newline].partition(b" ")
             stop = newline + 1 + int(size)
             if stop > end:
-                break
+                self.parts, self.have, self.need = [data[pos:]], end - pos, stop - pos
+                self.buffer = b""
+                return frames
             frames.append((data[pos], key, data[newline + 1 : stop]))
             pos = stop
         self.buffer = data[pos:]
@@ -795,7 +813,7 @@ class Peers:
     def accept_link(self, sock: socket.socket, worker: int, first_bytes: bytes = b"") -> None:
         """A peer opened its link to us (the first line named it): serve its requests on this greenlet."""
         link = IncomingLink(sock, self, worker)
-        link.reader.buffer = first_bytes
+        link.reader.buffer = first_bytes  # what came with the first line: no frame is complete in it yet
         self.incoming.add(link)
         link.frame(90, b"-")  # forget what the replica knew of us: we may have restarted
         dump = self.binding_dump()

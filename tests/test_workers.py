@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -311,3 +312,20 @@ def test_the_readme_hello_world_on_two_workers(two):
     charlie.expect(b"Charlie ok Dave event=hello world")
     for wire in (alice, bob, charlie, dave):
         wire.close()
+
+
+def test_frames_come_out_whole_however_the_stream_is_cut():
+    """The link's frame reader, fed random frames (some far larger than a read) in random pieces."""
+    from mqks.server.peers import FrameReader
+
+    rng = random.Random(13)
+    for _ in range(200):
+        frames = [(rng.choice(b"PS>.cBK"), b"k%d" % rng.randint(0, 99),
+                   rng.randbytes(rng.choice([0, 1, 5, 100, 5000, 300_000]))) for _ in range(rng.randint(1, 8))]
+        stream = b"".join(b"%c%b %d\n" % (kind, key, len(payload)) + payload for kind, key, payload in frames)
+        reader, got, pos = FrameReader(), [], 0
+        while pos < len(stream):
+            size = rng.choice([1, 2, 7, 100, 4096, 65536, 262144])
+            got += reader.feed(stream[pos : pos + size])
+            pos += size
+        assert got == frames
