@@ -81,7 +81,7 @@ class FrameReader:
             self.parts, self.have, self.need = [], 0, 0
         else:
             data = self.buffer + chunk if self.buffer else chunk
-        frames = []
+        frames: list[tuple[int, bytes, bytes]] = []
         pos, end = 0, len(data)
         while pos < end:
             newline = data.find(NEWLINE, pos)
