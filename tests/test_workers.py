@@ -235,6 +235,15 @@ def test_a_killed_worker_is_restarted_and_keeps_confirmed_messages(make_broker):
 
     wait_for(restarted, "the supervisor to restart worker 1", timeout=20)
     assert "worker 1" in broker.log() and "restarting it" in broker.log()
+
+    def linked_again() -> bool:  # until then, a line for worker 1's queues on worker 0 gets "try again"
+        own = direct(broker, 0)
+        try:
+            return stats(own, 0)["worker_links"] == WORKERS - 1
+        finally:
+            own.close()
+
+    wait_for(linked_again, "worker 0 to link to the new worker 1")
     consumer = broker.wire()
     consumer.send(b"c consume %b %b" % (queue, event))
     for n in range(100):
