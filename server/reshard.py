@@ -154,21 +154,22 @@ def _replay_all(data_dir: str, old_workers: int, fsync: str, segment_bytes: int,
     merged = Recovery()
     queue_origin: dict[bytes, str] = {}
     schedule_origin: dict[bytes, str] = {}
+    def claim(origin: dict[bytes, str], what: str, name: bytes, path: str) -> None:
+        """Each queue and schedule lives in one log of a layout: a second one means two layouts mixed."""
+        if name in origin:
+            raise ReshardError(f"{what} {name!r} is in both {origin[name]} and {path}: these logs are not one "
+                               f"layout (was an older mqksd run on {data_dir}?); move one of them away")
+        origin[name] = path
+
     for path in _log_dirs(data_dir, old_workers):
         one = _replay(path, fsync, segment_bytes, repair)
         for name, state in one.queues.items():
-            if name in queue_origin:
-                raise ReshardError(f"queue {name!r} is in both {queue_origin[name]} and {path}: these logs are not "
-                                   f"one layout (was an older mqksd run on {data_dir}?); move one of them away")
-            queue_origin[name] = path
+            claim(queue_origin, "queue", name, path)
             merged.queues[name] = state
         for due_ms, tails in one.delayed.items():
             merged.delayed.setdefault(due_ms, []).extend(tails)
         for name, record in one.schedules.items():
-            if name in schedule_origin:
-                raise ReshardError(f"schedule {name!r} is in both {schedule_origin[name]} and {path}: these logs "
-                                   f"are not one layout; move one of them away")
-            schedule_origin[name] = path
+            claim(schedule_origin, "schedule", name, path)
             merged.schedules[name] = record
     return merged
 
