@@ -154,6 +154,7 @@ class Server:
         self.no_connections = Event()  # set whenever the last connection's clean-up is done
         self.no_connections.set()
         self.stopped = Event()  # shutdown is complete: serve_forever may return
+        self.stopping = False  # shutdown has begun: a worker still linking at start-up must not open its port
 
     def link_workers(self, worker: int, count: int) -> None:
         """This process is worker `worker` of `count`: reach the others, route lines to the owners."""
@@ -471,12 +472,13 @@ class Server:
             for listener in (self.link_listener, *self.direct_listeners):
                 assert listener is not None
                 listener.start()
-            if not self.peers.connect_all(LINK_WAIT_SECONDS):
+            if not self.peers.connect_all(LINK_WAIT_SECONDS, lambda: self.stopping) and not self.stopping:
                 log.warning("not every other worker answered within %g s: serving anyway; lines for their queues "
                             "get an error until they do", LINK_WAIT_SECONDS)
-        for listener in (self.stream_server, self.tls_server):
-            if listener is not None:
-                listener.start()
+        if not self.stopping:  # a SIGTERM while linking closed the listeners before they opened
+            for listener in (self.stream_server, self.tls_server):
+                if listener is not None:
+                    listener.start()
         self.stopped.wait()  # not the listener's serve_forever: it returns as soon as the listener closes
         log.info("mqksd stopped")
 
@@ -488,11 +490,12 @@ class Server:
         closes; only then may `serve_forever` return and the process exit.
         """
         listeners = [listener for listener in (self.stream_server, self.tls_server) if listener is not None]
-        if not listeners or listeners[0].closed:
+        if not listeners or self.stopping:
             if self.drain_ends_at > time.monotonic():
                 log.warning("second stop signal: ending the drain now; what is still un-acked goes back to its queue")
                 self.drain_ends_at = 0.0
             return
+        self.stopping = True
         log.info("stopping: no new connections, draining %d clients for up to %g s", len(self.connections),
                  self.config.drain_seconds)
         for listener in listeners:

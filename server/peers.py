@@ -822,12 +822,12 @@ class Peers:
         link.flush()
         link.serve()
 
-    def connect_all(self, timeout: float) -> bool:
-        """Open a link to every peer, retrying until `timeout`; True if all are up."""
+    def connect_all(self, timeout: float, give_up: Callable[[], bool]) -> bool:
+        """Open a link to every peer, retrying until `timeout` or `give_up()`; True if all are up."""
         greenlets = [gevent.spawn(self.keep_linked, worker) for worker in range(self.count) if worker != self.worker]
         deadline = gevent.get_hub().loop.now() + timeout
         while any(self.links[w] is None for w in range(self.count) if w != self.worker):
-            if gevent.get_hub().loop.now() > deadline:
+            if gevent.get_hub().loop.now() > deadline or give_up():
                 return False
             gevent.sleep(CONNECT_RETRY_SECONDS)
         del greenlets

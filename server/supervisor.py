@@ -115,6 +115,8 @@ class Supervisor:
             self.check_ports_free()
             self.prepare_data_dir()
             for worker in range(self.count):
+                if self.stopping:  # a SIGTERM during the starts: the rest are not started at all
+                    break
                 self.start(worker)
             log.info("mqksd supervising %d workers on %s:%d (run dir %s)", self.count, self.config.host,
                      self.config.port, self.run_dir)
@@ -134,7 +136,8 @@ class Supervisor:
                 if code is None:
                     continue
                 if self.stopping:
-                    if code != 0:
+                    # killed by our SIGTERM before it had set its handler: it had served nothing yet
+                    if code not in (0, -signal.SIGTERM):
                         log.warning("worker %d exited %d while stopping", worker, code)
                         failed = True
                     del self.children[worker]

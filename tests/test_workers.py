@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 import pytest
-from conftest import Broker, Wire
+from conftest import Broker, Wire, free_port
 from helpers import unique_bytes, wait_for
 
 from mqks.server.slots import owner_of, slot_ranges
@@ -293,6 +293,42 @@ def test_sigterm_stops_every_worker_and_exits_0(make_broker):
     assert broker.stop() == 0
     for pid in pids:
         wait_for(lambda pid=pid: exited(pid), f"worker {pid} to exit")
+
+
+def test_a_worker_stopped_while_it_waits_for_its_peers_exits_0(tmp_path):
+    """A SIGTERM that comes while a worker is still linking to the others (the supervisor
+    stopping right after a start): the worker never opens the public port and exits 0."""
+    log_path = tmp_path / "worker-0.log"
+    with open(log_path, "wb") as log_file:
+        worker = subprocess.Popen([sys.executable, "-m", "mqks.server", "--port", str(free_port()), "--workers", "2",
+                                   "--worker-index", "0", "--run-dir", str(tmp_path)],
+                                  stdout=subprocess.DEVNULL, stderr=log_file)
+    try:
+        # worker 1 never comes: worker 0 stays in its wait for the link
+        wait_for(lambda: b"mqksd listening" in log_path.read_bytes(), "worker 0 to wait for its peer")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0, log_path.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert b"not every other worker answered" not in log_path.read_bytes()
+
+
+def test_sigterm_while_the_workers_start_exits_0(tmp_path):
+    """A stop that comes while the workers are still importing, before any has its handler."""
+    log_path = tmp_path / "mqksd.log"
+    with open(log_path, "wb") as log_file:
+        supervisor = subprocess.Popen([sys.executable, "-m", "mqks.server", "--port", str(free_port()),
+                                       "--workers", "2"], stdout=subprocess.DEVNULL, stderr=log_file)
+    try:
+        wait_for(lambda: b"mqksd supervising" in log_path.read_bytes(), "the supervisor to start its workers")
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(90) == 0, log_path.read_text()
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
 
 
 def exited(pid: int) -> bool:
