@@ -38,6 +38,8 @@ SETUP_TIMEOUT_SECONDS = 20.0
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 COUNTER_SOURCE = os.path.join(BENCH_DIR, "count.c")
 COUNTER_BINARY = os.path.join(BENCH_DIR, "bin", "count")
+ACKER_SOURCE = os.path.join(BENCH_DIR, "ack.c")
+ACKER_BINARY = os.path.join(BENCH_DIR, "bin", "ack")  # built with the counter: a flow with one has both
 
 now_ns = time.monotonic_ns  # CLOCK_MONOTONIC: one clock for every process on the machine
 
@@ -107,16 +109,23 @@ def resp(*parts: bytes) -> bytes:
 
 
 def build_counter() -> str | None:
-    """Compile bench/count.c into bench/bin/count if needed; None (Python counts) without gcc."""
+    """Compile bench/count.c into bench/bin/count, and bench/ack.c beside it, if needed; None (Python
+    counts and acks) without gcc."""
+    if build_c(ACKER_SOURCE, ACKER_BINARY) is None:
+        return None
+    return build_c(COUNTER_SOURCE, COUNTER_BINARY)
+
+
+def build_c(source: str, binary: str) -> str | None:
     try:
-        if os.path.exists(COUNTER_BINARY) and os.path.getmtime(COUNTER_BINARY) >= os.path.getmtime(COUNTER_SOURCE):
-            return COUNTER_BINARY
+        if os.path.exists(binary) and os.path.getmtime(binary) >= os.path.getmtime(source):
+            return binary
         gcc = shutil.which("gcc") or shutil.which("cc")
         if not gcc:
             return None
-        os.makedirs(os.path.dirname(COUNTER_BINARY), exist_ok=True)
-        done = subprocess.run([gcc, "-O2", "-o", COUNTER_BINARY, COUNTER_SOURCE], capture_output=True, timeout=60)
-        return COUNTER_BINARY if done.returncode == 0 else None
+        os.makedirs(os.path.dirname(binary), exist_ok=True)
+        done = subprocess.run([gcc, "-O2", "-o", binary, source], capture_output=True, timeout=60)
+        return binary if done.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):
         return None
 
@@ -132,6 +141,7 @@ class ConsumerState:
     got = 0
     tail = b""
     push_only = True  # nothing to send back: bench/bin/count may count these bytes instead
+    acks_in_c = False  # MQKS manual-ack deliveries that bench/bin/ack may take and ack instead
     error_needle = b""
 
     def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
@@ -596,9 +606,14 @@ def consumer_main(flow: Flow, counter, deadline_ns, ready, stop, results, latenc
         ready.send("ready")
         target = flow.n * flow.fanout
         # the C counter reads raw sockets: TLS deliveries are counted here, in Python
-        if flow.counter_binary and flow.tls_ca is None and not latency and all(s.push_only for s in states):
-            _count_in_c(flow, states, sel, counter, deadline_ns, stop, results, target)
-            return
+        if flow.counter_binary and flow.tls_ca is None and not latency:
+            if all(s.push_only for s in states):
+                _count_in_c(flow, [flow.counter_binary, MARKER, states[0].error_needle or b""], sel, counter,
+                            deadline_ns, stop, results, target)
+                return
+            if all(s.acks_in_c for s in states):
+                _count_in_c(flow, [ACKER_BINARY], sel, counter, deadline_ns, stop, results, target)
+                return
         got = 0
         lat: list[int] = []
         ts_findall = TS_RE.findall  # pattern.findall(data, pos, endpos)
@@ -673,13 +688,13 @@ def _wait_settled(flow: Flow, n: int, deadline: int) -> int:
     return 0
 
 
-def _count_in_c(flow: Flow, states: list, sel, counter, deadline_ns, stop, results, target: int) -> None:
-    """Hand the subscribed sockets to bench/bin/count; relay its progress into the shared counter."""
+def _count_in_c(flow: Flow, command: list, sel, counter, deadline_ns, stop, results, target: int) -> None:
+    """Hand the subscribed sockets to bench/bin/count (or ack); relay its progress into the shared counter."""
     socks = [key.fileobj for key in sel.get_map().values()]
     fds = [s.fileno() for s in socks]
     step = max(1, min(flow.window * flow.fanout // 4, 10_000))
-    proc = subprocess.Popen([flow.counter_binary, MARKER, states[0].error_needle or b"", str(target), str(step),
-                             *map(str, fds)], pass_fds=fds, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen([*command, str(target), str(step), *map(str, fds)], pass_fds=fds,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     done = None
     setup_deadline = now_ns() + int(SETUP_TIMEOUT_SECONDS * 3e9)
     got = 0
@@ -711,7 +726,7 @@ def _count_in_c(flow: Flow, states: list, sel, counter, deadline_ns, stop, resul
             proc.kill()
         proc.wait()
     if done is None:
-        results.send({"error": f"consumer: bench/bin/count ended without a result after {got}"})
+        results.send({"error": f"consumer: {command[0]} ended without a result after {got}"})
         return
     got, errors, t_end, *per_connection = done
     counter.value = got

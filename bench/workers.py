@@ -78,7 +78,7 @@ def build_config(argv: list[str] | None = None) -> Config:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds one cell may take (default 60)")
     parser.add_argument("--json", dest="json_path", help="where to write the JSON (default bench/results/...)")
     parser.add_argument("--py-consumer", action="store_true",
-                        help="count auto-ack deliveries in Python too, not with the gcc-built bench/bin/count")
+                        help="count and ack deliveries in Python too, not with the gcc-built bench/bin/count and ack")
     a = parser.parse_args(argv)
     workers = tuple(sorted({int(w) for w in a.workers.split(",") if w.strip()} | {1}))
     variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
@@ -159,9 +159,11 @@ def queue_groups(queues: list[bytes], workers: int, groups: int) -> list[tuple[i
 
 
 class GroupAckState(ConsumerState):
-    """Manual-ack deliveries of several consumers on one connection: one batch ack per consumer per chunk."""
+    """Manual-ack deliveries of several consumers on one connection: one batch ack per consumer per chunk
+    (bench/ack.c does the same in C when gcc is there; this is its fallback, and `--py-consumer`)."""
 
     push_only = False
+    acks_in_c = True
     ID_RE = re.compile(rb"(c\d+) ok (\S+) event=")
 
     def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
