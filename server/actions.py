@@ -699,8 +699,7 @@ def refuse_request_over_memory(session: Session, rid: bytes, args: bytes, confir
 
 
 def memory_reason(session: Session) -> str:
-    return (f"memory limit reached (--max-memory={session.workers.max_memory_bytes} bytes): publishes are refused "
-            "until consumers drain the queues")
+    return session.workers.memory_reason()
 
 
 OVER_MEMORY: dict[bytes, Handler] = {b"publish": refuse_publish_over_memory, b"request": refuse_request_over_memory}

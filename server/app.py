@@ -141,6 +141,9 @@ class Server:
         self.link_listener: Listener | None = None
         self.workers.error_line = self.error_line
         self.workers.max_memory_bytes = config.max_memory_bytes
+        if config.max_memory_bytes is not None and self.peers is not None:
+            # every worker process holds itself to an equal share, so together they stay under the limit
+            self.workers.max_memory_share = config.max_memory_bytes // config.workers
         self.stream_server: Listener | None = None
         self.tls_server: Listener | None = None
         self.tls_context = (tls_server_context(config.tls_cert, config.tls_key, config.tls_ca)
@@ -272,7 +275,7 @@ class Server:
         A broker that holds no message is never refusing, whatever its RSS: only messages can drain.
         """
         workers = self.workers
-        limit = self.config.max_memory_bytes
+        limit = workers.max_memory_share or self.config.max_memory_bytes
         assert limit is not None
         over = resident_bytes() > limit and workers.holds_messages()
         if over != workers.memory_full:
@@ -282,6 +285,8 @@ class Server:
             for conn in self.connections:
                 # a connection still owing its `auth` keeps its table of the few actions allowed before it
                 conn.handlers = handlers_for(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated, over)
+            if self.peers is not None:  # other workers' clients' lines that run here (publish --confirm)
+                self.peers.set_over_memory(over)
         self.timers.call_later(MEMORY_CHECK_SECONDS, self.check_memory)
 
     def handle(self, sock: socket.socket, address: object, tls: bool = False) -> None:

@@ -494,6 +494,9 @@ class IncomingLink(FrameSocket):
             for kind, key, payload in feed(chunk):
                 if kind == 80:  # "P"
                     lines = payload.split(NEWLINE)[:-1]
+                    if workers.memory_full:  # past this worker's share of --max-memory: as a publish here
+                        workers.dropped_by_memory += len(lines)
+                        continue
                     broker.published -= len(lines)  # counted by the worker the client published to
                     for line in lines:
                         # `{event}{tail}`: the event is sent apart, since in the tail a request's
@@ -555,6 +558,9 @@ class IncomingLink(FrameSocket):
             event, _, tail = rest.partition(b" ")
             tail = b" " + tail
             msg_id = msg_id_of(tail)
+            if workers.memory_full:
+                confirms.write(workers.error_line(fanin_id, workers.memory_reason()))
+                continue
             if journal is not None and journal.log.disk_full:
                 confirms.write(workers.error_line(fanin_id, "disk full: confirmed publishes are refused until "
                                                             "the data dir has room again"))
@@ -790,6 +796,14 @@ class Peers:
         self.targets[key] = HoldRelease(self, key, link)
         link.frame(77, key)
         self.holds += 1
+
+    def set_over_memory(self, over: bool) -> None:
+        """Past this worker's share of --max-memory: other workers' clients' publishes here are refused too."""
+        from .actions import local_handlers_for
+
+        for link in self.incoming:
+            for session in link.sessions.values():
+                session.handlers = local_handlers_for(True, over)
 
     def check_barrier(self) -> None:
         """Every worker has applied our binding changes (and run what holds output): let the held output go."""

@@ -59,7 +59,7 @@ class Workers:
 
     __slots__ = ("brokers", "publishers", "peers", "forwarder", "draining", "topology_extra", "count", "pending",
                  "clients", "journal", "timers", "delayed", "requests", "schedules", "error_line", "max_memory_bytes",
-                 "memory_full", "dropped_by_memory", "started", "bytes_in", "bytes_out", "errors")
+                 "max_memory_share", "memory_full", "dropped_by_memory", "started", "bytes_in", "bytes_out", "errors")
 
     def __init__(self, count: int = 1, timers: Timers | None = None, journal: Journal | None = None) -> None:
         self.count = count
@@ -94,6 +94,7 @@ class Workers:
         self.requests = Requests(self.timers.call_later, lambda rid, reason: self.error_line(rid, reason))
         self.schedules = Schedules(self.timers.call_later, self.publish)
         self.max_memory_bytes: int | None = None  # mqksd --max-memory; the app checks it
+        self.max_memory_share: int | None = None  # with N worker processes, each holds itself to 1/N of it
         self.memory_full = False  # past max_memory_bytes: publishes are refused
         self.dropped_by_memory = 0
         if journal is not None:
@@ -132,6 +133,12 @@ class Workers:
             event = tail[start : tail.index(b" ", start)]
             for broker in self.publishers:
                 broker.publish(msg_id, event, tail)
+
+    def memory_reason(self) -> str:
+        """Why a publish is refused past --max-memory."""
+        share = f"; this worker's share is {self.max_memory_share} bytes" if self.max_memory_share else ""
+        return (f"memory limit reached (--max-memory={self.max_memory_bytes} bytes{share}): publishes are refused "
+                "until consumers drain the queues")
 
     def holds_messages(self) -> bool:
         """True if any queue holds a message, waiting or un-acked."""

@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 from conftest import Broker, Wire, free_port
-from helpers import unique_bytes, wait_for
+from helpers import rss_bytes, unique_bytes, wait_for
 
 from mqks.server.slots import owner_of, slot_ranges
 
@@ -275,6 +275,56 @@ def test_a_different_number_of_workers_finds_every_queue(make_broker):
             assert line.startswith(b"c ok m event=%b" % event) and line.endswith(b" kept"), (count, queue, line)
             consumer.close()
         assert broker.stop() == 0
+
+
+MEMORY_LIMIT_BYTES = 192 << 20
+MEMORY_OVERHEAD_BYTES = 16 << 20  # as in test_semantics: what comes in between two checks
+
+
+def test_max_memory_is_shared_and_the_owner_refuses_what_other_workers_forward(make_broker):
+    """Each worker holds itself to 1/N of --max-memory, and the owner of a queue refuses copies
+    that arrive through the other worker (before, they were taken whatever its memory)."""
+    broker = make_broker("--workers", "2", "--max-memory", str(MEMORY_LIMIT_BYTES))
+    share = MEMORY_LIMIT_BYTES // WORKERS
+    queue, event = queue_on(1), unique_bytes("e")
+    publisher = direct(broker, 0)  # every copy crosses to worker 1
+    owner_pid = stats(publisher, 1)["pid"]
+    publisher.send(b"b rebind --confirm %b %b" % (queue, event))
+    publisher.expect(b"b ok ")
+    body = b"x" * (64 << 10)
+    sent = 0
+    while True:
+        publisher.send(*(b"m%d publish %b %b" % (sent + i, event, body) for i in range(50)))
+        sent += 50
+        publisher.send(b"probe publish --confirm %b small" % event)
+        line = publisher.recv_line()
+        if line != b"probe ok ":
+            reason = b"memory limit reached (--max-memory=%d bytes; this worker's share is %d bytes)" % (
+                MEMORY_LIMIT_BYTES, share)
+            assert line.startswith(b"probe error ") and reason in line, line
+            break
+        assert sent * len(body) < 4 * MEMORY_LIMIT_BYTES, "the owner never refused"
+    assert rss_bytes(owner_pid) <= share + MEMORY_OVERHEAD_BYTES
+    dropped = stats(publisher)["dropped"]
+    publisher.send(b"d publish %b dropped at the owner" % event)
+    wait_for(lambda: stats(publisher)["dropped"] == dropped + 1, "the forwarded copy to be dropped and counted")
+    assert stats(publisher, 1)["memory_full"] is True and stats(publisher, 0)["memory_full"] is False
+    consumer = direct(broker, 1)
+    consumer.send(b"c consume %b" % queue)
+
+    def drained() -> bool:
+        try:
+            for _ in range(200):
+                consumer.recv_line(timeout=0.5)
+        except TimeoutError:
+            pass  # all read
+        return not stats(publisher, 1)["memory_full"]
+
+    wait_for(drained, "the owner to accept again after the drain", timeout=60)
+    publisher.send(b"after publish --confirm %b small" % event)
+    publisher.expect(b"after ok ")
+    publisher.close()
+    consumer.close()
 
 
 def test_a_second_broker_on_the_same_port_is_refused(two):
