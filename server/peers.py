@@ -528,6 +528,11 @@ class IncomingLink(FrameSocket):
                         queue = broker.queue(name)
                         queue.put_record(rest[len(name) :], int(retry))
                         broker.pump(queue)
+                    # the sender writes its ack once they are in this worker's log
+                    if workers.journal is None:
+                        self.confirms.write(format_ok(key))
+                    else:
+                        workers.journal.unconfirmed.append((self.confirms, key))
                 elif kind == 88:  # "X"
                     session = sessions.pop(key, None)
                     if session is not None:
@@ -704,29 +709,62 @@ class Forwarder:
 
 
 class RemoteDeadLetters:
-    """`Broker.broker_for` for a dead-letter queue another worker owns: the copies go there.
+    """`Broker.broker_for` for a dead-letter queue another worker owns: the copies go there, as one transfer."""
 
-    Until that worker has them, no client hears from this one: the `ok` of a reject must mean
-    the dead letter is in place, wherever a client looks next.
-    """
+    __slots__ = ("peers", "owner", "name", "records")
 
-    __slots__ = ("link", "name", "peers")
-
-    def __init__(self, link: PeerLink, name: bytes, peers: Peers | None = None) -> None:
-        self.link = link
-        self.name = name
+    def __init__(self, peers: Peers, owner: int, name: bytes) -> None:
         self.peers = peers
+        self.owner = owner
+        self.name = name
+        self.records: list[bytes] = []
 
     def queue(self, name: bytes) -> RemoteDeadLetters:
         return self
 
     def put_record(self, tail: bytes, retry: int) -> None:
-        self.link.add(69, b"-", b"%d %b%b" % (retry, self.name, tail))
+        self.records.append(b"%d %b%b" % (retry, self.name, tail))
 
     def pump(self, queue: Any) -> None:
-        """The owner pumps when the copies arrive; here, client output waits for its mark."""
-        if self.peers is not None:
-            self.peers.hold_until_marked(self.link)
+        """The owner pumps when the copies arrive."""
+
+    def send(self, source: Broker, queue: Queue, taken: list[tuple[int, Any]]) -> None:
+        peers = self.peers
+        peers.send_dead_letters(DeadLetterTransfer(peers, peers.new_key(b"d"), self.owner, self.records, source,
+                                                   queue, taken))
+
+
+class DeadLetterTransfer:
+    """Dead letters on their way to the worker that owns their `.dead` queue.
+
+    The source writes their ack to its own log only once the owner has them in its log (the
+    owner's `ok`). A crash of either worker in between can repeat a dead letter, never lose
+    one: the source's log still holds the message, which comes back and is moved again.
+    While the owner is restarting, the transfer waits and goes when its link is back.
+    Answers as a fan-in does (`owners`, `parts`, `write`), so the link routes the `ok` to it.
+    """
+
+    __slots__ = ("peers", "rid", "owner", "owners", "parts", "records", "source", "queue", "taken")
+
+    def __init__(self, peers: Peers, key: bytes, owner: int, records: list[bytes], source: Broker, queue: Queue,
+                 taken: list[tuple[int, Any]]) -> None:
+        self.peers = peers
+        self.rid = key
+        self.owner = owner
+        self.owners = (owner,)
+        self.parts = 1
+        self.records = records
+        self.source = source
+        self.queue = queue
+        self.taken = taken
+
+    def write(self, line: bytes) -> None:
+        self.parts = 0
+        if line.startswith(self.rid + b" ok "):
+            self.source.dead_letters_moved(self.queue, self.taken)
+        else:  # the link was lost before the owner answered: again once it is back
+            self.parts = 1
+            self.peers.dead_waiting.setdefault(self.owner, []).append(self)
 
 
 class Peers:
@@ -752,6 +790,7 @@ class Peers:
         self.acked_epoch = 0
         self.deferred_marks: list[tuple[IncomingLink, bytes]] = []
         self.holds = 0  # marks awaited before client output may go (dead letters sent to another worker)
+        self.dead_waiting: dict[int, list[DeadLetterTransfer]] = {}  # for a worker that is restarting
         local = workers.brokers[0]
         local.bindings_changed = self.broadcast_bindings
         local.broker_for = self.broker_for
@@ -766,11 +805,20 @@ class Peers:
         owner = owner_of(name, self.count)
         if owner == self.worker:
             return self.workers.brokers[0]
-        link = self.links[owner]
+        return RemoteDeadLetters(self, owner, name)
+
+    def send_dead_letters(self, transfer: DeadLetterTransfer) -> None:
+        """To their owner now, held client output until it has them; or, while it restarts, once it is back."""
+        link = self.links[transfer.owner]
         if link is None:
-            log.warning("dead letters for %r dropped: worker %d is restarting", name, owner)
-            return RemoteDeadLetters(_NowhereLink(), name)  # type: ignore[arg-type]
-        return RemoteDeadLetters(link, name, self)
+            log.warning("%d dead letters for %r wait: worker %d is restarting", len(transfer.records),
+                        transfer.records[0].split(b" ", 2)[1], transfer.owner)
+            self.dead_waiting.setdefault(transfer.owner, []).append(transfer)
+            return
+        self.fanins[transfer.rid] = transfer  # type: ignore[assignment]  # answered as a fan-in
+        for record in transfer.records:
+            link.add(69, transfer.rid, record)
+        self.hold_until_marked(link)  # no client hears of it (the reject's `ok`) before the owner has it
 
     def new_key(self, prefix: bytes = b"") -> bytes:
         return b"%b%d" % (prefix, next(self.next_key))
@@ -862,6 +910,9 @@ class Peers:
             link = PeerLink(sock, self, worker)
             self.links[worker] = link
             log.info("linked to worker %d", worker)
+            for transfer in self.dead_waiting.pop(worker, []):
+                self.send_dead_letters(transfer)
+            self.workers.flush_pending()
             writer = gevent.spawn(link.write_loop)
             link.read_loop()
             writer.kill(block=False)
@@ -927,13 +978,6 @@ class Peers:
     def stats(self) -> dict[str, Any]:
         return {"worker_links": sum(link is not None for link in self.links), "replica_queues": self.replica.count(),
                 "dropped_unlinked": self.dropped_unlinked}
-
-
-class _NowhereLink:
-    """Where dead letters go while their owner restarts: counted in its log line, then dropped."""
-
-    def add(self, kind: int, key: bytes, line: bytes) -> None:
-        pass
 
 
 def merge_stats(answers: list[bytes], local: dict[str, Any], events: int) -> dict[str, Any]:

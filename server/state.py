@@ -805,6 +805,13 @@ class Broker:
                 dead_queue.put_record(item, 1 if raise_retry else 0)
         self.dead_lettered += len(taken)
         broker.pump(dead_queue)
+        if isinstance(broker, Broker):
+            self.dead_letters_moved(queue, taken)
+        else:  # another worker process owns the dead letters: moved once it has them (server/peers.py)
+            broker.send(self, queue, taken)
+
+    def dead_letters_moved(self, queue: Queue, taken: list[tuple[int, Item]]) -> None:
+        """The copies are in their dead-letter queue (the log records it; here there is nothing to do)."""
 
     def expire(self, consumer: TimedConsumer) -> None:
         """The consumer's ack timeout: copies past their deadline go back as if rejected."""

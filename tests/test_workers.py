@@ -222,33 +222,89 @@ def test_a_killed_worker_is_restarted_and_keeps_confirmed_messages(make_broker):
     victim = stats(wire, 1)["pid"]
     wire.close()
     os.kill(victim, signal.SIGKILL)
+    wait_restarted(broker, 1, victim)
+    assert "worker 1" in broker.log() and "restarting it" in broker.log()
+    consumer = broker.wire()
+    consumer.send(b"c consume %b %b" % (queue, event))
+    for n in range(100):
+        consumer.expect(b"c ok m%d event=%b body-%d" % (n, event, n))
+    consumer.close()
+
+
+def wait_restarted(broker: Broker, worker: int, old_pid: int) -> None:
+    """Until the supervisor has restarted `worker` (a new pid) and worker 0 has linked to it again."""
 
     def restarted() -> bool:
         try:
-            own = direct(broker, 1)
+            own = direct(broker, worker)
         except (OSError, AssertionError, TimeoutError, ConnectionError):
             return False
         try:
-            return stats(own, 1)["pid"] != victim
+            return stats(own, worker)["pid"] != old_pid
         finally:
             own.close()
 
-    wait_for(restarted, "the supervisor to restart worker 1", timeout=20)
-    assert "worker 1" in broker.log() and "restarting it" in broker.log()
+    wait_for(restarted, f"the supervisor to restart worker {worker}", timeout=20)
 
-    def linked_again() -> bool:  # until then, a line for worker 1's queues on worker 0 gets "try again"
+    def linked_again() -> bool:  # until then, a line for its queues on another worker gets "try again"
         own = direct(broker, 0)
         try:
             return stats(own, 0)["worker_links"] == WORKERS - 1
         finally:
             own.close()
 
-    wait_for(linked_again, "worker 0 to link to the new worker 1")
-    consumer = broker.wire()
-    consumer.send(b"c consume %b %b" % (queue, event))
-    for n in range(100):
-        consumer.expect(b"c ok m%d event=%b body-%d" % (n, event, n))
-    consumer.close()
+    wait_for(linked_again, f"worker 0 to link to the new worker {worker}")
+
+
+def test_a_dead_letter_whose_owner_dies_on_the_way_arrives_once_it_is_back(make_broker):
+    """A reject past --max-retries on worker 0 whose `.dead` queue is worker 1's; worker 1 is frozen
+    with the dead letter in its socket, then killed. Before, the source had logged the message as
+    gone and the dead letter was lost; now it waits, goes to the new worker 1, and is there once."""
+    data_dir = tempfile.mkdtemp(prefix="mqks-dead-")
+    broker = make_broker("--workers", str(WORKERS), "--data-dir", data_dir)
+    event = unique_bytes("e")
+    while True:
+        queue = queue_on(0, "dq")
+        if owner_of(queue + b".dead", WORKERS) == 1:
+            break
+    wire = direct(broker, 0)
+    wire.send(b"c consume --confirm %b %b --manual-ack --max-retries=0" % (queue, event))
+    wire.expect(b"c ok ")
+    wire.send(b"p publish --confirm %b doomed" % event)
+    got = sorted([wire.recv_line(), wire.recv_line()])
+    assert got[0].startswith(b"c ok ") and got[0].endswith(b" event=%b doomed" % event) and got[1] == b"p ok ", got
+    msg_id = got[0].split(b" ")[2]
+    asker = direct(broker, 1)  # not `wire`: a client that asked the dying worker anything is closed with it
+    owner = stats(asker, 1)["pid"]
+    asker.close()
+    os.kill(owner, signal.SIGSTOP)
+    wire.send(b"r reject --confirm c %b" % msg_id)  # its `ok` waits until worker 1 has the dead letter...
+    os.kill(owner, signal.SIGKILL)  # ...which never comes: the frozen worker dies with it unread
+    os.kill(owner, signal.SIGCONT)
+    wire.expect(b"r ok ")
+    wire.send(b"d delete_consumer --confirm c")
+    wire.expect(b"d ok ")
+    wait_restarted(broker, 1, owner)
+    dead = broker.wire()
+    dead.send(b"x consume %b.dead --manual-ack" % queue)
+    line = dead.recv_line()
+    assert line.startswith(b"x ok ") and line.endswith(b" event=%b,retry=1 doomed" % event), line
+    assert dead.barrier() == []  # once
+    dead.send(b"a ack --confirm x --all")
+    dead.expect(b"a ok ")
+    dead.close()
+    wire.close()
+    # both logs agree after a restart: neither the queue nor its dead letters hold it
+    assert broker.stop() == 0
+    broker.restart()
+    wire = broker.wire()
+    for name in (queue, queue + b".dead"):
+        wire.send(b"q queues %b" % name)
+        rows = []
+        while (line := wire.recv_line()) != b"q ok --end":
+            rows.append(json.loads(line[5:]))
+        assert [(row["depth"], row["unacked"]) for row in rows] == [(0, 0)], (name, rows)
+    wire.close()
 
 
 def test_a_different_number_of_workers_finds_every_queue(make_broker):
