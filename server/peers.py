@@ -633,9 +633,15 @@ class Replica:
 
 
 class Forwarder:
-    """Publishing's other half: copies for queues other workers own go to them, one line per owner."""
+    """A client's publish in a worker of several: copies into this worker's queues, then one line to each
+    other worker that owns a bound queue.
 
-    __slots__ = ("peers", "replica", "cache", "links", "local", "fanins", "next_fanin")
+    It stands in place of the local broker in `Workers.publishers` rather than beside it: a loop
+    that called both a Broker's and a Forwarder's `publish` at one call site was polymorphic, which
+    the interpreter's specialization punishes (measured: +155 ns a message, against +60 now).
+    """
+
+    __slots__ = ("peers", "replica", "cache", "links", "local", "local_publish", "fanins", "next_fanin")
 
     def __init__(self, peers: Peers) -> None:
         self.peers = peers
@@ -643,10 +649,12 @@ class Forwarder:
         self.cache = peers.replica.cache  # cleared, never replaced: one attribute load per publish
         self.links = peers.links
         self.local: Broker = peers.workers.brokers[0]
+        self.local_publish = self.local.publish
         self.fanins = peers.fanins
         self.next_fanin = itertools.count(1)
 
     def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
+        self.local_publish(msg_id, event, tail)
         owners = self.cache.get(event)
         if owners is None:
             owners = self.replica.owners(event)
@@ -666,7 +674,7 @@ class Forwarder:
         return bool(self.replica.owners(event))
 
     def full_queues(self, event: bytes) -> list[Queue]:
-        return []  # the owners answer for their own queues (publish_confirmed)
+        return self.local.full_queues(event)  # other owners answer for theirs (publish_confirmed)
 
     def publish_confirmed(self, session: Any, rid: bytes, event: bytes, tail: bytes) -> None:
         """A confirmed publish some of whose queues are elsewhere: one answer once every owner has it."""

@@ -107,7 +107,8 @@ class Workers:
         """Become one worker process of several: `peers` reaches the others."""
         self.peers = peers
         self.forwarder = peers.forwarder
-        self.publishers = [*self.brokers, peers.forwarder]
+        assert len(self.brokers) == 1, "a worker process holds one broker"
+        self.publishers = [peers.forwarder]  # it publishes into this worker's broker, then on to the others
 
     def topology(self) -> dict[str, Any]:
         """`hello`'s fields about the workers: how many, which one answers, the slot map, their direct addresses."""
