@@ -150,7 +150,8 @@ def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -
         raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
     forwarder = session.workers.forwarder
     # a line another worker forwarded (its session publishes to this worker's queues only) is never sent on
-    if forwarder is not None and session.brokers is session.workers.publishers and forwarder.routes(event):
+    sent_on = forwarder is not None and session.brokers is session.workers.publishers
+    if sent_on and forwarder.routes_elsewhere(event):
         forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'
         return
     full = [queue for broker in session.brokers for queue in broker.full_queues(event)]

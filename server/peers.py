@@ -671,6 +671,11 @@ class Forwarder:
                 self.peers.dropped_unlinked += 1
 
     def routes(self, event: bytes) -> bool:
+        """True if a queue of any worker is bound to `event` (as `Broker.routes`, over every worker)."""
+        return bool(self.local.routes(event) or self.replica.owners(event))
+
+    def routes_elsewhere(self, event: bytes) -> bool:
+        """True if a queue of another worker is bound to `event`."""
         return bool(self.replica.owners(event))
 
     def full_queues(self, event: bytes) -> list[Queue]:
