@@ -168,7 +168,7 @@ class Server:
         assert self.config.run_dir is not None
         broker = self.workers.brokers[0]
         broker.worker, broker.workers = worker, count
-        self.peers = Peers(self.workers, worker, count, self.config.run_dir)
+        self.peers = Peers(self.workers, worker, count, self.config.run_dir, self.config.max_link_backlog_bytes)
         self.peers.on_link_lost = self.on_link_lost
         self.workers.link(self.peers)
         self.workers.requests.prefix = f"{worker}w{self.workers.requests.prefix}"  # a reply finds its worker
@@ -590,6 +590,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--direct-port", type=int, default=d.direct_port, metavar="PORT",
                         help="with --workers N: worker i also listens on PORT+i, for clients that reach a queue's "
                              "owner directly (default: any free port; hello tells clients)")
+    parser.add_argument("--max-link-backlog", type=byte_size, default=d.max_link_backlog_bytes,
+                        dest="max_link_backlog_bytes", metavar="BYTES",
+                        help="with --workers N: bytes one worker may leave unread on its link from another (a "
+                             "frozen worker) before that link is closed, as if it had restarted; K, M or G "
+                             "(default: 512M)")
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
@@ -651,7 +656,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                  ("--compact-min-bytes", args.compact_min_bytes, 0),
                                  ("--metrics-port", args.metrics_port, 1),
                                  ("--metrics-max-queues", args.metrics_max_queues, 0),
-                                 ("--max-memory", args.max_memory_bytes, 1 << 20)):
+                                 ("--max-memory", args.max_memory_bytes, 1 << 20),
+                                 ("--max-link-backlog", args.max_link_backlog_bytes, 1 << 20)):
         if value is not None and value < minimum:
             parser.error(f"{flag} must be at least {minimum}, not {value}")
     for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port), ("--tls-port", args.tls_port)):

@@ -103,11 +103,11 @@ class FrameSocket:
     """A link's socket and the frames owed on it; the open run of lines is closed into a frame at flush."""
 
     __slots__ = ("sock", "fd", "out", "run_kind", "run_key", "run", "flush_pending", "pending", "writing", "wake",
-                 "closed", "name")
+                 "closed", "name", "backlog", "max_backlog")
 
     is_link = True  # Workers.flush_pending sends links' frames even while client output is held
 
-    def __init__(self, sock: socket.socket, pending: list, name: str) -> None:
+    def __init__(self, sock: socket.socket, pending: list, name: str, max_backlog: int) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.out: list[Any] = []
@@ -120,6 +120,8 @@ class FrameSocket:
         self.wake = Event()
         self.closed = False
         self.name = name
+        self.backlog = 0  # payload bytes in `out`, not yet taken by a write
+        self.max_backlog = max_backlog
 
     def owe(self) -> None:
         if not self.flush_pending:
@@ -141,6 +143,7 @@ class FrameSocket:
             payload = NEWLINE.join(run)
             self.out.append(b"%c%b %d\n" % (self.run_kind, self.run_key, len(payload)))
             self.out.append(payload)
+            self.backlog += len(payload)
             run.clear()
         self.run_kind = 0
 
@@ -149,6 +152,7 @@ class FrameSocket:
         self.out.append(b"%c%b %d\n" % (kind, key or b"-", len(payload)))
         if payload:
             self.out.append(payload)
+            self.backlog += len(payload)
         self.owe()
 
     def flush(self) -> None:
@@ -157,11 +161,17 @@ class FrameSocket:
         out = self.out
         if not out or self.closed:
             return
-        if self.writing:
+        if self.writing:  # the peer is not keeping up: its unread bytes pile up here
+            if self.backlog > self.max_backlog:
+                log.error("%s: %d bytes the peer has not read, past --max-link-backlog: closing the link",
+                          self.name, self.backlog)
+                self.lost("its peer stopped reading")
+                return
             self.wake.set()
             return
         data = b"".join(out)
         out.clear()
+        self.backlog = 0
         try:
             sent = os.write(self.fd, data)
         except BlockingIOError:
@@ -181,6 +191,7 @@ class FrameSocket:
                 while self.out and not self.closed:
                     data = b"".join(self.out)
                     self.out.clear()
+                    self.backlog = 0
                     self.writing = True
                     self.sock.sendall(data)
                     self.writing = False
@@ -314,7 +325,7 @@ class PeerLink(FrameSocket):
     __slots__ = ("worker", "peers", "reader", "up")
 
     def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
-        super().__init__(sock, peers.workers.pending, f"link to worker {worker}")
+        super().__init__(sock, peers.workers.pending, f"link to worker {worker}", peers.max_backlog)
         self.worker = worker
         self.peers = peers
         self.reader = FrameReader()
@@ -431,7 +442,7 @@ class IncomingLink(FrameSocket):
     __slots__ = ("peers", "worker", "sessions", "confirms", "reader", "acked")
 
     def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
-        super().__init__(sock, peers.workers.pending, f"worker {worker}")
+        super().__init__(sock, peers.workers.pending, f"worker {worker}", peers.max_backlog)
         self.peers = peers
         self.acked = peers.epoch  # it gets every binding at once (the dump), then acks each change
         self.worker = worker
@@ -783,8 +794,10 @@ class DeadLetterTransfer:
 class Peers:
     """This worker's view of the others: links, the bindings replica, sessions waiting on answers."""
 
-    def __init__(self, workers: Workers, worker: int, count: int, run_dir: str) -> None:
+    def __init__(self, workers: Workers, worker: int, count: int, run_dir: str,
+                 max_backlog: int = 512 << 20) -> None:
         self.workers = workers
+        self.max_backlog = max_backlog  # unread bytes on a link before it is closed (a frozen peer)
         self.worker = worker
         self.count = count
         self.run_dir = run_dir

@@ -107,6 +107,7 @@ def test_mqksd_defaults_are_safe():
     (["--workers", "0"], "--workers must be at least 1"),
     (["--max-memory", "lots"], "not a size in bytes: 'lots'"),
     (["--max-memory", "1K"], "--max-memory must be at least 1048576"),
+    (["--max-link-backlog", "1K"], "--max-link-backlog must be at least 1048576"),
 ])
 def test_bad_flag_value_exits_with_usage_error(flags, reason):
     result = subprocess.run([sys.executable, "-m", "mqks.server", *flags], capture_output=True,

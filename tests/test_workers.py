@@ -383,6 +383,43 @@ def test_max_memory_is_shared_and_the_owner_refuses_what_other_workers_forward(m
     consumer.close()
 
 
+def test_a_frozen_worker_loses_its_link_instead_of_growing_the_others(make_broker):
+    """Worker 1 stops reading (SIGSTOP) while worker 0 forwards to it: past --max-link-backlog
+    worker 0 closes the link, as if worker 1 had restarted, instead of holding it all in memory;
+    once worker 1 runs again they link again and a confirmed publish crosses."""
+    broker = make_broker("--workers", str(WORKERS), "--max-link-backlog", "4M")
+    queue, event = queue_on(1, "fq"), unique_bytes("e")
+    owner = direct(broker, 1)  # the publisher's own lines never reach worker 1: it is not closed with the link
+    owner.send(b"b rebind --confirm %b %b" % (queue, event))
+    owner.expect(b"b ok ")
+    frozen = stats(owner, 1)["pid"]
+    owner.close()
+    publisher = direct(broker, 0)
+    body = b"x" * (64 << 10)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        # 32 MiB, 8 times the backlog allowed (no ping between: it would wait for the frozen worker)
+        for _ in range(32):
+            publisher.send(*(b"m publish %b %b" % (event, body) for _ in range(16)))
+        wait_for(lambda: "past --max-link-backlog" in broker.log(), "worker 0 to give up on the frozen worker")
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+
+    def crosses() -> bool:
+        publisher.send(b"p publish --confirm %b after" % event)
+        line = publisher.recv_line(timeout=10)
+        assert line == b"p ok " or (line.startswith(b"p error ") and b"worker 1" in line), line
+        return line == b"p ok "
+
+    wait_for(crosses, "a confirmed publish to reach worker 1 again", timeout=30)
+    consumer = direct(broker, 1)
+    consumer.send(b"c consume %b" % queue)
+    while not (line := consumer.recv_line(timeout=10)).endswith(b" after"):
+        assert line.startswith(b"c ok ") and line.endswith(body), line[:100]
+    publisher.close()
+    consumer.close()
+
+
 def test_a_second_broker_on_the_same_port_is_refused(two):
     result = subprocess.run([sys.executable, "-m", "mqks.server", "--port", str(two.port), "--workers", "2"],
                             capture_output=True, text=True, timeout=30)
