@@ -1,25 +1,16 @@
 /* The load generator's manual-ack consumer for MQKS, built by bench/loadgen.py.
  *
  * Like count.c, but it answers: Python subscribes the connections (consume --manual-ack) and
- * hands their fds over; this reads them all through epoll, takes each whole delivery line
+ * hands their fds over; this reads them (bench/readers.h), takes each whole delivery line
  * "{consumer} ok {msg_id} event=...", and after each read sends one batch ack per consumer:
  * "a ack {consumer} {msg_id} {msg_id}...\n". In Python that parsing was half a core at
  * 400k deliveries/s, which on a small machine is CPU taken from the broker under test.
- * Output as count.c: "p <count>\n" at most every `step` deliveries, then
- * "done <count> <errors> <t_last_ns> <count per fd...>\n". Usage: ack TARGET STEP FD...
+ * Usage: ack TARGET STEP FD...
  */
-#define _GNU_SOURCE
-#include <errno.h>
-#include <poll.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/epoll.h>
-#include <time.h>
-#include <unistd.h>
+#include "readers.h"  /* first: it defines _GNU_SOURCE */
 
-#define BUF_BYTES (1 << 20)
-#define MAX_FDS 256
+#include <poll.h>
+
 #define MAX_LINE (1 << 16)     /* a partial line kept between reads; a longer one is an error */
 #define MAX_CONSUMERS 256      /* distinct consumer ids in one read */
 #define MAX_ID 64
@@ -33,12 +24,6 @@ struct consumer {
 
 static struct consumer consumers[MAX_CONSUMERS];
 static int n_consumers;
-
-static long long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
-}
 
 static void append(struct consumer *c, const char *data, size_t len) {
     if (c->len + len > c->cap) {
@@ -124,89 +109,28 @@ static int send_acks(int fd) {
     return at ? write_all(fd, out, at) : 0;
 }
 
+static long take(struct reader *r, const char *data, size_t len, size_t *keep, long *errors) {
+    const char *p = data, *end = data + len;
+    long c = 0;
+    n_consumers = 0;
+    for (const char *nl; p < end && (nl = memchr(p, '\n', (size_t)(end - p))) != NULL; p = nl + 1)
+        c += take_line(p, (size_t)(nl - p), errors);
+    *keep = (size_t)(end - p);
+    if (*keep >= MAX_LINE) {
+        fprintf(stderr, "a line longer than %d bytes on connection %u\n", MAX_LINE, r->index);
+        return -1;
+    }
+    if (send_acks(r->fd) < 0) {
+        fprintf(stderr, "connection %u: acks not sent: %s\n", r->index, strerror(errno));
+        return -1;
+    }
+    return c;
+}
+
 int main(int argc, char **argv) {
     if (argc < 4) {
         fprintf(stderr, "usage: ack TARGET STEP FD...\n");
         return 2;
     }
-    long target = atol(argv[1]), step = atol(argv[2]);
-    int nfds = argc - 3;
-    if (nfds > MAX_FDS) return 2;
-    static int fds[MAX_FDS];
-    static long per_fd[MAX_FDS];
-    static char *tails[MAX_FDS];
-    static size_t tail_len[MAX_FDS];
-    static char buf[MAX_LINE + BUF_BYTES];
-
-    int ep = epoll_create1(0);
-    struct epoll_event ev;
-    for (int i = 0; i < nfds; i++) {
-        fds[i] = atoi(argv[3 + i]);
-        tails[i] = malloc(MAX_LINE);
-        ev.events = EPOLLIN;
-        ev.data.u32 = (unsigned)i;
-        if (epoll_ctl(ep, EPOLL_CTL_ADD, fds[i], &ev) < 0) { perror("epoll_ctl"); return 2; }
-    }
-    ev.events = EPOLLIN;  /* stdin closing means: stop now */
-    ev.data.u32 = MAX_FDS;
-    epoll_ctl(ep, EPOLL_CTL_ADD, 0, &ev);
-
-    long got = 0, errors = 0, reported = 0;
-    long long t_last = 0;
-    struct epoll_event events[64];
-    while (got < target) {
-        int n = epoll_wait(ep, events, 64, 1000);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            break;
-        }
-        int stop = 0;
-        for (int k = 0; k < n; k++) {
-            unsigned i = events[k].data.u32;
-            if (i == MAX_FDS) { stop = 1; continue; }
-            /* the partial last line of the previous read goes right before the new bytes */
-            char *start = buf + MAX_LINE - tail_len[i];
-            memcpy(start, tails[i], tail_len[i]);
-            ssize_t r = read(fds[i], buf + MAX_LINE, BUF_BYTES);
-            if (r <= 0) {
-                if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-                fprintf(stderr, "connection %u closed after %ld\n", i, per_fd[i]);
-                stop = 1;
-                continue;
-            }
-            const char *p = start, *end = buf + MAX_LINE + r;
-            long c = 0;
-            n_consumers = 0;
-            for (const char *nl; p < end && (nl = memchr(p, '\n', (size_t)(end - p))) != NULL; p = nl + 1)
-                c += take_line(p, (size_t)(nl - p), &errors);
-            if ((size_t)(end - p) >= MAX_LINE) {
-                fprintf(stderr, "a line longer than %d bytes on connection %u\n", MAX_LINE, i);
-                stop = 1;
-                continue;
-            }
-            tail_len[i] = (size_t)(end - p);
-            memcpy(tails[i], p, tail_len[i]);
-            if (send_acks(fds[i]) < 0) {
-                fprintf(stderr, "connection %u: acks not sent: %s\n", i, strerror(errno));
-                stop = 1;
-                continue;
-            }
-            if (c) {
-                per_fd[i] += c;
-                got += c;
-                t_last = now_ns();
-            }
-        }
-        if (got - reported >= step || (got >= target && got != reported)) {
-            printf("p %ld\n", got);
-            fflush(stdout);
-            reported = got;
-        }
-        if (stop) break;
-    }
-    printf("done %ld %ld %lld", got, errors, t_last);
-    for (int i = 0; i < nfds; i++) printf(" %ld", per_fd[i]);
-    printf("\n");
-    fflush(stdout);
-    return 0;
+    return serve_readers(argc - 3, argv + 3, atol(argv[1]), atol(argv[2]), MAX_LINE, take);
 }

@@ -89,3 +89,13 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for pid {pid}: the process has exited")
+
+
+def read_a_while(wire, lines: int = 200, quiet_seconds: float = 0.5) -> None:
+    """Read and drop up to `lines` lines, stopping early once none comes for `quiet_seconds`: a step of a
+    `wait_for` that drains a consumer until the broker shows the effect."""
+    try:
+        for _ in range(lines):
+            wire.recv_line(timeout=quiet_seconds)
+    except TimeoutError:
+        pass  # all read

@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 from conftest import Broker, Wire, free_port
-from helpers import rss_bytes, unique_bytes, wait_for
+from helpers import read_a_while, rss_bytes, unique_bytes, wait_for
 
 from mqks.server.slots import owner_of, slot_ranges
 
@@ -369,11 +369,7 @@ def test_max_memory_is_shared_and_the_owner_refuses_what_other_workers_forward(m
     consumer.send(b"c consume %b" % queue)
 
     def drained() -> bool:
-        try:
-            for _ in range(200):
-                consumer.recv_line(timeout=0.5)
-        except TimeoutError:
-            pass  # all read
+        read_a_while(consumer)
         return not stats(publisher, 1)["memory_full"]
 
     wait_for(drained, "the owner to accept again after the drain", timeout=60)
@@ -438,40 +434,35 @@ def test_sigterm_stops_every_worker_and_exits_0(make_broker):
         wait_for(lambda pid=pid: exited(pid), f"worker {pid} to exit")
 
 
+def sigterm_once_logged(args: list[str], line: bytes, log_path) -> int:
+    """Start `mqksd args`, SIGTERM it as soon as its log has `line`; its exit code."""
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "mqks.server", "--port", str(free_port()), *args],
+                                   stdout=subprocess.DEVNULL, stderr=log_file)
+    try:
+        wait_for(lambda: line in log_path.read_bytes(), f"mqksd to log {line!r}")
+        process.send_signal(signal.SIGTERM)
+        return process.wait(90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_a_worker_stopped_while_it_waits_for_its_peers_exits_0(tmp_path):
     """A SIGTERM that comes while a worker is still linking to the others (the supervisor
-    stopping right after a start): the worker never opens the public port and exits 0."""
+    stopping right after a start): the worker never opens the public port and exits 0.
+    Worker 1 never comes here, so worker 0 stays in its wait for the link."""
     log_path = tmp_path / "worker-0.log"
-    with open(log_path, "wb") as log_file:
-        worker = subprocess.Popen([sys.executable, "-m", "mqks.server", "--port", str(free_port()), "--workers", "2",
-                                   "--worker-index", "0", "--run-dir", str(tmp_path)],
-                                  stdout=subprocess.DEVNULL, stderr=log_file)
-    try:
-        # worker 1 never comes: worker 0 stays in its wait for the link
-        wait_for(lambda: b"mqksd listening" in log_path.read_bytes(), "worker 0 to wait for its peer")
-        worker.send_signal(signal.SIGTERM)
-        assert worker.wait(30) == 0, log_path.read_text()
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+    args = ["--workers", "2", "--worker-index", "0", "--run-dir", str(tmp_path)]
+    assert sigterm_once_logged(args, b"mqksd listening", log_path) == 0, log_path.read_text()
     assert b"not every other worker answered" not in log_path.read_bytes()
 
 
 def test_sigterm_while_the_workers_start_exits_0(tmp_path):
     """A stop that comes while the workers are still importing, before any has its handler."""
     log_path = tmp_path / "mqksd.log"
-    with open(log_path, "wb") as log_file:
-        supervisor = subprocess.Popen([sys.executable, "-m", "mqks.server", "--port", str(free_port()),
-                                       "--workers", "2"], stdout=subprocess.DEVNULL, stderr=log_file)
-    try:
-        wait_for(lambda: b"mqksd supervising" in log_path.read_bytes(), "the supervisor to start its workers")
-        supervisor.send_signal(signal.SIGTERM)
-        assert supervisor.wait(90) == 0, log_path.read_text()
-    finally:
-        if supervisor.poll() is None:
-            supervisor.kill()
-            supervisor.wait()
+    assert sigterm_once_logged(["--workers", "2"], b"mqksd supervising", log_path) == 0, log_path.read_text()
 
 
 def exited(pid: int) -> bool:
