@@ -358,6 +358,12 @@ class Server:
             return "not accepting connections: out of file descriptors or memory"
         if self.journal is not None and self.journal.disk_full:
             return "disk full: the log cannot write, confirmed publishes are refused"
+        if self.peers is not None:  # this worker's /healthz speaks for the broker: a worker it cannot reach fails it
+            unlinked = [worker for worker, link in enumerate(self.peers.links)
+                        if link is None and worker != self.peers.worker]
+            if unlinked:
+                return (f"worker {', '.join(map(str, unlinked))} not linked (restarting, or not reading): "
+                        "lines for its queues get an error")
         return None
 
     def listen(self) -> None:

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 
 import pytest
 from conftest import Broker, Wire, free_port
@@ -414,6 +416,35 @@ def test_a_frozen_worker_loses_its_link_instead_of_growing_the_others(make_broke
         assert line.startswith(b"c ok ") and line.endswith(body), line[:100]
     publisher.close()
     consumer.close()
+
+
+def test_healthz_fails_while_a_worker_is_down(make_broker):
+    """/healthz (served by worker 0) answers for every worker: 503 naming the one that is gone
+    (the supervisor is frozen, so it stays gone), 200 once it is back and linked."""
+    port = free_port()
+    broker = make_broker("--workers", str(WORKERS), "--metrics-port", str(port))
+    assert http_get(port, "/healthz") == (200, b"ok\n")
+    asker = direct(broker, 1)
+    victim = stats(asker, 1)["pid"]
+    asker.close()
+    broker.signal(signal.SIGSTOP)
+    try:
+        os.kill(victim, signal.SIGKILL)
+        _, body = wait_for(lambda: (answer := http_get(port, "/healthz"))[0] == 503 and answer,
+                           "/healthz to see worker 1 gone")
+        assert b"worker 1 not linked" in body, body
+    finally:
+        broker.signal(signal.SIGCONT)
+    wait_restarted(broker, 1, victim)
+    wait_for(lambda: http_get(port, "/healthz") == (200, b"ok\n"), "/healthz to be ok again")
+
+
+def http_get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def test_a_second_broker_on_the_same_port_is_refused(two):
