@@ -460,13 +460,16 @@ class IncomingLink(FrameSocket):
     def lost(self, reason: str) -> None:
         self.shut()
 
-    def serve(self) -> None:
-        """Run the peer's requests until it goes; then its clients' consumers here are detached."""
+    def serve(self, first_bytes: bytes = b"") -> None:
+        """Run the peer's requests until it goes; then its clients' consumers here are detached.
+
+        `first_bytes` came in the read with the link's first line: they may hold whole frames
+        (a peer that links again sends dead letters that waited for it at once)."""
         peers = self.peers
         workers = peers.workers
         writer = gevent.spawn(self.write_loop)
         try:
-            self.read_loop(workers)
+            self.read_loop(workers, first_bytes)
         except OSError as e:
             log.info("link from worker %d failed: %s", self.worker, e)
         finally:
@@ -487,7 +490,7 @@ class IncomingLink(FrameSocket):
             "clean-up of consumer %r of %s failed", getattr(consumer, "consumer_id", None), session.peer,
             exc_info=error))
 
-    def read_loop(self, workers: Workers) -> None:
+    def read_loop(self, workers: Workers, first_bytes: bytes) -> None:
         from .actions import run_lines
 
         broker = workers.brokers[0]
@@ -498,10 +501,12 @@ class IncomingLink(FrameSocket):
         feed = self.reader.feed
         no_rejects: deque[tuple[bytes, str]] = deque()
         flush_pending = workers.flush_pending
+        chunk = first_bytes
         while not self.closed:
-            chunk = recv(RECV_BYTES)
             if not chunk:
-                return
+                chunk = recv(RECV_BYTES)
+                if not chunk:
+                    return
             for kind, key, payload in feed(chunk):
                 if kind == 80:  # "P"
                     lines = payload.split(NEWLINE)[:-1]
@@ -555,6 +560,7 @@ class IncomingLink(FrameSocket):
                         if kind == 85:
                             workers.resume(session.outbox)
             flush_pending()
+            chunk = b""
 
     def mark(self, key: bytes) -> None:
         """Answer an M: the session's output so far, then `.{key}`."""
@@ -783,12 +789,13 @@ class DeadLetterTransfer:
         self.taken = taken
 
     def write(self, line: bytes) -> None:
+        """The owner's answer: `ok` once its log has them (it has no other)."""
         self.parts = 0
-        if line.startswith(self.rid + b" ok "):
-            self.source.dead_letters_moved(self.queue, self.taken)
-        else:  # the link was lost before the owner answered: again once it is back
-            self.parts = 1
-            self.peers.dead_waiting.setdefault(self.owner, []).append(self)
+        self.source.dead_letters_moved(self.queue, self.taken)
+
+    def link_lost(self) -> None:
+        """The owner went before it answered: again once it is back."""
+        self.peers.dead_waiting.setdefault(self.owner, []).append(self)
 
 
 class Peers:
@@ -901,14 +908,13 @@ class Peers:
     def accept_link(self, sock: socket.socket, worker: int, first_bytes: bytes = b"") -> None:
         """A peer opened its link to us (the first line named it): serve its requests on this greenlet."""
         link = IncomingLink(sock, self, worker)
-        link.reader.buffer = first_bytes  # what came with the first line: no frame is complete in it yet
         self.incoming.add(link)
         link.frame(90, b"-")  # forget what the replica knew of us: we may have restarted
         dump = self.binding_dump()
         if dump:
             link.frame(66, b"-", dump)
         link.flush()
-        link.serve()
+        link.serve(first_bytes)
 
     def connect_all(self, timeout: float, give_up: Callable[[], bool]) -> bool:
         """Open a link to every peer, retrying until `timeout` or `give_up()`; True if all are up."""
@@ -952,6 +958,9 @@ class Peers:
         for fanin_id, fanin in list(self.fanins.items()):
             if link.worker in fanin.owners:
                 del self.fanins[fanin_id]
+                if isinstance(fanin, DeadLetterTransfer):
+                    fanin.link_lost()
+                    continue
                 fanin.parts = 1
                 fanin.write(self.workers.error_line(fanin.rid, f"worker {link.worker} stopped before it had the "
                                                                "message"))
