@@ -12,6 +12,8 @@ import itertools
 import os
 import socket
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -99,3 +101,12 @@ def read_a_while(wire, lines: int = 200, quiet_seconds: float = 0.5) -> None:
             wire.recv_line(timeout=quiet_seconds)
     except TimeoutError:
         pass  # all read
+
+
+def http_get(port: int, path: str) -> tuple[int, bytes]:
+    """GET http://127.0.0.1:{port}{path}: (status, body), an error status included."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()

@@ -8,12 +8,10 @@ import os
 import resource
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 from conftest import Wire
-from helpers import free_port, unique, wait_for
+from helpers import free_port, http_get, unique, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,14 +63,6 @@ def queue_lines(wire: Wire, mask: bytes = b"") -> list[bytes]:
         assert line.startswith(b"qs ok {"), line
         lines.append(line[len(b"qs ok "):])
     return lines
-
-
-def http_get(port: int, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
-            return answer.status, answer.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def run_mqksd(*args: str) -> subprocess.CompletedProcess:

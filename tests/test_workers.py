@@ -13,12 +13,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 
 import pytest
 from conftest import Broker, Wire, free_port
-from helpers import read_a_while, rss_bytes, unique_bytes, wait_for
+from helpers import http_get, read_a_while, rss_bytes, unique_bytes, wait_for
 
 from mqks.server.slots import owner_of, slot_ranges
 
@@ -437,14 +435,6 @@ def test_healthz_fails_while_a_worker_is_down(make_broker):
         broker.signal(signal.SIGCONT)
     wait_restarted(broker, 1, victim)
     wait_for(lambda: http_get(port, "/healthz") == (200, b"ok\n"), "/healthz to be ok again")
-
-
-def http_get(port: int, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
-            return answer.status, answer.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def test_a_second_broker_on_the_same_port_is_refused(two):
