@@ -381,13 +381,19 @@ class MqksStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 _CLIENTS: dict[tuple[str, int], LineClient] = {}
 
 
-def _client(endpoint: Endpoint, fresh: bool) -> LineClient:
-    """The public connection; its hello tells the slot map (a fresh one re-reads it)."""
-    key = (endpoint.host, endpoint.port)
+def _cached_client(key: tuple[str, int], fresh: bool) -> LineClient | None:
+    """This process's open connection to `key`; None (and closed) if it is gone or `fresh` asks for a new one."""
     client = _CLIENTS.get(key)
     if client is not None and (fresh or client.closed):
         client.close()
         client = None
+    return client
+
+
+def _client(endpoint: Endpoint, fresh: bool) -> LineClient:
+    """The public connection; its hello tells the slot map (a fresh one re-reads it)."""
+    key = (endpoint.host, endpoint.port)
+    client = _cached_client(key, fresh)
     if client is None:
         deadline = time.monotonic() + endpoint.reconnect_seconds
         delay = 0.1
@@ -417,10 +423,7 @@ def _fetch_client(endpoint: Endpoint, queue: bytes, fresh: bool) -> LineClient:
     if route is None:
         return public
     key = (route.host, route.port)
-    client = _CLIENTS.get(key)
-    if client is not None and (fresh or client.closed):
-        client.close()
-        client = None
+    client = _cached_client(key, fresh)
     if client is None:
         try:
             client = _CLIENTS[key] = LineClient(route.host, route.port, security=endpoint.security,
