@@ -25,6 +25,7 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Any, TypeAlias
 
 from .outbox import Outbox
@@ -399,14 +400,22 @@ class Queue:
         return False
 
     def _pack_newest(self) -> None:
-        # the newest PACK_TAILS items were all appended since the last pack, at the back,
-        # and a deep queue is popped only at the front: they are plain tails
         messages = self.messages
-        run = [messages.pop() for _ in range(PACK_TAILS)]
+        # the tails appended since the last pack sit at the back, unless consumers drained the
+        # queue into them: then no Packed item is left, and every item behind the requeued
+        # records is one of them (records put back in front are never counted)
+        plain = min(self.appended_since_pack, len(messages) - self.requeued)
+        if plain < PACK_TAILS:
+            self.appended_since_pack = plain
+            return
+        run = list(islice(reversed(messages), PACK_TAILS))
         run.reverse()
-        messages.append(Packed(NEWLINE.join(run)))
+        packed = Packed(NEWLINE.join(run))  # built before anything leaves the queue: a raise loses nothing
+        for _ in range(PACK_TAILS):
+            messages.pop()
+        messages.append(packed)
         self.packed_extra += PACK_TAILS - 1
-        self.appended_since_pack = 0
+        self.appended_since_pack = plain - PACK_TAILS
 
     def _unpack_front(self) -> None:
         tails = self.messages.popleft().split(NEWLINE)
@@ -857,6 +866,7 @@ class Broker:
         queue.consumers.clear()
         queue.messages.clear()
         queue.packed_extra = 0
+        queue.appended_since_pack = 0
         queue.requeued = 0
         self.dropped_by_deleted_queues += queue.dropped
         return True

@@ -3,7 +3,7 @@
 import pytest
 
 from mqks.server.outbox import Outbox
-from mqks.server.state import PACK_MIN_DEPTH, Broker, Consumer, Message, Packed, TimedConsumer, update_line
+from mqks.server.state import PACK_MIN_DEPTH, PACK_TAILS, Broker, Consumer, Message, Packed, TimedConsumer, update_line
 from mqks.server.timers import Timers
 
 pytestmark = pytest.mark.timeout(10)
@@ -339,3 +339,33 @@ def test_ack_timeout_expires_in_delivery_order_and_touch_moves_one_to_the_end(ou
     assert list(consumer.deadline_by_seq) == [1, 0]
     broker.remove_consumer(consumer)
     assert consumer.deadline_by_seq == {} and consumer.cancel_timer is None
+
+
+@pytest.mark.parametrize("held", [PACK_TAILS - 1, PACK_TAILS, 4000, PACK_MIN_DEPTH - 1, PACK_MIN_DEPTH,
+                                  PACK_MIN_DEPTH + PACK_TAILS + 7])
+@pytest.mark.parametrize("requeue", ["remove_consumer", "reject_all"])
+def test_requeued_messages_then_new_publishes_across_every_packing_boundary_all_arrive_in_order(outbox, held,
+                                                                                              requeue):
+    # issue 31.1: the count of tails appended since the last pack outlived a drained queue, so
+    # the packer took requeued records for plain tails, raised, and dropped what it had popped
+    broker = Broker()
+    broker.rebind(broker.queue(b"q"), replace=[b"e"])
+    for i in range(held):
+        publish(broker, b"m%d" % i, b"e")
+    consumer = consume(broker, outbox, b"c1", b"q", manual_ack=True)
+    assert len(delivered(outbox)) == held and broker.queues[b"q"].depth() == 0
+    if requeue == "remove_consumer":
+        broker.remove_consumer(consumer)
+    else:
+        consumer.outbox.paused = True  # the rejected ones stay in the queue
+        broker.reject_all(consumer)
+    queue = broker.queues[b"q"]
+    assert queue.depth() == held
+    later = 2 * PACK_MIN_DEPTH + PACK_TAILS + 3  # across several packs, wherever they fall
+    for i in range(later):
+        publish(broker, b"n%d" % i, b"e")
+    assert queue.depth() == held + later
+    drainer = consume(broker, Outbox(pending=[]), b"c2", b"q")
+    got = [line.split(b" ")[2] for line in delivered(drainer.outbox)]
+    assert got == [b"m%d" % i for i in range(held)] + [b"n%d" % i for i in range(later)]
+    assert queue.depth() == 0
