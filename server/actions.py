@@ -133,8 +133,8 @@ def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) ->
                 broker.publish(rid, event, tail)
         return
     journal = workers.journal
-    if confirm and journal is not None and journal.log.disk_full:
-        raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
+    if confirm and journal is not None and journal.log.blocked:
+        raise ProtocolError(journal.refusal())
     workers.publish_later(due_ms, tail)
     if confirm:
         if journal is None:
@@ -146,8 +146,8 @@ def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) ->
 def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
     """Publish, then `ok`: at once in memory, once the log has it with --data-dir."""
     journal = session.workers.journal
-    if journal is not None and journal.log.disk_full:
-        raise ProtocolError("disk full: confirmed publishes are refused until the data dir has room again")
+    if journal is not None and journal.log.blocked:
+        raise ProtocolError(journal.refusal())
     forwarder = session.workers.forwarder
     # a line another worker forwarded (its session publishes to this worker's queues only) is never sent on
     sent_on = forwarder is not None and session.brokers is session.workers.publishers

@@ -356,8 +356,8 @@ class Server:
             return "not accepting connections: starting or stopping"
         if listener.failed_accepts:
             return "not accepting connections: out of file descriptors or memory"
-        if self.journal is not None and self.journal.disk_full:
-            return "disk full: the log cannot write, confirmed publishes are refused"
+        if self.journal is not None and self.journal.log.blocked:
+            return f"{self.journal.log.blocked}: the log cannot write, confirmed publishes are refused"
         if self.peers is not None:  # this worker's /healthz speaks for the broker: a worker it cannot reach fails it
             unlinked = [worker for worker, link in enumerate(self.peers.links)
                         if link is None and worker != self.peers.worker]

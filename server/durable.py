@@ -53,6 +53,7 @@ class Log(Protocol):
 
     unsynced_bytes: int
     disk_full: bool
+    blocked: str | None
 
     @property
     def handed_bytes(self) -> int: ...
@@ -97,6 +98,12 @@ class Journal:
     def disk_full(self) -> bool:
         return self.log.disk_full
 
+    def refusal(self) -> str:
+        """Why a confirmed publish is refused while the log cannot write."""
+        if self.log.disk_full:
+            return "disk full: confirmed publishes are refused until the data dir has room again"
+        return f"{self.log.blocked}: confirmed publishes are refused until the log can write again"
+
     def commit(self) -> None:
         """Close the batch into one frame (a no-op without records) and queue its confirms."""
         number = self.log.commit()
@@ -121,9 +128,9 @@ class Journal:
             kept: deque[tuple[int, list[tuple[Outbox, bytes]]]] = deque()
             for commit, confirms in waiting:
                 if commit in failed_commits:
+                    reason = f"{self.log.blocked or 'disk full'}: the message is kept in memory but is not on disk"
                     for outbox, rid in confirms:
-                        outbox.write(self.error_line(rid, "disk full: the message is kept in memory but is not "
-                                                          "on disk"))
+                        outbox.write(self.error_line(rid, reason))
                 else:
                     kept.append((commit, confirms))
             self.waiting = waiting = kept

@@ -5,7 +5,8 @@ then the records joined with newlines) and never spans two files; frames reach t
 commit order, and a commit is reported durable only once the policy says so. Only the writer
 thread touches the files after `replay()`: the event loop appends records to a list and hands
 frames over, so it never waits on the disk. Nothing handed over is dropped: frames that hit a
-full disk are kept and written, in order, once space returns. A failed fsync is fatal.
+full disk, or a process out of file descriptors when a segment is created, are kept and written,
+in order, once space or a descriptor returns. A failed fsync is fatal.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ FSYNC_POLICIES = ("always", "everysec", "no")
 EVERYSEC_SECONDS = 1.0
 DISK_FULL_RETRY_SECONDS = 0.5
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # EFBIG: RLIMIT_FSIZE or the fs limit
+# a process out of descriptors (clients hold them all) is no disk error: wait for one, as for space
+NO_DESCRIPTOR_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
 FSYNC_SAMPLES = 1024
 IOV_FRAMES = os.sysconf("SC_IOV_MAX") // 2  # a header and a payload buffer per frame
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: a supervisor should not restart into the same disk error blindly
@@ -67,6 +70,16 @@ def _exit_on_fatal(message: str) -> None:
 
 def _segment_name(number: int) -> str:
     return f"{number:012d}.log"
+
+
+def _spare_descriptor() -> int:
+    """A descriptor held in reserve (on /dev/null), or -1 when the process has none to spare."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in NO_DESCRIPTOR_ERRNOS:
+            raise
+        return -1
 
 
 def fsync_dir(path: str) -> None:
@@ -110,6 +123,7 @@ class Log:
     append: Callable[[bytes], None]  # one record line (no newline inside) into the open batch
     unsynced_bytes: int  # handed over but not yet durable under the policy: read it without a lock
     disk_full: bool  # writes fail for lack of space; cleared once one succeeds again
+    blocked: str | None  # why writes wait ("disk full", "out of file descriptors"); None while they succeed
 
     def __init__(self, data_dir: str, fsync: str = "always", segment_bytes: int = 64 << 20,
                  wake: Callable[[], None] = lambda: None,
@@ -124,6 +138,10 @@ class Log:
         if not os.path.isdir(data_dir):
             os.makedirs(data_dir, exist_ok=True)
             fsync_dir(os.path.dirname(os.path.abspath(data_dir)))
+        # held for the log's life, so neither a directory fsync nor a new segment needs a descriptor
+        # that clients may have taken: the directory's own, and one spare given up to create a segment
+        self._dir_fd = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._spare_fd = _spare_descriptor()
         # loop side: only the loop writes these
         self._records: list[bytes] = []
         self.append = self._records.append  # cleared, never replaced: a bound copy stays valid
@@ -140,6 +158,8 @@ class Log:
         self._durable_bytes = 0
         self._failed: deque[int] = deque()  # appends and poplefts are atomic: poll takes no lock
         self.disk_full = False
+        self.blocked = None
+        self._blocked_by = "disk full"  # set by the failed step, read when the frames it left are stuck
         self._stuck: list[_Frame] = []  # frames a full disk refused, oldest first, retried before any newer
         self._retry_at = 0.0
         self._fd = -1  # the open segment, or -1 before the first write
@@ -221,6 +241,7 @@ class Log:
             "fsync_ms_p99": samples[min(n - 1, n * 99 // 100)] if n else 0.0,
             "unsynced_bytes": self.unsynced_bytes,
             "disk_full": self.disk_full,
+            "blocked": self.blocked is not None,
             "replayed_records": self._replayed_records,
             "truncated_bytes": self._truncated_bytes,
             "recovery_seconds": self._recovery_seconds,
@@ -392,6 +413,10 @@ class Log:
                 if self._fd >= 0:
                     os.close(self._fd)
                     self._fd = -1
+                for fd in (self._dir_fd, self._spare_fd):
+                    if fd >= 0:
+                        os.close(fd)
+                self._dir_fd = self._spare_fd = -1
                 return
 
     def _wait_seconds(self) -> float | None:
@@ -416,15 +441,17 @@ class Log:
                 if not frame.failed:
                     frame.failed = True
                     failed.append(frame.number)
-            if not self.disk_full:
-                self.disk_full = True
-                log.error("%s: disk full; %d frames wait in memory and are retried every %g s",
-                          self._path(self._segment), len(self._stuck), DISK_FULL_RETRY_SECONDS)
+            if self.blocked is None:
+                self.blocked = self._blocked_by
+                self.disk_full = self._blocked_by == "disk full"
+                log.error("%s: %s; %d frames wait in memory and are retried every %g s",
+                          self._path(self._segment), self.blocked, len(self._stuck), DISK_FULL_RETRY_SECONDS)
         else:
             self._stuck = []
-            if self.disk_full:
+            if self.blocked is not None:
+                log.warning("%s: written again after %s", self._path(self._segment), self.blocked)
+                self.blocked = None
                 self.disk_full = False
-                log.warning("%s: written again after a full disk", self._path(self._segment))
         if written:
             if self.fsync == "always" and self._dirty:
                 self._sync()
@@ -488,6 +515,7 @@ class Log:
         path = self._path(self._segment)
         if error.errno not in DISK_FULL_ERRNOS:
             self._die(f"write of {path} failed: {error}")
+        self._blocked_by = "disk full"
         try:
             os.ftruncate(self._fd, size)
         except OSError as e:
@@ -512,16 +540,37 @@ class Log:
         number = self._next_segment
         path = self._path(number)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            fd = self._create(path)
         except OSError as e:
+            if e.errno in NO_DESCRIPTOR_ERRNOS:
+                self._blocked_by = "out of file descriptors"
+                return False
             if e.errno not in DISK_FULL_ERRNOS:
                 self._die(f"creating {path} failed: {e}")
+            self._blocked_by = "disk full"
             return False
         self._fd, self._segment, self._size, self._dirty = fd, number, 0, False
         self._next_segment = number + 1
         self._segments += 1
         self._sync_dir()
         return True
+
+    def _create(self, path: str) -> int:
+        """Create a segment; out of descriptors, give up the spare for it and take a new spare after."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            if e.errno not in NO_DESCRIPTOR_ERRNOS or self._spare_fd < 0:
+                raise
+            os.close(self._spare_fd)
+            self._spare_fd = -1
+            fd = os.open(path, flags, 0o644)  # the loop's thread may take the spare first: then retried later
+        if self._spare_fd < 0:
+            self._spare_fd = _spare_descriptor()
+            if self._spare_fd < 0:
+                log.warning("%s: no spare descriptor left for the next segment", self.data_dir)
+        return fd
 
     def _drop_before_snapshot(self) -> None:
         """Once the snapshot's segment is synced (on any policy), delete every older segment, oldest first.
@@ -562,7 +611,7 @@ class Log:
 
     def _sync_dir(self) -> None:
         try:
-            fsync_dir(self.data_dir)
+            os.fsync(self._dir_fd)
         except OSError as e:
             self._die(f"fsync of {self.data_dir} failed: {e}")
 

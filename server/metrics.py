@@ -70,6 +70,7 @@ LOG_HELP = {
     "fsync_ms_p99": "99th percentile fdatasync latency over the last 1024, in milliseconds.",
     "unsynced_bytes": "Bytes written to the log and not yet durable.",
     "disk_full": "1 while the log cannot write for lack of space.",
+    "blocked": "1 while the log cannot write for any reason (a full disk, no file descriptor for a new segment).",
     "replayed_records": "Records replayed from the log at the last start.",
     "truncated_bytes": "Bytes of torn tail cut off the log at the last start.",
     "recovery_seconds": "Seconds the last start spent replaying the log.",

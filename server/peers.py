@@ -583,9 +583,8 @@ class IncomingLink(FrameSocket):
             if workers.memory_full:
                 confirms.write(workers.error_line(fanin_id, workers.memory_reason()))
                 continue
-            if journal is not None and journal.log.disk_full:
-                confirms.write(workers.error_line(fanin_id, "disk full: confirmed publishes are refused until "
-                                                            "the data dir has room again"))
+            if journal is not None and journal.log.blocked:
+                confirms.write(workers.error_line(fanin_id, journal.refusal()))
                 continue
             full = broker.full_queues(event)
             broker.publish(msg_id, event, tail)

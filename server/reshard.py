@@ -305,6 +305,7 @@ class NullLog:
 
     unsynced_bytes = 0
     disk_full = False
+    blocked: str | None = None
     handed_bytes = 0
 
     def append(self, record: bytes) -> None:

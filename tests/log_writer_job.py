@@ -1,18 +1,24 @@
-"""A `Log` writer in its own process, for test_log's disk-full test.
+"""A `Log` writer in its own process, for test_log's disk-full and out-of-descriptors tests.
 
-The test starts it with a low RLIMIT_FSIZE and SIGXFSZ ignored, so a write past the limit
-fails with EFBIG as a full disk fails with ENOSPC. It reads one command a line on stdin and
+The disk-full test starts it with a low RLIMIT_FSIZE and SIGXFSZ ignored, so a write past the
+limit fails with EFBIG as a full disk fails with ENOSPC. It reads one command a line on stdin and
 answers one line on stdout; every wait has a deadline and answers "timeout ..." when it passes.
 
     commit K     append K records (`{n:08d} ` and 100 x's, n counting from 0) and commit: "commit N"
     failed N     wait until commit N is reported failed: "failed N disk_full=True"
     durable N    wait until commit N is durable: "durable N disk_full=False"
     unlimit      raise the soft file size limit to the hard one: "unlimited"
+    exhaust      open /dev/null until the process has no descriptor left, as clients would: "exhausted"
+    spend-spare  close the log's spare descriptor, as the loop's accept could take it first: "spent"
+    release      close what exhaust opened: "released"
+    blocked      why the log waits: "blocked None" or "blocked {reason}"
     close        close the log and exit: "closed"
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import resource
 import signal
 import sys
@@ -35,6 +41,7 @@ def main() -> None:
     failed: set[int] = set()
     durable = 0
     records = 0
+    hogs: list[int] = []
 
     def wait(kind: str, number: int) -> bool:
         """Poll until commit `number` is durable or failed (`kind`), with a deadline."""
@@ -69,6 +76,22 @@ def main() -> None:
             _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
             resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
             reply = "unlimited"
+        elif command == "exhaust":
+            try:
+                while True:
+                    hogs.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as e:
+                reply = "exhausted" if e.errno == errno.EMFILE else f"exhaust failed: {e}"
+        elif command == "spend-spare":
+            os.close(log._spare_fd)
+            log._spare_fd = -1
+            reply = "spent"
+        elif command == "release":
+            while hogs:
+                os.close(hogs.pop())
+            reply = "released"
+        elif command == "blocked":
+            reply = f"blocked {log.blocked}"
         elif command == "close":
             log.close()
             print("closed", flush=True)

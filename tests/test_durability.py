@@ -353,6 +353,52 @@ def test_a_full_disk_fails_the_confirms_it_affects_and_recovers(make_broker, tmp
     wire.close()
 
 
+def open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_out_of_file_descriptors_keeps_serving_and_loses_nothing_confirmed(make_broker, tmp_path):
+    # issue 31.2: clients holding every descriptor made the log's first segment (or a directory
+    # fsync) fail with EMFILE, and the broker exited 70; the log now holds the directory open and
+    # keeps a spare descriptor for a segment, and waits, as for a full disk, if even that is gone
+    server = durable(make_broker, tmp_path, "--log-segment-bytes", "4096")
+    queue, event = b(unique("q")), b(unique("e"))
+    wire = server.wire()
+    wire.send(b"p ping")
+    wire.expect(b"p ok ")
+    pid = server.proc.pid
+    _, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_descriptors(pid) + 4, hard))
+    idle = [server.wire() for _ in range(50)]  # past the limit they wait in the listen backlog, unaccepted
+    wait_for(lambda: "cannot accept new connections" in server.log(), "the broker to run out of descriptors")
+    wire.send(b"rb rebind --confirm %b %b" % (queue, event))  # the log's first segment
+    wire.expect(b"rb ok ")
+    answers = []
+    for i in range(12):  # 12 x 1 KiB over 4 KiB segments: new segments and directory fsyncs
+        wire.send(b"m%d publish --confirm %b %s" % (i, event, b"%d" % i * 1024))
+        answers.append(wire.recv_line())
+    assert server.proc.poll() is None, server.log()
+    assert all(line.endswith(b" ok ") or b"out of file descriptors" in line for line in answers), answers
+    for conn in idle:
+        conn.close()
+
+    def confirmed_again() -> bool:
+        wire.send(b"again publish --confirm %b after" % event)
+        return b"again ok " in wire.barrier()
+
+    wait_for(confirmed_again, "confirmed publishes once descriptors return")
+    ok_ids = {line.split(b" ")[0] for line in answers if line.endswith(b" ok ")}
+    server.kill()
+    server.restart()
+    wire = server.wire()
+    wire.send(b"c consume --confirm %b" % queue)
+    wire.expect(b"c ok ")
+    got = {line.split(b" ")[2] for line in wire.barrier()}
+    assert ok_ids <= got, f"confirmed and lost: {sorted(ok_ids - got)}"
+    assert b"again" in got
+    wire.close()
+
+
 def test_without_data_dir_nothing_is_written(make_broker, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     server = make_broker("--eval")

@@ -326,6 +326,30 @@ def test_stats_counters_move(tmp_path):
 FILE_SIZE_LIMIT_BYTES = 4096
 
 
+class WriterJob:
+    """log_writer_job.py in its own process: one command a line, one answer a line."""
+
+    def __init__(self, data_dir: Path, **options) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(JOB), str(data_dir)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options)
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline().strip()  # the job answers within its own deadlines
+        assert reply, f"the job died after {command!r}: {self.proc.stderr.read()}"
+        return reply
+
+    def close(self) -> None:
+        assert self.ask("close") == "closed"
+        assert self.proc.wait(WAIT_SECONDS) == 0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def limit_file_size() -> None:
     """In the child, before exec: writes past the limit fail with EFBIG (an ignored signal stays ignored)."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -338,16 +362,8 @@ def test_disk_full_reports_the_failed_commit_and_writes_it_once_space_returns(tm
     if hard != resource.RLIM_INFINITY and hard < 1 << 20:
         pytest.skip(f"the hard file size limit ({hard}) leaves no room to raise the soft one")
     data_dir = tmp_path / "log"
-    job = subprocess.Popen([sys.executable, str(JOB), str(data_dir)], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           preexec_fn=limit_file_size)
-
-    def ask(command: str) -> str:
-        job.stdin.write(command + "\n")
-        job.stdin.flush()
-        reply = job.stdout.readline().strip()  # the job answers within its own deadlines
-        assert reply, f"the job died after {command!r}: {job.stderr.read()}"
-        return reply
+    job = WriterJob(data_dir, preexec_fn=limit_file_size)
+    ask = job.ask
 
     try:
         assert ask("commit 10") == "commit 1"  # about 1.1 KB: fits under the limit
@@ -361,13 +377,42 @@ def test_disk_full_reports_the_failed_commit_and_writes_it_once_space_returns(tm
         assert ask("failed 3") == "failed 3 disk_full=True"
         assert ask("unlimit") == "unlimited"
         assert ask("durable 3") == "durable 3 disk_full=False"  # the timed retry wrote both
-        assert ask("close") == "closed"
-        assert job.wait(WAIT_SECONDS) == 0
+        job.close()
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+        job.kill()
     records, stats = replay_all(data_dir)
     assert records == [b"%08d " % n + b"x" * 100 for n in range(51)]
     assert stats["truncated_bytes"] == 0
     assert os.path.getsize(segment) > FILE_SIZE_LIMIT_BYTES
+
+
+def test_out_of_descriptors_the_spare_creates_the_segment(tmp_path):
+    # issue 31.2: EMFILE creating a segment was fatal (exit 70), and clients can take every descriptor
+    job = WriterJob(tmp_path / "log")
+    try:
+        assert job.ask("exhaust") == "exhausted"
+        assert job.ask("commit 1") == "commit 1"  # the first segment: the spare descriptor pays for it
+        assert job.ask("durable 1") == "durable 1 disk_full=False"
+        assert job.ask("release") == "released"
+        job.close()
+    finally:
+        job.kill()
+    assert replay_all(tmp_path / "log")[0] == [b"%08d " % 0 + b"x" * 100]
+
+
+def test_out_of_descriptors_without_a_spare_fails_the_commit_and_writes_it_once_one_returns(tmp_path):
+    job = WriterJob(tmp_path / "log")
+    try:
+        assert job.ask("spend-spare") == "spent"  # as if the loop's accept had taken it first
+        assert job.ask("exhaust") == "exhausted"
+        assert job.ask("commit 1") == "commit 1"
+        assert job.ask("failed 1") == "failed 1 disk_full=False"  # answered as failed, kept in memory
+        assert job.ask("blocked") == "blocked out of file descriptors"
+        assert job.ask("commit 1") == "commit 2"  # behind it, in order
+        assert job.ask("release") == "released"
+        assert job.ask("durable 2") == "durable 2 disk_full=False"  # the timed retry wrote both
+        assert job.ask("blocked") == "blocked None"
+        job.close()
+    finally:
+        job.kill()
+    assert replay_all(tmp_path / "log")[0] == [b"%08d " % n + b"x" * 100 for n in range(2)]
