@@ -526,7 +526,9 @@ class Server:
             if self.metrics_server is not None:
                 self.metrics_server.stop(timeout=1)
             if self.journal is not None:
-                self.journal.close()  # everything recorded reaches the disk before exit 0
+                # everything recorded reaches the disk before exit 0, unless the disk is full: then
+                # the stop is bounded, and what is not on disk was never confirmed
+                self.journal.close(self.config.log_close_seconds)
         finally:
             self.stopped.set()
 
@@ -652,9 +654,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--drain-seconds", type=float, default=d.drain_seconds, metavar="SECONDS",
                         help="on SIGTERM, how long consumers get to ack what they hold before it is requeued "
                              "(default: %(default)s)")
+    parser.add_argument("--log-close-seconds", type=float, default=d.log_close_seconds, metavar="SECONDS",
+                        help="on SIGTERM, how long to wait for a log that cannot write (a full disk) before "
+                             "stopping anyway; what was confirmed is on disk, what was not is logged "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
     for flag, value, minimum in (("--port", args.port, 0), ("--tls-port", args.tls_port, 1),
                                  ("--client-ttl", args.client_ttl, 0), ("--drain-seconds", args.drain_seconds, 0),
+                                 ("--log-close-seconds", args.log_close_seconds, 0),
                                  ("--workers", args.workers, 1),
                                  ("--max-line-bytes", args.max_line_bytes, 64),
                                  ("--max-output-bytes", args.max_output_bytes, 4096),

@@ -36,6 +36,7 @@ class Config:
     auth_token_file: str | None = None  # one token per line, re-read on SIGHUP; MQKS_AUTH_TOKEN adds one
     client_ttl: float | None = None  # None: a connection may stay silent for ever unless it says hello --ttl
     drain_seconds: float = 5.0  # on SIGTERM: how long consumers get to settle what they hold
+    log_close_seconds: float = 10.0  # on SIGTERM: how long a log that cannot write (full disk) may hold the stop
     direct_port: int = 0  # with workers > 1: worker i's own port is this + i (0: any free port, told in hello)
     max_link_backlog_bytes: int = 512 << 20  # with workers > 1: a worker that leaves this unread loses its link
     worker_index: int | None = None  # set by the supervisor: this process is worker i of `workers`

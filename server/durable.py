@@ -66,7 +66,7 @@ class Log(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
-    def close(self) -> None: ...
+    def close(self, timeout_seconds: float | None = None) -> None: ...
 
     def replay(self, repair: bool = False) -> Iterator[bytes]: ...
 
@@ -174,9 +174,9 @@ class Journal:
         self.snapshots += 1
         log.info("snapshot of the live state: %d bytes in %.3f s", size, time.monotonic() - started)
 
-    def close(self) -> None:
+    def close(self, timeout_seconds: float | None = None) -> None:
         self.commit()
-        self.log.close()
+        self.log.close(timeout_seconds)
         self.settle()
 
     def stats(self) -> dict[str, Any]:

@@ -264,7 +264,10 @@ class Log:
             self._cond.notify()
         self._thread.join(timeout_seconds)
         if self._thread.is_alive():
-            log.error("closing %s: %d bytes are not on disk yet (disk full)", self.data_dir, self.unsynced_bytes)
+            # never confirmed: a confirm waits for its frame to be durable
+            log.error("closing %s after %g s: %d bytes of unconfirmed records are not on disk (%s); stopping "
+                      "without them", self.data_dir, timeout_seconds, self.unsynced_bytes,
+                      self.blocked or "the disk does not answer")
 
     def replay(self, repair: bool = False) -> Iterator[bytes]:
         """Every record of every durable frame, oldest segment first; a torn tail is cut off and logged.

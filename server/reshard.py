@@ -320,7 +320,7 @@ class NullLog:
     def stats(self) -> dict[str, int]:
         return {}
 
-    def close(self) -> None:
+    def close(self, timeout_seconds: float | None = None) -> None:
         pass
 
     def replay(self, repair: bool = False) -> Iterator[bytes]:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -116,8 +117,11 @@ def child_pids(pid: int) -> list[int]:
 class Broker:
     """One `mqksd` subprocess; can be stopped, killed, frozen and restarted on the same port."""
 
-    def __init__(self, *args: str, port: int | None = None) -> None:
+    def __init__(self, *args: str, port: int | None = None, log_to_pipe: bool = False) -> None:
         self.args = list(args)
+        # a pipe instead of the file: a test that limits the broker's file size (a "full disk") still reads its log
+        self.log_to_pipe = log_to_pipe
+        self.piped_log: list[bytes] = []
         self.host = "127.0.0.1"
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
@@ -127,7 +131,10 @@ class Broker:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "mqks.server", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log_file)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE if self.log_to_pipe else self.log_file)
+        if self.log_to_pipe:
+            threading.Thread(target=self.piped_log.extend, args=(self.proc.stderr,), daemon=True).start()
         wait_for(self.answers_ping, "mqksd to answer ping", READY_TIMEOUT_SECONDS, interval=0.02)
 
     def answers_ping(self) -> bool:
@@ -149,7 +156,7 @@ class Broker:
     def log(self) -> str:
         """Everything the server has logged so far."""
         with open(self.log_file.name, encoding="utf-8", errors="replace") as f:
-            return f.read()
+            return f.read() + b"".join(self.piped_log).decode(errors="replace")
 
     def wire(self) -> Wire:
         return Wire(self.host, self.port)
@@ -211,8 +218,8 @@ def make_broker() -> Iterator:
     """A factory for brokers with their own flags; all are killed after the test."""
     started: list[Broker] = []
 
-    def make(*args: str, port: int | None = None) -> Broker:
-        server = Broker(*args, port=port)
+    def make(*args: str, port: int | None = None, log_to_pipe: bool = False) -> Broker:
+        server = Broker(*args, port=port, log_to_pipe=log_to_pipe)
         started.append(server)
         return server
 

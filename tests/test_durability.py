@@ -10,6 +10,7 @@ import signal
 import threading
 
 import pytest
+from conftest import READY_TIMEOUT_SECONDS
 from helpers import eval_value, server_stats, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -350,6 +351,32 @@ def test_a_full_disk_fails_the_confirms_it_affects_and_recovers(make_broker, tmp
     # m1 reached the disk once space returned; m0 stays acked; the m3s are there
     assert got[0] == b"c ok m1 event=%b,retry=1 %s" % (event, b"z" * 500), got[:3]
     assert all(line.startswith(b"c ok m3 ") for line in got[1:]) and len(got) >= 2
+    wire.close()
+
+
+def test_sigterm_on_a_full_disk_stops_within_the_log_close_bound(make_broker, tmp_path):
+    # issue 31.3: the stop waited for the log to close with no bound while the disk stayed full
+    server = make_broker("--data-dir", str(tmp_path), "--drain-seconds", "0", "--log-close-seconds", "1",
+                         log_to_pipe=True)
+    queue, event = b(unique("q")), b(unique("e"))
+    wire = server.wire()
+    wire.send(b"rb rebind --confirm %b %b" % (queue, event))
+    wire.expect(b"rb ok ")
+    wire.send(b"m0 publish --confirm %b before" % event)
+    wire.expect(b"m0 ok ")
+    pid = server.proc.pid
+    _, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (disk_bytes(tmp_path) + 100, hard))  # the disk is now "full"
+    wire.send(b"m1 publish --confirm %b %s" % (event, b"z" * 500))
+    wire.expect_error(b"m1", b"disk full")
+    server.signal(signal.SIGTERM)
+    assert server.proc.wait(READY_TIMEOUT_SECONDS) == 0  # raises if it never stops
+    wait_for(lambda: "unconfirmed records are not on disk (disk full)" in server.log(), "the log to say what it left")
+    server.restart()
+    wire = server.wire()
+    wire.send(b"c consume --confirm %b" % queue)
+    wire.expect(b"c ok ")
+    assert wire.barrier() == [b"c ok m0 event=%b before" % event]  # the confirmed one, and only it
     wire.close()
 
 
