@@ -39,7 +39,7 @@ from gevent.event import Event
 
 from .outbox import Outbox
 from .protocol import format_ok
-from .routing import Routing
+from .routing import Routing, cache_put
 from .slots import owner_of
 from .state import Broker, Queue, msg_id_of
 
@@ -608,13 +608,15 @@ class Replica:
     def __init__(self, peers: Peers) -> None:
         self.routing = Routing()
         self.queues: dict[bytes, RemoteQueue] = {}
-        self.cache: dict[bytes, tuple[int, ...]] = {}  # event -> owners; cleared on any change
+        # event -> owners; cleared on any change, and bounded as the route cache (ids in event names)
+        self.cache: dict[bytes, tuple[int, ...]] = {}
         self.peers = peers
 
     def owners(self, event: bytes) -> tuple[int, ...]:
         owners = self.cache.get(event)
         if owners is None:
-            owners = self.cache[event] = tuple(sorted({queue.owner for queue in self.routing.route(event)}))
+            owners = tuple(sorted({queue.owner for queue in self.routing.route(event)}))
+            cache_put(self.cache, event, owners)
         return owners
 
     def update(self, owner: int, payload: bytes) -> None:

@@ -12,9 +12,19 @@ cached route; of a mask, clears the cache.
 from __future__ import annotations
 
 import re
+from itertools import islice
 from typing import Any
 
 MAX_CACHED_EVENTS = 65536  # events with ids in their names would otherwise grow it forever
+SWEPT_EVENTS = MAX_CACHED_EVENTS // 4  # a full cache drops its oldest quarter: hot events stay cached
+
+
+def cache_put(cache: dict, event: bytes, value: Any) -> None:
+    """Remember `value` for `event`, sweeping the oldest entries out of a full cache (no clear-all cliff)."""
+    if len(cache) >= MAX_CACHED_EVENTS:
+        for old in list(islice(cache, SWEPT_EVENTS)):
+            del cache[old]
+    cache[event] = value
 STAR = b"*"
 
 
@@ -134,9 +144,7 @@ class Routing:
                     found[queue] = None
             queues = tuple(found)
         if self.cache_enabled:
-            if len(self.cache) >= MAX_CACHED_EVENTS:
-                self.cache.clear()
-            self.cache[event] = queues
+            cache_put(self.cache, event, queues)
         return queues
 
     def match(self, event: bytes) -> list[Node]:

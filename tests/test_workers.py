@@ -16,8 +16,9 @@ import tempfile
 
 import pytest
 from conftest import Broker, Wire, free_port
-from helpers import http_get, read_a_while, rss_bytes, unique_bytes, wait_for
+from helpers import eval_on, http_get, read_a_while, rss_bytes, unique_bytes, wait_for
 
+from mqks.server.routing import MAX_CACHED_EVENTS
 from mqks.server.slots import owner_of, slot_ranges
 
 WORKERS = 2
@@ -529,3 +530,23 @@ def test_frames_come_out_whole_however_the_stream_is_cut():
             got += reader.feed(stream[pos : pos + size])
             pos += size
         assert got == frames
+
+
+def test_distinct_events_keep_the_owner_cache_bounded(two):
+    # issue 31.5: the per-event owner cache grew by one entry per distinct event (ids in event
+    # names) and was cleared only when a binding changed: +79 MiB per million
+    wire = direct(two, 0)
+    queue = queue_on(1)
+    wire.send(b"r rebind --confirm %b hot" % queue)  # another worker owns it: each publish asks the replica
+    wire.expect(b"r ok ")
+    count = MAX_CACHED_EVENTS + 10_000
+    for start in range(0, count, 10_000):
+        wire.send(*(b"m publish nobody.%d.created x" % i for i in range(start, start + 10_000)))
+    wire.send(b"m publish hot x")
+    assert wire.barrier() == []
+    size = int(eval_on(wire, b"len(workers.peers.replica.cache)"))
+    assert 0 < size <= MAX_CACHED_EVENTS
+    assert eval_on(wire, b"workers.peers.replica.cache.get(b'hot')") == b"(1,)"  # the newest stayed
+    routes = int(eval_on(wire, b"len(state.routing.cache)"))
+    assert routes <= MAX_CACHED_EVENTS
+    wire.close()
