@@ -33,7 +33,7 @@ from gevent.event import Event
 from gevent.server import StreamServer
 
 from .actions import handlers_for
-from .config import DEFAULTS, Config
+from .config import CANNOT_START_EXIT_CODE, DEFAULTS, Config
 from .connection import Connection
 from .durable import Journal, rebuild, recover
 from .protocol import format_error
@@ -245,7 +245,7 @@ class Server:
             self.workers.restore(recovery)
         except LogCorrupt as e:
             log.error("cannot start: %s", e)  # names the file, the offset and --repair
-            sys.exit(1)
+            sys.exit(1 if self.config.worker_index is None else CANNOT_START_EXIT_CODE)
         stats = journal.log.stats()
         # the whole log counts as churn: the first snapshot comes as soon as it is worth it
         journal.count_as_churn(stats.get("log_bytes", 0))
@@ -714,11 +714,16 @@ def main(argv: list[str] | None = None) -> None:
 
         die_with_parent()
     try:
-        Server(config).serve_forever()
+        server = Server(config)
+    except (OSError, ValueError) as e:  # the data dir, the token file: a restart would fail the same way
+        log.error("cannot start: %s", e)
+        sys.exit(1 if config.worker_index is None else CANNOT_START_EXIT_CODE)
+    try:
+        server.serve_forever()
     except CannotListen as e:
         log.error("%s", e)
         sys.exit(1)
-    except (OSError, ValueError) as e:  # the data dir, the token file
+    except (OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         sys.exit(1)
 

@@ -44,3 +44,6 @@ class Config:
 
 
 DEFAULTS = Config()
+# a worker that cannot start because of its data (a corrupt log, an unreadable data dir): restarting
+# it would fail the same way for ever, so its supervisor stops the whole broker (EX_CONFIG)
+CANNOT_START_EXIT_CODE = 78

@@ -3,7 +3,8 @@
 The parent holds no queues and serves no client. It prepares the data dir for N workers
 (re-sharding a log written with another N, server/reshard.py), makes a private run
 directory for the workers' Unix sockets, starts `mqksd ... --worker-index i` N times,
-restarts a worker that dies (logged, with a back-off if it keeps dying), passes SIGHUP
+restarts a worker that dies (logged, with a back-off if it keeps dying) unless it cannot start
+because of its data (then the whole broker stops, exit 1, as one process would), passes SIGHUP
 on, and on SIGTERM or SIGINT passes it on and exits 0 once every worker has drained and
 exited. Each worker dies with the parent (PR_SET_PDEATHSIG): a killed broker never leaves
 workers behind on its port.
@@ -22,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-from .config import Config
+from .config import CANNOT_START_EXIT_CODE, Config
 
 log = logging.getLogger("mqks.supervisor")
 
@@ -135,9 +136,14 @@ class Supervisor:
                 code = child.poll()
                 if code is None:
                     continue
+                if code == CANNOT_START_EXIT_CODE and not self.stopping:
+                    log.error("worker %d cannot start because of its data (its error is above); stopping the "
+                              "broker rather than restarting it for ever", worker)
+                    failed = True
+                    self.on_stop(signal.SIGTERM, None)
                 if self.stopping:
                     # killed by our SIGTERM before it had set its handler: it had served nothing yet
-                    if code not in (0, -signal.SIGTERM):
+                    if code not in (0, -signal.SIGTERM, CANNOT_START_EXIT_CODE):
                         log.warning("worker %d exited %d while stopping", worker, code)
                         failed = True
                     del self.children[worker]

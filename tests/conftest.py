@@ -150,6 +150,8 @@ class Broker:
             wire.send(b"ready ping")
             wire.expect(b"ready ok ")
             return True
+        except OSError:  # a broker that is stopping (a worker that cannot start) may reset it
+            return False
         finally:
             wire.close()
 

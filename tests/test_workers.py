@@ -550,3 +550,32 @@ def test_distinct_events_keep_the_owner_cache_bounded(two):
     routes = int(eval_on(wire, b"len(state.routing.cache)"))
     assert routes <= MAX_CACHED_EVENTS
     wire.close()
+
+
+def test_a_worker_whose_log_is_corrupt_stops_the_broker_instead_of_a_crash_loop(tmp_path):
+    # issue 31.7: the worker exited 1 and the supervisor restarted it for ever, while the other
+    # worker served and every line for the broken one answered "worker 1 is restarting"
+    server = Broker("--workers", "2", "--data-dir", str(tmp_path))
+    try:
+        wire = direct(server, 1)
+        queue = queue_on(1)
+        wire.send(b"r rebind --confirm %b e" % queue)
+        wire.expect(b"r ok ")
+        wire.send(*(b"m%d publish --confirm e %b" % (i, b"x" * 200) for i in range(50)))
+        for i in range(50):
+            wire.expect(b"m%d ok " % i)
+        wire.close()
+        assert server.stop() == 0
+        [segment] = sorted((tmp_path / "worker-1").glob("*.log"))[-1:]
+        with open(segment, "r+b") as f:  # a bad frame with good ones after it: corruption, not a torn tail
+            f.seek(segment.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(RuntimeError, match="exited 1"):
+            server.restart()
+        log = server.log()
+        assert "--repair" in log and str(segment) in log
+        assert log.count("worker 1 (pid") == 0, "the supervisor restarted the worker"
+    finally:
+        server.kill()
