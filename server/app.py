@@ -364,6 +364,14 @@ class Server:
             if unlinked:
                 return (f"worker {', '.join(map(str, unlinked))} not linked (restarting, or not reading): "
                         "lines for its queues get an error")
+            from .peers import log_trouble
+
+            for answer in self.peers.ask_all(b"h stats"):
+                stats = json.loads(answer.partition(b" ok ")[2])
+                trouble = log_trouble(stats)
+                if trouble is not None:
+                    return (f"worker {stats.get('worker')}: {trouble}: its log cannot write, confirmed publishes "
+                            "to its queues are refused")
         return None
 
     def listen(self) -> None:

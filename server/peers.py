@@ -1039,4 +1039,31 @@ def merge_stats(answers: list[bytes], local: dict[str, Any], events: int) -> dic
     figures["memory_full"] = any(one.get("memory_full") for one in per_worker)
     ranked = sorted((row for one in per_worker for row in one.get("top_queues", [])), key=lambda row: -row[1])
     figures["top_queues"] = ranked[:TOP_QUEUES]
+    logs = [one["log"] for one in per_worker if one.get("log")]
+    if logs:
+        figures["log"] = merge_log_stats(logs)
     return figures
+
+
+def merge_log_stats(logs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every worker's log figures as one: sizes and counts summed, latencies the worst, flags if any has it."""
+    merged: dict[str, Any] = {}
+    for key, value in logs[0].items():
+        values = [one.get(key, 0) for one in logs]
+        if isinstance(value, bool):
+            merged[key] = any(values)
+        elif key.startswith("fsync_ms_") or key == "recovery_seconds":
+            merged[key] = max(values)
+        else:
+            merged[key] = sum(values)
+    return merged
+
+
+def log_trouble(stats: dict[str, Any]) -> str | None:
+    """Why one worker's log cannot write, from its `stats`; None while it can (or it has no log)."""
+    figures = stats.get("log") or {}
+    if figures.get("disk_full"):
+        return "disk full"
+    if figures.get("blocked"):
+        return "the log cannot create a segment (out of file descriptors)"
+    return None

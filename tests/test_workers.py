@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -579,3 +580,31 @@ def test_a_worker_whose_log_is_corrupt_stops_the_broker_instead_of_a_crash_loop(
         assert log.count("worker 1 (pid") == 0, "the supervisor restarted the worker"
     finally:
         server.kill()
+
+
+def test_healthz_and_metrics_see_a_full_disk_on_any_worker(make_broker, tmp_path):
+    # issue 31.8: /healthz (served by worker 0) checked only its own log, and mqks_log_disk_full was
+    # missing from /metrics with workers
+    port = free_port()
+    broker = make_broker("--workers", str(WORKERS), "--metrics-port", str(port), "--data-dir", str(tmp_path))
+    wire = direct(broker, 1)
+    queue = queue_on(1)
+    wire.send(b"r rebind --confirm %b e" % queue, b"m0 publish --confirm e before")
+    wire.expect(b"r ok ")
+    wire.expect(b"m0 ok ")
+    pid = stats(wire, 1)["pid"]
+    used = sum(path.stat().st_size for path in (tmp_path / "worker-1").glob("*.log"))
+    _, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (used + 100, hard))  # worker 1's disk is "full"
+    try:
+        wire.send(b"m1 publish --confirm e %s" % (b"z" * 500))
+        wire.expect_error(b"m1", b"disk full")
+        status, body = http_get(port, "/healthz")
+        assert status == 503 and b"worker 1: disk full" in body, (status, body)
+        status, body = http_get(port, "/metrics")
+        assert status == 200 and b"\nmqks_log_disk_full 1.0\n" in body, body[-2000:]
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))  # room again
+    wait_for(lambda: http_get(port, "/healthz") == (200, b"ok\n"), "healthz back to ok once worker 1's log writes")
+    assert b"\nmqks_log_disk_full 0.0\n" in http_get(port, "/metrics")[1]
+    wire.close()
