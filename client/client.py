@@ -37,6 +37,7 @@ log = logging.getLogger("mqks.client")
 REQUEST_TIMEOUT_SECONDS = 30.0  # the broker's own default for `request`
 REPLY_PREFIX = b"--reply "
 NO_REPLY_REASON = "no reply within"  # the broker's reason when a request times out
+PLACING_POLL_SECONDS = 0.005  # how often a held publish looks again whether every consumer is back
 
 
 class Client:
@@ -85,6 +86,7 @@ class Client:
         self._homeless: list[Consumer] = []  # consumers taken off a link, waiting for _rehome to place them
         self._rehoming: gevent.Greenlet | None = None
         self._rehome_again = False
+        self._adopting = 0  # moved consumers whose consume is on its way to their new link
         # internals the tests inspect (and drop connections through); not API
         self._consumers_by_id = self._consumers.by_id
         self._consumers_by_any_id = by_any_id
@@ -195,7 +197,26 @@ class Client:
         flags = wire.publish_flags(delay, at)
         event_bytes = wire.encode_token(event, "event")
         body = wire.encode_data(ujson.dumps(data) if json else data)
+        if not self._consumers_placed():
+            self._wait_until_consumers_placed(self._deadline(timeout))
         return self._request(b"publish", [*flags, event_bytes, body], confirm, timeout, retry=True).decode()
+
+    def _consumers_placed(self) -> bool:
+        """True unless a consumer is still on its way back to its worker's link (a reconnect, a new map)."""
+        if self._homeless or self._adopting or (self._rehoming is not None and not self._rehoming.dead):
+            return False
+        return all(session.link is None or session.link.connected or not session.by_id
+                   for _, session in self._direct.values())
+
+    def _wait_until_consumers_placed(self, deadline: float) -> None:
+        """Hold a publish until every consumer is replayed on its worker's link, or until `deadline`.
+
+        The public link can reconnect and publish before a direct link has replayed its consumers; to a
+        restarted in-memory broker such a publish reaches queues that are not bound yet, and is lost.
+        Past the deadline the publish goes anyway (a worker that stays away must not stop publishing).
+        """
+        while not self._consumers_placed() and time.monotonic() < deadline and not self._link.closed:
+            gevent.sleep(PLACING_POLL_SECONDS)
 
     def consume(self, queue: str, events: list[str] | None, callback: MessageCallback, manual_ack: bool = False,
                 delete_queue_when_unused: float | bool | None = None, add: bool = False, confirm: bool = True,
@@ -357,10 +378,17 @@ class Client:
             if consumer.active:
                 session = self._session_for(self._route(consumer.queue.encode()))
                 session.adopt(consumer)
+                self._adopting += 1
                 gevent.spawn(self._send_adopted, session, consumer)
 
     def _send_adopted(self, session: Consumers, consumer: Consumer) -> None:
         """Send a moved consumer's consume once its new link is up, unless that link's handshake replayed it."""
+        try:
+            self._send_adopted_once_linked(session, consumer)
+        finally:
+            self._adopting -= 1
+
+    def _send_adopted_once_linked(self, session: Consumers, consumer: Consumer) -> None:
         link = session.link
         assert link is not None
         while not link.closed and consumer.active and session.by_id.get(consumer.id) is consumer:
@@ -512,6 +540,7 @@ class Client:
                 wire.encode_token(event, "event"), wire.encode_data(ujson.dumps(data) if json else data)]
         # the broker answers by `timeout`; the client's own timeout covers the way there and back
         deadline = self._deadline(None) + float(timeout)
+        self._wait_until_consumers_placed(deadline)
         try:
             _, answer = self._link.call(b"request", b" ".join(args), deadline)
         except MqksError as e:

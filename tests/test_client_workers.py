@@ -455,6 +455,32 @@ def test_consumers_follow_their_queues_through_restarts_with_one_then_three_work
         client.close()
 
 
+def test_a_publish_right_after_a_reconnect_reaches_every_replayed_consumer(make_broker) -> None:
+    # issue 31.9: the public link reconnected and published while the direct links were still
+    # replaying their consumers to a restarted in-memory broker: the publish reached no queue
+    broker = make_broker("--workers", "2")
+    multi_process(broker)
+    port = broker.port
+    client = make_client(port)
+    try:
+        event = f"e-{uuid.uuid4().hex[:8]}"
+        inboxes = [Inbox(), Inbox()]
+        for worker, inbox in enumerate(inboxes):
+            client.consume(queue_owned_by(worker, 2), [event], inbox)
+        for round_ in range(6):
+            reconnects = client.reconnects
+            broker.kill()
+            broker = make_broker("--workers", "2", port=port)  # in memory: only the replays bind the queues
+            wait_until(lambda reconnects=reconnects: client.reconnects > reconnects and client.connected,
+                       "the public link to reconnect")
+            client.publish(event, f"round {round_}", confirm=True)  # at once: no retry, no second chance
+            for inbox in inboxes:
+                inbox.wait(round_ + 1)
+        assert [[m.data for m in inbox.messages] for inbox in inboxes] == [[f"round {n}" for n in range(6)]] * 2
+    finally:
+        client.close()
+
+
 def test_a_spark_executor_fetches_on_the_owner_and_on_the_public_port_without_a_map(proxies, monkeypatch) -> None:
     source = pytest.importorskip("mqks.spark.source")
     from mqks.spark.options import Endpoint
