@@ -168,7 +168,10 @@ class Server:
         assert self.config.run_dir is not None
         broker = self.workers.brokers[0]
         broker.worker, broker.workers = worker, count
-        self.peers = Peers(self.workers, worker, count, self.config.run_dir, self.config.max_link_backlog_bytes)
+        # a relayed session's window: even if every other worker fills one for the same client while it
+        # stalls, its worker holds under --max-output-bytes in all (a quarter, with two workers)
+        self.peers = Peers(self.workers, worker, count, self.config.run_dir, self.config.max_link_backlog_bytes,
+                           self.config.max_output_bytes // (2 * count))
         self.peers.on_link_lost = self.on_link_lost
         self.workers.link(self.peers)
         self.workers.requests.prefix = f"{worker}w{self.workers.requests.prefix}"  # a reply finds its worker

@@ -59,7 +59,7 @@ class Connection:
                  "max_output_bytes", "errors", "tls", "tokens", "authenticated", "unauthenticated_lines",
                  "eval_refusal", "said_hello", "ttl_seconds", "reads", "silence_watch", "draining",
                  # with worker processes (server/relay.py): this session on the other workers
-                 "key", "remote", "unsynced", "awaiting", "held", "unheld", "relay_paused", "synced")
+                 "key", "remote", "unsynced", "awaiting", "held", "unheld", "owed_credit", "synced")
 
     def __init__(self, sock: socket.socket, address: object, config: Config, workers: Workers,
                  next_error_id: Callable[[], str], *, tls: bool = False, tokens: Tokens | None = None,
@@ -97,7 +97,7 @@ class Connection:
         self.awaiting = 0  # answers owed by other workers before `held` may run
         self.held: list | None = None
         self.unheld = Event()
-        self.relay_paused = False
+        self.owed_credit: dict[int, int] = {}  # by owner: `>` bytes taken from it and not yet credited back
         self.synced = False  # a held ping waited for the other workers: it answers when it runs again
         self.splitter = LineSplitter(config.max_line_bytes)
         self.next_error_id = next_error_id
@@ -161,10 +161,16 @@ class Connection:
             peers.targets[self.key] = self
         return self.key
 
-    def take(self, data: bytes) -> None:
-        """Bytes another worker owes this client (answers, deliveries of relayed consumers), in one piece."""
+    def take(self, data: bytes, worker: int) -> None:
+        """Bytes `worker` owes this client (answers, deliveries of relayed consumers), in one piece.
+
+        They are credited back to `worker` once the client has read its backlog (`give_credit`):
+        the owner sends no more than its window meanwhile, so a client that stops reading stops
+        its relayed consumers and nothing piles up here.
+        """
         if self.closed:
             return
+        self.owed_credit[worker] = self.owed_credit.get(worker, 0) + len(data)
         outbox = self.outbox
         outbox.out.append(data)
         outbox.out_bytes += len(data)
@@ -173,9 +179,6 @@ class Connection:
             outbox.pending.append(outbox)
         if outbox.out_bytes > outbox.high_water_bytes:
             outbox.paused = True
-            if not self.relay_paused:
-                self.relay_paused = True
-                self.tell_remote(65)  # pause: the client reads slower than the owners deliver
             if outbox.out_bytes > self.max_output_bytes:
                 log.warning("closing %s: %d bytes of replies unread (limit %d)", self.peer, outbox.out_bytes,
                             self.max_output_bytes)
@@ -211,11 +214,19 @@ class Connection:
                 run_lines(self, lines, rejected)
         self.held = None
 
+    def give_credit(self) -> None:
+        """The client keeps up (its backlog under half the high-water mark): tell each owner what it took."""
+        links = self.workers.peers.links
+        for worker, taken in self.owed_credit.items():
+            link = links[worker]
+            if link is not None:
+                link.frame(87, self.key, b"%d" % taken)  # "W"
+        self.owed_credit.clear()
+
     def resumed(self) -> None:
         """The client read its backlog: local consumers deliver again, and so do the owners of relayed ones."""
-        if self.relay_paused:
-            self.relay_paused = False
-            self.tell_remote(85)
+        if self.owed_credit:
+            self.give_credit()
         self.workers.resume(self.outbox)
 
     def wake_writer(self) -> None:
@@ -248,6 +259,8 @@ class Connection:
         if sent == len(data):
             out.clear()
             outbox.out_bytes = 0
+            if self.owed_credit:
+                self.give_credit()  # flushed within this batch's flush_pending, which goes on to the links
         else:
             outbox.out = [memoryview(data)[sent:]]
             outbox.out_bytes = len(data) - sent
@@ -419,9 +432,13 @@ class Connection:
                     sendall(data)
                     self.writing = False
                     workers.bytes_out += len(data)
-                    if outbox.paused and outbox.out_bytes < outbox.high_water_bytes // 2 and not self.draining:
-                        outbox.paused = False
-                        self.resumed()
+                    if outbox.out_bytes < outbox.high_water_bytes // 2:
+                        if outbox.paused and not self.draining:
+                            outbox.paused = False
+                            self.resumed()
+                        elif self.owed_credit:
+                            self.give_credit()
+                            workers.flush_pending()
         except OSError as e:
             log.info("write to %s failed: %s", self.peer, e)
             self.close()

@@ -19,7 +19,12 @@ header line `{kind}{key} {size}\\n` and `size` bytes of payload:
   S  client lines of session `key`          Z  forget every binding of the owner (it restarted)
   M  answer `.{key}` when you get here
   X  session `key`'s client left
-  A / U  pause / resume session `key`'s deliveries (its client reads slowly)
+  W  `{bytes}`: session `key`'s client has taken that many bytes of `>` frames
+
+A session's output is windowed: the owner sends at most RELAY_WINDOW_BYTES of `>` frames that the
+client's worker has not credited back with W, and the client's worker credits only while its
+client reads (its outbox below half its high-water mark). A client that stops reading stops its
+relayed consumers within one window, and no message leaves a queue for a client that cannot take it.
 """
 
 from __future__ import annotations
@@ -49,7 +54,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("mqks.peers")
 
 RECV_BYTES = 1 << 18
-NO_LIMIT = 1 << 62  # a remote session never pauses on its own: its client's worker says when
+NO_LIMIT = 1 << 62  # an outbox that never pauses (a link's confirms)
+# `>` bytes in flight to one client's worker before its credit: by default a quarter of the output
+# limit, a local client's high-water mark, so a relayed consumer streams as fast as a local one
+RELAY_WINDOW_BYTES = 16 << 20
 CONNECT_RETRY_SECONDS = 0.05
 ASK_SECONDS = 2.0  # a /metrics scrape waits this long at most for the other workers' figures
 NEWLINE = b"\n"
@@ -263,7 +271,7 @@ class Gather:
         self.answers: list[bytes] = []
         self.merge = merge
 
-    def take(self, payload: bytes) -> None:
+    def take(self, payload: bytes, worker: int) -> None:
         self.answers.append(payload)
 
     def done(self) -> None:
@@ -288,7 +296,7 @@ class Waiter:
         if not waiting:
             self.event.set()
 
-    def take(self, payload: bytes) -> None:
+    def take(self, payload: bytes, worker: int) -> None:
         self.answers.append(payload)
 
     def done(self) -> None:
@@ -307,7 +315,7 @@ class HoldRelease:
         self.key = key
         self.link = link
 
-    def take(self, payload: bytes) -> None:
+    def take(self, payload: bytes, worker: int) -> None:
         """A mark's session has no output."""
 
     def done(self) -> None:
@@ -353,7 +361,7 @@ class PeerLink(FrameSocket):
                     if kind == 62:  # ">"
                         target = targets.get(key)
                         if target is not None:
-                            target.take(payload)
+                            target.take(payload, self.worker)
                     elif kind == 46:  # "."
                         target = targets.get(key)
                         if target is not None:
@@ -382,7 +390,7 @@ class RemoteSession:
     """A client of another worker, as its lines run here: its consumers, and the frames its output goes back in."""
 
     __slots__ = ("link", "key", "peer", "workers", "brokers", "outbox", "consumers_by_id", "actions", "handlers",
-                 "closed", "unauthenticated_lines")
+                 "closed", "unauthenticated_lines", "in_flight")
 
     peer_is_loopback = True  # the client's own worker has checked what it may run
     eval_enabled = True
@@ -401,7 +409,9 @@ class RemoteSession:
         self.peer = f"{link.name} client {key.decode(errors='replace')}"
         self.workers = workers
         self.brokers = workers.brokers  # only this worker's queues: the sender already forwarded elsewhere
-        self.outbox = Outbox(workers.pending, NO_LIMIT, self.flush)
+        # its high-water mark is the window: the bytes sent and not yet credited count as owed
+        self.outbox = Outbox(workers.pending, link.peers.relay_window, self.flush)
+        self.in_flight = 0  # `>` bytes sent that the client's worker has not credited
         self.consumers_by_id = self.outbox.consumers_by_id
         self.actions = actions_for(True, True)
         self.handlers = local_handlers_for(True, workers.memory_full)
@@ -427,13 +437,25 @@ class RemoteSession:
         """The client's worker watches its silence."""
 
     def flush(self) -> None:
-        """Move the client's bytes into the link, as one `>` frame."""
+        """Move the client's bytes into the link, as one `>` frame; they stay owed until credited."""
         outbox = self.outbox
         out = outbox.out
         if out:
-            self.link.frame(62, self.key, b"".join(out))
+            payload = b"".join(out)
+            self.link.frame(62, self.key, payload)
             out.clear()
-        outbox.out_bytes = 0
+            self.in_flight += len(payload)
+        outbox.out_bytes = self.in_flight
+
+    def credit(self, taken: int) -> None:
+        """The client's worker passed `taken` bytes on to its client: deliver again below half the window."""
+        before = self.in_flight
+        self.in_flight = max(0, before - taken)
+        outbox = self.outbox
+        outbox.out_bytes = max(0, outbox.out_bytes - (before - self.in_flight))
+        if outbox.paused and outbox.out_bytes < outbox.high_water_bytes // 2 and not self.workers.draining:
+            outbox.paused = False
+            self.workers.resume(outbox)
 
 
 class IncomingLink(FrameSocket):
@@ -553,12 +575,10 @@ class IncomingLink(FrameSocket):
                     session = sessions.pop(key, None)
                     if session is not None:
                         self.end_session(session)
-                elif kind == 65 or kind == 85:  # "A", "U"
+                elif kind == 87:  # "W"
                     session = sessions.get(key)
-                    if session is not None and not workers.draining:
-                        session.outbox.paused = kind == 65
-                        if kind == 85:
-                            workers.resume(session.outbox)
+                    if session is not None:
+                        session.credit(int(payload))
             flush_pending()
             chunk = b""
 
@@ -804,9 +824,10 @@ class Peers:
     """This worker's view of the others: links, the bindings replica, sessions waiting on answers."""
 
     def __init__(self, workers: Workers, worker: int, count: int, run_dir: str,
-                 max_backlog: int = 512 << 20) -> None:
+                 max_backlog: int = 512 << 20, relay_window: int = RELAY_WINDOW_BYTES) -> None:
         self.workers = workers
         self.max_backlog = max_backlog  # unread bytes on a link before it is closed (a frozen peer)
+        self.relay_window = relay_window  # `>` bytes in flight to one client's worker before its credit
         self.worker = worker
         self.count = count
         self.run_dir = run_dir

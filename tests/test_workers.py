@@ -11,13 +11,14 @@ import os
 import random
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 
 import pytest
 from conftest import Broker, Wire, free_port
-from helpers import eval_on, http_get, read_a_while, rss_bytes, unique_bytes, wait_for
+from helpers import eval_on, eval_value, http_get, read_a_while, rss_bytes, unique_bytes, wait_for
 
 from mqks.server.routing import MAX_CACHED_EVENTS
 from mqks.server.slots import owner_of, slot_ranges
@@ -608,3 +609,27 @@ def test_healthz_and_metrics_see_a_full_disk_on_any_worker(make_broker, tmp_path
     wait_for(lambda: http_get(port, "/healthz") == (200, b"ok\n"), "healthz back to ok once worker 1's log writes")
     assert b"\nmqks_log_disk_full 0.0\n" in http_get(port, "/metrics")[1]
     wire.close()
+
+
+def test_a_stalled_consumer_on_a_worker_that_does_not_own_its_queue_loses_nothing(make_broker):
+    # issue 31.4: once the stalled client read again the owner pushed the whole backlog across the
+    # link, its worker buffered it past --max-output-bytes and cut the client off: 1.83M of 2M lost
+    broker = make_broker("--eval", "--workers", str(WORKERS), "--max-output-bytes", str(1 << 20))
+    queue = queue_on(1)
+    consumer = direct(broker, 0)
+    consumer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    consumer.send(b"c consume --confirm %b e" % queue)  # auto-ack: a delivery taken off the queue is gone
+    consumer.expect(b"c ok ")
+    publisher = direct(broker, 1)
+    count, batch = 600_000, 20_000  # 17 MB of deliveries: 16x the output limit
+    for start in range(0, count, batch):
+        publisher.send(*(b"m%d publish e %d" % (i, i) for i in range(start, start + batch)))
+    assert publisher.barrier() == []
+    # the consumer has not read a byte: what the socket buffers do not hold waits in the queue
+    assert eval_value(broker, f"state.queues[{queue!r}].depth()", worker=1) > 0
+    got = [consumer.recv_line(timeout=30) for _ in range(count)]
+    assert got == [b"c ok m%d event=e %d" % (i, i) for i in range(count)]
+    assert consumer.barrier() == []
+    assert eval_value(broker, f"state.queues[{queue!r}].depth()", worker=1) == 0
+    consumer.close()
+    publisher.close()
