@@ -52,13 +52,14 @@ class _Fatal(Exception):
 class _Frame:
     """One commit handed to the writer thread."""
 
-    __slots__ = ("number", "header", "payload", "new_segment", "failed")
+    __slots__ = ("number", "header", "payload", "new_segment", "completes", "failed")
 
-    def __init__(self, number: int, header: bytes, payload: bytes, new_segment: bool) -> None:
+    def __init__(self, number: int, header: bytes, payload: bytes, new_segment: bool, completes: bool) -> None:
         self.number = number
         self.header = header
         self.payload = payload
         self.new_segment = new_segment
+        self.completes = completes  # the last frame of a snapshot begun by a new_segment frame
         self.failed = False  # reported through poll() once; its bytes are still written later
 
 
@@ -167,6 +168,7 @@ class Log:
         self._size = 0  # the open segment's size: the end of its last complete frame
         self._dirty = False  # written since the last fdatasync
         self._last_sync = time.monotonic()
+        self._snapshot_started: int | None = None  # the segment of a snapshot begun and not yet complete
         self._snapshot_segment: int | None = None  # older segments go once this one is synced
         self._sizes: dict[int, int] = {}  # closed segments' sizes, by number
         self._log_bytes = 0
@@ -185,12 +187,15 @@ class Log:
         self._thread = threading.Thread(target=self._run, name="mqks-log-writer", daemon=True)
         self._thread.start()
 
-    def commit(self, new_segment: bool = False) -> int | None:
+    def commit(self, new_segment: bool = False, completes: bool | None = None) -> int | None:
         """Close the open batch into one frame for the writer; its commit number, or None when empty.
 
-        new_segment=True starts a new segment with this frame and deletes every older segment
-        once it is durable: for a frame that holds the whole live state.
+        new_segment=True starts a new segment with this frame, for a snapshot of the whole live
+        state; every older segment is deleted once the frame with completes=True (by default the
+        same one) is durable, so a snapshot written in several frames replaces the log only whole.
         """
+        if completes is None:
+            completes = new_segment
         records = self._records
         if not records:
             return None
@@ -203,7 +208,7 @@ class Log:
             # an empty frame would read like a zero-filled tail
             raise ValueError(f"a frame's payload must be 1 to {MAX_PAYLOAD_BYTES} bytes, not {size}")
         self._commits = number = self._commits + 1
-        frame = _Frame(number, HEADER.pack(size, zlib.crc32(payload)), payload, new_segment)
+        frame = _Frame(number, HEADER.pack(size, zlib.crc32(payload)), payload, new_segment, completes)
         self._handed_bytes += HEADER_BYTES + size
         # both threads only ever store handed - durable, each counter having one writer; the
         # loop stores before the hand-over, so the thread's store for this frame comes later
@@ -212,6 +217,11 @@ class Log:
             self._handed.append(frame)
             self._cond.notify()
         return number
+
+    @property
+    def frames_waiting(self) -> bool:
+        """True while frames wait for the writer thread to take them (it holds one batch at a time)."""
+        return bool(self._handed)
 
     @property
     def handed_bytes(self) -> int:
@@ -495,8 +505,7 @@ class Log:
             if error is None:
                 self._size += run_bytes
                 self._log_bytes += run_bytes
-                if first.new_segment:
-                    self._snapshot_segment = self._segment
+                self._note_snapshot(frames[i:j])
                 i = j
                 continue
             whole, whole_bytes = 0, 0
@@ -508,10 +517,17 @@ class Log:
             self._disk_error(error, self._size + whole_bytes)
             self._size += whole_bytes
             self._log_bytes += whole_bytes
-            if whole and first.new_segment:
-                self._snapshot_segment = self._segment
+            self._note_snapshot(frames[i : i + whole])
             return i + whole
         return n
+
+    def _note_snapshot(self, written: list[_Frame]) -> None:
+        """A snapshot's first frame opened this segment; its last one lets the older segments go."""
+        for frame in written:
+            if frame.new_segment:
+                self._snapshot_started = self._segment
+            if frame.completes and self._snapshot_started is not None:
+                self._snapshot_segment, self._snapshot_started = self._snapshot_started, None
 
     def _disk_error(self, error: OSError, size: int) -> None:
         """After a failed write: cut the file back to its last whole frame, or die if the disk is not just full."""
@@ -535,7 +551,8 @@ class Log:
                 return True
         if self._fd >= 0:
             # sync before leaving it: a torn frame may only ever sit at the end of the last segment
-            if self._dirty and (self.fsync != "no" or self._snapshot_segment == self._segment):
+            if self._dirty and (self.fsync != "no" or self._snapshot_started is not None
+                                or self._snapshot_segment == self._segment):
                 self._sync()
             os.close(self._fd)
             self._fd = -1

@@ -307,11 +307,12 @@ class NullLog:
     disk_full = False
     blocked: str | None = None
     handed_bytes = 0
+    frames_waiting = False
 
     def append(self, record: bytes) -> None:
         pass
 
-    def commit(self, new_segment: bool = False) -> int | None:
+    def commit(self, new_segment: bool = False, completes: bool | None = None) -> int | None:
         return None
 
     def poll(self) -> tuple[int, list[int]]:

@@ -415,7 +415,7 @@ class Queue:
             messages.pop()
         messages.append(packed)
         self.packed_extra += PACK_TAILS - 1
-        self.appended_since_pack = plain - PACK_TAILS
+        self.appended_since_pack = 0  # the run is the newest item now: no plain tail behind it
 
     def _unpack_front(self) -> None:
         tails = self.messages.popleft().split(NEWLINE)

@@ -297,6 +297,32 @@ def test_new_segment_frame_deletes_older_segments_once_durable(tmp_path):
     assert replay_all(data_dir)[0] == snapshot + later
 
 
+def test_a_snapshot_in_several_frames_deletes_older_segments_only_once_its_last_is_durable(tmp_path):
+    # issue 31.6: a snapshot now streams in chunks; until its last frame is on disk the older
+    # segments are what a crash would replay from, so they must stay
+    data_dir = tmp_path / "log"
+    wake = threading.Event()
+    log = Log(str(data_dir), segment_bytes=256, wake=wake.set)
+    for frame in range(10):
+        for record in frame_records(frame, 3):
+            log.append(record)
+        log.commit()
+    wait_durable(log, wake, 10)
+    older = segments(data_dir)
+    chunks = [[b"SB", *frame_records(100, 5)], frame_records(101, 5), [*frame_records(102, 5), b"SE"]]
+    for i, chunk in enumerate(chunks):
+        for record in chunk:
+            log.append(record)
+        number = log.commit(new_segment=i == 0, completes=i == len(chunks) - 1)
+        wait_durable(log, wake, number)
+        if i < len(chunks) - 1:
+            assert set(older) <= set(segments(data_dir)), f"older segments deleted after chunk {i}"
+    remaining = segments(data_dir)
+    assert not set(older) & set(remaining)  # all gone once the snapshot is whole
+    log.close()
+    assert replay_all(data_dir)[0] == [record for chunk in chunks for record in chunk]
+
+
 def test_stats_counters_move(tmp_path):
     data_dir = tmp_path / "log"
     wake = threading.Event()
