@@ -40,7 +40,7 @@ EXIT_BROKER = 1
 EXIT_USAGE = 2
 EXIT_FEATURE_OFF = 3
 EXIT_NO_REPLY = 4
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = stats.EXIT_INTERRUPTED
 COMMANDS = frozenset({"publish", "consume", "ping", "stats", "queues", "top", "eval", "request", "schedule",
                       "unschedule", "schedules"})
 JSON_COMMANDS = frozenset({"stats", "queues", "schedules"})  # with --json, stdout holds JSON only, errors included

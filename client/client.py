@@ -134,13 +134,17 @@ class Client:
             raise MqksConnectionError(f"cannot connect to {where}{within}: {_why(cause)}") from cause
         return self
 
-    def close(self, timeout: float | None = None) -> None:
-        """Make sure the broker has read every line sent so far (ping barrier), then disconnect."""
+    def close(self, timeout: float | None = None, *, flush: bool = True) -> None:
+        """Make sure the broker has read every line sent so far (ping barrier), then disconnect.
+
+        `flush=False` disconnects at once, for a tool the user interrupted: a broker that stopped
+        answering must not hold it for `timeout`.
+        """
         if self._link.closed:
             return
         deadline = self._deadline(timeout)
         sessions = self._sessions()
-        for session in sessions:
+        for session in sessions if flush else ():
             link = session.link
             if link is not None and link.connected:
                 try:

@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import ssl
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import gevent
+from gevent.event import Event
 
 from .client import Client
 from .errors import MqksError
 from .tls import client_context, token_setting
+
+EXIT_INTERRUPTED = 130  # a one-shot command interrupted by Ctrl-C (a --watch ends with 0, as `mqks consume`)
 
 # (key in the stats answer, label) in the order a message lives: published, queued, consumed, acked
 FIGURES: tuple[tuple[str, str], ...] = (
@@ -215,6 +220,23 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e), 2)
     client = Client(args.host, args.port, timeout_seconds=args.timeout, connect_timeout_seconds=args.timeout,
                     reconnect_max_seconds=1.0, **settings)
+    # Ctrl-C as an event, not a KeyboardInterrupt: that one is raised in whichever greenlet runs (the
+    # client's reader, say), which dies with a traceback while the loop goes on; and it ends the
+    # wait at once, even for a broker that stopped answering
+    interrupted = Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        gevent.signal_handler(signum, interrupted.set)
+    printing = gevent.spawn(print_stats, client, args, address, fail)
+    gevent.wait([printing, interrupted], count=1)
+    if interrupted.is_set():
+        printing.kill(block=False)
+        client.close(flush=False)
+        return 0 if args.watch is not None else EXIT_INTERRUPTED
+    return printing.get()
+
+
+def print_stats(client: Client, args: argparse.Namespace, address: str, fail: Callable[[str, int], int]) -> int:
+    """Connect and print the stats, once or every --watch seconds; the exit code."""
     try:
         client.connect(retry=False)
         clear_screen = args.watch is not None and not args.json and sys.stdout.isatty()
@@ -238,8 +260,6 @@ def run(args: argparse.Namespace) -> int:
             gevent.sleep(args.watch)
     except MqksError as e:
         return fail(str(e) if str(e).startswith(("cannot connect", address)) else f"{address}: {e}", 1)
-    except KeyboardInterrupt:
-        return 0
     finally:
         client.close()
 

@@ -410,6 +410,34 @@ def test_stats_py_watch_prints_again_until_interrupted(broker: Broker) -> None:
             headers += stdout.line().startswith("MQKS ")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(RUN_TIMEOUT_SECONDS) == 0
+        assert proc.stderr.read() == b""  # no stray KeyboardInterrupt, no traceback
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+@pytest.mark.parametrize("command", ["stats.py", "mqks stats"])
+def test_ctrl_c_on_a_watch_of_a_frozen_broker_ends_at_once_and_quietly(make_broker, command: str) -> None:
+    # issue 24.3: Ctrl-C printed a stray KeyboardInterrupt, and with a broker that stopped answering
+    # the watch waited out its timeout; with --timeout 120 it must end long before that could
+    server = make_broker()
+    program = [sys.executable, str(STATS_PY)] if command == "stats.py" else [str(MQKS), "stats"]
+    proc = subprocess.Popen([*program, "--port", str(server.port), "--watch", "0.1", "--timeout", "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    try:
+        stdout = LineReader(proc.stdout)
+        while not stdout.line().startswith("MQKS "):
+            pass
+        server.signal(signal.SIGSTOP)  # frozen: the next stats is never answered
+        try:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(RUN_TIMEOUT_SECONDS) == 0
+        finally:
+            server.signal(signal.SIGCONT)
+        assert proc.stderr.read() == b""
     finally:
         if proc.poll() is None:
             proc.kill()
