@@ -162,16 +162,16 @@ class Server:
     def link_workers(self, worker: int, count: int) -> None:
         """This process is worker `worker` of `count`: reach the others, route lines to the owners."""
         from .actions import relay_handlers
-        from .peers import Peers
+        from .peers import RELAY_WINDOW_BYTES, Peers
         from .relay import relay_table
 
         assert self.config.run_dir is not None
         broker = self.workers.brokers[0]
         broker.worker, broker.workers = worker, count
-        # a relayed session's window: even if every other worker fills one for the same client while it
-        # stalls, its worker holds under --max-output-bytes in all (a quarter, with two workers)
+        # a relayed session's window: 4 MiB, and small enough that even if every other worker fills one for
+        # the same client while it stalls, its worker holds under --max-output-bytes in all
         self.peers = Peers(self.workers, worker, count, self.config.run_dir, self.config.max_link_backlog_bytes,
-                           self.config.max_output_bytes // (2 * count))
+                           min(RELAY_WINDOW_BYTES, self.config.max_output_bytes // (2 * count)))
         self.peers.on_link_lost = self.on_link_lost
         self.workers.link(self.peers)
         self.workers.requests.prefix = f"{worker}w{self.workers.requests.prefix}"  # a reply finds its worker

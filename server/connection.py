@@ -428,7 +428,8 @@ class Connection:
                     outbox.out = []
                     outbox.out_bytes = 0
                     self.writing = True
-                    data = b"".join(out)
+                    data = out[0] if len(out) == 1 else b"".join(out)
+                    del out  # while sendall waits on a slow client, its bytes are held once, not twice
                     sendall(data)
                     self.writing = False
                     workers.bytes_out += len(data)

@@ -55,9 +55,10 @@ log = logging.getLogger("mqks.peers")
 
 RECV_BYTES = 1 << 18
 NO_LIMIT = 1 << 62  # an outbox that never pauses (a link's confirms)
-# `>` bytes in flight to one client's worker before its credit: by default a quarter of the output
-# limit, a local client's high-water mark, so a relayed consumer streams as fast as a local one
-RELAY_WINDOW_BYTES = 16 << 20
+# `>` bytes in flight to one client's worker before its credit (less with a small --max-output-bytes):
+# the client's worker holds a few copies of it at once (frame reader, outbox, the write's join), and a
+# credit's round trip is far shorter than writing 4 MiB to a client, so more would only cost memory
+RELAY_WINDOW_BYTES = 4 << 20
 CONNECT_RETRY_SECONDS = 0.05
 ASK_SECONDS = 2.0  # a /metrics scrape waits this long at most for the other workers' figures
 NEWLINE = b"\n"

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 
 import pytest
 from conftest import Broker, Wire, free_port
@@ -631,5 +632,43 @@ def test_a_stalled_consumer_on_a_worker_that_does_not_own_its_queue_loses_nothin
     assert got == [b"c ok m%d event=e %d" % (i, i) for i in range(count)]
     assert consumer.barrier() == []
     assert eval_value(broker, f"state.queues[{queue!r}].depth()", worker=1) == 0
+    consumer.close()
+    publisher.close()
+
+
+def test_a_backlog_of_big_messages_relayed_to_a_consumer_on_the_other_worker_is_held_about_once(make_broker):
+    # issue 31.10: 512 KiB messages relayed between workers peaked well above what they weigh; with a
+    # backlog bigger than --max-output-bytes the owner pushed it all across and the client was cut off
+    broker = make_broker("--workers", str(WORKERS))
+    queue = queue_on(1)
+    publisher = direct(broker, 0)
+    publisher.send(b"r rebind --confirm %b big" % queue)
+    publisher.expect(b"r ok ")
+    pids = broker.pids()[1:]  # the workers
+    start = sum(rss_bytes(pid) for pid in pids)
+    count, body = 200, b"y" * (512 << 10)  # 100 MiB, past the default 64 MiB output limit
+    for i in range(count):
+        publisher.send(b"m%d publish --confirm big %b" % (i, body))
+        publisher.expect(b"m%d ok " % i)
+    peak, sampling = [0], threading.Event()
+
+    def sample() -> None:  # the workers' combined resident size, at one moment each time
+        while not sampling.is_set():
+            peak[0] = max(peak[0], sum(rss_bytes(pid) for pid in pids))
+            sampling.wait(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        consumer = direct(broker, 0)
+        consumer.send(b"c consume --confirm %b" % queue)
+        consumer.expect(b"c ok ")
+        for i in range(count):
+            assert consumer.recv_line(timeout=30) == b"c ok m%d event=big %b" % (i, body)
+    finally:
+        sampling.set()
+        sampler.join()
+    payload = count * len(body)
+    assert peak[0] - start <= 1.5 * payload, f"{(peak[0] - start) >> 20} MiB over the start for {payload >> 20} MiB"
     consumer.close()
     publisher.close()
