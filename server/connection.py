@@ -43,12 +43,44 @@ RECV_BYTES = 65536
 # client's worst ping wait is 10 ms beside one flooder and 43 ms beside four; with
 # gevent.sleep(0) instead it was 340 ms (sleep(0) resumes before the loop polls sockets
 # again), and with no yield the ping waited for the whole flood.
+# Only bytes read while the loop did not turn count: a connection whose socket ran dry waited in
+# the loop, and everyone else ready had a turn then (a consumer acking each delivery does that
+# often, and paid a yield per 256 KiB of acks it did not owe: -35% per-message acks, issue 24).
 FAIR_SHARE_BYTES = 4 * RECV_BYTES
 PUBLISH = b" publish "
 BACKLOG_POLL_SECONDS = 0.005
 LOG_FIRST_ERRORS = 100
 LOG_EVERY_NTH_ERROR = 1000
 CLOSE_FLUSH_SECONDS = 1.0
+# a client that closed its writing side (`nc -q`, shutdown(SHUT_WR)) still reads: its lines are
+# answered and what it is owed is written before the connection closes, for this long at most
+HALF_CLOSE_SECONDS = 10.0
+HALF_CLOSE_POLL_SECONDS = 0.005
+
+
+class LoopTurns:
+    """How many times the event loop has polled: a check watcher counts each turn."""
+
+    __slots__ = ("count", "watcher")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.watcher = gevent.get_hub().loop.check(ref=False)  # it must not keep the loop alive on its own
+        self.watcher.start(self.turned)
+
+    def turned(self) -> None:
+        self.count += 1
+
+
+_loop_turns: LoopTurns | None = None
+
+
+def loop_turns() -> LoopTurns:
+    """The process's turn counter, started with the first connection."""
+    global _loop_turns
+    if _loop_turns is None:
+        _loop_turns = LoopTurns()
+    return _loop_turns
 
 
 class Connection:
@@ -190,6 +222,26 @@ class Connection:
             link = links[worker]
             if link is not None:
                 link.frame(kind, self.key)
+
+    def mark_other_workers(self) -> bool:
+        """Ask every worker this session sent lines to, or whose consumers it has, for a sync mark;
+        True if some are owed (`awaiting`): their answers and deliveries arrive before the marks."""
+        peers = self.workers.peers
+        unsynced = self.unsynced
+        # the owners of this session's relayed consumers too: what they delivered before now arrives first
+        unsynced.update(self.remote)
+        for worker, link in enumerate(peers.links):
+            if link is not None and link.flush_pending:
+                unsynced.add(worker)
+        if unsynced:
+            key = self.peer_key()
+            for worker in unsynced:
+                link = peers.links[worker]
+                if link is not None:
+                    link.frame(77, key)
+                    self.awaiting += 1
+            unsynced.clear()
+        return bool(self.awaiting)
 
     def done(self) -> None:
         """A worker has run everything this session sent it before its last sync mark."""
@@ -382,9 +434,13 @@ class Connection:
         peers = workers.peers
         debug = log.isEnabledFor(logging.DEBUG)
         unyielded_bytes = 0
+        turns = loop_turns()
+        turn_seen = turns.count
         while not self.closed:
             chunk = recv(RECV_BYTES)
             if not chunk:
+                if not self.closed:
+                    self.finish_after_eof()
                 return
             self.reads += 1
             workers.bytes_in += len(chunk)
@@ -409,10 +465,49 @@ class Connection:
                 # only acks never does (its acks are what lets the queues drain)
                 while journal.backlogged and not self.closed:
                     gevent.sleep(BACKLOG_POLL_SECONDS)
-            unyielded_bytes += len(chunk)
-            if unyielded_bytes >= FAIR_SHARE_BYTES:
-                unyielded_bytes = 0
-                gevent.idle()
+            if turns.count != turn_seen:  # the loop polled since we last looked: the others had a turn
+                turn_seen = turns.count
+                unyielded_bytes = len(chunk)
+            else:
+                unyielded_bytes += len(chunk)
+                if unyielded_bytes >= FAIR_SHARE_BYTES:
+                    unyielded_bytes = 0
+                    gevent.idle()
+                    turn_seen = turns.count
+
+    def finish_after_eof(self) -> None:
+        """The client half-closed: deliver nothing new, then wait until every line it sent is answered
+        (durable confirms, other workers' answers) and all it is owed is written, or HALF_CLOSE_SECONDS.
+
+        Consumers stop here: the queues keep what was not delivered, and the clean-up that follows
+        puts back what manual-ack consumers hold.
+        """
+        outbox = self.outbox
+        self.draining = True  # the writer must not resume deliveries once it has caught up
+        outbox.paused = True
+        if self.workers.peers is not None:
+            self.mark_other_workers()  # what its lines caused on other workers comes back before the marks
+        self.workers.flush_pending()
+        deadline = time.monotonic() + HALF_CLOSE_SECONDS
+        while not self.closed and self.owes_answers_or_bytes():
+            if time.monotonic() > deadline:
+                log.warning("%s closed its side and has not read what it is owed for %g s: closing", self.peer,
+                            HALF_CLOSE_SECONDS)
+                return
+            self.wake.set()
+            gevent.sleep(HALF_CLOSE_POLL_SECONDS)
+
+    def owes_answers_or_bytes(self) -> bool:
+        """True while a line of this client waits for its answer, or bytes for it wait to be written."""
+        outbox = self.outbox
+        if outbox.out or self.writing or self.held is not None or self.awaiting:
+            return True
+        journal = self.workers.journal
+        if journal is not None and (any(owed is outbox for owed, _ in journal.unconfirmed) or any(
+                owed is outbox for _, confirms in journal.waiting for owed, _ in confirms)):
+            return True
+        peers = self.workers.peers
+        return peers is not None and any(getattr(fanin, "outbox", None) is outbox for fanin in peers.fanins.values())
 
     def _write_loop(self) -> None:
         wake = self.wake

@@ -259,24 +259,9 @@ def handle_ping(handler: Handler) -> Handler:
             session.synced = False  # type: ignore[attr-defined]
             handler(session, rid, args, confirm)  # this line ran once and waited for the sync: answer now
             return
-        peers = session.workers.peers
-        unsynced = session.unsynced  # type: ignore[attr-defined]
-        # the owners of this session's relayed consumers too: what they delivered before now arrives first
-        unsynced.update(session.remote)  # type: ignore[attr-defined]
-        for worker, link in enumerate(peers.links):
-            if link is not None and link.flush_pending:
-                unsynced.add(worker)
-        if unsynced:
-            key = session.peer_key()  # type: ignore[attr-defined]
-            for worker in unsynced:
-                link = peers.links[worker]
-                if link is not None:
-                    link.frame(77, key)
-                    session.awaiting += 1  # type: ignore[attr-defined]
-            unsynced.clear()
-            if session.awaiting:  # type: ignore[attr-defined]
-                session.synced = True  # type: ignore[attr-defined]
-                raise Hold(again=True)
+        if session.mark_other_workers():  # type: ignore[attr-defined]
+            session.synced = True  # type: ignore[attr-defined]
+            raise Hold(again=True)
         handler(session, rid, args, confirm)
 
     return run
