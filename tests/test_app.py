@@ -165,3 +165,16 @@ def test_manual_ack_across_workers(broker_per_worker_count):
     for n in range(workers):
         wire.send(b"a%d ack --confirm c%d m1" % (n, n))
         wire.expect(b"a%d ok " % n)
+
+
+def test_the_tls_recipe_writes_its_keys_and_tokens_only_where_git_ignores_them() -> None:
+    # issue 24.3: the recipe wrote a private key and a token file into the checkout, and one
+    # `git add .` would have published them
+    repo = Path(__file__).resolve().parent.parent
+    readme = (repo / "README.md").read_text(encoding="utf-8")
+    recipe = readme[readme.index("openssl req -x509"):readme.index("--client-ttl 60")]
+    written = re.findall(r"(?:-keyout|-out|>)\s+(\S+)", recipe)
+    assert len(written) == 3, written  # the key, the certificate, the tokens
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=repo, capture_output=True,
+                             text=True, check=False).stdout.split()
+    assert sorted(ignored) == sorted(written), f"not ignored: {sorted(set(written) - set(ignored))}"

@@ -42,7 +42,8 @@ def half_closed(server: Broker, payload: bytes) -> list[bytes]:
 def test_a_half_closed_client_gets_its_answers_and_deliveries(server: Broker) -> None:
     for _ in range(ROUNDS):
         queue, event = unique("q"), unique("e")
-        lines = half_closed(server, b"c consume --confirm %b %b\np publish --confirm %b hello\n" % (queue, event, event))
+        sent = b"c consume --confirm %b %b\np publish --confirm %b hello\n" % (queue, event, event)
+        lines = half_closed(server, sent)
         assert sorted(lines) == sorted([b"c ok ", b"p ok ", b"c ok p event=%b hello" % event]), lines
 
 
