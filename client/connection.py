@@ -38,6 +38,7 @@ HIGH_WATER_BYTES = 256 * 1024
 KILL_TIMEOUT_SECONDS = 1.0
 END_OF_LINES = b"--end"  # the last `ok` of an answer in several lines
 PEER_TEXT_CHARS = 80  # of a non-MQKS answer, quoted in the error
+TLS_PORT_REASON = "this port speaks TLS"  # the broker's reason to a plain client on its TLS port
 DRAINING = b"--draining"  # `{consumer_id} ok --draining`: the broker is stopping
 DRAIN_POLL_SECONDS = 0.02
 DRAIN_WAIT_SECONDS = 60.0  # the broker closes at its own --drain-seconds anyway; this only bounds our wait
@@ -493,6 +494,11 @@ class Link:
             return
         if status == b"error":
             error = wire.answer_error(rid, data)
+            if rid == b"-" and not conn.ready and TLS_PORT_REASON in error.reason:
+                # a plain connection to a TLS port: the broker says so once, then closes
+                reason = f"{conn.where} speaks TLS: pass --tls (tls=True from Python)"
+                self.lose(conn, reason, MqksProtocolError(reason))
+                return
             conn.lines_by_rid.pop(rid, None)
             future = conn.futures.pop(rid, None)
             if future is not None:

@@ -321,9 +321,11 @@ class Server:
             tls_sock.do_handshake()
             tls_sock.settimeout(None)
         except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: a plain client, a bad certificate
-            log.info("TLS handshake with %s failed: %s", peer, e)
             if getattr(e, "reason", None) in PLAIN_TEXT_REASONS:
+                log.info("plain text on a TLS port from %s: told it to connect with TLS, closed", peer)
                 self.tell_plain_client(tls_sock)
+            else:
+                log.info("TLS handshake with %s failed: %s", peer, e)
             tls_sock.close()
             return
         self.handle(tls_sock, address, tls=True)

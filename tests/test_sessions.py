@@ -98,6 +98,12 @@ def test_a_plain_client_on_the_tls_port_is_told_and_closed_cleanly(make_broker, 
     assert line.startswith(b"- error ") and b"this port speaks TLS" in line
     assert raw.closed_by_server()
     raw.close()
+    wait_for(lambda: "plain text on a TLS port from 127.0.0.1:" in server.log(), "one clear line in the log")
+    # the CLI says what to do, in one line
+    cli = subprocess.run([str(Path(sys.executable).parent / "mqks"), "ping", "--port", str(server.tls_port)],
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert cli.returncode == 1 and cli.stderr.strip().endswith("speaks TLS: pass --tls (tls=True from Python)"), cli
+    assert cli.stderr.count("\n") == 1, cli.stderr  # no warning from the client's log before it
     # an HTTP request gets no answer at all, as on the plain port
     browser = Wire("127.0.0.1", server.tls_port)
     browser.send(b"GET / HTTP/1.1", b"Host: localhost", b"")
