@@ -408,8 +408,9 @@ def run_command(args: argparse.Namespace) -> int:
         settings = stats.connection_settings(args)
     except ValueError as e:
         return fail(str(e), EXIT_USAGE)
+    # ping needs no token (the broker answers it before auth), as at nc
     client = Client(args.host, args.port, timeout_seconds=args.timeout, connect_timeout_seconds=args.timeout,
-                    **settings)
+                    anonymous=args.command == "ping", **settings)
     try:
         client.connect(retry=False)
         return run(client, args)

@@ -61,7 +61,8 @@ class Client:
                  ping_timeout_seconds: float | None = None, reconnect_min_seconds: float = 0.05,
                  reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
                  connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
-                 ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = ()) -> None:
+                 ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = (),
+                 anonymous: bool = False) -> None:
         if ttl_seconds and ping_seconds > ttl_seconds:
             # the broker drops a connection silent for 2x its TTL: an idle client must ping well within it
             raise ValueError(f"ping_seconds ({ping_seconds:g}) must not exceed ttl_seconds ({ttl_seconds:g})")
@@ -78,7 +79,7 @@ class Client:
             reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
             timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds,
             tls=tls_setting(tls), token=token_setting(token),
-            ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds)
+            ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds, anonymous=anonymous)
         self._link = Link(host, port, self._consumers, self._new_rid, fallbacks=fallbacks, **self._link_options)
         self._consumers.link = self._link
         self._placement: Placement | None = None  # the slot map the last hello told; None: one link for all

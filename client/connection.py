@@ -158,7 +158,7 @@ class Link:
                  timeout_seconds: float, connect_timeout_seconds: float, tls: ssl.SSLContext | None = None,
                  token: bytes | None = None, ttl_seconds: float | None = None,
                  fallbacks: list[tuple[str, int]] | tuple[()] = (), unix: str | None = None,
-                 tls_hostname: str | None = None) -> None:
+                 tls_hostname: str | None = None, anonymous: bool = False) -> None:
         self.host = host  # the address connected to, or tried next
         self.port = port
         # a Unix socket of the same broker, preferred to host:port (the first address) while it exists
@@ -171,6 +171,8 @@ class Link:
         self.tls = tls
         self.token = token
         self.ttl_seconds = ttl_seconds  # sent as `hello --ttl`: the broker drops us after 2x that in silence
+        # connect to a broker that wants a token without one, for what needs none (ping): its hello is refused
+        self.anonymous = anonymous
         self.server_info: dict[str, Any] | None = None  # the last `hello` answer; None from a broker without hello
         self.session = session
         self.new_rid = new_rid
@@ -401,6 +403,9 @@ class Link:
             raise
         except MqksError as e:
             if "authentication required" in str(e):
+                if self.anonymous and not self.token:
+                    self.server_info = None  # only what needs no token (ping) will work
+                    return
                 raise MqksError("the broker requires a token: pass token= (mqks --token) or set "
                                "MQKS_AUTH_TOKEN") from None
             self.server_info = None  # a broker that predates hello; no TTL agreed either

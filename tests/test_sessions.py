@@ -512,3 +512,18 @@ def test_a_memory_limit_swap_of_tables_keeps_unauthenticated_connections_locked(
     stranger.send(b"a auth " + TOKEN.encode(), b"c publish --confirm mem.e after auth")
     stranger.expect(b"a ok ")
     stranger.expect_error(b"c", b"memory limit reached")  # authenticated into the table of a full broker
+
+
+def test_mqks_ping_needs_no_token_and_every_other_command_says_how_to_give_one(make_broker, tmp_path, monkeypatch):
+    # issue 24.3: `mqks ping` refused to run against a broker with tokens, though nc gets its ok
+    monkeypatch.delenv("MQKS_AUTH_TOKEN", raising=False)
+    server = auth_broker(make_broker, tmp_path)
+    mqks = str(Path(sys.executable).parent / "mqks")
+    ping = subprocess.run([mqks, "ping", "--port", str(server.port), "hi"], capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert (ping.returncode, ping.stdout, ping.stderr) == (0, "hi\n", "")
+    publish = subprocess.run([mqks, "publish", "--port", str(server.port), "e", "x"], capture_output=True,
+                             text=True, timeout=30, check=False)
+    assert publish.returncode == 1
+    assert "requires a token" in publish.stderr and "--token" in publish.stderr
+    assert "MQKS_AUTH_TOKEN" in publish.stderr
