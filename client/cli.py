@@ -246,15 +246,15 @@ def cmd_queues(client: Client, args: argparse.Namespace) -> int:
 
 
 def render_queues(rows: list[dict]) -> str:
-    """The `queues` answer as a table: queue, depth, unacked, consumers, bindings, flags."""
-    headers = ("queue", "depth", "unacked", "consumers", "bindings", "flags")
+    """The `queues` answer as a table: queue, depth, unacked, leased, consumers, bindings, flags."""
+    headers = ("queue", "depth", "unacked", "leased", "consumers", "bindings", "flags")
     table = [headers]
     for row in rows:
         flags = row.get("flags")
         table.append((str(row.get("queue", "-")), stats.cell(row.get("depth")), stats.cell(row.get("unacked")),
-                      stats.cell(row.get("consumers")), stats.cell(row.get("bindings")),
+                      stats.cell(row.get("leased")), stats.cell(row.get("consumers")), stats.cell(row.get("bindings")),
                       " ".join(map(str, flags)) if isinstance(flags, list) else stats.cell(flags)))
-    return render_table(table, right_aligned=(1, 2, 3, 4), empty="(no queues)")
+    return render_table(table, right_aligned=(1, 2, 3, 4, 5), empty="(no queues)")
 
 
 def cmd_top(client: Client, args: argparse.Namespace) -> int:

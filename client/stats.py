@@ -111,13 +111,21 @@ def render_table(total: dict[str, Any], per_worker: list[dict[str, Any]], addres
         depth_width = max(len("depth"), *(len(cell(depth)) for _, depth in queues))
         lines.append("  " + "depth".rjust(depth_width) + "  queue")
         lines.extend(f"  {cell(depth).rjust(depth_width)}  {queue}" for queue, depth in queues)
+    leased = top_queues(total, "top_leased_queues")
+    if leased:  # out of their queues under fetch --lease: a queue of 10,000 leased messages looks empty
+        lines.append("")
+        lines.append("queues with messages under lease:")
+        leased_width = max(len("leased"), *(len(cell(count)) for _, count in leased))
+        lines.append("  " + "leased".rjust(leased_width) + "  queue")
+        lines.extend(f"  {cell(count).rjust(leased_width)}  {queue}" for queue, count in leased)
     return "\n".join(lines)
 
 
-def top_queues(stats: dict[str, Any]) -> list[tuple[str, int]]:
-    """The `top_queues` of a stats answer as (name, depth), deepest first; malformed rows are skipped."""
+def top_queues(stats: dict[str, Any], key: str = "top_queues") -> list[tuple[str, int]]:
+    """The `top_queues` (or another such key) of a stats answer as (name, count), largest first; malformed
+    rows are skipped."""
     rows = []
-    for row in stats.get("top_queues") or ():
+    for row in stats.get(key) or ():
         if isinstance(row, (list, tuple)) and len(row) == 2 and isinstance(row[1], int):
             rows.append((str(row[0]), row[1]))
     return rows

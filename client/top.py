@@ -176,13 +176,13 @@ def render(view: View, height: int) -> RenderableType:
     queues = Table(box=None, pad_edge=False, show_edge=False, title_justify="left",
                    title=f"queues: {len(shown)} of {len(rows)}, by {view.sort}")
     queues.add_column("queue", justify="left", no_wrap=True)
-    for title in ("depth", "depth/s", "unacked", "consumers"):
+    for title in ("depth", "depth/s", "unacked", "leased", "consumers"):
         queues.add_column(title, justify="right")
     for row in shown:
         queue = str(row.get("queue"))
         depth_rate = view.depth_rates.get(queue)
         queues.add_row(queue, cell(row.get("depth")), "-" if depth_rate is None else f"{depth_rate:+,.1f}",
-                       cell(row.get("unacked")), cell(row.get("consumers")))
+                       cell(row.get("unacked")), cell(row.get("leased")), cell(row.get("consumers")))
     return Group(header, Text(""), totals, Text(""), queues)
 
 

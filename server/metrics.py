@@ -59,7 +59,8 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
     "workers": (GAUGE, "Workers of this process."),
     "uptime_seconds": (GAUGE, "Seconds since the broker started."),
 }
-NOT_EXPORTED = frozenset({"version", "clients", "top_queues", "log", "worker"})  # info, a duplicate, or per queue
+# info, a duplicate, or per queue
+NOT_EXPORTED = frozenset({"version", "clients", "top_queues", "top_leased_queues", "log", "worker"})
 LOG_COUNTERS = frozenset({"commits", "fsyncs", "snapshots"})
 LOG_HELP = {
     "log_bytes": "Bytes in the write-ahead log's segment files.",
@@ -118,14 +119,18 @@ class StatsCollector(Collector):
                                   "deepest queues only: --metrics-max-queues).", labels=["queue"])
         unacked = GaugeMetricFamily("mqks_queue_unacked", "Messages of the queue delivered and not acked yet "
                                     "(the same queues as mqks_queue_depth).", labels=["queue"])
+        leased = GaugeMetricFamily("mqks_queue_leased", "Messages of the queue held under fetch --lease "
+                                   "(the same queues as mqks_queue_depth).", labels=["queue"])
         peers = self.workers.peers
         deepest = (self.workers.deepest_queues(self.max_queues) if peers is None
                    else peers.cluster_deepest_queues(self.max_queues))
-        for name, waiting, held in deepest:
+        for name, waiting, held, under_lease in deepest:
             depth.add_metric([name], waiting)
             unacked.add_metric([name], held)
+            leased.add_metric([name], under_lease)
         yield depth
         yield unacked
+        yield leased
 
 
 def _family(name: str, kind: str, help_text: str, value: float) -> Metric:

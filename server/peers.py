@@ -1017,14 +1017,14 @@ class Peers:
         """`stats` summed over every worker, for a reader that is not a client (/metrics)."""
         return merge_stats(self.ask_all(b"m stats"), self.workers.stats(), self.distinct_events())
 
-    def cluster_deepest_queues(self, limit: int) -> list[tuple[str, int, int]]:
+    def cluster_deepest_queues(self, limit: int) -> list[tuple[str, int, int, int]]:
         rows = list(self.workers.deepest_queues(limit))
         for answer in self.ask_all(b"m queues"):
             for line in answer.split(NEWLINE):
                 body = line.partition(b" ok ")[2]
                 if body and body != b"--end":
                     row = json.loads(body)
-                    rows.append((row["queue"], row["depth"], row["unacked"]))
+                    rows.append((row["queue"], row["depth"], row["unacked"], row.get("leased", 0)))
         return sorted(rows, key=lambda row: (-row[1], row[0]))[:limit]
 
     def distinct_events(self) -> int:
@@ -1048,7 +1048,8 @@ def merge_stats(answers: list[bytes], local: dict[str, Any], events: int) -> dic
     per_worker = [local] + [json.loads(answer.partition(b" ok ")[2]) for answer in answers]
     figures: dict[str, Any] = {}
     for key, value in local.items():
-        if key in ("worker", "pid", "log", "top_queues", "worker_links", "replica_queues", "dropped_unlinked"):
+        if key in ("worker", "pid", "log", "top_queues", "top_leased_queues", "worker_links", "replica_queues",
+                   "dropped_unlinked"):
             continue  # one worker's own: `stats --worker=N` shows them
         if isinstance(value, bool) or not isinstance(value, int | float) or key == "uptime_seconds":
             figures[key] = value
@@ -1061,6 +1062,8 @@ def merge_stats(answers: list[bytes], local: dict[str, Any], events: int) -> dic
     figures["memory_full"] = any(one.get("memory_full") for one in per_worker)
     ranked = sorted((row for one in per_worker for row in one.get("top_queues", [])), key=lambda row: -row[1])
     figures["top_queues"] = ranked[:TOP_QUEUES]
+    leased = sorted((row for one in per_worker for row in one.get("top_leased_queues", [])), key=lambda row: -row[1])
+    figures["top_leased_queues"] = leased[:TOP_QUEUES]
     logs = [one["log"] for one in per_worker if one.get("log")]
     if logs:
         figures["log"] = merge_log_stats(logs)

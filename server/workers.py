@@ -35,7 +35,7 @@ TOP_QUEUES = 10  # as many as Broker.stats() ranks per worker
 # per worker these count what reached *that* worker; every worker sees every publish and the
 # one process's clients, so the process's figure is any worker's, not the sum
 PROCESS_WIDE = frozenset({"published", "clients"})
-NOT_SUMMED = frozenset({"worker", "workers", "top_queues", "log", "events"})
+NOT_SUMMED = frozenset({"worker", "workers", "top_queues", "top_leased_queues", "log", "events"})
 
 
 def package_version() -> str:
@@ -254,6 +254,8 @@ class Workers:
         for key in ("leases", "messages_leased"):
             figures[key] = sum(broker.leases.stats()[key] for broker in
                                (self.brokers if worker is None else [self.brokers[worker]]))
+        leased = heapq.nlargest(TOP_QUEUES, ((count, name) for name, count in self.leased_by_queue().items()))
+        figures["top_leased_queues"] = [(name.decode(errors="replace"), count) for count, name in leased]
         figures["connections"] = self.clients
         figures["bytes_in"] = self.bytes_in
         figures["bytes_out"] = self.bytes_out
@@ -282,14 +284,26 @@ class Workers:
             matches = mask.__eq__
         found = sorted(((name, queue) for broker in self.brokers for name, queue in broker.queues.items()
                         if matches(name)), key=lambda row: row[0])
+        leased = self.leased_by_queue()
         return [{"queue": name.decode(errors="replace"), "depth": queue.depth(),
                  "unacked": sum(len(consumer.unacked) for consumer in queue.consumers),
+                 "leased": leased.get(name, 0),
                  "consumers": len(queue.consumers), "bindings": len(queue.events), "flags": queue_flags(queue)}
                 for name, queue in found]
 
-    def deepest_queues(self, limit: int) -> list[tuple[str, int, int]]:
-        """The `limit` deepest queues of every worker as (name, depth, unacked), deepest first."""
+    def leased_by_queue(self) -> dict[bytes, int]:
+        """Messages held under `fetch --lease`, by queue: out of the queue, like un-acked ones."""
+        counts: dict[bytes, int] = {}
+        for broker in self.brokers:
+            if broker.leases is not None:
+                for name, held in broker.leases.held_by_queue().items():
+                    counts[name] = counts.get(name, 0) + len(held)
+        return counts
+
+    def deepest_queues(self, limit: int) -> list[tuple[str, int, int, int]]:
+        """The `limit` deepest queues of every worker as (name, depth, unacked, leased), deepest first."""
         deepest = heapq.nlargest(limit, ((queue.depth(), name, queue) for broker in self.brokers
                                          for name, queue in broker.queues.items()), key=lambda row: row[:2])
-        return [(name.decode(errors="replace"), depth, sum(len(consumer.unacked) for consumer in queue.consumers))
-                for depth, name, queue in deepest]
+        leased = self.leased_by_queue()
+        return [(name.decode(errors="replace"), depth, sum(len(consumer.unacked) for consumer in queue.consumers),
+                 leased.get(name, 0)) for depth, name, queue in deepest]

@@ -390,14 +390,15 @@ def test_mqks_queues_prints_a_table_after_traffic(broker: Broker) -> None:
         done = mqks(broker, "queues", f"{prefix}.*")
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
-        assert lines[0].split() == ["queue", "depth", "unacked", "consumers", "bindings", "flags"]
+        assert lines[0].split() == ["queue", "depth", "unacked", "leased", "consumers", "bindings", "flags"]
         rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
-        assert rows == {waiting: ["3", "0", "0", "1"],
-                        consumed: ["0", "1", "1", "1", "--delete-queue-when-unused"]}
+        assert rows == {waiting: ["3", "0", "0", "0", "1"],
+                        consumed: ["0", "1", "0", "1", "1", "--delete-queue-when-unused"]}
     finally:
         wire.close()
     as_json = json.loads(mqks(broker, "queues", waiting, "--json").stdout)
-    assert as_json == [{"queue": waiting, "depth": 3, "unacked": 0, "consumers": 0, "bindings": 1, "flags": []}]
+    assert as_json == [{"queue": waiting, "depth": 3, "unacked": 0, "leased": 0, "consumers": 0, "bindings": 1,
+                        "flags": []}]
 
 
 def test_stats_py_watch_prints_again_until_interrupted(broker: Broker) -> None:

@@ -384,8 +384,8 @@ def test_queues_answers_one_dict_per_queue_filtered_by_mask(client: Client) -> N
     client.publish(f"{prefix}-e", "hello", confirm=True)
     inbox.wait(1)
     assert client.queues(f"{prefix}.*") == [
-        {"queue": f"{prefix}.a", "depth": 1, "unacked": 0, "consumers": 0, "bindings": 1, "flags": []},
-        {"queue": f"{prefix}.b", "depth": 0, "unacked": 1, "consumers": 1, "bindings": 2, "flags": []},
+        {"queue": f"{prefix}.a", "depth": 1, "unacked": 0, "leased": 0, "consumers": 0, "bindings": 1, "flags": []},
+        {"queue": f"{prefix}.b", "depth": 0, "unacked": 1, "leased": 0, "consumers": 1, "bindings": 2, "flags": []},
     ]
     assert [row["queue"] for row in client.queues(f"{prefix}-other")] == [f"{prefix}-other"]
     names = [row["queue"] for row in client.queues()]

@@ -8,9 +8,12 @@ durable broker returning leased messages.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from helpers import unique_bytes, wait_for
+from helpers import free_port, http_get, unique_bytes, wait_for
 
 
 def publish(wire, event: bytes, count: int, data: bytes = b"x", prefix: bytes = b"m") -> None:
@@ -169,6 +172,35 @@ def test_stats_count_leases(wire):
     assert settle(wire, b"L9 --ack") == 3
     after = stats(wire)
     assert after["acked"] - during["acked"] == 3 and after["leases"] == before["leases"]
+
+
+@pytest.mark.parametrize("workers_count", [1, 2])
+def test_leased_messages_show_per_queue_in_queues_stats_and_metrics(make_broker, workers_count):
+    # issue 24.3: a queue with messages out under a lease showed `depth 1 unacked 0` everywhere
+    port = free_port()
+    server = make_broker("--workers", str(workers_count), "--metrics-port", str(port))
+    wire = server.wire()
+    queue, event = unique_bytes("lq"), unique_bytes("le")
+    bind(wire, queue, event)
+    publish(wire, event, 3)
+    fetch(wire, b"f1", queue + b" --max=2 --lease=L7")
+    wire.send(b"q queues " + queue)
+    row = json.loads(wire.recv_line()[len(b"q ok "):])
+    wire.expect(b"q ok --end")
+    assert (row["depth"], row["unacked"], row["leased"]) == (1, 0, 2)
+    assert [queue.decode(), 2] in [list(entry) for entry in stats(wire)["top_leased_queues"]]
+    status, body = http_get(port, "/metrics")
+    assert status == 200 and b'mqks_queue_leased{queue="%s"} 2.0' % queue in body
+    mqks = str(Path(sys.executable).parent / "mqks")
+    table = subprocess.run([mqks, "queues", "--port", str(server.port), queue.decode()], capture_output=True,
+                           text=True, timeout=30, check=True).stdout.splitlines()
+    assert table[0].split()[:4] == ["queue", "depth", "unacked", "leased"] and table[1].split()[1:4] == ["1", "0", "2"]
+    shown = subprocess.run([mqks, "stats", "--port", str(server.port)], capture_output=True, text=True, timeout=30,
+                           check=True).stdout
+    assert "queues with messages under lease:" in shown and f"2  {queue.decode()}" in shown
+    assert settle(wire, b"L7 --ack") == 2
+    assert "top_leased_queues" in stats(wire) and queue.decode() not in json.dumps(stats(wire)["top_leased_queues"])
+    wire.close()
 
 
 @pytest.mark.parametrize("workers", [1, 2])

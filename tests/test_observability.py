@@ -21,7 +21,7 @@ STATS_KEYS = {"version", "uptime_seconds", "workers", "published", "queued", "co
               "queues", "consumers", "messages_waiting", "messages_unacked", "clients", "events", "top_queues",
               "connections", "bytes_in", "bytes_out", "errors", "ack_timeouts", "touched", "dead_lettered", "dropped",
               "delayed", "requests", "requests_waiting", "replies", "replies_late", "request_timeouts", "schedules",
-              "schedule_firings", "memory_full", "leases", "messages_leased"}
+              "schedule_firings", "memory_full", "leases", "messages_leased", "top_leased_queues"}
 SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked",
           "leases", "messages_leased")
 ACTION_NAMES = ("publish consume ack reject touch rebind delete_consumer delete_queue request reply schedule "
@@ -156,11 +156,12 @@ def test_queues_lists_every_worker_sorted_with_a_mask_filter(broker_per_worker_c
     assert [line for line in got if line in deliveries] == deliveries
     assert [line for line in got if line in confirms] == confirms
     assert got.index(deliveries[0]) < got.index(confirms[0]) and got.index(deliveries[1]) < got.index(confirms[1])
-    a = b'{"queue":"%b.a","depth":2,"unacked":0,"consumers":0,"bindings":2,"flags":[]}' % p
-    b = (b'{"queue":"%b.b","depth":0,"unacked":2,"consumers":1,"bindings":1,'
+    a = b'{"queue":"%b.a","depth":2,"unacked":0,"leased":0,"consumers":0,"bindings":2,"flags":[]}' % p
+    b = (b'{"queue":"%b.b","depth":0,"unacked":2,"leased":0,"consumers":1,"bindings":1,'
          b'"flags":["--delete-queue-when-unused=5.0"]}' % p)
-    bc = b'{"queue":"%b.b.c","depth":0,"unacked":0,"consumers":0,"bindings":0,"flags":[]}' % p
-    d = b'{"queue":"%b.d","depth":0,"unacked":0,"consumers":1,"bindings":0,"flags":["--delete-queue-when-unused"]}' % p
+    bc = b'{"queue":"%b.b.c","depth":0,"unacked":0,"leased":0,"consumers":0,"bindings":0,"flags":[]}' % p
+    d = (b'{"queue":"%b.d","depth":0,"unacked":0,"leased":0,"consumers":1,"bindings":0,'
+         b'"flags":["--delete-queue-when-unused"]}' % p)
     assert queue_lines(wire, p + b".*") == [a, b, d]  # `*` never spans a dot
     assert queue_lines(wire, p + b".*.c") == [bc]
     assert queue_lines(wire, p + b".b.c") == [bc]  # no `*`: the exact name
