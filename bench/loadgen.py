@@ -192,12 +192,18 @@ class MqksAckState(ConsumerState):
     push_only = False
     ID_RE = re.compile(rb"c0 ok (\S+) event=")
 
+    def __init__(self, ack_each: bool = False) -> None:
+        super().__init__()
+        self.ack_each = ack_each  # one `ack` line per message, as msg.ack() and a person at nc send
+
     def feed(self, data: bytes, start: int, end: int) -> tuple[int, bytes]:
         ids = self.ID_RE.findall(data, start, end)
         if data.find(b" error ", start, end) >= 0:
             self.errors += data.count(b" error ", start, end)
         if not ids:
             return 0, b""
+        if self.ack_each:  # still one write per chunk: the lines, joined in C
+            return len(ids), b"a ack c0 " + b"\na ack c0 ".join(ids) + b"\n"
         # one batch ack per chunk (MQKS extension): a C join, not a loop
         return len(ids), b"a ack c0 " + b" ".join(ids) + b"\n"
 
@@ -218,10 +224,12 @@ class Mqks(Proto):
     barrier_reply = b"z ok done"
     confirm_reply = b" ok "  # `{rid} ok \n`, sent once the message is durable under the fsync policy
 
-    def __init__(self, manual_ack: bool = False, event: bytes = b"bench.ev", confirm: bool = False) -> None:
+    def __init__(self, manual_ack: bool = False, event: bytes = b"bench.ev", confirm: bool = False,
+                 ack_each: bool = False) -> None:
         self.manual_ack = manual_ack
         self.event = event
         self.confirm = confirm
+        self.ack_each = ack_each
 
     def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
         action = b" publish --confirm " if self.confirm else b" publish "
@@ -243,7 +251,7 @@ class Mqks(Proto):
                 break
             if b" error " in line:
                 raise RuntimeError(f"mqks consume failed: {line!r}")
-        return (MqksAckState() if self.manual_ack else MqksAutoState()), b""
+        return (MqksAckState(self.ack_each) if self.manual_ack else MqksAutoState()), b""
 
     def memory_setup(self, sock: socket.socket) -> None:
         sock.sendall(b"r rebind --confirm bench.w4q " + self.event + b"\n")
@@ -353,6 +361,9 @@ class RedisStreamState(ConsumerState):
         if not self.proto.ack:
             return n, self.proto.read_request
         ids = self.ID_RE.findall(reply)
+        if self.proto.ack_each:  # one XACK per entry, as a client acking each message sends
+            stream = self.proto.stream
+            return n, b"".join([resp(b"XACK", stream, b"g", entry) for entry in ids]) + self.proto.read_request
         return n, resp(b"XACK", self.proto.stream, b"g", *ids) + self.proto.read_request
 
 
@@ -363,8 +374,9 @@ class RedisStreams(Proto):
     confirm_reply = b"$"  # XADD answers the new id as a bulk string, `$15\r\n...`
     READ_COUNT = 2000
 
-    def __init__(self, ack: bool = False, stream: bytes = b"bench.ev") -> None:
+    def __init__(self, ack: bool = False, stream: bytes = b"bench.ev", ack_each: bool = False) -> None:
         self.ack = ack
+        self.ack_each = ack_each
         self.stream = stream
         noack = () if ack else (b"NOACK",)
         self.read_request = resp(b"XREADGROUP", b"GROUP", b"g", b"c", b"COUNT", b"%d" % self.READ_COUNT,

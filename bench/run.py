@@ -289,11 +289,14 @@ def cells_for(workload: str, cfg: Config) -> list[Cell]:
         return [
             Cell("w1", "mqks", "auto-ack", lambda: Mqks()),
             Cell("w1", "mqks", "manual-ack", lambda: Mqks(manual_ack=True), manual_ack=True),
+            Cell("w1", "mqks", "manual-ack, an ack line per message", lambda: Mqks(manual_ack=True, ack_each=True),
+                 manual_ack=True),
             Cell("w1", "mqks", "auto-ack over TLS", lambda: Mqks(), tls=True),
             Cell("w1", "mqks", "manual-ack over TLS", lambda: Mqks(manual_ack=True), manual_ack=True, tls=True),
             Cell("w1", "redis", "pubsub", lambda: RedisPubSub()),
             Cell("w1", "redis", "streams", lambda: RedisStreams(ack=False)),
             Cell("w1", "redis", "streams+xack", lambda: RedisStreams(ack=True)),
+            Cell("w1", "redis", "streams+xack per message", lambda: RedisStreams(ack=True, ack_each=True)),
             Cell("w1", "nats", "core", lambda: Nats()),
             Cell("w1", "beanstalkd", "put/reserve/delete", lambda: Beanstalkd(), divisor=5),
         ]
@@ -695,6 +698,8 @@ RATIOS = [
     # label, numerator key, denominator key, target, higher_is_better
     ("w1 auto-ack: MQKS / Redis Streams (no ack)", "w1 mqks auto-ack", "w1 redis streams", 1.0, True),
     ("w1 manual-ack: MQKS / Redis Streams + XACK", "w1 mqks manual-ack", "w1 redis streams+xack", 1.0, True),
+    ("w1 manual-ack, an ack per message: MQKS / Redis Streams + one XACK per message",
+     "w1 mqks manual-ack, an ack line per message", "w1 redis streams+xack per message", 1.4, True),
     ("w2: MQKS / Redis pub/sub (PSUBSCRIBE)", "w2 mqks 10 exact + 10 mask queues",
      "w2 redis 10 SUBSCRIBE + 10 PSUBSCRIBE", 0.3, True),
     ("w4 bytes/msg: MQKS / Redis Streams", "w4 mqks 1 queue, no consumer", "w4 redis streams XADD", 1.5, False),
