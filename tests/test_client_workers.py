@@ -2,8 +2,7 @@
 
 Three layers: the routing decision from a `hello` answer (pure); the client against a real
 single-process mqksd behind proxies that add a slot map to its hello (so the client's links
-are checked today, line by line); and the client against `mqksd --workers N` itself, skipped
-while that still runs one process (its hello has no slot map) until issue 13's server lands.
+are checked line by line); and the client against `mqksd --workers N` itself.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ from mqks.server.slots import SLOTS, owner_of, slot_ranges
 
 WAIT_SECONDS = 10.0
 TOKEN = "workers-s3cret-0123456789"
-NO_MULTI_PROCESS = ("mqksd --workers N still runs one process here: its hello has no slot map and no direct "
-                    "addresses (issue 13's server lands them)")
+NO_SLOT_MAP = "mqksd --workers 2 answered hello without a slot map or direct addresses"
 
 
 def wait_until(predicate: Callable[[], object], what: str, timeout: float = WAIT_SECONDS,
@@ -378,7 +376,8 @@ def test_a_local_client_prefers_the_owners_unix_socket(proxies, tmp_path) -> Non
 
 
 def multi_process(broker: Broker) -> Placement:
-    """The broker's placement from its hello; skips the test while --workers still runs one process."""
+    """The broker's placement from its hello; a broker of several workers must have one (a test whose
+    set-up fails fails: it never skips)."""
     wire = broker.wire()
     try:
         wire.send(b"h hello")
@@ -387,8 +386,7 @@ def multi_process(broker: Broker) -> Placement:
         wire.close()
     assert line.startswith(b"h ok "), line
     placement = Placement.from_hello(ujson.loads(line[5:]))
-    if placement is None:
-        pytest.skip(NO_MULTI_PROCESS)
+    assert placement is not None, f"{NO_SLOT_MAP}: {line[:300]!r}"
     return placement
 
 
@@ -482,7 +480,7 @@ def test_a_publish_right_after_a_reconnect_reaches_every_replayed_consumer(make_
 
 
 def test_a_spark_executor_fetches_on_the_owner_and_on_the_public_port_without_a_map(proxies, monkeypatch) -> None:
-    source = pytest.importorskip("mqks.spark.source")
+    from mqks.spark import source  # the spark extra is part of the test install: missing, the test fails
     from mqks.spark.options import Endpoint
 
     _, (public, w0, w1, _) = proxies
@@ -519,8 +517,7 @@ def test_direct_links_speak_tls_with_the_token_when_the_public_link_does(make_br
     make_broker("--workers", "2", *certs.server_args(tls_port), "--auth-token-file", str(tmp_path / "tokens"))
     client = make_client(tls_port, tls=certs.client_context(), token=TOKEN)
     try:
-        if Placement.from_hello(client.server_info) is None:
-            pytest.skip(NO_MULTI_PROCESS)
+        assert Placement.from_hello(client.server_info) is not None, f"{NO_SLOT_MAP}: {client.server_info}"
         q0, q1, event = queue_owned_by(0, 2), queue_owned_by(1, 2), f"e-{uuid.uuid4().hex[:8]}"
         inbox0, inbox1 = Inbox(ack=True), Inbox(ack=True)
         client.consume(q0, [event], inbox0, manual_ack=True)
