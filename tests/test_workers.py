@@ -672,3 +672,24 @@ def test_a_backlog_of_big_messages_relayed_to_a_consumer_on_the_other_worker_is_
     assert peak[0] - start <= 1.5 * payload, f"{(peak[0] - start) >> 20} MiB over the start for {payload >> 20} MiB"
     consumer.close()
     publisher.close()
+
+
+def test_kill_9_of_the_supervisor_then_a_new_broker_at_once_serves_every_first_connection(make_broker):
+    # issue 24.4: a client's first connection to the new broker was sometimes accepted by a worker of
+    # the killed one, about to die (the port is shared with SO_REUSEPORT), and its first write failed
+    port = free_port()
+    broker = make_broker("--workers", str(WORKERS), port=port)
+    for _ in range(8):
+        old_workers = broker.pids()[1:]
+        broker.proc.send_signal(signal.SIGKILL)  # no wait for its workers: they must go on their own
+        broker.proc.wait()
+        broker = make_broker("--workers", str(WORKERS), port=port)
+        # the killed broker's workers hold no socket any more (exited, at most a zombie awaiting its reaper)
+        assert not [pid for pid in old_workers if os.path.exists(f"/proc/{pid}/fd") and os.listdir(f"/proc/{pid}/fd")]
+        wire = broker.wire()
+        wire.send(b"p ping first", b"h hello")
+        wire.expect(b"p ok first")
+        line = wire.recv_line()
+        assert line.startswith(b"h ok "), line
+        assert json.loads(line[5:])["direct"] == hello(broker.wire())["direct"]  # the new broker's workers
+        wire.close()
