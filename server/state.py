@@ -25,7 +25,6 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from itertools import islice
 from typing import Any, TypeAlias
 
 from .outbox import Outbox
@@ -408,11 +407,13 @@ class Queue:
         if plain < PACK_TAILS:
             self.appended_since_pack = plain
             return
-        run = list(islice(reversed(messages), PACK_TAILS))
+        run = [messages.pop() for _ in range(PACK_TAILS)]
         run.reverse()
-        packed = Packed(NEWLINE.join(run))  # built before anything leaves the queue: a raise loses nothing
-        for _ in range(PACK_TAILS):
-            messages.pop()
+        try:
+            packed = Packed(NEWLINE.join(run))
+        except Exception:
+            messages.extend(run)  # back as they were: a step that fails must not lose what it took
+            raise
         messages.append(packed)
         self.packed_extra += PACK_TAILS - 1
         self.appended_since_pack = 0  # the run is the newest item now: no plain tail behind it

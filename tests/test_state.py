@@ -373,3 +373,16 @@ def test_requeued_messages_then_new_publishes_across_every_packing_boundary_all_
     got = [line.split(b" ")[2] for line in delivered(drainer.outbox)]
     assert got == [b"m%d" % i for i in range(held)] + [b"n%d" % i for i in range(later)]
     assert queue.depth() == 0
+
+
+def test_a_pack_that_fails_puts_back_everything_it_took():
+    # issue 31.1: the packer popped its run, the join raised, and the popped items were gone
+    queue = Broker().queue(b"q")
+    for i in range(PACK_MIN_DEPTH - 1):
+        queue.put(tail(b"m%d" % i, b"e", b"d"), b"m%d" % i)
+    queue.messages.append(Message(10**6, 1, tail(b"odd", b"e", b"d")))  # where only tails may be: a bug's doing
+    before = list(queue.messages)
+    queue.appended_since_pack = PACK_TAILS - 1
+    with pytest.raises(TypeError):
+        queue.put(tail(b"last", b"e", b"d"), b"last")
+    assert list(queue.messages) == [*before, tail(b"last", b"e", b"d")]
