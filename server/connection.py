@@ -22,6 +22,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import gevent
 from gevent.event import Event
@@ -59,27 +60,29 @@ HALF_CLOSE_POLL_SECONDS = 0.005
 
 
 class LoopTurns:
-    """How many times the event loop has polled: a check watcher counts each turn."""
+    """How many times the event loop has polled, for a loop that does not count them itself (libev's
+    `iteration` costs nothing; this counts with a check watcher, a Python call per turn)."""
 
-    __slots__ = ("count", "watcher")
+    __slots__ = ("iteration", "watcher")
 
     def __init__(self) -> None:
-        self.count = 0
+        self.iteration = 0
         self.watcher = gevent.get_hub().loop.check(ref=False)  # it must not keep the loop alive on its own
         self.watcher.start(self.turned)
 
     def turned(self) -> None:
-        self.count += 1
+        self.iteration += 1
 
 
-_loop_turns: LoopTurns | None = None
+_loop_turns: Any = None
 
 
-def loop_turns() -> LoopTurns:
-    """The process's turn counter, started with the first connection."""
+def loop_turns() -> Any:
+    """Something whose `iteration` grows with each turn of the event loop: the loop itself under libev."""
     global _loop_turns
     if _loop_turns is None:
-        _loop_turns = LoopTurns()
+        loop = gevent.get_hub().loop
+        _loop_turns = loop if hasattr(loop, "iteration") else LoopTurns()
     return _loop_turns
 
 
@@ -435,7 +438,7 @@ class Connection:
         debug = log.isEnabledFor(logging.DEBUG)
         unyielded_bytes = 0
         turns = loop_turns()
-        turn_seen = turns.count
+        turn_seen = turns.iteration
         while not self.closed:
             chunk = recv(RECV_BYTES)
             if not chunk:
@@ -465,34 +468,41 @@ class Connection:
                 # only acks never does (its acks are what lets the queues drain)
                 while journal.backlogged and not self.closed:
                     gevent.sleep(BACKLOG_POLL_SECONDS)
-            if turns.count != turn_seen:  # the loop polled since we last looked: the others had a turn
-                turn_seen = turns.count
+            if turns.iteration != turn_seen:  # the loop polled since we last looked: the others had a turn
+                turn_seen = turns.iteration
                 unyielded_bytes = len(chunk)
             else:
                 unyielded_bytes += len(chunk)
                 if unyielded_bytes >= FAIR_SHARE_BYTES:
                     unyielded_bytes = 0
                     gevent.idle()
-                    turn_seen = turns.count
+                    turn_seen = turns.iteration
 
     def finish_after_eof(self) -> None:
-        """The client half-closed: deliver nothing new, then wait until every line it sent is answered
-        (durable confirms, other workers' answers) and all it is owed is written, or HALF_CLOSE_SECONDS.
+        """The client half-closed: it takes no new deliveries, but every line it sent is answered (durable
+        confirms, other workers' answers) and all it is owed is written before the close, within
+        HALF_CLOSE_SECONDS.
 
-        Consumers stop here: the queues keep what was not delivered, and the clean-up that follows
-        puts back what manual-ack consumers hold.
+        Its consumers leave at once, as on a full close: what they hold goes back to its queue (a
+        message the client then still reads comes twice, never not at all), and nothing more is
+        taken from a queue for a client that may never read it.
         """
         outbox = self.outbox
         self.draining = True  # the writer must not resume deliveries once it has caught up
         outbox.paused = True
-        if self.workers.peers is not None:
+        workers = self.workers
+        if workers.peers is not None:
             self.mark_other_workers()  # what its lines caused on other workers comes back before the marks
-        self.workers.flush_pending()
+        workers.detach(outbox, self._log_failed_detach)
+        if self.key:
+            self.tell_remote(88)  # behind the marks: the owners answer them, then drop its relayed consumers
+        workers.flush_pending()
         deadline = time.monotonic() + HALF_CLOSE_SECONDS
         while not self.closed and self.owes_answers_or_bytes():
             if time.monotonic() > deadline:
-                log.warning("%s closed its side and has not read what it is owed for %g s: closing", self.peer,
-                            HALF_CLOSE_SECONDS)
+                log.warning("%s closed its side and has not read what it is owed for %g s: closing (%d bytes "
+                            "unwritten, %d answers from other workers awaited)", self.peer, HALF_CLOSE_SECONDS,
+                            outbox.out_bytes, self.awaiting)
                 return
             self.wake.set()
             gevent.sleep(HALF_CLOSE_POLL_SECONDS)

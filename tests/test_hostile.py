@@ -10,7 +10,7 @@ import time
 
 import pytest
 from conftest import READY_TIMEOUT_SECONDS, Wire, free_port
-from helpers import eval_on, rss_bytes
+from helpers import eval_on, rss_bytes, wait_for
 from helpers import unique_bytes as unique
 
 pytestmark = pytest.mark.timeout(90)
@@ -63,9 +63,10 @@ def test_disconnect_holding_an_event_with_retry_text_loses_nothing_and_leaks_not
     a, publisher, pq, secretq, secret_event = hold_a_retry_lookalike_and_a_secret(broker)
     a.close()
     assert_newcomers_never_see_the_secret(broker, publisher, secret_event)
-    # nobody consumes secretq now: the secret waits there, and m1 is back in pq with retry raised
-    assert eval_on(publisher, b"--owner=%b (len(state.queues[%r].consumers), state.queues[%r].depth())"
-                   % (secretq, secretq, secretq)) == b"(0, 1)"
+    # nobody consumes secretq now (the clean-up follows the close by a moment): the secret waits there,
+    # and m1 is back in pq with retry raised
+    wait_for(lambda: eval_on(publisher, b"--owner=%b (len(state.queues[%r].consumers), state.queues[%r].depth())"
+                             % (secretq, secretq, secretq)) == b"(0, 1)", "a's consumer gone, the secret waiting")
     publisher.send(b"c9 consume %b --manual-ack" % pq)
     publisher.expect(b"c9 ok m1 event=x,retry=z,retry=1 hello")
     publisher.close()
@@ -78,8 +79,9 @@ def test_clean_up_detaches_every_consumer_even_when_one_fails(broker):
         == b"None"
     a.close()
     assert_newcomers_never_see_the_secret(broker, publisher, secret_event)
-    for queue in (pq, secretq):
-        assert eval_on(publisher, b"--owner=%b len(state.queues[%r].consumers)" % (queue, queue)) == b"0"
+    for queue in (pq, secretq):  # the clean-up comes once what `a` was owed is written or refused
+        wait_for(lambda queue=queue: eval_on(publisher, b"--owner=%b len(state.queues[%r].consumers)"
+                                             % (queue, queue)) == b"0", "every consumer of the closed client gone")
     assert "clean-up of consumer b'c1'" in broker.log()
     publisher.close()
 
