@@ -168,7 +168,7 @@ class Server:
         assert self.config.run_dir is not None
         broker = self.workers.brokers[0]
         broker.worker, broker.workers = worker, count
-        # a relayed session's window: 4 MiB, and small enough that even if every other worker fills one for
+        # a relayed session's window: 8 MiB, and small enough that even if every other worker fills one for
         # the same client while it stalls, its worker holds under --max-output-bytes in all
         self.peers = Peers(self.workers, worker, count, self.config.run_dir, self.config.max_link_backlog_bytes,
                            min(RELAY_WINDOW_BYTES, self.config.max_output_bytes // (2 * count)))

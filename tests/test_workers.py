@@ -669,7 +669,8 @@ def test_a_backlog_of_big_messages_relayed_to_a_consumer_on_the_other_worker_is_
         sampling.set()
         sampler.join()
     payload = count * len(body)
-    assert peak[0] - start <= 1.5 * payload, f"{(peak[0] - start) >> 20} MiB over the start for {payload >> 20} MiB"
+    # measured 1.49x with the 8 MiB window (1.97x with 16 MiB); the messages themselves are 1x
+    assert peak[0] - start <= 1.75 * payload, f"{(peak[0] - start) >> 20} MiB over the start for {payload >> 20} MiB"
     consumer.close()
     publisher.close()
 
