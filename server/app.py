@@ -32,7 +32,7 @@ import gevent.socket
 from gevent.event import Event
 from gevent.server import StreamServer
 
-from .actions import handlers_for
+from .actions import ONE_PROCESS, HandlerTables
 from .config import CANNOT_START_EXIT_CODE, DEFAULTS, Config
 from .connection import Connection
 from .durable import Journal, rebuild, recover
@@ -131,6 +131,7 @@ class Server:
         self.next_error_id = ErrorIds()
         self.journal = self.open_journal() if config.data_dir else None
         self.peers: Peers | None = None
+        self.tables = ONE_PROCESS  # the sessions' handler tables; a worker of several wraps them (link_workers)
         if config.worker_index is None:
             self.workers = Workers(config.workers, self.timers, self.journal)
         else:
@@ -161,9 +162,8 @@ class Server:
 
     def link_workers(self, worker: int, count: int) -> None:
         """This process is worker `worker` of `count`: reach the others, route lines to the owners."""
-        from .actions import relay_handlers
         from .peers import RELAY_WINDOW_BYTES, Peers
-        from .relay import relay_table
+        from .relay import place
 
         assert self.config.run_dir is not None
         broker = self.workers.brokers[0]
@@ -175,7 +175,7 @@ class Server:
         self.peers.on_link_lost = self.on_link_lost
         self.workers.link(self.peers)
         self.workers.requests.prefix = f"{worker}w{self.workers.requests.prefix}"  # a reply finds its worker
-        relay_handlers(relay_table)
+        self.tables = HandlerTables(place)
 
     def topology(self) -> dict[str, Any]:
         """`hello`'s fields about placement: this worker, the slot map, and every worker's own address."""
@@ -202,7 +202,7 @@ class Server:
         """Worker `worker` is gone (it will be restarted): clients with consumers or answers there are closed,
         so they reconnect and replay, as after a broker restart."""
         for conn in list(self.connections):
-            if worker in conn.remote or conn.awaiting:
+            if conn.relay is not None and conn.relay.waits_on(worker):
                 conn.close()
 
     def open_journal(self) -> Journal:
@@ -287,16 +287,15 @@ class Server:
                         limit, "refused until consumers drain the queues" if over else "accepted again")
             for conn in self.connections:
                 # a connection still owing its `auth` keeps its table of the few actions allowed before it
-                conn.handlers = handlers_for(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated, over)
+                conn.handlers = self.tables.for_session(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated,
+                                                        over)
             if self.peers is not None:  # other workers' clients' lines that run here (publish --confirm)
                 self.peers.set_over_memory(over)
         self.timers.call_later(MEMORY_CHECK_SECONDS, self.check_memory)
 
     def handle(self, sock: socket.socket, address: object, tls: bool = False) -> None:
         conn = Connection(sock, address, self.config, self.workers, self.next_error_id, tls=tls, tokens=self.tokens,
-                          eval_refusal=self.eval_refusal, silence_watch=self.silence_watch)
-        if self.workers.memory_full:
-            conn.handlers = handlers_for(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated, True)
+                          eval_refusal=self.eval_refusal, silence_watch=self.silence_watch, tables=self.tables)
         self.connections.add(conn)
         self.no_connections.clear()
         try:

@@ -20,17 +20,18 @@ import os
 import socket
 import ssl
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import gevent
 from gevent.event import Event
 
-from .actions import Action, Handler, actions_for, handlers_for, run_lines
+from .actions import ONE_PROCESS, Action, Handler, HandlerTables, actions_for, run_lines
 from .config import Config
+from .frames import Frame
 from .outbox import Outbox
 from .protocol import LineSplitter, format_error, format_ok
+from .relay import RelaySession
 from .sessions import SilenceWatch, Tokens
 from .state import Broker, Consumer
 from .workers import Workers
@@ -92,13 +93,13 @@ class Connection:
     __slots__ = ("sock", "fd", "peer", "peer_is_loopback", "eval_enabled", "workers", "outbox", "consumers_by_id",
                  "actions", "handlers", "brokers", "splitter", "next_error_id", "wake", "writing", "closed",
                  "max_output_bytes", "errors", "tls", "tokens", "authenticated", "unauthenticated_lines",
-                 "eval_refusal", "said_hello", "ttl_seconds", "reads", "silence_watch", "draining",
-                 # with worker processes (server/relay.py): this session on the other workers
-                 "key", "remote", "unsynced", "awaiting", "held", "unheld", "owed_credit", "synced")
+                 "eval_refusal", "said_hello", "ttl_seconds", "reads", "silence_watch", "draining", "tables",
+                 "relay")
 
     def __init__(self, sock: socket.socket, address: object, config: Config, workers: Workers,
                  next_error_id: Callable[[], str], *, tls: bool = False, tokens: Tokens | None = None,
-                 eval_refusal: str | None = None, silence_watch: SilenceWatch | None = None) -> None:
+                 eval_refusal: str | None = None, silence_watch: SilenceWatch | None = None,
+                 tables: HandlerTables = ONE_PROCESS) -> None:
         # our writes are already batched; Nagle would only hold a lone delivery back
         # until the peer's delayed ACK (measured: 12 ms p50 at 20k msg/s without this)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -117,23 +118,18 @@ class Connection:
         self.tokens = tokens
         self.authenticated = tokens is None
         self.unauthenticated_lines = 0
+        self.tables = tables
         self.actions: dict[bytes, Action] = actions_for(self.eval_enabled, self.peer_is_loopback, self.authenticated)
-        self.handlers: dict[bytes, Handler] = handlers_for(self.eval_enabled, self.peer_is_loopback,
-                                                           self.authenticated)
+        self.handlers: dict[bytes, Handler] = tables.for_session(self.eval_enabled, self.peer_is_loopback,
+                                                                 self.authenticated, workers.memory_full)
         self.said_hello = False
         self.ttl_seconds: float | None = None
         self.reads = 0  # recv calls: the silence watch compares it between its checks
         self.silence_watch = silence_watch
         self.draining = False  # the server is stopping: deliveries stay paused
         self.brokers: list[Broker] = workers.publishers
-        self.key = b""  # this session's name on the other workers, once it has one
-        self.remote: set[int] = set()  # workers that run lines for this session
-        self.unsynced: set[int] = set()  # ... and have not answered since: a ping waits for them
-        self.awaiting = 0  # answers owed by other workers before `held` may run
-        self.held: list | None = None
-        self.unheld = Event()
-        self.owed_credit: dict[int, int] = {}  # by owner: `>` bytes taken from it and not yet credited back
-        self.synced = False  # a held ping waited for the other workers: it answers when it runs again
+        # with worker processes: this client's session on the other workers
+        self.relay = RelaySession(self, workers.peers) if workers.peers is not None else None
         self.splitter = LineSplitter(config.max_line_bytes)
         self.next_error_id = next_error_id
         self.wake = Event()
@@ -147,8 +143,13 @@ class Connection:
     def write(self, data: bytes) -> None:
         outbox = self.outbox
         outbox.write(data)
-        if outbox.out_bytes > self.max_output_bytes and not self.closed:
-            log.warning("closing %s: %d bytes of replies unread (limit %d)", self.peer, outbox.out_bytes,
+        if outbox.out_bytes > self.max_output_bytes:
+            self.close_unread()
+
+    def close_unread(self) -> None:
+        """The client owes a read of more than --max-output-bytes: it is cut off."""
+        if not self.closed:
+            log.warning("closing %s: %d bytes of replies unread (limit %d)", self.peer, self.outbox.out_bytes,
                         self.max_output_bytes)
             self.close()
 
@@ -175,7 +176,8 @@ class Connection:
         if not self.authenticated:
             self.authenticated = True
             self.actions = actions_for(self.eval_enabled, self.peer_is_loopback)
-            self.handlers = handlers_for(self.eval_enabled, self.peer_is_loopback, True, self.workers.memory_full)
+            self.handlers = self.tables.for_session(self.eval_enabled, self.peer_is_loopback, True,
+                                                    self.workers.memory_full)
             log.info("%s authenticated", self.peer)
         return True
 
@@ -188,100 +190,11 @@ class Connection:
             else:
                 self.silence_watch.forget(self)
 
-    def peer_key(self) -> bytes:
-        """This session's name on the other workers: their answers and its deliveries come back under it."""
-        if not self.key:
-            peers = self.workers.peers
-            self.key = peers.new_key()
-            peers.targets[self.key] = self
-        return self.key
-
-    def take(self, data: bytes, worker: int) -> None:
-        """Bytes `worker` owes this client (answers, deliveries of relayed consumers), in one piece.
-
-        They are credited back to `worker` once the client has read its backlog (`give_credit`):
-        the owner sends no more than its window meanwhile, so a client that stops reading stops
-        its relayed consumers and nothing piles up here.
-        """
-        if self.closed:
-            return
-        self.owed_credit[worker] = self.owed_credit.get(worker, 0) + len(data)
-        outbox = self.outbox
-        outbox.out.append(data)
-        outbox.out_bytes += len(data)
-        if not outbox.flush_pending:
-            outbox.flush_pending = True
-            outbox.pending.append(outbox)
-        if outbox.out_bytes > outbox.high_water_bytes:
-            outbox.paused = True
-            if outbox.out_bytes > self.max_output_bytes:
-                log.warning("closing %s: %d bytes of replies unread (limit %d)", self.peer, outbox.out_bytes,
-                            self.max_output_bytes)
-                self.close()
-
-    def tell_remote(self, kind: int) -> None:
-        links = self.workers.peers.links
-        for worker in self.remote:
-            link = links[worker]
-            if link is not None:
-                link.frame(kind, self.key)
-
-    def mark_other_workers(self) -> bool:
-        """Ask every worker this session sent lines to, or whose consumers it has, for a sync mark;
-        True if some are owed (`awaiting`): their answers and deliveries arrive before the marks."""
-        peers = self.workers.peers
-        unsynced = self.unsynced
-        # the owners of this session's relayed consumers too: what they delivered before now arrives first
-        unsynced.update(self.remote)
-        for worker, link in enumerate(peers.links):
-            if link is not None and link.flush_pending:
-                unsynced.add(worker)
-        if unsynced:
-            key = self.peer_key()
-            for worker in unsynced:
-                link = peers.links[worker]
-                if link is not None:
-                    link.frame(77, key)
-                    self.awaiting += 1
-            unsynced.clear()
-        return bool(self.awaiting)
-
-    def done(self) -> None:
-        """A worker has run everything this session sent it before its last sync mark."""
-        self.answered()
-
-    def answered(self) -> None:
-        self.awaiting -= 1
-        if self.awaiting <= 0:
-            self.awaiting = 0
-            self.unheld.set()
-
-    def run_held(self, rejected: deque) -> None:
-        """Run the lines a forward held back, each time the answers they wait for are in."""
-        workers = self.workers
-        while self.held is not None and not self.closed:
-            workers.flush_pending()  # the forwards go out
-            while self.awaiting and not self.closed:
-                self.unheld.wait()
-                self.unheld.clear()
-            lines, self.held = self.held, None
-            if not self.closed:
-                run_lines(self, lines, rejected)
-        self.held = None
-
-    def give_credit(self) -> None:
-        """The client keeps up (its backlog under half the high-water mark): tell each owner what it took."""
-        links = self.workers.peers.links
-        for worker, taken in self.owed_credit.items():
-            link = links[worker]
-            if link is not None:
-                link.frame(87, self.key, b"%d" % taken)  # "W"
-        self.owed_credit.clear()
-
     def resumed(self) -> None:
         """The client read its backlog: local consumers deliver again, and so do the owners of relayed ones."""
-        if self.owed_credit:
-            self.give_credit()
+        relay = self.relay
+        if relay is not None and relay.owed_credit:
+            relay.give_credit()
         self.workers.resume(self.outbox)
 
     def wake_writer(self) -> None:
@@ -314,8 +227,9 @@ class Connection:
         if sent == len(data):
             out.clear()
             outbox.out_bytes = 0
-            if self.owed_credit:
-                self.give_credit()  # flushed within this batch's flush_pending, which goes on to the links
+            relay = self.relay
+            if relay is not None and relay.owed_credit:
+                relay.give_credit()  # flushed within this batch's flush_pending, which goes on to the links
         else:
             outbox.out = [memoryview(data)[sent:]]
             outbox.out_bytes = len(data) - sent
@@ -379,10 +293,8 @@ class Connection:
         if self.silence_watch is not None:
             self.silence_watch.forget(self)
         workers.detach(self.outbox, self._log_failed_detach)
-        if self.key:
-            self.tell_remote(88)  # the owners drop this session: its relayed consumers' messages go back
-            workers.peers.targets.pop(self.key, None)
-        self.unheld.set()
+        if self.relay is not None:
+            self.relay.leave()
         self.outbox.out.clear()
         try:
             workers.flush_pending()  # the requeued messages, to the consumers that remain
@@ -434,7 +346,7 @@ class Connection:
         journal = workers.journal
         delayed = workers.delayed
         delayed_keys = delayed.keys  # a heap, changed in place
-        peers = workers.peers
+        relay = self.relay
         debug = log.isEnabledFor(logging.DEBUG)
         unyielded_bytes = 0
         turns = loop_turns()
@@ -455,12 +367,10 @@ class Connection:
                     # what came due goes first: a line read after a due time sees that message published
                     delayed.fire_due()
                 run_lines(self, lines, rejected)
-                if self.held is not None:
-                    self.run_held(rejected)
-                if peers is not None:
-                    for worker, link in enumerate(peers.links):
-                        if link is not None and link.flush_pending:
-                            self.unsynced.add(worker)  # a later ping waits for what went there
+                if relay is not None:
+                    if relay.held is not None:
+                        relay.run_held(rejected)
+                    relay.note_flushed_links()
             if pending or journal is not None:  # durable: the batch's records are committed there too
                 flush_pending()
             if journal is not None and journal.backlogged and PUBLISH in chunk:
@@ -491,18 +401,19 @@ class Connection:
         self.draining = True  # the writer must not resume deliveries once it has caught up
         outbox.paused = True
         workers = self.workers
-        if workers.peers is not None:
-            self.mark_other_workers()  # what its lines caused on other workers comes back before the marks
+        relay = self.relay
+        if relay is not None:
+            relay.mark_other_workers()  # what its lines caused on other workers comes back before the marks
         workers.detach(outbox, self._log_failed_detach)
-        if self.key:
-            self.tell_remote(88)  # behind the marks: the owners answer them, then drop its relayed consumers
+        if relay is not None and relay.key:
+            relay.tell(Frame.SESSION_LEFT)  # behind the marks: the owners answer them, then drop its relayed consumers
         workers.flush_pending()
         deadline = time.monotonic() + HALF_CLOSE_SECONDS
         while not self.closed and self.owes_answers_or_bytes():
             if time.monotonic() > deadline:
                 log.warning("%s closed its side and has not read what it is owed for %g s: closing (%d bytes "
                             "unwritten, %d answers from other workers awaited)", self.peer, HALF_CLOSE_SECONDS,
-                            outbox.out_bytes, self.awaiting)
+                            outbox.out_bytes, relay.awaiting if relay is not None else 0)
                 return
             self.wake.set()
             gevent.sleep(HALF_CLOSE_POLL_SECONDS)
@@ -510,7 +421,8 @@ class Connection:
     def owes_answers_or_bytes(self) -> bool:
         """True while a line of this client waits for its answer, or bytes for it wait to be written."""
         outbox = self.outbox
-        if outbox.out or self.writing or self.held is not None or self.awaiting:
+        relay = self.relay
+        if outbox.out or self.writing or (relay is not None and (relay.held is not None or relay.awaiting)):
             return True
         journal = self.workers.journal
         if journal is not None and (any(owed is outbox for owed, _ in journal.unconfirmed) or any(
@@ -524,6 +436,7 @@ class Connection:
         sendall = self.sock.sendall
         outbox = self.outbox
         workers = self.workers
+        relay = self.relay
         try:
             while not self.closed:
                 wake.wait()
@@ -542,8 +455,8 @@ class Connection:
                         if outbox.paused and not self.draining:
                             outbox.paused = False
                             self.resumed()
-                        elif self.owed_credit:
-                            self.give_credit()
+                        elif relay is not None and relay.owed_credit:
+                            relay.give_credit()
                             workers.flush_pending()
         except OSError as e:
             log.info("write to %s failed: %s", self.peer, e)

@@ -50,3 +50,14 @@ class Outbox:
         if not self.flush_pending:
             self.flush_pending = True
             self.pending.append(self)
+
+    def take(self, data: bytes) -> None:
+        """A block of output another worker relayed (answers, deliveries), counted as its bytes alone:
+        past the high-water mark the outbox pauses, as if its own consumers had filled it."""
+        self.out.append(data)
+        self.out_bytes += len(data)
+        if not self.flush_pending:
+            self.flush_pending = True
+            self.pending.append(self)
+        if self.out_bytes > self.high_water_bytes:
+            self.paused = True

@@ -8,18 +8,8 @@ is gathered in runs and written as frames once, when the batch is flushed.
 
 A link is one Unix socket per ordered pair of workers, opened by the worker that asks.
 On it the asker sends requests; the owner answers on the same socket, and also sends its
-binding changes there, so an answer never overtakes the bindings it caused. A frame is a
-header line `{kind}{key} {size}\\n` and `size` bytes of payload:
-
-  asker -> owner                            owner -> asker
-  P  `{event}{tail}` lines: publish them     >  bytes for session `key`'s client (or gather)
-  C  `{fanin} {event}{tail}` lines: as P,   .  session `key` has run everything sent before
-     answer each once durable               c  `{fanin} ok` / `{fanin} error ...` lines
-  E  `{retry} {queue}{tail}`: dead letters  B  `{queue} {event}...` lines: the queue's events now
-  S  client lines of session `key`          Z  forget every binding of the owner (it restarted)
-  M  answer `.{key}` when you get here
-  X  session `key`'s client left
-  W  `{bytes}`: session `key`'s client has taken that many bytes of `>` frames
+binding changes there, so an answer never overtakes the bindings it caused. The frames and
+their kinds are in frames.py.
 
 A session's output is windowed: the owner sends at most RELAY_WINDOW_BYTES of `>` frames that the
 client's worker has not credited back with W, and the client's worker credits only while its
@@ -42,6 +32,7 @@ import gevent
 import gevent.socket
 from gevent.event import Event
 
+from .frames import NEWLINE, Frame, FrameReader, FrameSocket
 from .outbox import Outbox
 from .protocol import format_ok
 from .routing import Routing, cache_put
@@ -49,6 +40,7 @@ from .slots import owner_of
 from .state import Broker, Queue, msg_id_of
 
 if TYPE_CHECKING:
+    from .relay import RelaySession
     from .workers import Workers
 
 log = logging.getLogger("mqks.peers")
@@ -62,166 +54,8 @@ NO_LIMIT = 1 << 62  # an outbox that never pauses (a link's confirms)
 RELAY_WINDOW_BYTES = 8 << 20
 CONNECT_RETRY_SECONDS = 0.05
 ASK_SECONDS = 2.0  # a /metrics scrape waits this long at most for the other workers' figures
-NEWLINE = b"\n"
-
-
-class FrameReader:
-    """Frames out of a byte stream: (kind, key, payload).
-
-    A frame larger than one read (a batch of deliveries can be megabytes) is gathered as a
-    list of chunks and joined once, when its last byte is in: re-joining the partial buffer
-    at every read would copy it over and over.
-    """
-
-    __slots__ = ("buffer", "parts", "have", "need")
-
-    def __init__(self) -> None:
-        self.buffer = b""
-        self.parts: list[bytes] = []
-        self.have = 0  # bytes in `parts`
-        self.need = 0  # bytes the unfinished frame in `parts` takes, header included; 0: none
-
-    def feed(self, chunk: bytes) -> list[tuple[int, bytes, bytes]]:
-        if self.need:
-            self.parts.append(chunk)
-            self.have += len(chunk)
-            if self.have < self.need:
-                return []
-            data = b"".join(self.parts)
-            self.parts, self.have, self.need = [], 0, 0
-        else:
-            data = self.buffer + chunk if self.buffer else chunk
-        frames: list[tuple[int, bytes, bytes]] = []
-        pos, end = 0, len(data)
-        while pos < end:
-            newline = data.find(NEWLINE, pos)
-            if newline < 0:
-                break
-            key, _, size = data[pos + 1 : newline].partition(b" ")
-            stop = newline + 1 + int(size)
-            if stop > end:
-                self.parts, self.have, self.need = [data[pos:]], end - pos, stop - pos
-                self.buffer = b""
-                return frames
-            frames.append((data[pos], key, data[newline + 1 : stop]))
-            pos = stop
-        self.buffer = data[pos:]
-        return frames
-
-
-class FrameSocket:
-    """A link's socket and the frames owed on it; the open run of lines is closed into a frame at flush."""
-
-    __slots__ = ("sock", "fd", "out", "run_kind", "run_key", "run", "flush_pending", "pending", "writing", "wake",
-                 "closed", "name", "backlog", "max_backlog")
-
-    is_link = True  # Workers.flush_pending sends links' frames even while client output is held
-
-    def __init__(self, sock: socket.socket, pending: list, name: str, max_backlog: int) -> None:
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.out: list[Any] = []
-        self.run_kind = 0
-        self.run_key = b""
-        self.run: list[bytes] = []
-        self.flush_pending = False
-        self.pending = pending
-        self.writing = False
-        self.wake = Event()
-        self.closed = False
-        self.name = name
-        self.backlog = 0  # payload bytes in `out`, not yet taken by a write
-        self.max_backlog = max_backlog
-
-    def owe(self) -> None:
-        if not self.flush_pending:
-            self.flush_pending = True
-            self.pending.append(self)
-
-    def add(self, kind: int, key: bytes, line: bytes) -> None:
-        """One line into the run of `kind` for `key` (a new run closes the open one: order is kept)."""
-        if kind != self.run_kind or key != self.run_key:
-            self.close_run()
-            self.run_kind, self.run_key = kind, key
-            self.owe()
-        self.run.append(line)
-
-    def close_run(self) -> None:
-        run = self.run
-        if run:
-            run.append(b"")
-            payload = NEWLINE.join(run)
-            self.out.append(b"%c%b %d\n" % (self.run_kind, self.run_key, len(payload)))
-            self.out.append(payload)
-            self.backlog += len(payload)
-            run.clear()
-        self.run_kind = 0
-
-    def frame(self, kind: int, key: bytes, payload: bytes = b"") -> None:
-        self.close_run()
-        self.out.append(b"%c%b %d\n" % (kind, key or b"-", len(payload)))
-        if payload:
-            self.out.append(payload)
-            self.backlog += len(payload)
-        self.owe()
-
-    def flush(self) -> None:
-        """Write what is owed now, as far as the socket takes it; the writer greenlet sends the rest."""
-        self.close_run()
-        out = self.out
-        if not out or self.closed:
-            return
-        if self.writing:  # the peer is not keeping up: its unread bytes pile up here
-            if self.backlog > self.max_backlog:
-                log.error("%s: %d bytes the peer has not read, past --max-link-backlog: closing the link",
-                          self.name, self.backlog)
-                self.lost("its peer stopped reading")
-                return
-            self.wake.set()
-            return
-        data = b"".join(out)
-        out.clear()
-        self.backlog = 0
-        try:
-            sent = os.write(self.fd, data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as e:
-            self.lost(f"write failed: {e}")
-            return
-        if sent < len(data):
-            out.append(memoryview(data)[sent:])
-            self.wake.set()
-
-    def write_loop(self) -> None:
-        try:
-            while not self.closed:
-                self.wake.wait()
-                self.wake.clear()
-                while self.out and not self.closed:
-                    data = b"".join(self.out)
-                    self.out.clear()
-                    self.backlog = 0
-                    self.writing = True
-                    self.sock.sendall(data)
-                    self.writing = False
-        except OSError as e:
-            self.lost(f"write failed: {e}")
-
-    def lost(self, reason: str) -> None:
-        raise NotImplementedError
-
-    def shut(self) -> bool:
-        """Close the socket under both greenlets (they see EOF and EPIPE); False if it was closed already."""
-        if self.closed:
-            return False
-        self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.wake.set()
-        return True
+# per message: a plain int, since an IntEnum member's lookup costs ~190 ns on Python 3.11
+PUBLISH_KIND = Frame.PUBLISH.value
 
 
 class RemoteQueue:
@@ -259,31 +93,6 @@ class FanIn:
         self.parts -= 1
         if self.parts == 0:
             self.outbox.write(b"%b %b\n" % (self.rid, self.error) if self.error is not None else format_ok(self.rid))
-
-
-class Gather:
-    """An action every worker answers (`stats`, `queues`, ...): the peers' answers, merged once all are in."""
-
-    __slots__ = ("session", "key", "waiting", "answers", "merge")
-
-    def __init__(self, session: Any, key: bytes, waiting: int, merge: Callable[[list[bytes]], bytes]) -> None:
-        self.session = session
-        self.key = key
-        self.waiting = waiting
-        self.answers: list[bytes] = []
-        self.merge = merge
-
-    def take(self, payload: bytes, worker: int) -> None:
-        self.answers.append(payload)
-
-    def done(self) -> None:
-        self.waiting -= 1
-        if self.waiting == 0:
-            session = self.session
-            session.workers.peers.targets.pop(self.key, None)
-            if not session.closed:
-                session.write(self.merge(self.answers))
-            session.answered()
 
 
 class Waiter:
@@ -360,26 +169,26 @@ class PeerLink(FrameSocket):
                 if not chunk:
                     break
                 for kind, key, payload in feed(chunk):
-                    if kind == 62:  # ">"
+                    if kind == Frame.OUTPUT:
                         target = targets.get(key)
                         if target is not None:
                             target.take(payload, self.worker)
-                    elif kind == 46:  # "."
+                    elif kind == Frame.MARKED:
                         target = targets.get(key)
                         if target is not None:
                             target.done()
-                    elif kind == 99:  # "c"
+                    elif kind == Frame.CONFIRMS:
                         for line in payload.split(NEWLINE)[:-1]:
                             fanin = fanins.get(line[: line.index(b" ")])
                             if fanin is not None:
                                 fanin.write(line)
                                 if fanin.parts == 0:
                                     del fanins[line[: line.index(b" ")]]
-                    elif kind == 66:  # "B"
+                    elif kind == Frame.BINDINGS:
                         replica.update(self.worker, payload)
                         if key != b"-":
-                            self.frame(75, key)  # "K": applied; the owner may let its clients see the change
-                    elif kind == 90:  # "Z"
+                            self.frame(Frame.BINDINGS_APPLIED, key)  # the owner may let its clients see the change
+                    elif kind == Frame.FORGET_BINDINGS:
                         replica.forget(self.worker)
                 flush_pending()
         except OSError as e:
@@ -401,9 +210,10 @@ class RemoteSession:
     said_hello = False
     tls = False
     ttl_seconds: float | None = None
+    relay: RelaySession | None = None  # its lines run here and go no further
 
     def __init__(self, link: IncomingLink, key: bytes) -> None:
-        from .actions import actions_for, local_handlers_for
+        from .actions import ONE_PROCESS, actions_for
 
         workers = link.peers.workers
         self.link = link
@@ -416,7 +226,7 @@ class RemoteSession:
         self.in_flight = 0  # `>` bytes sent that the client's worker has not credited
         self.consumers_by_id = self.outbox.consumers_by_id
         self.actions = actions_for(True, True)
-        self.handlers = local_handlers_for(True, workers.memory_full)
+        self.handlers = ONE_PROCESS.for_forwarded(workers.memory_full)
         self.closed = False
         self.unauthenticated_lines = 0
 
@@ -444,7 +254,7 @@ class RemoteSession:
         out = outbox.out
         if out:
             payload = b"".join(out)
-            self.link.frame(62, self.key, payload)
+            self.link.frame(Frame.OUTPUT, self.key, payload)
             out.clear()
             self.in_flight += len(payload)
         outbox.out_bytes = self.in_flight
@@ -477,7 +287,7 @@ class IncomingLink(FrameSocket):
     def flush_confirms(self) -> None:
         out = self.confirms.out
         if out:
-            self.frame(99, b"-", b"".join(out))
+            self.frame(Frame.CONFIRMS, b"-", b"".join(out))
             out.clear()
         self.confirms.out_bytes = 0
 
@@ -532,7 +342,7 @@ class IncomingLink(FrameSocket):
                 if not chunk:
                     return
             for kind, key, payload in feed(chunk):
-                if kind == 80:  # "P"
+                if kind == Frame.PUBLISH:
                     lines = payload.split(NEWLINE)[:-1]
                     if workers.memory_full:  # past this worker's share of --max-memory: as a publish here
                         workers.dropped_by_memory += len(lines)
@@ -544,24 +354,24 @@ class IncomingLink(FrameSocket):
                         space = line.index(b" ")
                         tail = line[space:]
                         publish(tail[4 : tail.index(b" ", 4)], line[:space], tail)
-                elif kind == 83:  # "S"
+                elif kind == Frame.SESSION_LINES:
                     session = sessions.get(key)
                     if session is None:
                         session = sessions[key] = RemoteSession(self, key)
                         if workers.draining:
                             session.outbox.paused = True
                     run_lines(session, payload.split(NEWLINE)[:-1], no_rejects)
-                elif kind == 77:  # "M"
+                elif kind == Frame.MARK:
                     if peers.acked_epoch != peers.epoch or peers.holds:
                         peers.deferred_marks.append((self, key))  # answered once every worker has the bindings
                     else:
                         self.mark(key)
-                elif kind == 75:  # "K"
+                elif kind == Frame.BINDINGS_APPLIED:
                     self.acked = int(key)
                     peers.check_barrier()
-                elif kind == 67:  # "C"
+                elif kind == Frame.PUBLISH_CONFIRMED:
                     self.publish_confirmed(broker, payload)
-                elif kind == 69:  # "E"
+                elif kind == Frame.DEAD_LETTERS:
                     for line in payload.split(NEWLINE)[:-1]:
                         retry, _, rest = line.partition(b" ")
                         name = rest[: rest.index(b" ok ")]
@@ -573,11 +383,11 @@ class IncomingLink(FrameSocket):
                         self.confirms.write(format_ok(key))
                     else:
                         workers.journal.unconfirmed.append((self.confirms, key))
-                elif kind == 88:  # "X"
+                elif kind == Frame.SESSION_LEFT:
                     session = sessions.pop(key, None)
                     if session is not None:
                         self.end_session(session)
-                elif kind == 87:  # "W"
+                elif kind == Frame.CREDIT:
                     session = sessions.get(key)
                     if session is not None:
                         session.credit(int(payload))
@@ -591,7 +401,7 @@ class IncomingLink(FrameSocket):
             session.flush()
             if key[:1] == b"g":  # a gather's session lives for one answer
                 del self.sessions[key]
-        self.frame(46, key)
+        self.frame(Frame.MARKED, key)
 
     def publish_confirmed(self, broker: Broker, payload: bytes) -> None:
         workers = self.peers.workers
@@ -704,10 +514,10 @@ class Forwarder:
         for owner in owners:
             link = self.links[owner]
             if link is not None:
-                if link.run_kind == 80:
+                if link.run_kind == PUBLISH_KIND:
                     link.run.append(event + tail)
                 else:
-                    link.add(80, b"-", event + tail)
+                    link.add(PUBLISH_KIND, b"-", event + tail)
             else:
                 self.peers.dropped_unlinked += 1
 
@@ -731,11 +541,8 @@ class Forwarder:
         if only is not None:
             # one owner has every bound queue: it runs the line in this client's session and answers
             # there, after the deliveries the publish caused, exactly as one worker would
-            owner = owners[0]
-            key = session.peer_key()
-            only.add(83, key, b"%b publish --confirm %b" % (rid, tail[len(rid) + 11 :]))
-            session.remote.add(owner)
-            session.unsynced.add(owner)
+            session.relay.send(owners[0], b"%b publish --confirm %b" % (rid, tail[len(rid) + 11 :]),
+                               answer_first=False)
             return
         workers = self.peers.workers
         msg_id = msg_id_of(tail)
@@ -749,7 +556,7 @@ class Forwarder:
                 fanin.write(workers.error_line(rid, f"worker {owner}, which owns a bound queue, is restarting: "
                                                     "the message was not put there"))
             else:
-                link.add(67, b"-", b"%b %b%b" % (fanin_id, event, tail))
+                link.add(Frame.PUBLISH_CONFIRMED, b"-", b"%b %b%b" % (fanin_id, event, tail))
         local.publish(msg_id, event, tail)
         if full:
             names = ", ".join(f"queue {queue.name.decode(errors='replace')} is full (--max-length="
@@ -875,7 +682,7 @@ class Peers:
             return
         self.fanins[transfer.rid] = transfer  # type: ignore[assignment]  # answered as a fan-in
         for record in transfer.records:
-            link.add(69, transfer.rid, record)
+            link.add(Frame.DEAD_LETTERS, transfer.rid, record)
         self.hold_until_marked(link)  # no client hears of it (the reject's `ok`) before the owner has it
 
     def new_key(self, prefix: bytes = b"") -> bytes:
@@ -894,22 +701,22 @@ class Peers:
         self.epoch += 1
         key = b"%d" % self.epoch
         for link in self.incoming:
-            link.frame(66, key, line + NEWLINE)
+            link.frame(Frame.BINDINGS, key, line + NEWLINE)
 
     def hold_until_marked(self, link: PeerLink) -> None:
         """Hold client output until `link`'s worker has run what was just sent to it."""
         key = self.new_key(b"h")
         self.targets[key] = HoldRelease(self, key, link)
-        link.frame(77, key)
+        link.frame(Frame.MARK, key)
         self.holds += 1
 
     def set_over_memory(self, over: bool) -> None:
         """Past this worker's share of --max-memory: other workers' clients' publishes here are refused too."""
-        from .actions import local_handlers_for
+        from .actions import ONE_PROCESS
 
         for link in self.incoming:
             for session in link.sessions.values():
-                session.handlers = local_handlers_for(True, over)
+                session.handlers = ONE_PROCESS.for_forwarded(over)
 
     def check_barrier(self) -> None:
         """Every worker has applied our binding changes (and run what holds output): let the held output go."""
@@ -934,10 +741,10 @@ class Peers:
         """A peer opened its link to us (the first line named it): serve its requests on this greenlet."""
         link = IncomingLink(sock, self, worker)
         self.incoming.add(link)
-        link.frame(90, b"-")  # forget what the replica knew of us: we may have restarted
+        link.frame(Frame.FORGET_BINDINGS, b"-")  # forget what the replica knew of us: we may have restarted
         dump = self.binding_dump()
         if dump:
-            link.frame(66, b"-", dump)
+            link.frame(Frame.BINDINGS, b"-", dump)
         link.flush()
         link.serve(first_bytes)
 
@@ -1006,8 +813,8 @@ class Peers:
         self.targets[key] = waiter
         try:
             for link in links:
-                link.add(83, key, line)
-                link.frame(77, key)
+                link.add(Frame.SESSION_LINES, key, line)
+                link.frame(Frame.MARK, key)
             self.workers.flush_pending()
             waiter.event.wait(timeout)
         finally:

@@ -9,6 +9,7 @@ or not UTF-8 reaches the dispatcher as `None`, with its (rid, reason) queued in
 from __future__ import annotations
 
 from collections import deque
+from enum import Enum
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
 CR = 13  # b"\r"[0]: telnet ends lines with \r\n
@@ -20,15 +21,11 @@ class ProtocolError(Exception):
     """A client mistake; the connection stays open and gets `{rid} error {id} {reason}`."""
 
 
-class Hold(Exception):
-    """With worker processes: this session's next lines wait until the answers it awaits from other workers are in.
+class Held(Enum):
+    """A handler's answer when its line went to another worker: the session's next lines wait for the answers."""
 
-    `again`: the line that raised runs again then (it waited for a sync); else it is done.
-    """
-
-    def __init__(self, again: bool = False) -> None:
-        super().__init__()
-        self.again = again
+    NEXT = 1  # this line is done; the lines after it run once the answers are in
+    AGAIN = 2  # this line itself runs again then (a ping that waited for a sync)
 
 
 def rid_of(line: bytes) -> bytes:

@@ -1,24 +1,196 @@
 """Step 4 of the flow with worker processes: which worker runs a line, and the forward when it is not this one.
 
-`relay_table(handlers)` wraps an action table for a worker of several: a line about a queue
-(consume, rebind, delete_queue, fetch), a relayed consumer (ack, reject, touch,
-delete_consumer), a schedule or a reply token runs where that lives; `stats`, `queues`,
-`schedules` and `settle` are asked of every worker and merged; `_eval` and `stats
---worker=N` reach one. `publish` keeps its handler: the Forwarder among the session's
-brokers sends the copies. A forwarded line that answers, or changes bindings, holds the
-session's next lines until the owner has run it (`peers.Hold`), so a client sees its
-answers in the order it sent the lines, and never publishes past a binding it just made.
+Each action declares its `Placement` (actions.py); `place` wraps its handler once, when a
+worker of several builds its tables. A line about a queue (consume, rebind, delete_queue,
+fetch), a relayed consumer (ack, reject, touch, delete_consumer), a schedule or a reply
+token runs where that lives; `stats`, `queues`, `schedules` and `settle` are asked of every
+worker and merged; `_eval` and `stats --worker=N` reach one. `publish` runs here: the
+Forwarder among the session's brokers sends the copies (peers.py).
+
+A client's session on the other workers is its `RelaySession`. A forwarded line that
+answers, or changes bindings, holds the session's next lines (the handler returns a `Held`)
+until the owner has run it, so a client sees its answers in the order it sent the lines,
+and never publishes past a binding it just made.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from .actions import Handler, Session, check_name, parse_consume, parse_stats_args, parse_worker, to_json
-from .peers import Gather, merge_stats
-from .protocol import Hold, ProtocolError, format_ok, parse_flag_value, text
+from gevent.event import Event
+
+from .actions import (
+    Action,
+    Handler,
+    Placement,
+    Session,
+    check_name,
+    parse_consume,
+    parse_stats_args,
+    parse_worker,
+    run_lines,
+    to_json,
+)
+from .frames import Frame
+from .peers import merge_stats
+from .protocol import Held, ProtocolError, format_ok, parse_flag_value, text
+from .state import Consumer
+
+if TYPE_CHECKING:
+    from .connection import Connection
+    from .peers import Peers
+
+log = logging.getLogger("mqks.relay")
+
+
+class RelaySession:
+    """A client's session on the other workers: what it sent where, the answers it waits for, the lines they hold,
+    and the output credit it owes back. Its key names it there; `>` and `.` frames under that key come here."""
+
+    __slots__ = ("connection", "peers", "key", "remote", "unsynced", "awaiting", "held", "unheld", "owed_credit",
+                 "synced")
+
+    def __init__(self, connection: Connection, peers: Peers) -> None:
+        self.connection = connection
+        self.peers = peers
+        self.key = b""  # this session's name on the other workers, once it has one
+        self.remote: set[int] = set()  # workers that run lines for this session
+        self.unsynced: set[int] = set()  # ... and have not answered since: a ping waits for them
+        self.awaiting = 0  # answers owed by other workers before `held` may run
+        self.held: list | None = None
+        self.unheld = Event()
+        self.owed_credit: dict[int, int] = {}  # by owner: `>` bytes taken from it and not yet credited back
+        self.synced = False  # a held ping waited for the other workers: it answers when it runs again
+
+    def peer_key(self) -> bytes:
+        """This session's name on the other workers: their answers and its deliveries come back under it."""
+        if not self.key:
+            self.key = self.peers.new_key()
+            self.peers.targets[self.key] = self
+        return self.key
+
+    def send(self, owner: int, line: bytes, answer_first: bool) -> Held | None:
+        """Run `line` in this session's place on worker `owner`; `answer_first`: the next lines wait until it has."""
+        link = self.peers.links[owner]
+        if link is None:
+            raise ProtocolError(f"worker {owner}, which owns this, is restarting: try again")
+        key = self.peer_key()
+        link.add(Frame.SESSION_LINES, key, line)
+        self.remote.add(owner)
+        if answer_first:
+            link.frame(Frame.MARK, key)
+            self.awaiting += 1
+            return Held.NEXT
+        self.unsynced.add(owner)
+        return None
+
+    def hold(self, line: bytes, remaining: Any, held: Held) -> None:
+        """Keep the batch's lines after `line` (and `line` too, for Held.AGAIN) until the answers are in."""
+        self.held = [line, *remaining] if held is Held.AGAIN else list(remaining)
+
+    def note_flushed_links(self) -> None:
+        """After a batch: a later ping waits for every worker the batch sent something to."""
+        for worker, link in enumerate(self.peers.links):
+            if link is not None and link.flush_pending:
+                self.unsynced.add(worker)
+
+    def take(self, data: bytes, worker: int) -> None:
+        """Bytes `worker` owes this client (answers, deliveries of relayed consumers), in one piece.
+
+        They are credited back to `worker` once the client has read its backlog (`give_credit`):
+        the owner sends no more than its window meanwhile, so a client that stops reading stops
+        its relayed consumers and nothing piles up here.
+        """
+        connection = self.connection
+        if connection.closed:
+            return
+        self.owed_credit[worker] = self.owed_credit.get(worker, 0) + len(data)
+        outbox = connection.outbox
+        outbox.take(data)
+        if outbox.out_bytes > connection.max_output_bytes:
+            connection.close_unread()
+
+    def tell(self, kind: Frame) -> None:
+        """Send a frame of `kind` under this session's key to every worker that runs lines for it."""
+        links = self.peers.links
+        for worker in self.remote:
+            link = links[worker]
+            if link is not None:
+                link.frame(kind, self.key)
+
+    def mark_other_workers(self) -> bool:
+        """Ask every worker this session sent lines to, or whose consumers it has, for a sync mark;
+        True if some are owed (`awaiting`): their answers and deliveries arrive before the marks."""
+        peers = self.peers
+        unsynced = self.unsynced
+        # the owners of this session's relayed consumers too: what they delivered before now arrives first
+        unsynced.update(self.remote)
+        for worker, link in enumerate(peers.links):
+            if link is not None and link.flush_pending:
+                unsynced.add(worker)
+        if unsynced:
+            key = self.peer_key()
+            for worker in unsynced:
+                link = peers.links[worker]
+                if link is not None:
+                    link.frame(Frame.MARK, key)
+                    self.awaiting += 1
+            unsynced.clear()
+        return bool(self.awaiting)
+
+    def done(self) -> None:
+        """A worker has run everything this session sent it before its last sync mark."""
+        self.answered()
+
+    def answered(self) -> None:
+        self.awaiting -= 1
+        if self.awaiting <= 0:
+            self.awaiting = 0
+            self.unheld.set()
+
+    def run_held(self, rejected: deque) -> None:
+        """Run the lines a forward held back, each time the answers they wait for are in."""
+        connection = self.connection
+        flush_pending = connection.workers.flush_pending
+        while self.held is not None and not connection.closed:
+            flush_pending()  # the forwards go out
+            while self.awaiting and not connection.closed:
+                self.unheld.wait()
+                self.unheld.clear()
+            lines, self.held = self.held, None
+            if not connection.closed:
+                run_lines(connection, lines, rejected)
+        self.held = None
+
+    def give_credit(self) -> None:
+        """The client keeps up (its backlog under half the high-water mark): tell each owner what it took."""
+        links = self.peers.links
+        for worker, taken in self.owed_credit.items():
+            link = links[worker]
+            if link is not None:
+                link.frame(Frame.CREDIT, self.key, b"%d" % taken)
+        self.owed_credit.clear()
+
+    def waits_on(self, worker: int) -> bool:
+        """True if this session has consumers or answers on `worker`."""
+        return worker in self.remote or self.awaiting > 0
+
+    def leave(self) -> None:
+        """The client is gone: the owners drop this session (its relayed consumers' messages go back)."""
+        if self.key:
+            self.tell(Frame.SESSION_LEFT)
+            self.peers.targets.pop(self.key, None)
+        self.unheld.set()
+
+
+def relay_of(session: Session) -> RelaySession:
+    relay = session.relay
+    assert relay is not None, "only a worker of several wraps its handlers"
+    return relay
 
 
 class RelayStub:
@@ -38,152 +210,148 @@ def line_of(rid: bytes, action: bytes, args: bytes, confirm: bool) -> bytes:
     return b"%b %b %b%b" % (rid, action, b"--confirm " if confirm else b"", args)
 
 
-def forward(session: Any, owner: int, line: bytes, block: bool) -> None:
-    """Send `line` to run in this session's place on worker `owner`; `block`: hold the next lines until it has."""
-    peers = session.workers.peers
-    link = peers.links[owner]
-    if link is None:
-        raise ProtocolError(f"worker {owner}, which owns this, is restarting: try again")
-    key = session.peer_key()
-    link.add(83, key, line)
-    session.remote.add(owner)
-    if block:
-        link.frame(77, key)
-        session.awaiting += 1
-        raise Hold()
-    session.unsynced.add(owner)
-
-
 def first_token(args: bytes) -> bytes:
     return args.split(None, 1)[0] if args.strip() else b""
 
 
-def by_queue(action: bytes, handler: Handler) -> Handler:
+def by_queue(name: bytes, handler: Handler) -> Handler:
     """consume, rebind, delete_queue, fetch: run by the queue's owner."""
 
-    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-        peers = session.workers.peers
-        name = first_token(args)
-        owner = peers.owner(name) if name else peers.worker
+    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
+        relay = relay_of(session)
+        peers = relay.peers
+        queue = first_token(args)
+        owner = peers.owner(queue) if queue else peers.worker
         if owner == peers.worker:
-            handler(session, rid, args, confirm)
-            return
-        if action == b"consume":
+            return handler(session, rid, args, confirm)
+        if name == b"consume":
             parse_consume(args)  # a bad line gets its error from here, as from the owner
             if rid in session.consumers_by_id:
                 raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
-            session.consumers_by_id[rid] = RelayStub(rid, owner)  # type: ignore[assignment]  # stands in for one
+            session.consumers_by_id[rid] = cast(Consumer, RelayStub(rid, owner))  # stands in for one
         else:
-            check_name(name, f"{action.decode()}: queue")
-        forward(session, owner, line_of(rid, action, args, confirm), block=True)
+            check_name(queue, f"{name.decode()}: queue")
+        return relay.send(owner, line_of(rid, name, args, confirm), answer_first=True)
 
     return run
 
 
-def by_consumer(action: bytes, handler: Handler) -> Handler:
+def by_consumer(name: bytes, handler: Handler) -> Handler:
     """ack, reject, touch, delete_consumer: run where the consumer's queue is."""
 
-    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
         stub = session.consumers_by_id.get(first_token(args))
         if type(stub) is not RelayStub:
-            handler(session, rid, args, confirm)
-            return
-        block = confirm
-        if action == b"delete_consumer":
+            return handler(session, rid, args, confirm)
+        answer_first = confirm
+        if name == b"delete_consumer":
             del session.consumers_by_id[stub.consumer_id]
-            block = True  # the queue may be deleted with it: bindings change
-        forward(session, stub.owner, line_of(rid, action, args, confirm), block)
+            answer_first = True  # the queue may be deleted with it: bindings change
+        return relay_of(session).send(stub.owner, line_of(rid, name, args, confirm), answer_first)
 
     return run
 
 
-def by_name(action: bytes, handler: Handler, owner_of_token: Callable[[Any, bytes], int | None]) -> Handler:
+def by_token(name: bytes, handler: Handler, owner_of_token: Callable[[Peers, bytes], int | None]) -> Handler:
     """schedule, unschedule (the name's owner), reply (the worker that issued the token)."""
 
-    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-        peers = session.workers.peers
+    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
+        relay = relay_of(session)
+        peers = relay.peers
         token = first_token(args)
         owner = owner_of_token(peers, token) if token else None
         if owner is None or owner == peers.worker or not 0 <= owner < peers.count:
-            handler(session, rid, args, confirm)
-            return
-        forward(session, owner, line_of(rid, action, args, confirm), block=True)
+            return handler(session, rid, args, confirm)
+        return relay.send(owner, line_of(rid, name, args, confirm), answer_first=True)
 
     return run
 
 
-def schedule_owner(peers: Any, name: bytes) -> int | None:
+def schedule_owner(peers: Peers, name: bytes) -> int | None:
     return peers.owner(name) if not name.startswith(b"--") else None
 
 
-def token_owner(peers: Any, token: bytes) -> int | None:
+def token_owner(peers: Peers, token: bytes) -> int | None:
     worker, found, _ = token.partition(b"w")
     return int(worker) if found and worker.isdigit() else None
 
 
-def gather(session: Any, rid: bytes, line: bytes, local_answer: bytes,
-           merge: Callable[[bytes, list[bytes]], bytes]) -> None:
+class Gather:
+    """An action every worker answers (`stats`, `queues`, ...): the peers' answers, merged once all are in."""
+
+    __slots__ = ("relay", "key", "waiting", "answers", "merge")
+
+    def __init__(self, relay: RelaySession, key: bytes, waiting: int, merge: Callable[[list[bytes]], bytes]) -> None:
+        self.relay = relay
+        self.key = key
+        self.waiting = waiting
+        self.answers: list[bytes] = []
+        self.merge = merge
+
+    def take(self, payload: bytes, worker: int) -> None:
+        self.answers.append(payload)
+
+    def done(self) -> None:
+        self.waiting -= 1
+        if self.waiting == 0:
+            relay = self.relay
+            relay.peers.targets.pop(self.key, None)
+            if not relay.connection.closed:
+                relay.connection.write(self.merge(self.answers))
+            relay.answered()
+
+
+def gather(session: Session, line: bytes, local_answer: bytes, merge: Callable[[bytes, list[bytes]], bytes]) -> Held:
     """Ask every other worker `line`; once all have answered, write `merge(local_answer, answers)`."""
-    peers = session.workers.peers
-    others = [worker for worker in range(peers.count) if worker != peers.worker]
-    missing = [worker for worker in others if peers.links[worker] is None]
-    if missing:
-        raise ProtocolError(f"worker {missing[0]} is restarting: ask again in a moment")
+    relay = relay_of(session)
+    peers = relay.peers
+    links = []
+    for worker in range(peers.count):
+        if worker != peers.worker:
+            link = peers.links[worker]
+            if link is None:
+                raise ProtocolError(f"worker {worker} is restarting: ask again in a moment")
+            links.append(link)
     key = peers.new_key(b"g")
-    peers.targets[key] = Gather(session, key, len(others), lambda answers: merge(local_answer, answers))
-    for worker in others:
-        link = peers.links[worker]
-        link.add(83, key, line)
-        link.frame(77, key)
-    session.awaiting += 1
-    raise Hold()
+    peers.targets[key] = Gather(relay, key, len(links), lambda answers: merge(local_answer, answers))
+    for link in links:
+        link.add(Frame.SESSION_LINES, key, line)
+        link.frame(Frame.MARK, key)
+    relay.awaiting += 1
+    return Held.NEXT
 
 
 def answer_lines(answer: bytes) -> list[bytes]:
     return [line for line in answer.split(b"\n") if line]
 
 
-def handle_stats(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+def every_worker_stats(name: bytes, handler: Handler) -> Handler:
     """`stats`: every worker's figures summed; `stats --worker=N`: worker N's."""
-    workers = session.workers
-    peers = workers.peers
-    worker = parse_stats_args(args, peers.count)
-    if worker is not None and worker != peers.worker:
-        forward(session, worker, b"%b stats" % rid, block=True)
-    local = workers.stats()
-    if worker is not None:
-        session.ok(rid, to_json(local))
-        return
 
-    def merge(local_answer: bytes, answers: list[bytes]) -> bytes:
-        return format_ok(rid, to_json(merge_stats(answers, local, peers.distinct_events())))
+    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
+        relay = relay_of(session)
+        peers = relay.peers
+        workers = session.workers
+        worker = parse_stats_args(args, peers.count)
+        if worker is not None and worker != peers.worker:
+            return relay.send(worker, b"%b stats" % rid, answer_first=True)
+        local = workers.stats()
+        if worker is not None:
+            session.ok(rid, to_json(local))
+            return None
 
-    gather(session, rid, b"%b stats" % rid, b"", merge)
-
-
-def sorted_rows(key: str) -> Callable[[bytes, bytes], Callable[[bytes, list[bytes]], bytes]]:
-    """A merge for answers of `{rid} ok {json}` lines ending in `{rid} ok --end`: all rows, sorted by `key`."""
-
-    def for_rid(rid: bytes, head: bytes) -> Callable[[bytes, list[bytes]], bytes]:
         def merge(local_answer: bytes, answers: list[bytes]) -> bytes:
-            rows = []
-            for answer in (local_answer, *answers):
-                for line in answer_lines(answer):
-                    body = line.partition(b" ok ")[2]
-                    if body != b"--end":
-                        rows.append(json.loads(body))
-            rows.sort(key=lambda row: row[key])
-            return b"".join([b"%b%b\n" % (head, to_json(row)) for row in rows] + [head + b"--end\n"])
+            return format_ok(rid, to_json(merge_stats(answers, local, peers.distinct_events())))
 
-        return merge
+        return gather(session, b"%b stats" % rid, b"", merge)
 
-    return for_rid
+    return run
 
 
 class Capture:
     """A session stand-in that keeps what a local handler writes (the local part of a gathered answer)."""
 
-    def __init__(self, session: Any) -> None:
+    def __init__(self, session: Session) -> None:
         self.session = session
         self.parts: list[bytes] = []
 
@@ -197,23 +365,36 @@ class Capture:
         self.parts.append(format_ok(rid, data))
 
 
-def gathered_rows(action: bytes, handler: Handler, key: str) -> Handler:
-    """queues, schedules: every worker's rows, sorted as one worker would."""
-    merge_for = sorted_rows(key)
+def every_worker_rows(key: str) -> Callable[[bytes, Handler], Handler]:
+    """queues, schedules: every worker's rows of `{rid} ok {json}` lines, sorted by `key` as one worker would."""
 
-    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-        capture = Capture(session)
-        handler(capture, rid, args, confirm)  # a bad line raises here, before the others are asked
-        gather(session, rid, line_of(rid, action, args, False), b"".join(capture.parts),
-               merge_for(rid, rid + b" ok "))
+    def wrap(name: bytes, handler: Handler) -> Handler:
+        def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
+            capture = Capture(session)
+            handler(capture, rid, args, confirm)  # a bad line raises here, before the others are asked
+            head = rid + b" ok "
 
-    return run
+            def merge(local_answer: bytes, answers: list[bytes]) -> bytes:
+                rows = []
+                for answer in (local_answer, *answers):
+                    for line in answer_lines(answer):
+                        body = line.partition(b" ok ")[2]
+                        if body != b"--end":
+                            rows.append(json.loads(body))
+                rows.sort(key=lambda row: row[key])
+                return b"".join([b"%b%b\n" % (head, to_json(row)) for row in rows] + [head + b"--end\n"])
+
+            return gather(session, line_of(rid, name, args, False), b"".join(capture.parts), merge)
+
+        return run
+
+    return wrap
 
 
-def handle_settle(handler: Handler) -> Handler:
+def every_worker_sum(name: bytes, handler: Handler) -> Handler:
     """settle: a lease id does not name its queue, so every worker settles what it holds; the counts add up."""
 
-    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
         capture = Capture(session)
         handler(capture, rid, args, confirm)
 
@@ -224,71 +405,64 @@ def handle_settle(handler: Handler) -> Handler:
                     total += int(line.partition(b" ok ")[2] or b"0")
             return format_ok(rid, b"%d" % total)
 
-        gather(session, rid, line_of(rid, b"settle", args, False), b"".join(capture.parts), merge)
+        return gather(session, line_of(rid, name, args, False), b"".join(capture.parts), merge)
 
     return run
 
 
-def handle_eval(handler: Handler) -> Handler:
+def chosen_worker(name: bytes, handler: Handler) -> Handler:
     """_eval runs on worker 0, on worker N with --worker=N, or on queue Q's owner with --owner=Q (`state` is
     that worker's queues)."""
 
-    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-        peers = session.workers.peers
+    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
+        relay = relay_of(session)
+        peers = relay.peers
         worker = 0
         first, _, code = args.partition(b" ")
         if (value := parse_flag_value(first, b"--worker")) is not None:
-            worker = parse_worker(value, "_eval", peers.count)
+            worker = parse_worker(value, name.decode(), peers.count)
         elif (value := parse_flag_value(first, b"--owner")) is not None:
             worker = peers.owner(value)  # the worker that owns queue `value`
         else:
             code = args
         if worker == peers.worker:
-            handler(session, rid, code, confirm)
-        else:
-            forward(session, worker, b"%b _eval %b" % (rid, code), block=True)
+            return handler(session, rid, code, confirm)
+        return relay.send(worker, b"%b %b %b" % (rid, name, code), answer_first=True)
 
     return run
 
 
-def handle_ping(handler: Handler) -> Handler:
+def after_other_workers(name: bytes, handler: Handler) -> Handler:
     """ping answers after everything this session sent before it has run, wherever that was."""
 
-    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-        if session.synced:  # type: ignore[attr-defined]
-            session.synced = False  # type: ignore[attr-defined]
-            handler(session, rid, args, confirm)  # this line ran once and waited for the sync: answer now
-            return
-        if session.mark_other_workers():  # type: ignore[attr-defined]
-            session.synced = True  # type: ignore[attr-defined]
-            raise Hold(again=True)
-        handler(session, rid, args, confirm)
+    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
+        relay = relay_of(session)
+        if relay.synced:
+            relay.synced = False
+            return handler(session, rid, args, confirm)  # this line ran once and waited for the sync: answer now
+        if relay.mark_other_workers():
+            relay.synced = True
+            return Held.AGAIN
+        return handler(session, rid, args, confirm)
 
     return run
 
 
-def relay_table(table: dict[bytes, Handler]) -> dict[bytes, Handler]:
-    """`table` with the actions that may run on another worker wrapped."""
-    wrapped = dict(table)
-    for name, handler in table.items():
-        if name in (b"consume", b"rebind", b"delete_queue", b"fetch"):
-            wrapped[name] = by_queue(name, handler)
-        elif name in (b"ack", b"reject", b"touch", b"delete_consumer"):
-            wrapped[name] = by_consumer(name, handler)
-        elif name in (b"schedule", b"unschedule"):
-            wrapped[name] = by_name(name, handler, schedule_owner)
-        elif name == b"reply":
-            wrapped[name] = by_name(name, handler, token_owner)
-        elif name == b"stats":
-            wrapped[name] = handle_stats
-        elif name == b"queues":
-            wrapped[name] = gathered_rows(name, handler, "queue")
-        elif name == b"schedules":
-            wrapped[name] = gathered_rows(name, handler, "name")
-        elif name == b"settle":
-            wrapped[name] = handle_settle(handler)
-        elif name == b"_eval":
-            wrapped[name] = handle_eval(handler)
-        elif name == b"ping":
-            wrapped[name] = handle_ping(handler)
-    return wrapped
+WRAPPERS: dict[Placement, Callable[[bytes, Handler], Handler]] = {
+    Placement.QUEUE_OWNER: by_queue,
+    Placement.CONSUMER_OWNER: by_consumer,
+    Placement.SCHEDULE_OWNER: lambda name, handler: by_token(name, handler, schedule_owner),
+    Placement.TOKEN_ISSUER: lambda name, handler: by_token(name, handler, token_owner),
+    Placement.EVERY_WORKER_STATS: every_worker_stats,
+    Placement.EVERY_WORKER_ROWS_BY_QUEUE: every_worker_rows("queue"),
+    Placement.EVERY_WORKER_ROWS_BY_NAME: every_worker_rows("name"),
+    Placement.EVERY_WORKER_SUM: every_worker_sum,
+    Placement.CHOSEN_WORKER: chosen_worker,
+    Placement.AFTER_OTHER_WORKERS: after_other_workers,
+}
+
+
+def place(name: bytes, action: Action, handler: Handler) -> Handler:
+    """`handler` (action `name`'s, or its stand-in past --max-memory) run where `action.placement` says."""
+    wrap = WRAPPERS.get(action.placement)
+    return handler if wrap is None else wrap(name, handler)

@@ -520,7 +520,7 @@ def test_the_readme_hello_world_on_two_workers(two):
 
 def test_frames_come_out_whole_however_the_stream_is_cut():
     """The link's frame reader, fed random frames (some far larger than a read) in random pieces."""
-    from mqks.server.peers import FrameReader
+    from mqks.server.frames import FrameReader
 
     rng = random.Random(13)
     for _ in range(200):
