@@ -139,20 +139,20 @@ def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) ->
                 broker.publish(rid, event, tail)
         return
     journal = workers.journal
-    if confirm and journal is not None and journal.log.blocked:
+    if confirm and journal is not None and journal.blocked:
         raise ProtocolError(journal.refusal())
     workers.publish_later(due_ms, tail)
     if confirm:
         if journal is None:
             session.ok(rid)
         else:
-            journal.unconfirmed.append((session.outbox, rid))
+            journal.confirm_later(session.outbox, rid)
 
 
 def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
     """Publish, then `ok`: at once in memory, once the log has it with --data-dir."""
     journal = session.workers.journal
-    if journal is not None and journal.log.blocked:
+    if journal is not None and journal.blocked:
         raise ProtocolError(journal.refusal())
     forwarder = session.workers.forwarder
     # a line another worker forwarded (its session publishes to this worker's queues only) is never sent on
@@ -169,7 +169,7 @@ def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -
     if journal is None:
         session.ok(rid)
     else:
-        journal.unconfirmed.append((session.outbox, rid))  # answered once the log has it
+        journal.confirm_later(session.outbox, rid)  # answered once the log has it
 
 
 def parse_limit(token: bytes, limits: dict[str, int | None], action: str) -> bool:

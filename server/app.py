@@ -35,8 +35,9 @@ from gevent.server import StreamServer
 from .actions import ONE_PROCESS, HandlerTables
 from .config import CANNOT_START_EXIT_CODE, DEFAULTS, Config
 from .connection import Connection
-from .durable import Journal, rebuild, recover
+from .journal import Journal
 from .protocol import format_error
+from .recovery import rebuild, recover
 from .sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
 from .slots import SLOTS, slot_ranges
 from .timers import Timers
@@ -241,9 +242,9 @@ class Server:
         from .log import LogCorrupt
 
         started = time.monotonic()
-        records = journal.log.replay(repair=self.config.repair)
+        lines = journal.log.replay(repair=self.config.repair)
         try:
-            recovery = recover(records)
+            recovery = recover(lines)
             queues, messages = rebuild(recovery.queues, self.workers.worker_for)
             self.workers.restore(recovery)
         except LogCorrupt as e:
@@ -360,8 +361,8 @@ class Server:
             return "not accepting connections: starting or stopping"
         if listener.failed_accepts:
             return "not accepting connections: out of file descriptors or memory"
-        if self.journal is not None and self.journal.log.blocked:
-            return f"{self.journal.log.blocked}: the log cannot write, confirmed publishes are refused"
+        if self.journal is not None and self.journal.blocked:
+            return f"{self.journal.blocked}: the log cannot write, confirmed publishes are refused"
         if self.peers is not None:  # this worker's /healthz speaks for the broker: a worker it cannot reach fails it
             unlinked = [worker for worker, link in enumerate(self.peers.links)
                         if link is None and worker != self.peers.worker]

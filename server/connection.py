@@ -425,8 +425,7 @@ class Connection:
         if outbox.out or self.writing or (relay is not None and (relay.held is not None or relay.awaiting)):
             return True
         journal = self.workers.journal
-        if journal is not None and (any(owed is outbox for owed, _ in journal.unconfirmed) or any(
-                owed is outbox for _, confirms in journal.waiting for owed, _ in confirms)):
+        if journal is not None and journal.owes(outbox):
             return True
         peers = self.workers.peers
         return peers is not None and any(getattr(fanin, "outbox", None) is outbox for fanin in peers.fanins.values())

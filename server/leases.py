@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import records
 from .state import Broker, Item, Message, Packed, Queue
 
 NEWLINE = b"\n"
@@ -78,8 +79,8 @@ class Leases:
         messages = queue.messages
         size = 0
         count = 0
-        seqs: list[bytes] = []
-        journal = getattr(broker, "journal", None)
+        seqs: list[int] = []
+        record = broker.record
         while messages and count < max_count:
             front = messages[0]
             if type(front) is Packed:
@@ -95,10 +96,10 @@ class Leases:
             lines.append(prefix + shown_tail(seq, item) + NEWLINE)
             size += length
             count += 1
-            if journal is not None:
-                seqs.append(b"%d" % seq)
-        if seqs:
-            journal.append(b"D %b %b" % (queue.name, b" ".join(seqs)))  # type: ignore[union-attr]
+            if record is not None:
+                seqs.append(seq)
+        if seqs and record is not None:
+            record(records.delivered(queue.name, seqs))
         broker.consumed += count
         self._arm(lease, lease_seconds)
         return lines, count
@@ -111,9 +112,9 @@ class Leases:
         count = len(lease.held)
         if ack:
             if lease.held and self._alive(lease):
-                journal = getattr(self.broker, "journal", None)
-                if journal is not None:
-                    journal.append(b"A %b %b" % (lease.queue.name, b" ".join([b"%d" % seq for seq in lease.held])))
+                record = self.broker.record
+                if record is not None:
+                    record(records.gone(lease.queue.name, lease.held))
                 self.broker.acked += count
             lease.held = {}
         else:

@@ -382,7 +382,7 @@ class IncomingLink(FrameSocket):
                     if workers.journal is None:
                         self.confirms.write(format_ok(key))
                     else:
-                        workers.journal.unconfirmed.append((self.confirms, key))
+                        workers.journal.confirm_later(self.confirms, key)
                 elif kind == Frame.SESSION_LEFT:
                     session = sessions.pop(key, None)
                     if session is not None:
@@ -415,7 +415,7 @@ class IncomingLink(FrameSocket):
             if workers.memory_full:
                 confirms.write(workers.error_line(fanin_id, workers.memory_reason()))
                 continue
-            if journal is not None and journal.log.blocked:
+            if journal is not None and journal.blocked:
                 confirms.write(workers.error_line(fanin_id, journal.refusal()))
                 continue
             full = broker.full_queues(event)
@@ -429,7 +429,7 @@ class IncomingLink(FrameSocket):
             elif journal is None:
                 confirms.write(b"%b ok \n" % fanin_id)
             else:
-                journal.unconfirmed.append((confirms, fanin_id))
+                journal.confirm_later(confirms, fanin_id)
 
 
 class Replica:
@@ -564,7 +564,7 @@ class Forwarder:
             fanin.write(workers.error_line(rid, f"{names}: the message was not put there (every other bound "
                                                 "queue has it)"))
         elif local_part and workers.journal is not None:
-            workers.journal.unconfirmed.append((fanin, rid))  # type: ignore[arg-type]  # answers as an outbox
+            workers.journal.confirm_later(fanin, rid)  # the fan-in answers as an outbox would
         else:
             fanin.write(format_ok(rid))
 

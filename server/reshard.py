@@ -31,8 +31,10 @@ import re
 import shutil
 from collections.abc import Iterator
 
-from .durable import Journal, Recovery, rebuild, recover
+from . import records
+from .journal import Journal
 from .log import SEGMENT_NAME, Log, LogCorrupt, fsync_dir
+from .recovery import Recovery, rebuild, recover
 from .slots import SLOTS, owner_of
 from .state import msg_id_of
 from .timers import Timers
@@ -123,7 +125,7 @@ def _reshard(data_dir: str, old_workers: int, workers: int, fsync: str, segment_
     delayed = 0
     for due_ms, tails in sorted(recovery.delayed.items()):
         for tail in tails:
-            process_lines[owner_of(msg_id_of(tail), workers)].append(b"T %d%b" % (due_ms, tail))
+            process_lines[owner_of(msg_id_of(tail), workers)].append(records.delayed(due_ms, tail))
             delayed += 1
     for name, record in recovery.schedules.items():
         process_lines[owner_of(name, workers)].append(record)  # its last K record is its whole state

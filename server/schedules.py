@@ -17,6 +17,8 @@ from typing import Any
 
 from cronsim import CronSim, CronSimError
 
+from . import records
+
 
 class BadRule(ValueError):
     """A cron rule cronsim cannot read; the message says why."""
@@ -65,7 +67,7 @@ class Schedule:
         state = {"every": self.every, "cron": self.cron, "count": self.count, "nohaste": self.nohaste,
                  "event": self.event.decode(), "data": self.data.decode(), "fired": self.fired,
                  "next_due": self.next_due}
-        return b"K %b %b" % (self.name, json.dumps(state, separators=(",", ":")).encode())
+        return records.schedule(self.name, json.dumps(state, separators=(",", ":")).encode())
 
     def row(self) -> dict[str, Any]:
         return {"name": self.name.decode(), "rule": self.rule(), "next_due": round(self.next_due, 3),
@@ -105,16 +107,16 @@ class Schedules:
         if found.cancel_timer is not None:
             found.cancel_timer()
         if record and self.record is not None:
-            self.record(b"U " + name)
+            self.record(records.schedule_removed(name))
         return True
 
     def rows(self) -> list[dict[str, Any]]:
         return [self.by_name[name].row() for name in sorted(self.by_name)]
 
-    def restore(self, records: Iterable[bytes]) -> None:
+    def restore(self, lines: Iterable[bytes]) -> None:
         """Take back schedules from their last K records; one that came due while down fires at once, once."""
-        for line in records:
-            name, _, state_json = line[2:].partition(b" ")
+        for line in lines:
+            name, state_json = records.decode_schedule(line)
             state = json.loads(state_json)
             found = Schedule(name, state["every"], state["cron"], state["count"], state["nohaste"],
                              state["event"].encode(), state["data"].encode(), state["fired"], state["next_due"])

@@ -19,9 +19,10 @@ import importlib.metadata
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .durable import DurableBroker, Journal, Recovery
+from . import records
+from .journal import Journal
 from .leases import Leases
 from .outbox import Outbox
 from .requests import Requests
@@ -30,6 +31,9 @@ from .schedules import Schedules
 from .slots import owner_of
 from .state import Broker, Queue, msg_id_of
 from .timers import Buckets, Timers
+
+if TYPE_CHECKING:
+    from .recovery import Recovery
 
 TOP_QUEUES = 10  # as many as Broker.stats() ranks per worker
 # per worker these count what reached *that* worker; every worker sees every publish and the
@@ -72,11 +76,10 @@ class Workers:
         self.journal = journal  # None: in memory only
         self.timers = timers if timers is not None else Timers()
         schedule, clock = self.timers.call_later, self.timers.clock
-        if journal is None:
-            self.brokers = [Broker(worker, count, schedule, self.count_clients, clock=clock) for worker in range(count)]
-        else:
-            self.brokers = [DurableBroker(worker, count, schedule, self.count_clients, clock=clock, journal=journal)
-                            for worker in range(count)]
+        self.brokers = [Broker(worker, count, schedule, self.count_clients, clock=clock) for worker in range(count)]
+        if journal is not None:
+            for broker in self.brokers:
+                broker.record = journal.append  # every change of durable state, as a record
         # what a publish calls: these brokers, and with worker processes the Forwarder to the others
         self.publishers: list[Any] = list(self.brokers)
         self.peers: Any = None  # server/peers.py's Peers, with worker processes
@@ -123,11 +126,11 @@ class Workers:
         """Publish `tail` (its msg id and event inside) at wall-clock millisecond `due_ms`."""
         self.delayed.add(due_ms, tail)
         if self.journal is not None:
-            self.journal.append(b"T %d%b" % (due_ms, tail))
+            self.journal.append(records.delayed(due_ms, tail))
 
     def _publish_due(self, due_ms: int, tails: list[bytes]) -> None:
         if self.journal is not None:
-            self.journal.append(b"F %d" % due_ms)  # with the P records below, in the same commit
+            self.journal.append(records.delayed_fired(due_ms))  # with the P records below, in the same commit
         for tail in tails:
             msg_id = msg_id_of(tail)
             start = len(msg_id) + 11  # b" ok " + msg_id + b" event="
@@ -162,7 +165,7 @@ class Workers:
         """The state kept above the workers as records, for the journal's snapshot."""
         for due_ms, tails in self.delayed.items():
             for tail in tails:
-                yield b"T %d%b" % (due_ms, tail)
+                yield records.delayed(due_ms, tail)
         yield from self.schedules.snapshot_lines()
 
     def flush_pending(self) -> None:

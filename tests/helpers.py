@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import json
 import os
 import socket
 import time
@@ -80,8 +81,15 @@ def eval_on(wire, code: bytes) -> bytes:
 
 
 def server_stats(broker, worker: int | None = None) -> dict:
-    """The figures `stats.py` shows, of one worker (0 by default)."""
-    return eval_value(broker, "state.stats()", worker)
+    """The `stats` answer: every worker's figures, or worker `worker`'s (`stats --worker=N`)."""
+    wire = broker.wire()
+    try:
+        wire.send(b"st stats" if worker is None else b"st stats --worker=%d" % worker)
+        line = wire.recv_line()
+    finally:
+        wire.close()
+    assert line.startswith(b"st ok "), f"stats failed: {line!r}"
+    return json.loads(line[len(b"st ok "):])
 
 
 def rss_bytes(pid: int) -> int:

@@ -13,8 +13,8 @@ import pytest
 from conftest import READY_TIMEOUT_SECONDS
 from helpers import eval_value, server_stats, unique, wait_for
 
-from mqks.server.durable import recover
 from mqks.server.log import Log
+from mqks.server.recovery import recover
 
 pytestmark = pytest.mark.timeout(120)
 

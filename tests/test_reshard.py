@@ -22,8 +22,9 @@ from conftest import Broker
 from helpers import eval_value, unique_bytes
 
 from mqks.server import reshard
-from mqks.server.durable import Journal, Recovery, rebuild, recover
+from mqks.server.journal import Journal
 from mqks.server.log import Log
+from mqks.server.recovery import Recovery, rebuild, recover
 from mqks.server.reshard import DONE_DIR, LAYOUT_FILE, READY_DIR, TEMP_DIR, NullLog, ReshardError, log_dir, prepare
 from mqks.server.slots import SLOTS, owner_of
 from mqks.server.state import Message, Packed, msg_id_of

@@ -1,0 +1,249 @@
+"""Step 5 of the flow, on disk: the records of each batch, committed as one frame, and the confirms that wait
+for them to be durable.
+
+With `mqksd --data-dir` the brokers call their record hook (`Broker.record`, the journal's
+`append`) with each change of durable state, as a record of records.py. After the batch,
+`Journal.commit` closes what was appended into one frame of the log; a confirm is answered
+once the log reports that frame durable. A snapshot rewrites the live state so older
+segments can go.
+
+The log is an interface (`Log`): server/log.py, segment files on the local disk, is its
+first implementation; another (a replicated stream) is one more module with the same five
+calls, and nothing but app.py's choice of it has to know.
+
+A copy delivered at once to an auto-ack consumer is never written. Acks do not wait for the
+disk: a lost ack is one redelivery.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain, groupby
+from operator import itemgetter
+from typing import Any, Protocol
+
+from . import records
+from .outbox import Outbox
+from .state import Broker, Item, Message, Packed, Queue, queue_record
+
+log = logging.getLogger("mqks.durable")
+
+SNAPSHOT_MIN_GROWTH_BYTES = 128 << 20  # never rewrite the live state for less churn than this
+SNAPSHOT_GROWTH = 0.5  # rewrite once the log grew by half the last snapshot: disk <= ~1.5x live + slack
+MAX_UNSYNCED_BYTES = 64 << 20  # past this, publishers stop being read until the disk catches up
+# a snapshot goes out in frames of this size, each written before the next is built, so it never
+# holds a second copy of the live state (one frame of 1.2M messages doubled the peak: 264 -> 535 MiB)
+SNAPSHOT_CHUNK_BYTES = 4 << 20
+SNAPSHOT_WAIT_SECONDS = 0.001  # how often a snapshot looks whether the writer took its last frame
+
+
+class Log(Protocol):
+    """What the journal needs of `server.log.Log` (the storage layer)."""
+
+    unsynced_bytes: int
+    disk_full: bool
+    blocked: str | None
+
+    @property
+    def handed_bytes(self) -> int: ...
+
+    @property
+    def frames_waiting(self) -> bool: ...
+
+    def append(self, record: bytes) -> None: ...
+
+    def commit(self, new_segment: bool = False, completes: bool | None = None) -> int | None: ...
+
+    def poll(self) -> tuple[int, list[int]]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self, timeout_seconds: float | None = None) -> None: ...
+
+    def replay(self, repair: bool = False) -> Iterator[bytes]: ...
+
+
+class Journal:
+    """The process's records and the confirms that wait for them to be durable."""
+
+    def __init__(self, log_: Log, error_line: Callable[[bytes, str], bytes],
+                 snapshot_min_growth_bytes: int = SNAPSHOT_MIN_GROWTH_BYTES) -> None:
+        self.log = log_
+        self.append = log_.append
+        self.error_line = error_line  # (rid, reason) -> the error line, with a fresh error id
+        self.last_commit = 0  # the newest commit handed to the log
+        self.durable = 0  # the newest commit the log reported durable
+        self.waiting: deque[tuple[int, list[tuple[Outbox, bytes]]]] = deque()  # (commit, its confirms)
+        # confirms of the batch not yet committed: a handler appends (outbox, rid), and the
+        # client gets `{rid} ok` once everything recorded so far is durable under the policy
+        self.unconfirmed: list[tuple[Outbox, bytes]] = []
+        self.snapshot_mark = 0  # the log's handed_bytes when the last snapshot was committed
+        self.last_snapshot_bytes = 0
+        self.snapshot_min_growth_bytes = snapshot_min_growth_bytes
+        self.snapshots = 0
+
+    @property
+    def backlogged(self) -> bool:
+        return self.log.unsynced_bytes > MAX_UNSYNCED_BYTES
+
+    @property
+    def disk_full(self) -> bool:
+        return self.log.disk_full
+
+    @property
+    def blocked(self) -> str | None:
+        """Why the log cannot write now (confirmed publishes are refused), or None."""
+        return self.log.blocked
+
+    def confirm_later(self, outbox: Any, rid: bytes) -> None:
+        """Answer `{rid} ok` into `outbox` once everything recorded so far is durable (a commit or two from now)."""
+        self.unconfirmed.append((outbox, rid))
+
+    def owes(self, outbox: Any) -> bool:
+        """True while a confirm owed to `outbox` waits for the log."""
+        return any(owed is outbox for owed, _ in self.unconfirmed) or any(
+            owed is outbox for _, confirms in self.waiting for owed, _ in confirms)
+
+    def refusal(self) -> str:
+        """Why a confirmed publish is refused while the log cannot write."""
+        if self.log.disk_full:
+            return "disk full: confirmed publishes are refused until the data dir has room again"
+        return f"{self.log.blocked}: confirmed publishes are refused until the log can write again"
+
+    def commit(self) -> None:
+        """Close the batch into one frame (a no-op without records) and queue its confirms."""
+        number = self.log.commit()
+        if number is not None:
+            self.last_commit = number
+        if self.unconfirmed:
+            # a confirm whose publish wrote nothing (every copy went to auto-ack consumers at
+            # once) still waits for what came before it: confirms keep their order
+            if self.last_commit <= self.durable:
+                answer_ok(self.unconfirmed)
+            else:
+                self.waiting.append((self.last_commit, self.unconfirmed))
+            self.unconfirmed = []
+
+    def settle(self) -> None:
+        """After the log woke us: answer the confirms that became durable, or failed."""
+        durable, failed = self.log.poll()
+        self.durable = max(self.durable, durable)
+        waiting = self.waiting
+        if failed:
+            failed_commits = set(failed)
+            kept: deque[tuple[int, list[tuple[Outbox, bytes]]]] = deque()
+            for commit, confirms in waiting:
+                if commit in failed_commits:
+                    reason = f"{self.log.blocked or 'disk full'}: the message is kept in memory but is not on disk"
+                    for outbox, rid in confirms:
+                        outbox.write(self.error_line(rid, reason))
+                else:
+                    kept.append((commit, confirms))
+            self.waiting = waiting = kept
+        while waiting and waiting[0][0] <= self.durable:
+            answer_ok(waiting.popleft()[1])
+
+    def count_as_churn(self, size: int) -> None:
+        """Count `size` bytes (a log replayed at start) as written since the last snapshot."""
+        self.snapshot_mark -= size
+
+    def wants_snapshot(self) -> bool:
+        growth = max(self.snapshot_min_growth_bytes, int(self.last_snapshot_bytes * SNAPSHOT_GROWTH))
+        return self.log.handed_bytes - self.snapshot_mark > growth
+
+    def snapshot(self, brokers: Iterable[Broker], process_lines: Iterable[bytes] = ()) -> None:
+        """Write the whole live state as one frame in a new segment; the log then drops older ones.
+
+        `process_lines`: the state kept above the workers (delayed publishes, schedules) as records.
+        """
+        self.commit()  # what came before stays before
+        started = time.monotonic()
+        size = chunk = 0
+        log_ = self.log
+        append = log_.append
+        append(records.SNAPSHOT_BEGIN)
+        first = True
+        brokers = list(brokers)
+        for line in chain(self._state_lines(brokers), *map(parked_lines, brokers), process_lines):
+            size += len(line) + 1
+            chunk += len(line) + 1
+            append(line)
+            if chunk >= SNAPSHOT_CHUNK_BYTES:
+                # no other greenlet runs until the snapshot ends (nothing yields here): the frames
+                # hold one point in time, and no record of a later change comes between them
+                self.last_commit = log_.commit(new_segment=first, completes=False) or self.last_commit
+                first, chunk = False, 0
+                self._wait_for_the_writer()
+        append(records.SNAPSHOT_END)
+        number = log_.commit(new_segment=first, completes=True)
+        if number is not None:
+            self.last_commit = number
+        self.last_snapshot_bytes = size
+        self.snapshot_mark = self.log.handed_bytes
+        self.snapshots += 1
+        log.info("snapshot of the live state: %d bytes in %.3f s", size, time.monotonic() - started)
+
+    @staticmethod
+    def _state_lines(brokers: list[Broker]) -> Iterator[bytes]:
+        for broker in brokers:
+            leased = broker.leases.held_by_queue() if broker.leases is not None else {}
+            for queue in broker.queues.values():
+                yield from queue_snapshot_lines(queue, leased.get(queue.name, ()))
+
+    def _wait_for_the_writer(self) -> None:
+        """Block (the whole loop) until the writer thread has taken the last chunk, so at most two exist:
+        the one it writes and the one being built. Not on a log that cannot write: then the chunks wait
+        in memory, as any commit's do on a full disk."""
+        log_ = self.log
+        while log_.frames_waiting and not log_.blocked:
+            time.sleep(SNAPSHOT_WAIT_SECONDS)
+
+    def close(self, timeout_seconds: float | None = None) -> None:
+        self.commit()
+        self.log.close(timeout_seconds)
+        self.settle()
+
+    def stats(self) -> dict[str, Any]:
+        waiting = sum(len(confirms) for _, confirms in self.waiting)
+        return {**self.log.stats(), "snapshots": self.snapshots, "confirms_waiting": waiting}
+
+
+def answer_ok(confirms: list[tuple[Outbox, bytes]]) -> None:
+    """`{rid} ok` to each, one write per run of confirms owed to the same client."""
+    for outbox, run in groupby(confirms, key=itemgetter(0)):
+        outbox.write(b"".join([b"%b ok \n" % rid for _, rid in run]))
+
+
+def parked_lines(broker: Broker) -> Iterator[bytes]:
+    """The copies rejected with --delay, as snapshot records: each message, then when it comes back."""
+    for due_ms, entries in broker.parked.items():
+        for queue, parked in entries:
+            name: bytes = queue.name
+            if broker.queues.get(name) is not queue:
+                continue
+            for record in parked:
+                yield records.live(name, record.seq, record.retry, False, record.tail)
+            yield records.parked(name, due_ms, parked)
+
+
+def queue_snapshot_lines(queue: Queue, leased: Iterable[tuple[int, Item]] = ()) -> Iterator[bytes]:
+    """A queue's live state as snapshot records: held messages (by consumers or leases) first, then waiting ones."""
+    yield queue_record(queue)
+    name = queue.name
+    yield records.next_seq(name, queue.next_seq)
+    held = sorted([*((seq, item) for consumer in queue.consumers for seq, item in consumer.unacked.items()),
+                   *leased], key=itemgetter(0))
+    for seq, item in held:
+        message = item if isinstance(item, Message) else Message(seq, 0, item)
+        yield records.live(name, seq, message.retry, True, message.tail)
+    first_plain = queue.next_seq - (queue.depth() - queue.requeued)
+    for item in queue.messages:
+        if isinstance(item, Message):
+            yield records.live(name, item.seq, item.retry, False, item.tail)
+        else:
+            for tail in (item.split(b"\n") if type(item) is Packed else (item,)):
+                yield records.live(name, first_plain, 0, False, tail)
+                first_plain += 1

@@ -1,0 +1,277 @@
+"""Step 5 of the flow, at start: the log's records replayed into queue states, then into the workers.
+
+`recover` applies each record through `APPLY`, a table from its kind to one small function
+over the records' decoders (records.py); `rebuild` puts the result into the brokers. A
+record about an unknown seq or queue is skipped. Un-acked messages are not lost on a crash:
+replay finds them delivered and not acked, and puts them back at the front with their
+retry raised, as a disconnect would.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from . import records
+from .state import PACK_MIN_DEPTH, PACK_TAILS, Broker, Message, Packed
+
+log = logging.getLogger("mqks.durable")
+
+
+class Recovered:
+    """One queue as replay rebuilds it."""
+
+    __slots__ = ("events", "seconds", "limits", "messages", "front", "parked", "next_seq")
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.seconds: float | None = None
+        self.limits: dict[str, int | None] = {"max_retries": None, "max_length": None}
+        self.messages: dict[int, list] = {}  # seq -> [tail, retry, held]
+        self.front: list[int] = []  # requeued seqs, front first (may hold stale entries)
+        self.parked: dict[int, int] = {}  # seq -> the Unix ms it comes back (rejected with --delay)
+        self.next_seq = 0
+
+
+class Recovery:
+    """The whole state as replay rebuilds it: the queues, and what the process keeps above them."""
+
+    __slots__ = ("queues", "delayed", "schedules", "before_snapshot")
+
+    def __init__(self) -> None:
+        self.queues: dict[bytes, Recovered] = {}
+        self.delayed: dict[int, list[bytes]] = {}  # due Unix ms -> the tails published then
+        self.schedules: dict[bytes, bytes] = {}  # name -> its last K record
+        # the state an unfinished snapshot (SB, no SE yet) would replace
+        self.before_snapshot: Recovery | None = None
+
+    def queue(self, name: bytes) -> Recovered:
+        found = self.queues.get(name)
+        if found is None:
+            found = self.queues[name] = Recovered()
+        return found
+
+    def forget_all(self) -> None:
+        self.queues = {}
+        self.delayed = {}
+        self.schedules = {}
+
+
+def apply_published(state: Recovery, line: bytes) -> None:
+    copies, tail = records.decode_published(line)
+    for name, seq, held in copies:  # held: delivered at once to a consumer that acks
+        q = state.queue(name)
+        q.messages[seq] = [tail, 0, held]
+        q.next_seq = max(q.next_seq, seq + 1)
+
+
+def apply_delivered(state: Recovery, line: bytes) -> None:
+    name, seqs = records.decode_seqs(line)
+    found = state.queues.get(name)
+    if found is not None:
+        for seq in seqs:
+            if seq in found.messages:
+                found.messages[seq][2] = True
+
+
+def apply_gone(state: Recovery, line: bytes) -> None:
+    name, seqs = records.decode_seqs(line)
+    found = state.queues.get(name)
+    if found is not None:
+        for seq in seqs:
+            found.messages.pop(seq, None)
+
+
+def apply_requeued(state: Recovery, line: bytes) -> None:
+    name, pairs = records.decode_requeued(line)
+    found = state.queues.get(name)
+    if found is None:
+        return
+    requeued = []
+    for seq, retry in pairs:
+        message = found.messages.get(seq)
+        if message is not None:
+            message[1], message[2] = retry, False
+            found.parked.pop(seq, None)
+            requeued.append(seq)
+    found.front[:0] = requeued
+
+
+def apply_parked(state: Recovery, line: bytes) -> None:
+    name, due_ms, pairs = records.decode_parked(line)
+    found = state.queues.get(name)
+    if found is None:
+        return
+    for seq, retry in pairs:
+        message = found.messages.get(seq)
+        if message is not None:
+            message[1], message[2] = retry, False
+            found.parked[seq] = due_ms
+
+
+def apply_delayed(state: Recovery, line: bytes) -> None:
+    due_ms, tail = records.decode_delayed(line)
+    state.delayed.setdefault(due_ms, []).append(tail)
+
+
+def apply_delayed_fired(state: Recovery, line: bytes) -> None:
+    state.delayed.pop(records.decode_delayed_fired(line), None)
+
+
+def apply_schedule(state: Recovery, line: bytes) -> None:
+    state.schedules[records.decode_schedule(line)[0]] = line  # its last K record is its whole state
+
+
+def apply_schedule_removed(state: Recovery, line: bytes) -> None:
+    state.schedules.pop(records.decode_schedule_removed(line), None)
+
+
+def apply_queue(state: Recovery, line: bytes) -> None:
+    name, seconds, events, limits = records.decode_queue(line)
+    q = state.queue(name)
+    q.seconds, q.events, q.limits = seconds, events, limits
+
+
+def apply_dead_letter(state: Recovery, line: bytes) -> None:
+    name, seq, retry, tail = records.decode_dead_letter(line)
+    q = state.queue(name)
+    q.messages[seq] = [tail, retry, False]
+    q.next_seq = max(q.next_seq, seq + 1)
+
+
+def apply_queue_deleted(state: Recovery, line: bytes) -> None:
+    state.queues.pop(records.decode_queue_deleted(line), None)
+
+
+def apply_snapshot(state: Recovery, line: bytes) -> None:
+    if line == records.SNAPSHOT_BEGIN:  # rebuilt apart: a crash before SE leaves the state before it whole
+        before = Recovery()
+        before.queues, before.delayed, before.schedules = state.queues, state.delayed, state.schedules
+        state.before_snapshot = before
+        state.forget_all()
+    elif line == records.SNAPSHOT_END:
+        state.before_snapshot = None
+    else:
+        state.forget_all()
+
+
+def apply_next_seq(state: Recovery, line: bytes) -> None:
+    name, seq = records.decode_next_seq(line)
+    state.queue(name).next_seq = seq
+
+
+def apply_live(state: Recovery, line: bytes) -> None:
+    name, seq, retry, held, tail = records.decode_live(line)
+    q = state.queue(name)
+    q.messages[seq] = [tail, retry, held]
+    q.next_seq = max(q.next_seq, seq + 1)
+    if retry and not held:
+        q.front.append(seq)  # a requeued one: the snapshot lists them front first
+
+
+APPLY: dict[bytes, Callable[[Recovery, bytes], None]] = {
+    records.PUBLISHED: apply_published,
+    records.DELIVERED: apply_delivered,
+    records.GONE: apply_gone,
+    records.REQUEUED: apply_requeued,
+    records.PARKED: apply_parked,
+    records.DELAYED: apply_delayed,
+    records.DELAYED_FIRED: apply_delayed_fired,
+    records.SCHEDULE: apply_schedule,
+    records.SCHEDULE_REMOVED: apply_schedule_removed,
+    records.QUEUE: apply_queue,
+    records.DEAD_LETTER: apply_dead_letter,
+    records.QUEUE_DELETED: apply_queue_deleted,
+    records.SNAPSHOT: apply_snapshot,
+    records.NEXT_SEQ: apply_next_seq,
+    records.LIVE: apply_live,
+}
+
+
+def recover(lines: Iterable[bytes]) -> Recovery:
+    """Replay records into queue states; a record about an unknown seq or queue is skipped."""
+    state = Recovery()
+    apply = APPLY
+    for line in lines:
+        handler = apply.get(line[:1])
+        if handler is None:
+            raise ValueError(f"unknown record {line[:40]!r}")
+        handler(state, line)
+    before = state.before_snapshot
+    if before is not None:
+        # the log's older segments go only once a snapshot is whole, so they are all still here
+        log.warning("the log ends inside a snapshot (a crash while it was written): it is ignored, and the "
+                    "state is rebuilt from the records before it")
+        return before
+    return state
+
+
+def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Broker]) -> tuple[int, int]:
+    """Put recovered queues into their workers; returns (queues, messages).
+
+    Order at the front of each queue: messages that were held un-acked (retry raised, as a
+    disconnect would), then requeued ones in the order they went back, then the rest by seq.
+    """
+    total = 0
+    for name, state in recovered.items():
+        broker = broker_for(name)
+        queue = broker.queue(name)
+        record, broker.record = broker.record, None  # the settings and parked copies are in the log already
+        broker.rebind(queue, replace=state.events or None)
+        queue.delete_when_unused_seconds = state.seconds
+        queue.max_retries = state.limits["max_retries"]
+        queue.max_length = state.limits["max_length"]
+        messages = state.messages
+        held = sorted(seq for seq, m in messages.items() if m[2])
+        seen: set[int] = set(held) | state.parked.keys()
+        parked_by_due: dict[int, list[Message]] = {}
+        for seq, due_ms in sorted(state.parked.items()):
+            tail, retry, _ = messages[seq]
+            parked_by_due.setdefault(due_ms, []).append(Message(seq, retry, tail))
+        for due_ms, parked in parked_by_due.items():
+            broker.park(queue, due_ms, parked)
+        broker.record = record
+        front = []
+        for seq in state.front:
+            if seq in messages and seq not in seen:
+                seen.add(seq)
+                front.append(seq)
+        rest = sorted(seq for seq in messages if seq not in seen)
+        # the newest never-delivered messages with consecutive seqs and nothing live above them
+        # go back as plain tails, packed as a deep queue packs them (records cost ~2.5x the
+        # memory); their seq stays implicit, so the queue's next seq follows the last of them
+        plain_from = len(rest)
+        while plain_from and messages[rest[plain_from - 1]][1] == 0 and (
+                plain_from == len(rest) or rest[plain_from - 1] == rest[plain_from] - 1):
+            plain_from -= 1
+        if rest and max(held[-1:] + front + list(state.parked), default=-1) > rest[-1]:
+            plain_from = len(rest)  # a live record above them: keep every seq explicit
+        records = []
+        for seq in held:
+            tail, retry, _ = messages[seq]
+            records.append(Message(seq, retry + 1, tail))
+        for seq in front + rest[:plain_from]:
+            tail, retry, _ = messages[seq]
+            records.append(Message(seq, retry, tail))
+        queue.messages.extend(records)
+        queue.requeued = len(records)
+        plain = [messages[seq][0] for seq in rest[plain_from:]]
+        runs = len(plain) // PACK_TAILS if len(plain) >= PACK_MIN_DEPTH else 0
+        for i in range(runs):
+            queue.messages.append(Packed(b"\n".join(plain[i * PACK_TAILS : (i + 1) * PACK_TAILS])))
+        queue.packed_extra += runs * (PACK_TAILS - 1)
+        queue.messages.extend(plain[runs * PACK_TAILS :])
+        queue.appended_since_pack = len(plain) - runs * PACK_TAILS
+        if plain:
+            queue.next_seq = rest[-1] + 1
+        else:
+            queue.next_seq = max(state.next_seq, queue.next_seq)
+        total += len(records) + len(plain)
+    for name in recovered:
+        # a copy held at the crash came back with retry raised: past max_retries it is a dead letter,
+        # moved only now that every queue, its dead-letter queue included, is rebuilt
+        broker = broker_for(name)
+        queue = broker.queues[name]
+        if queue.max_retries is not None:
+            broker.limits_changed(queue)
+    return len(recovered), total
