@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import records
+from .protocol import with_field
 from .state import Broker, Item, Message, Packed, Queue
 
 NEWLINE = b"\n"
@@ -38,9 +39,7 @@ class Lease:
 
 def shown_tail(seq: int, item: Item) -> bytes:
     """The delivery tail with `,seq={n}` after the event (and retry), as `consume --seq` shows it."""
-    tail = item.delivery_tail() if isinstance(item, Message) else item
-    header_end = tail.index(b" ", tail.index(b" ", 4) + 1)  # msg_id and event hold no space
-    return b"%b,seq=%d%b" % (tail[:header_end], seq, tail[header_end:])
+    return with_field(item.delivery_tail() if isinstance(item, Message) else item, b",seq=%d" % seq)
 
 
 class Leases:

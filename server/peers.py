@@ -34,10 +34,10 @@ from gevent.event import Event
 
 from .frames import NEWLINE, Frame, FrameReader, FrameSocket
 from .outbox import Outbox
-from .protocol import format_ok
+from .protocol import format_ok, msg_id_of
 from .routing import Routing, cache_put
 from .slots import owner_of
-from .state import Broker, Queue, msg_id_of
+from .state import Broker, Queue
 
 if TYPE_CHECKING:
     from .relay import RelaySession
@@ -353,7 +353,7 @@ class IncomingLink(FrameSocket):
                         # `,reply=` follows it with no space between
                         space = line.index(b" ")
                         tail = line[space:]
-                        publish(tail[4 : tail.index(b" ", 4)], line[:space], tail)
+                        publish(msg_id_of(tail), line[:space], tail)
                 elif kind == Frame.SESSION_LINES:
                     session = sessions.get(key)
                     if session is None:

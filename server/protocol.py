@@ -28,6 +28,26 @@ class Held(Enum):
     AGAIN = 2  # this line itself runs again then (a ping that waited for a sync)
 
 
+def msg_id_of(tail: bytes) -> bytes:
+    """The message id of a tail, ` ok {msg_id} event={event}[,{field}={value}...] {data}` (as queues hold it)."""
+    return tail[4 : tail.index(b" ", 4)]
+
+
+def with_field(tail: bytes, field: bytes) -> bytes:
+    """The tail with `field` (`,retry=1`, `,seq=7`) added to its header, as a delivery shows it.
+
+    A msg id and an event never hold a space (the parser splits on them), so the second space
+    after " ok " ends the header whatever characters the event holds."""
+    end = tail.index(b" ", tail.index(b" ", 4) + 1)
+    return b"%b%b%b" % (tail[:end], field, tail[end:])
+
+
+def event_of(tail: bytes) -> bytes:
+    """The event field of a tail's header (a request's carries `,reply={token}` after the event)."""
+    start = tail.index(b" ", 4) + 7  # b" event="
+    return tail[start : tail.index(b" ", start)]
+
+
 def rid_of(line: bytes) -> bytes:
     """The request id at the head of a (possibly broken) line, or `-`."""
     head, space, _ = line[:RID_PEEK_BYTES].partition(b" ")

@@ -34,9 +34,9 @@ from collections.abc import Iterator
 from . import records
 from .journal import Journal
 from .log import SEGMENT_NAME, Log, LogCorrupt, fsync_dir
+from .protocol import msg_id_of
 from .recovery import Recovery, rebuild, recover
 from .slots import SLOTS, owner_of
-from .state import msg_id_of
 from .timers import Timers
 from .workers import Workers
 

@@ -29,6 +29,7 @@ from typing import Any, TypeAlias
 
 from . import records
 from .outbox import Outbox
+from .protocol import msg_id_of, with_field
 from .routing import Routing, compile_mask
 from .timers import Buckets
 
@@ -62,10 +63,7 @@ class Message:
         tail = self.tail
         if not self.retry:
             return tail  # a message recovered from the log that was never delivered
-        # msg_id and event never hold a space (the parser splits on them), so the second
-        # space after " ok " ends the header whatever characters the event holds
-        header_end = tail.index(b" ", tail.index(b" ", 4) + 1)
-        return b"%b,retry=%d%b" % (tail[:header_end], self.retry, tail[header_end:])
+        return with_field(tail, b",retry=%d" % self.retry)
 
 
 Item: TypeAlias = "bytes | Message"  # what a queue holds and un-acked maps keep
@@ -73,10 +71,6 @@ Item: TypeAlias = "bytes | Message"  # what a queue holds and un-acked maps keep
 
 def retry_of(item: Item) -> int:
     return item.retry if type(item) is Message else 0
-
-
-def msg_id_of(tail: bytes) -> bytes:
-    return tail[4 : tail.index(b" ", 4)]
 
 
 class Consumer:
@@ -286,9 +280,7 @@ class SeqConsumer(Consumer):
         self.wants_seq = True
 
     def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Item | None = None) -> None:
-        header_end = tail.index(b" ", tail.index(b" ", 4) + 1)  # as in Message.delivery_tail
-        shown = b"%b,seq=%d%b" % (tail[:header_end], seq, tail[header_end:])
-        super().deliver(shown, seq, msg_id, tail if held is None else held)
+        super().deliver(with_field(tail, b",seq=%d" % seq), seq, msg_id, tail if held is None else held)
 
     def flags(self) -> list[bytes]:
         return [*super().flags(), b"--seq"]

@@ -25,11 +25,12 @@ from . import records
 from .journal import Journal
 from .leases import Leases
 from .outbox import Outbox
+from .protocol import event_of, msg_id_of
 from .requests import Requests
 from .routing import compile_mask
 from .schedules import Schedules
 from .slots import owner_of
-from .state import Broker, Queue, msg_id_of
+from .state import Broker, Queue
 from .timers import Buckets, Timers
 
 if TYPE_CHECKING:
@@ -132,9 +133,7 @@ class Workers:
         if self.journal is not None:
             self.journal.append(records.delayed_fired(due_ms))  # with the P records below, in the same commit
         for tail in tails:
-            msg_id = msg_id_of(tail)
-            start = len(msg_id) + 11  # b" ok " + msg_id + b" event="
-            event = tail[start : tail.index(b" ", start)]
+            msg_id, event = msg_id_of(tail), event_of(tail)
             for broker in self.publishers:
                 broker.publish(msg_id, event, tail)
 

@@ -24,10 +24,11 @@ from helpers import eval_value, unique_bytes
 from mqks.server import reshard
 from mqks.server.journal import Journal
 from mqks.server.log import Log
+from mqks.server.protocol import msg_id_of
 from mqks.server.recovery import Recovery, rebuild, recover
 from mqks.server.reshard import DONE_DIR, LAYOUT_FILE, READY_DIR, TEMP_DIR, NullLog, ReshardError, log_dir, prepare
 from mqks.server.slots import SLOTS, owner_of
-from mqks.server.state import Message, Packed, msg_id_of
+from mqks.server.state import Message, Packed
 from mqks.server.timers import Timers
 from mqks.server.workers import Workers
 
