@@ -19,8 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 from helpers import free_port, wait_for
+from tls_certs import Certs, make_certs
 
-__all__ = ["READY_TIMEOUT_SECONDS", "REPLY_TIMEOUT_SECONDS", "Broker", "Wire", "free_port"]
+__all__ = ["READY_TIMEOUT_SECONDS", "REPLY_TIMEOUT_SECONDS", "BrokerProcess", "Wire", "free_port"]
 
 READY_TIMEOUT_SECONDS = 15.0
 REPLY_TIMEOUT_SECONDS = 5.0
@@ -114,7 +115,7 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
-class Broker:
+class BrokerProcess:
     """One `mqksd` subprocess; can be stopped, killed, frozen and restarted on the same port."""
 
     def __init__(self, *args: str, port: int | None = None, log_to_pipe: bool = False) -> None:
@@ -200,14 +201,20 @@ class Broker:
         return [self.proc.pid, *child_pids(self.proc.pid)]
 
 
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> Certs:
+    """A test CA and a broker certificate for localhost (tls_certs.py), made once per run."""
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
-def broker(request) -> Iterator[Broker]:
+def broker(request) -> Iterator[BrokerProcess]:
     """One broker per test module, with `_eval` on (tests read its state through it).
 
     Every test on it runs twice: with one worker process, and with two, where any line may
     land on a worker that does not own its queue (the public port reaches either).
     """
-    server = Broker("--eval", "--workers", str(request.param))
+    server = BrokerProcess("--eval", "--workers", str(request.param))
     yield server
     server.kill()
 
@@ -218,10 +225,10 @@ broker_per_worker_count = broker  # the older name, kept by tests that are about
 @pytest.fixture
 def make_broker() -> Iterator:
     """A factory for brokers with their own flags; all are killed after the test."""
-    started: list[Broker] = []
+    started: list[BrokerProcess] = []
 
-    def make(*args: str, port: int | None = None, log_to_pipe: bool = False) -> Broker:
-        server = Broker(*args, port=port, log_to_pipe=log_to_pipe)
+    def make(*args: str, port: int | None = None, log_to_pipe: bool = False) -> BrokerProcess:
+        server = BrokerProcess(*args, port=port, log_to_pipe=log_to_pipe)
         started.append(server)
         return server
 
@@ -237,7 +244,7 @@ def make_broker() -> Iterator:
 
 
 @pytest.fixture
-def wire(broker: Broker) -> Iterator[Wire]:
+def wire(broker: BrokerProcess) -> Iterator[Wire]:
     conn = broker.wire()
     yield conn
     conn.close()

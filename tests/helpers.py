@@ -1,4 +1,5 @@
-"""Helpers the test modules share: free ports, unique names, polling with a deadline, `_eval`, RSS.
+"""Helpers the test modules share: free ports, unique names, polling with a deadline, `stats` and `queues`
+readings, `_eval`, RSS, and the Python client's test doubles (an inbox callback, a client with test timeouts).
 
 Nothing here sleeps and hopes: `wait_for` polls a condition until a deadline and fails naming
 what it waited for. Readings that can be missing (an RSS, an `_eval` answer) fail loudly
@@ -12,13 +13,25 @@ import itertools
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
+import gevent
+
+from mqks.client import Client, Message
+from mqks.server.slots import owner_of
+
 T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parent.parent
+MQKS = Path(sys.executable).parent / "mqks"  # the console script pip installed beside this Python
+RUN_TIMEOUT_SECONDS = 30.0
 
 WAIT_SECONDS = 10.0
 
@@ -54,6 +67,57 @@ def wait_for(condition: Callable[[], T], what: str, timeout: float = WAIT_SECOND
         time.sleep(interval)
 
 
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = WAIT_SECONDS,
+               interval: float = 0.01) -> None:
+    """`wait_for` for code beside the Python client: poll yielding to gevent, so its greenlets run meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        gevent.sleep(interval)
+
+
+def queue_owned_by(worker: int, workers: int, prefix: str = "q") -> str:
+    """A fresh queue name that worker `worker` of `workers` owns (server/slots.py's map)."""
+    while True:
+        name = unique(prefix)
+        if owner_of(name.encode(), workers) == worker:
+            return name
+
+
+class Inbox:
+    """A consumer callback that records messages; `handle` decides what to do with each (`ack=True`: ack it)."""
+
+    def __init__(self, handle: Callable[[Message], object] | None = None, ack: bool = False) -> None:
+        self.messages: list[Message] = []
+        self.handle = handle
+        self.ack = ack
+
+    def __call__(self, message: Message) -> None:
+        self.messages.append(message)
+        if self.handle is not None:
+            self.handle(message)
+        if self.ack:
+            message.ack()
+
+    def wait(self, count: int) -> list[Message]:
+        wait_until(lambda: len(self.messages) >= count, f"{count} messages, have {self.messages}")
+        return self.messages
+
+
+def make_client(server: Any, **options: Any) -> Client:
+    """A connected client of `server` (a BrokerProcess, or a port on 127.0.0.1) with the tests' timeouts.
+
+    Frequent pings exercise the keepalive; a generous pong timeout keeps a loaded CI machine from
+    seeing a dead connection where there is none.
+    """
+    settings: dict[str, Any] = {"ping_seconds": 0.5, "ping_timeout_seconds": 5.0, "timeout_seconds": 5.0,
+                                "reconnect_max_seconds": 0.2}
+    settings.update(options)
+    host, port = ("127.0.0.1", server) if isinstance(server, int) else (server.host, server.port)
+    return Client(host, port, **settings).connect()
+
+
 def eval_value(broker, code: str, worker: int | None = None, owner: str | bytes | None = None) -> Any:
     """`_eval` `code` on a fresh connection to `broker` (started with --eval) and return the value.
 
@@ -80,16 +144,50 @@ def eval_on(wire, code: bytes) -> bytes:
     return line[len(b"ev ok "):]
 
 
-def server_stats(broker, worker: int | None = None) -> dict:
-    """The `stats` answer: every worker's figures, or worker `worker`'s (`stats --worker=N`)."""
-    wire = broker.wire()
-    try:
-        wire.send(b"st stats" if worker is None else b"st stats --worker=%d" % worker)
-        line = wire.recv_line()
-    finally:
-        wire.close()
+def stats_on(wire, worker: int | None = None) -> dict:
+    """The `stats` answer on an open connection: every worker's figures, or worker `worker`'s."""
+    wire.send(b"st stats" if worker is None else b"st stats --worker=%d" % worker)
+    line = wire.recv_line()
     assert line.startswith(b"st ok "), f"stats failed: {line!r}"
     return json.loads(line[len(b"st ok "):])
+
+
+def server_stats(broker, worker: int | None = None) -> dict:
+    """`stats_on` over a fresh connection to `broker`."""
+    wire = broker.wire()
+    try:
+        return stats_on(wire, worker)
+    finally:
+        wire.close()
+
+
+def queue_row_on(wire, queue: str | bytes) -> dict | None:
+    """The `queues {queue}` row of one queue on an open connection (a barrier as well), or None if there is none."""
+    name = queue.encode() if isinstance(queue, str) else queue
+    wire.send(b"qr queues " + name)
+    rows = []
+    while (line := wire.recv_line()) != b"qr ok --end":
+        assert line.startswith(b"qr ok "), f"queues {name!r} failed: {line!r}"
+        rows.append(json.loads(line[len(b"qr ok "):]))
+    assert len(rows) <= 1, rows
+    return rows[0] if rows else None
+
+
+def queue_row(broker, queue: str | bytes) -> dict | None:
+    """`queue_row_on` over a fresh connection to `broker`."""
+    wire = broker.wire()
+    try:
+        return queue_row_on(wire, queue)
+    finally:
+        wire.close()
+
+
+def mqks(server: Any, *args: str) -> subprocess.CompletedProcess:
+    """Run `mqks ARGS --port P` against `server` to the end."""
+    if not MQKS.exists():
+        raise AssertionError(f"{MQKS} is missing: run `pip install -e .` in {REPO}")
+    return subprocess.run([str(MQKS), *args, "--port", str(server.port)], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_SECONDS)
 
 
 def rss_bytes(pid: int) -> int:

@@ -9,10 +9,10 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from helpers import queue_owned_by
 
 from mqks.server import actions
 from mqks.server.app import parse_args
-from mqks.server.slots import owner_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,15 +126,7 @@ def queues_one_per_worker(wire, prefix: str) -> list[bytes]:
     """A queue name for each worker of the broker behind `wire`, in worker order."""
     wire.send(b"w _eval state.workers")
     workers = int(wire.recv_line().split()[2])
-    return [queue_on_worker(worker, workers, prefix) for worker in range(workers)]
-
-
-def queue_on_worker(worker: int, workers: int, prefix: str) -> bytes:
-    for i in range(1000):
-        name = f"{prefix}{i}".encode()
-        if owner_of(name, workers) == worker:
-            return name
-    raise AssertionError("no name found")
+    return [queue_owned_by(worker, workers, prefix).encode() for worker in range(workers)]
 
 
 def test_queues_live_on_their_slot_owner_and_publish_reaches_all(broker_per_worker_count):

@@ -21,35 +21,19 @@ import sys
 import termios
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import IO
 
 import pytest
-from conftest import Broker, free_port
+from conftest import BrokerProcess, free_port
+from helpers import MQKS, REPO, RUN_TIMEOUT_SECONDS, mqks, unique
 
-REPO = Path(__file__).resolve().parent.parent
-MQKS = Path(sys.executable).parent / "mqks"
 STATS_PY = REPO / "stats.py"
 README = REPO / "README.md"
-RUN_TIMEOUT_SECONDS = 30.0
 LINE_TIMEOUT_SECONDS = 10.0
 
 
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def mqks(server: Broker, *args: str) -> subprocess.CompletedProcess:
-    """Run `mqks ARGS --port P` to the end."""
-    if not MQKS.exists():
-        pytest.fail(f"{MQKS} is missing: run `pip install -e .` in {REPO}")
-    return subprocess.run([str(MQKS), *args, "--port", str(server.port)], capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_SECONDS)
-
-
-def stats_py(server: Broker, *args: str) -> subprocess.CompletedProcess:
+def stats_py(server: BrokerProcess, *args: str) -> subprocess.CompletedProcess:
     """Run `python stats.py --port P ARGS` from the repo root, as the README says."""
     return subprocess.run([sys.executable, str(STATS_PY), "--port", str(server.port), *args], capture_output=True,
                           text=True, timeout=RUN_TIMEOUT_SECONDS, cwd=REPO)
@@ -79,7 +63,7 @@ class LineReader:
 
 
 @pytest.fixture
-def consumer_process(broker: Broker) -> Iterator[Callable[..., tuple[subprocess.Popen, LineReader]]]:
+def consumer_process(broker: BrokerProcess) -> Iterator[Callable[..., tuple[subprocess.Popen, LineReader]]]:
     """Start `mqks consume ...`; waits until it says it consumes; killed after the test."""
     started: list[subprocess.Popen] = []
 
@@ -102,14 +86,14 @@ def consumer_process(broker: Broker) -> Iterator[Callable[..., tuple[subprocess.
         proc.stderr.close()
 
 
-def test_mqks_ping_prints_the_answer(broker: Broker) -> None:
+def test_mqks_ping_prints_the_answer(broker: BrokerProcess) -> None:
     done = mqks(broker, "ping")
     assert (done.returncode, done.stdout) == (0, "pong\n"), done.stderr
     done = mqks(broker, "ping", "hello there")
     assert done.stdout == "hello there\n"
 
 
-def test_mqks_ping_takes_the_rest_of_the_line_as_data(broker: Broker) -> None:
+def test_mqks_ping_takes_the_rest_of_the_line_as_data(broker: BrokerProcess) -> None:
     done = mqks(broker, "ping", "hello", "there")
     assert (done.returncode, done.stdout) == (0, "hello there\n"), done.stderr
 
@@ -119,7 +103,7 @@ def test_mqks_version_is_the_package_version() -> None:
     assert (done.returncode, done.stdout) == (0, f"mqks {importlib.metadata.version('mqks')}\n"), done.stderr
 
 
-def test_connection_options_work_before_and_after_the_command(broker: Broker) -> None:
+def test_connection_options_work_before_and_after_the_command(broker: BrokerProcess) -> None:
     before = subprocess.run([str(MQKS), "--port", str(broker.port), "ping", "before"], capture_output=True, text=True,
                             timeout=30)
     after = subprocess.run([str(MQKS), "ping", "after", "--port", str(broker.port)], capture_output=True, text=True,
@@ -128,7 +112,7 @@ def test_connection_options_work_before_and_after_the_command(broker: Broker) ->
     assert (after.returncode, after.stdout) == (0, "after\n"), after.stderr
 
 
-def test_mqks_consume_sees_what_mqks_publish_sends(broker: Broker, consumer_process) -> None:
+def test_mqks_consume_sees_what_mqks_publish_sends(broker: BrokerProcess, consumer_process) -> None:
     queue, event = unique("q"), unique("e")
     proc, stdout = consumer_process(queue, event, f"{event}.*.created")
     assert mqks(broker, "publish", event, "hello world").returncode == 0
@@ -142,7 +126,7 @@ def test_mqks_consume_sees_what_mqks_publish_sends(broker: Broker, consumer_proc
     assert proc.wait(RUN_TIMEOUT_SECONDS) == 0
 
 
-def test_mqks_consume_manual_ack_acks_what_it_printed(broker: Broker, consumer_process) -> None:
+def test_mqks_consume_manual_ack_acks_what_it_printed(broker: BrokerProcess, consumer_process) -> None:
     queue, event = unique("q"), unique("e")
     proc, stdout = consumer_process(queue, event, "--manual-ack")
     assert mqks(broker, "publish", event, "printed then acked").returncode == 0
@@ -160,7 +144,7 @@ def test_mqks_consume_manual_ack_acks_what_it_printed(broker: Broker, consumer_p
         wire.close()
 
 
-def test_mqks_publish_refuses_bad_input_and_reports_broker_errors(broker: Broker) -> None:
+def test_mqks_publish_refuses_bad_input_and_reports_broker_errors(broker: BrokerProcess) -> None:
     done = mqks(broker, "publish", "has space", "data")
     assert done.returncode == 2 and "event" in done.stderr
     done = mqks(broker, "eval", "1 +")
@@ -220,7 +204,7 @@ def test_mqks_says_in_one_line_when_the_peer_does_not_speak_mqks(http_server: in
                            "(it answered 'HTTP/1.1 400 Bad Request')\n")
 
 
-def test_mqks_eval_with_eval_off_exits_3(make_broker: Callable[..., Broker]) -> None:
+def test_mqks_eval_with_eval_off_exits_3(make_broker: Callable[..., BrokerProcess]) -> None:
     server = make_broker()
     done = mqks(server, "eval", "1 + 1")
     assert done.returncode == 3 and "--eval" in done.stderr, done.stderr
@@ -235,7 +219,7 @@ def test_readme_documents_every_exit_code_of_mqks() -> None:
     assert documented == codes
 
 
-def test_mqks_publish_json_sends_data_with_newlines_as_one_line(broker: Broker, consumer_process) -> None:
+def test_mqks_publish_json_sends_data_with_newlines_as_one_line(broker: BrokerProcess, consumer_process) -> None:
     queue, event = unique("q"), unique("e")
     _, stdout = consumer_process(queue, event)
     done = mqks(broker, "publish", event, "a\nb")
@@ -252,7 +236,7 @@ def test_mqks_publish_json_sends_data_with_newlines_as_one_line(broker: Broker, 
 
 
 def test_mqks_consume_exits_once_stdout_is_closed_and_leaves_later_messages_queued(
-        broker: Broker, consumer_process) -> None:
+        broker: BrokerProcess, consumer_process) -> None:
     queue, event = unique("q"), unique("e")
     proc, stdout = consumer_process(queue, event)
     assert mqks(broker, "publish", event, "first").returncode == 0
@@ -271,7 +255,7 @@ def test_mqks_consume_exits_once_stdout_is_closed_and_leaves_later_messages_queu
         wire.close()
 
 
-def test_mqks_consume_manual_ack_never_acks_what_was_not_printed(broker: Broker, consumer_process) -> None:
+def test_mqks_consume_manual_ack_never_acks_what_was_not_printed(broker: BrokerProcess, consumer_process) -> None:
     queue, event = unique("q"), unique("e")
     proc, stdout = consumer_process(queue, event, "--manual-ack")
     assert mqks(broker, "publish", event, "printed").returncode == 0
@@ -301,7 +285,7 @@ def test_stats_py_run_by_a_python_without_mqks_says_what_to_run() -> None:
     assert line.startswith("stats.py: ") and "cannot import" in line and "stats.py" in line.split(";")[1]
 
 
-def fill_queue(server: Broker, queue: str, event: str, count: int) -> None:
+def fill_queue(server: BrokerProcess, queue: str, event: str, count: int) -> None:
     """Bind `queue` to `event` and leave `count` messages waiting in it."""
     wire = server.wire()
     try:
@@ -313,7 +297,7 @@ def fill_queue(server: Broker, queue: str, event: str, count: int) -> None:
         wire.close()
 
 
-def test_stats_py_prints_a_table_with_top_queues(broker: Broker) -> None:
+def test_stats_py_prints_a_table_with_top_queues(broker: BrokerProcess) -> None:
     queue, event = unique("q"), unique("e")
     fill_queue(broker, queue, event, 3)
     done = stats_py(broker)
@@ -327,7 +311,7 @@ def test_stats_py_prints_a_table_with_top_queues(broker: Broker) -> None:
     assert any(line.split() == ["3", queue] for line in top.splitlines())
 
 
-def test_stats_py_json_is_the_brokers_sum_of_its_workers(make_broker: Callable[..., Broker]) -> None:
+def test_stats_py_json_is_the_brokers_sum_of_its_workers(make_broker: Callable[..., BrokerProcess]) -> None:
     server = make_broker("--workers", "2")  # no --eval: the stats action needs none
     queues = [unique("q") for _ in range(6)]  # enough that both workers own some
     for queue in queues:
@@ -351,7 +335,7 @@ STATS_KEYS = {"published", "queued", "consumed", "acked", "rejected", "queues", 
               "connections", "bytes_in", "bytes_out", "errors"}
 
 
-def test_mqks_stats_json_works_on_a_default_broker(make_broker: Callable[..., Broker]) -> None:
+def test_mqks_stats_json_works_on_a_default_broker(make_broker: Callable[..., BrokerProcess]) -> None:
     server = make_broker()  # no --eval
     queue, event = unique("q"), unique("e")
     fill_queue(server, queue, event, 2)
@@ -376,7 +360,7 @@ def test_mqks_stats_json_prints_an_error_object_on_failure() -> None:
         timeout=RUN_TIMEOUT_SECONDS).stdout)["error"]
 
 
-def test_mqks_queues_prints_a_table_after_traffic(broker: Broker) -> None:
+def test_mqks_queues_prints_a_table_after_traffic(broker: BrokerProcess) -> None:
     prefix = unique("tq")
     waiting, consumed = f"{prefix}.waiting", f"{prefix}.consumed"
     fill_queue(broker, waiting, f"{prefix}-e1", 3)
@@ -401,7 +385,7 @@ def test_mqks_queues_prints_a_table_after_traffic(broker: Broker) -> None:
                         "flags": []}]
 
 
-def test_stats_py_watch_prints_again_until_interrupted(broker: Broker) -> None:
+def test_stats_py_watch_prints_again_until_interrupted(broker: BrokerProcess) -> None:
     proc = subprocess.Popen([sys.executable, str(STATS_PY), "--port", str(broker.port), "--watch", "0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
     try:
@@ -453,7 +437,7 @@ ANSI = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][0-9A-B]|\x1b[=>]")
 class Terminal:
     """`mqks top` in a pseudo-terminal of 120x40: its screen as text, keys sent to it."""
 
-    def __init__(self, server: Broker, *args: str) -> None:
+    def __init__(self, server: BrokerProcess, *args: str) -> None:
         self.master, self.slave = pty.openpty()
         fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         env = {name: value for name, value in os.environ.items() if name not in ("COLUMNS", "LINES")}
@@ -511,10 +495,10 @@ class Terminal:
 
 
 @pytest.fixture
-def terminal(broker: Broker) -> Iterator[Callable[..., Terminal]]:
+def terminal(broker: BrokerProcess) -> Iterator[Callable[..., Terminal]]:
     started: list[Terminal] = []
 
-    def start(server: Broker, *args: str) -> Terminal:
+    def start(server: BrokerProcess, *args: str) -> Terminal:
         started.append(Terminal(server, *args))
         return started[-1]
 
@@ -529,7 +513,7 @@ def rate_of(frame: str, label: str) -> float | None:
     return float(match.group(1).replace(",", "")) if match else None
 
 
-def test_mqks_top_shows_rates_and_busiest_queues_and_quits_on_q(broker: Broker, terminal) -> None:
+def test_mqks_top_shows_rates_and_busiest_queues_and_quits_on_q(broker: BrokerProcess, terminal) -> None:
     prefix = unique("top")
     deep, shallow = f"{prefix}-z", f"{prefix}-a"
     term = terminal(broker, prefix + "-*", "--interval", "0.5")
@@ -553,7 +537,7 @@ def test_mqks_top_shows_rates_and_busiest_queues_and_quits_on_q(broker: Broker, 
     assert mode & termios.ICANON and mode & termios.ECHO  # the terminal is back in its own mode
 
 
-def test_mqks_top_quits_on_ctrl_c(make_broker: Callable[..., Broker], terminal) -> None:
+def test_mqks_top_quits_on_ctrl_c(make_broker: Callable[..., BrokerProcess], terminal) -> None:
     server = make_broker()  # a default broker: top needs no --eval
     term = terminal(server)
     term.wait_for_frame(lambda frame: "per second" in frame and "up -" not in frame, "a first sample")
@@ -561,7 +545,7 @@ def test_mqks_top_quits_on_ctrl_c(make_broker: Callable[..., Broker], terminal) 
     assert term.wait() == 0
 
 
-def test_mqks_top_without_rich_says_how_to_install_it(broker: Broker) -> None:
+def test_mqks_top_without_rich_says_how_to_install_it(broker: BrokerProcess) -> None:
     code = ("import sys; sys.modules['rich'] = None; from mqks.client.cli import main; "
             f"sys.exit(main(['top', '--port', '{broker.port}']))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)

@@ -10,13 +10,13 @@ import json
 import subprocess
 
 import pytest
-from conftest import Broker
-from test_cli import MQKS, RUN_TIMEOUT_SECONDS, mqks, unique
+from conftest import BrokerProcess
+from helpers import MQKS, RUN_TIMEOUT_SECONDS, mqks, unique
 
 from mqks.client import wire
 
 
-def test_mqks_request_prints_the_reply_of_a_worker(broker: Broker) -> None:
+def test_mqks_request_prints_the_reply_of_a_worker(broker: BrokerProcess) -> None:
     queue, event = unique("q"), unique("e")
     worker = broker.wire()
     proc = None
@@ -38,7 +38,7 @@ def test_mqks_request_prints_the_reply_of_a_worker(broker: Broker) -> None:
             proc.wait()
 
 
-def test_mqks_request_sends_json_on_one_line(broker: Broker) -> None:
+def test_mqks_request_sends_json_on_one_line(broker: BrokerProcess) -> None:
     queue, event = unique("q"), unique("e")
     worker = broker.wire()
     proc = None
@@ -60,7 +60,7 @@ def test_mqks_request_sends_json_on_one_line(broker: Broker) -> None:
             proc.wait()
 
 
-def test_mqks_request_without_a_reply_exits_4(broker: Broker) -> None:
+def test_mqks_request_without_a_reply_exits_4(broker: BrokerProcess) -> None:
     queue, event = unique("q"), unique("e")
     assert mqks(broker, "queues").returncode == 0
     wire_conn = broker.wire()
@@ -74,14 +74,14 @@ def test_mqks_request_without_a_reply_exits_4(broker: Broker) -> None:
     assert "no reply within" in done.stderr
 
 
-def test_mqks_request_to_an_unbound_event_exits_1_naming_it(broker: Broker) -> None:
+def test_mqks_request_to_an_unbound_event_exits_1_naming_it(broker: BrokerProcess) -> None:
     event = unique("e")
     done = mqks(broker, "request", event, "anyone?")
     assert (done.returncode, done.stdout) == (1, ""), done.stderr
     assert done.stderr.startswith("mqks request: ") and event in done.stderr
 
 
-def test_mqks_schedule_fires_and_schedules_lists_it_until_unscheduled(broker: Broker) -> None:
+def test_mqks_schedule_fires_and_schedules_lists_it_until_unscheduled(broker: BrokerProcess) -> None:
     queue, event = unique("q"), unique("e")
     name, idle = unique("s"), unique("idle")
     worker = broker.wire()
@@ -134,13 +134,13 @@ def test_mqks_schedules_of_none_says_so(make_broker) -> None:
     ["request", "e1", "--json", "{not json"],
     ["unschedule"],
 ])
-def test_bad_usage_exits_2(broker: Broker, args: list[str]) -> None:
+def test_bad_usage_exits_2(broker: BrokerProcess, args: list[str]) -> None:
     done = mqks(broker, *args)
     assert (done.returncode, done.stdout) == (2, ""), done.stderr
     assert done.stderr
 
 
-def test_a_cron_rule_the_broker_refuses_exits_1(broker: Broker) -> None:
+def test_a_cron_rule_the_broker_refuses_exits_1(broker: BrokerProcess) -> None:
     done = mqks(broker, "schedule", unique("s"), "e1", "--cron", "61 * * * *")
     assert done.returncode == 1 and done.stderr.startswith("mqks schedule: "), done.stderr
 

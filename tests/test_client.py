@@ -7,14 +7,13 @@ message on the same queue or a ping on the same connection, never with a sleep.
 from __future__ import annotations
 
 import signal
-import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import gevent
 import pytest
-from conftest import Broker, free_port
+from conftest import BrokerProcess, free_port
 from gevent.event import Event
+from helpers import Inbox, make_client, unique, wait_until
 
 from mqks.client import Client, Message, MqksError
 from mqks.client.client import MqksConnectionError, MqksTimeoutError
@@ -22,48 +21,8 @@ from mqks.client.client import MqksConnectionError, MqksTimeoutError
 WAIT_SECONDS = 10.0
 
 
-def wait_until(predicate: Callable[[], object], what: str, timeout: float = WAIT_SECONDS) -> None:
-    """Poll `predicate` (yielding to gevent) until true, or fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        gevent.sleep(0.01)
-
-
-class Inbox:
-    """A consumer callback that records messages; `handle` decides what to do with each."""
-
-    def __init__(self, handle: Callable[[Message], object] | None = None) -> None:
-        self.messages: list[Message] = []
-        self.handle = handle
-
-    def __call__(self, message: Message) -> None:
-        self.messages.append(message)
-        if self.handle is not None:
-            self.handle(message)
-
-    def wait(self, count: int) -> list[Message]:
-        wait_until(lambda: len(self.messages) >= count, f"{count} messages, have {self.messages}")
-        return self.messages
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def make_client(server: Broker, **kwargs: float) -> Client:
-    # frequent pings exercise the keepalive; a generous pong timeout keeps a loaded CI machine
-    # from seeing a dead connection where there is none
-    options = {"ping_seconds": 0.5, "ping_timeout_seconds": 5.0, "timeout_seconds": 5.0, "reconnect_max_seconds": 0.2}
-    options.update(kwargs)
-    client = Client(server.host, server.port, **options)
-    client.connect()
-    return client
-
-
 @pytest.fixture
-def client(broker: Broker) -> Iterator[Client]:
+def client(broker: BrokerProcess) -> Iterator[Client]:
     client = make_client(broker)
     yield client
     client.close()
@@ -210,7 +169,7 @@ def test_ack_several_msg_ids_in_one_call(client: Client) -> None:
     assert [message.data for message in again.wait(1)] == ["marker"]
 
 
-def test_two_messages_with_the_same_msg_id_are_both_acked(broker: Broker, client: Client) -> None:
+def test_two_messages_with_the_same_msg_id_are_both_acked(broker: BrokerProcess, client: Client) -> None:
     queue, event = unique("q"), unique("e")
     inbox = Inbox(lambda message: message.ack())
     consumer_id = client.consume(queue, [event], inbox, manual_ack=True)
@@ -256,7 +215,7 @@ def test_delete_consumer_stops_its_callbacks(client: Client) -> None:
     assert deleted.messages == []
 
 
-def test_fifty_greenlets_publish_with_confirm_each_confirmed_once(broker_per_worker_count: Broker) -> None:
+def test_fifty_greenlets_publish_with_confirm_each_confirmed_once(broker_per_worker_count: BrokerProcess) -> None:
     client = make_client(broker_per_worker_count)
     try:
         queue, event = unique("q"), unique("e")
@@ -327,7 +286,7 @@ def test_ping_and_eval(client: Client) -> None:
         client.eval("1 +")
 
 
-def test_eval_refused_without_eval_flag(make_broker: Callable[..., Broker]) -> None:
+def test_eval_refused_without_eval_flag(make_broker: Callable[..., BrokerProcess]) -> None:
     client = make_client(make_broker())
     try:
         with pytest.raises(MqksError) as caught:
@@ -351,7 +310,7 @@ def test_connect_without_retry_raises_at_the_first_refusal_naming_it() -> None:
     assert str(caught.value) == f"cannot connect to 127.0.0.1:{port}: Connection refused"
 
 
-def test_stats_answers_the_figures_of_the_broker_and_of_each_worker(broker_per_worker_count: Broker) -> None:
+def test_stats_answers_the_figures_of_the_broker_and_of_each_worker(broker_per_worker_count: BrokerProcess) -> None:
     client = make_client(broker_per_worker_count)
     try:
         queue, event = unique("q"), unique("e")
@@ -402,7 +361,7 @@ def test_queues_of_many_queues_arrive_whole_over_many_reads(client: Client) -> N
     assert client.ping("after") == "after"  # the stream is still in step
 
 
-def test_close_flushes_fire_and_forget_publishes(broker: Broker, client: Client) -> None:
+def test_close_flushes_fire_and_forget_publishes(broker: BrokerProcess, client: Client) -> None:
     queue, event = unique("q"), unique("e")
     inbox = Inbox()
     client.consume(queue, [event], inbox)
@@ -413,7 +372,7 @@ def test_close_flushes_fire_and_forget_publishes(broker: Broker, client: Client)
     assert [message.data for message in inbox.wait(500)] == [f"m{n}" for n in range(500)]
 
 
-def test_publish_while_disconnected_raises_after_timeout(make_broker: Callable[..., Broker]) -> None:
+def test_publish_while_disconnected_raises_after_timeout(make_broker: Callable[..., BrokerProcess]) -> None:
     server = make_broker()
     client = make_client(server)
     try:
@@ -432,7 +391,7 @@ def test_publish_while_disconnected_raises_after_timeout(make_broker: Callable[.
         client.close()
 
 
-def test_sigkill_and_restart_replays_consumers_with_current_events(make_broker: Callable[..., Broker]) -> None:
+def test_sigkill_and_restart_replays_consumers_with_current_events(make_broker: Callable[..., BrokerProcess]) -> None:
     server = make_broker("--eval")
     client = make_client(server)
     try:
@@ -472,7 +431,7 @@ def test_sigkill_and_restart_replays_consumers_with_current_events(make_broker: 
 
 
 @pytest.fixture
-def one_link_client(make_broker: Callable[..., Broker]) -> Iterator[Client]:
+def one_link_client(make_broker: Callable[..., BrokerProcess]) -> Iterator[Client]:
     """A client of a one-worker broker: consumers and publishes share its one link (these tests drop it)."""
     client = make_client(make_broker())
     yield client
@@ -530,7 +489,7 @@ def test_connection_lost_during_the_handshake_keeps_hooks_alternating(one_link_c
     assert [message.data for message in inbox.wait(1)] == ["still consuming"]
 
 
-def test_timeouts_leave_no_answer_waiting_and_no_stray_consumer(make_broker: Callable[..., Broker]) -> None:
+def test_timeouts_leave_no_answer_waiting_and_no_stray_consumer(make_broker: Callable[..., BrokerProcess]) -> None:
     server = make_broker()
     client = make_client(server, ping_seconds=60.0)  # no keepalive verdict during the freeze
     try:
@@ -557,7 +516,7 @@ def test_timeouts_leave_no_answer_waiting_and_no_stray_consumer(make_broker: Cal
         client.close()
 
 
-def test_sigstop_is_detected_by_missed_pong_then_resumed(make_broker: Callable[..., Broker]) -> None:
+def test_sigstop_is_detected_by_missed_pong_then_resumed(make_broker: Callable[..., BrokerProcess]) -> None:
     server = make_broker()
     client = make_client(server, ping_seconds=0.2, ping_timeout_seconds=1.0, timeout_seconds=1.0)
     try:

@@ -14,16 +14,16 @@ from typing import Any
 
 import gevent
 import pytest
-from conftest import Broker
+from conftest import BrokerProcess
 from gevent.event import Event
-from test_client import Inbox, make_client, unique, wait_until
+from helpers import Inbox, make_client, unique, wait_until
 
 from mqks.client import Client, Message, MqksConnectionError, MqksError, MqksTimeoutError, wire
 from mqks.server.slots import owner_of
 
 
 @pytest.fixture
-def client(broker: Broker) -> Iterator[Client]:
+def client(broker: BrokerProcess) -> Iterator[Client]:
     client = make_client(broker)
     yield client
     client.close()
@@ -265,7 +265,7 @@ def test_rebind_max_length_refuses_confirmed_publishes_and_drops_others(client: 
     assert [message.data for message in drained.wait(3)] == ["1", "2", "5"]
 
 
-def test_replay_after_a_reconnect_keeps_the_queue_settings_another_client_set(broker: Broker,
+def test_replay_after_a_reconnect_keeps_the_queue_settings_another_client_set(broker: BrokerProcess,
                                                                               client: Client) -> None:
     queue, event = unique("q"), unique("e")
     consumer_id = client.consume(queue, [event], Inbox(lambda message: message.ack()), manual_ack=True,
@@ -356,7 +356,7 @@ def queues_on_both_workers(suffix: str) -> tuple[str, str]:
     return even, odd
 
 
-def test_request_returns_the_workers_reply(client: Client, broker: Broker) -> None:
+def test_request_returns_the_workers_reply(client: Client, broker: BrokerProcess) -> None:
     queue, event = unique("q"), unique("e")
     worker = make_client(broker)
     try:
@@ -370,7 +370,7 @@ def test_request_returns_the_workers_reply(client: Client, broker: Broker) -> No
         worker.close()
 
 
-def test_request_and_reply_in_json(client: Client, broker: Broker) -> None:
+def test_request_and_reply_in_json(client: Client, broker: BrokerProcess) -> None:
     queue, event = unique("q"), unique("e")
     worker = make_client(broker)
     try:
@@ -382,7 +382,7 @@ def test_request_and_reply_in_json(client: Client, broker: Broker) -> None:
 
 
 def test_the_first_of_two_competing_replies_wins_and_the_other_is_counted_late(
-        broker_per_worker_count: Broker) -> None:
+        broker_per_worker_count: BrokerProcess) -> None:
     event = unique("e")
     client = make_client(broker_per_worker_count)
     workers = [make_client(broker_per_worker_count), make_client(broker_per_worker_count)]
@@ -433,7 +433,8 @@ def test_reply_to_a_publish_or_to_a_forgotten_token_is_an_error(client: Client) 
     assert caught.value.error_id
 
 
-def test_a_requester_that_disconnects_raises_and_its_token_is_forgotten(make_broker: Callable[..., Broker]) -> None:
+def test_a_requester_that_disconnects_raises_and_its_token_is_forgotten(
+        make_broker: Callable[..., BrokerProcess]) -> None:
     server = make_broker()
     requester, worker = make_client(server), make_client(server)
     try:
@@ -455,7 +456,7 @@ def test_a_requester_that_disconnects_raises_and_its_token_is_forgotten(make_bro
         worker.close()
 
 
-def test_request_through_raw_lines_as_nc_shows_it(broker: Broker) -> None:
+def test_request_through_raw_lines_as_nc_shows_it(broker: BrokerProcess) -> None:
     queue, event = unique("q").encode(), unique("e").encode()
     worker, requester = broker.wire(), broker.wire()
     try:
@@ -550,7 +551,7 @@ def test_a_bad_cron_rule_is_refused_by_the_broker(client: Client) -> None:
 # the memory limit
 
 
-def test_max_memory_refuses_publishes_while_acks_drain(make_broker: Callable[..., Broker]) -> None:
+def test_max_memory_refuses_publishes_while_acks_drain(make_broker: Callable[..., BrokerProcess]) -> None:
     server = make_broker("--max-memory", "96M")
     client = make_client(server)
     try:

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import gevent
 import pytest
-from conftest import Broker
-from helpers import free_port
-from test_client import Inbox, unique, wait_until
-from tls_certs import Certs, make_certs
+from conftest import BrokerProcess
+from helpers import Inbox, free_port, unique, wait_until
+from tls_certs import Certs
 
 from mqks.client import Client, Message
 from mqks.client.client import MqksConnectionError
@@ -31,13 +30,8 @@ STATS_PY = HERE.parent / "stats.py"
 SUBPROCESS_TIMEOUT_SECONDS = 30
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Certs:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
-
 @pytest.fixture
-def secure_broker(make_broker: Callable[..., Broker], certs: Certs, tmp_path: Path) -> Broker:
+def secure_broker(make_broker: Callable[..., BrokerProcess], certs: Certs, tmp_path: Path) -> BrokerProcess:
     """A broker with a TLS port and token auth (the token in a file)."""
     (tmp_path / "tokens").write_text(TOKEN + "\n")
     tls_port = free_port()
@@ -46,7 +40,7 @@ def secure_broker(make_broker: Callable[..., Broker], certs: Certs, tmp_path: Pa
     return server
 
 
-def secure_client(server: Broker, certs: Certs, **kwargs) -> Client:
+def secure_client(server: BrokerProcess, certs: Certs, **kwargs) -> Client:
     options = {"ping_seconds": 0.5, "ping_timeout_seconds": 5.0, "timeout_seconds": 5.0,
                "reconnect_max_seconds": 0.2, "tls": certs.client_context(), "token": TOKEN}
     options.update(kwargs)

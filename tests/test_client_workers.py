@@ -7,7 +7,6 @@ are checked line by line); and the client against `mqksd --workers N` itself.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,12 +16,12 @@ import gevent.server
 import gevent.socket
 import pytest
 import ujson
-from conftest import Broker
+from conftest import BrokerProcess
 from gevent.event import Event
-from helpers import free_port
+from helpers import Inbox, free_port, make_client, queue_owned_by, wait_until
 from tls_certs import make_certs
 
-from mqks.client import Client, Message
+from mqks.client import Client
 from mqks.client.placement import Placement, Route
 from mqks.server.slots import SLOTS, owner_of, slot_ranges
 
@@ -31,53 +30,11 @@ TOKEN = "workers-s3cret-0123456789"
 NO_SLOT_MAP = "mqksd --workers 2 answered hello without a slot map or direct addresses"
 
 
-def wait_until(predicate: Callable[[], object], what: str, timeout: float = WAIT_SECONDS,
-               interval: float = 0.01) -> None:
-    """Poll `predicate` (yielding to gevent) until true, or fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        gevent.sleep(interval)
-
-
-def queue_owned_by(worker: int, workers: int, prefix: str = "q") -> str:
-    """A fresh queue name that worker `worker` of `workers` owns."""
-    while True:
-        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        if owner_of(name.encode(), workers) == worker:
-            return name
-
-
 def hello(workers: int, ports: list[int], host: str = "127.0.0.1", **extra: Any) -> dict[str, Any]:
     """A hello answer as the multi-process broker gives it (server/slots.py's map)."""
     return {"version": "x", "workers": workers, "worker": 0, "slots": SLOTS, "slot_map": slot_ranges(workers),
             "direct": [{"worker": worker, "host": host, "port": port, "unix": None}
                        for worker, port in enumerate(ports)], **extra}
-
-
-class Inbox:
-    """A consumer callback that records messages, acking each when told to."""
-
-    def __init__(self, ack: bool = False) -> None:
-        self.messages: list[Message] = []
-        self.ack = ack
-
-    def __call__(self, message: Message) -> None:
-        self.messages.append(message)
-        if self.ack:
-            message.ack()
-
-    def wait(self, count: int) -> list[Message]:
-        wait_until(lambda: len(self.messages) >= count, f"{count} messages, have {self.messages}")
-        return self.messages
-
-
-def make_client(port: int, **options: Any) -> Client:
-    settings: dict[str, Any] = {"ping_seconds": 0.5, "ping_timeout_seconds": 5.0, "timeout_seconds": 5.0,
-                                "reconnect_max_seconds": 0.2}
-    settings.update(options)
-    return Client("127.0.0.1", port, **settings).connect()
 
 
 # -- the routing decision, from a hello answer alone ------------------------------------------------------------
@@ -226,7 +183,7 @@ def _lines(sock: gevent.socket.socket) -> Iterator[bytes]:
 
 
 @pytest.fixture
-def proxies(make_broker: Callable[..., Broker]) -> Iterator[tuple[Broker, list[HelloProxy]]]:
+def proxies(make_broker: Callable[..., BrokerProcess]) -> Iterator[tuple[BrokerProcess, list[HelloProxy]]]:
     """A real broker and four proxies to it: [public, worker 0, worker 1, worker 2]."""
     broker = make_broker()
     started = [HelloProxy(broker.port) for _ in range(4)]
@@ -375,7 +332,7 @@ def test_a_local_client_prefers_the_owners_unix_socket(proxies, tmp_path) -> Non
 # -- the client against mqksd --workers N itself -----------------------------------------------------------------
 
 
-def multi_process(broker: Broker) -> Placement:
+def multi_process(broker: BrokerProcess) -> Placement:
     """The broker's placement from its hello; a broker of several workers must have one (a test whose
     set-up fails fails: it never skips)."""
     wire = broker.wire()

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from conftest import READY_TIMEOUT_SECONDS
-from helpers import eval_value, server_stats, unique, wait_for
+from helpers import queue_row, server_stats, unique, wait_for
 
 from mqks.server.log import Log
 from mqks.server.recovery import recover
@@ -103,7 +103,7 @@ def check_state(server, names: dict, m2_retry: int = 1) -> None:
     ]
     assert wire.barrier() == []  # m0 was acked: it never comes back
     # q2 kept its flag and its five copies
-    assert eval_value(server, f"state.queues[{q2!r}].delete_when_unused_seconds") == 30.0
+    assert queue_row(server, q2)["flags"] == ["--delete-queue-when-unused=30.0"]
     wire.send(b"c2 consume --confirm %b --delete-queue-when-unused=30" % q2)
     wire.expect(b"c2 ok ")
     assert [line.split(b" ")[2] for line in wire.barrier()] == [b"m%d" % i for i in range(5)]

@@ -9,7 +9,7 @@ import socket
 import time
 
 import pytest
-from conftest import Broker
+from conftest import BrokerProcess
 from helpers import rss_bytes, server_stats, unique
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,7 +21,7 @@ LIMIT_FLAGS = ("--eval", "--max-line-bytes", str(MAX_LINE_BYTES), "--max-output-
 
 @pytest.fixture(scope="module")
 def broker():
-    server = Broker(*LIMIT_FLAGS)
+    server = BrokerProcess(*LIMIT_FLAGS)
     try:
         yield server
         assert server.proc.poll() is None, f"mqksd died during this module: {server.log()[-2000:]}"

@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from conftest import Broker
+from conftest import BrokerProcess
 from helpers import unique_bytes as unique
 from helpers import wait_for
 
@@ -20,15 +20,15 @@ ROUNDS = 15  # a race shows in a few rounds out of this many
 
 
 @pytest.fixture(scope="module", params=["memory", "data-dir", "workers2"])
-def server(request) -> Iterator[Broker]:
+def server(request) -> Iterator[BrokerProcess]:
     with tempfile.TemporaryDirectory() as data_dir:
         args = {"memory": [], "data-dir": ["--data-dir", data_dir], "workers2": ["--workers", "2"]}[request.param]
-        server = Broker(*args)
+        server = BrokerProcess(*args)
         yield server
         server.kill()
 
 
-def half_closed(server: Broker, payload: bytes) -> list[bytes]:
+def half_closed(server: BrokerProcess, payload: bytes) -> list[bytes]:
     """Send `payload`, shut the writing side, read to EOF: every line the server wrote."""
     with socket.create_connection((server.host, server.port), timeout=10) as sock:
         sock.sendall(payload)
@@ -39,7 +39,7 @@ def half_closed(server: Broker, payload: bytes) -> list[bytes]:
     return data.split(b"\n")[:-1]
 
 
-def test_a_half_closed_client_gets_its_answers_and_deliveries(server: Broker) -> None:
+def test_a_half_closed_client_gets_its_answers_and_deliveries(server: BrokerProcess) -> None:
     for _ in range(ROUNDS):
         queue, event = unique("q"), unique("e")
         sent = b"c consume --confirm %b %b\np publish --confirm %b hello\n" % (queue, event, event)
@@ -47,7 +47,7 @@ def test_a_half_closed_client_gets_its_answers_and_deliveries(server: Broker) ->
         assert sorted(lines) == sorted([b"c ok ", b"p ok ", b"c ok p event=%b hello" % event]), lines
 
 
-def queue_depth(server: Broker, queue: bytes) -> int:
+def queue_depth(server: BrokerProcess, queue: bytes) -> int:
     wire = server.wire()
     wire.send(b"qs queues " + queue)
     line = wire.recv_line()
@@ -56,7 +56,7 @@ def queue_depth(server: Broker, queue: bytes) -> int:
     return json.loads(line[len(b"qs ok "):])["depth"]
 
 
-def test_a_half_closed_consumer_of_a_deep_backlog_loses_nothing(server: Broker) -> None:
+def test_a_half_closed_consumer_of_a_deep_backlog_loses_nothing(server: BrokerProcess) -> None:
     queue, event = unique("q"), unique("e")
     count, body = 5000, b"x" * 1000  # 5 MB: far more than the socket buffers
     wire = server.wire()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from conftest import READY_TIMEOUT_SECONDS, Wire, free_port
-from helpers import eval_on, rss_bytes, wait_for
+from helpers import eval_on, queue_row_on, rss_bytes, stats_on, wait_for
 from helpers import unique_bytes as unique
 
 pytestmark = pytest.mark.timeout(90)
@@ -65,8 +65,8 @@ def test_disconnect_holding_an_event_with_retry_text_loses_nothing_and_leaks_not
     assert_newcomers_never_see_the_secret(broker, publisher, secret_event)
     # nobody consumes secretq now (the clean-up follows the close by a moment): the secret waits there,
     # and m1 is back in pq with retry raised
-    wait_for(lambda: eval_on(publisher, b"--owner=%b (len(state.queues[%r].consumers), state.queues[%r].depth())"
-                             % (secretq, secretq, secretq)) == b"(0, 1)", "a's consumer gone, the secret waiting")
+    wait_for(lambda: (row := queue_row_on(publisher, secretq)) and (row["consumers"], row["depth"]) == (0, 1),
+             "a's consumer gone, the secret waiting")
     publisher.send(b"c9 consume %b --manual-ack" % pq)
     publisher.expect(b"c9 ok m1 event=x,retry=z,retry=1 hello")
     publisher.close()
@@ -80,8 +80,8 @@ def test_clean_up_detaches_every_consumer_even_when_one_fails(broker):
     a.close()
     assert_newcomers_never_see_the_secret(broker, publisher, secret_event)
     for queue in (pq, secretq):  # the clean-up comes once what `a` was owed is written or refused
-        wait_for(lambda queue=queue: eval_on(publisher, b"--owner=%b len(state.queues[%r].consumers)"
-                                             % (queue, queue)) == b"0", "every consumer of the closed client gone")
+        wait_for(lambda queue=queue: queue_row_on(publisher, queue)["consumers"] == 0,
+                 "every consumer of the closed client gone")
     assert "clean-up of consumer b'c1'" in broker.log()
     publisher.close()
 
@@ -128,19 +128,19 @@ def test_a_flooding_connection_does_not_starve_the_others(make_broker):
     thread.start()
     # the flood is under way once the server has counted some of it
     deadline = time.monotonic() + 30
-    while int(eval_on(side, b"state.published")) == 0:
+    while stats_on(side)["published"] == 0:
         assert time.monotonic() < deadline, "the flood never reached the server"
     published_at_pongs = []
     for i in range(5):
         side.send(b"pg%d ping" % i)
         side.expect(b"pg%d ok " % i, timeout=60)
-        published_at_pongs.append(int(eval_on(side, b"state.published")))
+        published_at_pongs.append(stats_on(side)["published"])
     # served while the flood was still being read, not after it
     assert published_at_pongs[0] < total, published_at_pongs
     thread.join(60)
     assert sent.is_set()
     deadline = time.monotonic() + 60
-    while int(eval_on(side, b"state.published")) < total:
+    while stats_on(side)["published"] < total:
         assert time.monotonic() < deadline, "the flood was not processed in full"
     flooder.close()
     side.close()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import gevent
 import pytest
-from conftest import Broker, Wire
+from conftest import BrokerProcess, Wire
 from helpers import unique_bytes as unique
 from helpers import wait_for
 
@@ -31,10 +31,10 @@ LATER = PACK_MIN_DEPTH + 2 * PACK_TAILS + 3  # published after: past several pac
 
 
 @pytest.fixture(scope="module", params=["memory", "data-dir", "workers2"])
-def server(request) -> Iterator[Broker]:
+def server(request) -> Iterator[BrokerProcess]:
     args = {"memory": [], "workers2": ["--workers", "2"]}.get(request.param)
     with tempfile.TemporaryDirectory() as data_dir:
-        server = Broker("--eval", *(args if args is not None else ["--data-dir", data_dir]))
+        server = BrokerProcess("--eval", *(args if args is not None else ["--data-dir", data_dir]))
         yield server
         server.kill()
 
@@ -55,7 +55,8 @@ def queue_figures(wire: Wire, queue: bytes) -> dict:
     return json.loads(line[len(b"qs ok "):])
 
 
-def assert_depth_is_what_drains(server: Broker, queue: bytes, expected: list[bytes], ordered: bool = True) -> None:
+def assert_depth_is_what_drains(server: BrokerProcess, queue: bytes, expected: list[bytes],
+                                ordered: bool = True) -> None:
     """The queue shows `len(expected)` waiting, and a consumer drains exactly those msg ids (in order,
     unless messages came back at several moments: each requeue goes to the front)."""
     wire = server.wire()
@@ -74,7 +75,7 @@ def assert_depth_is_what_drains(server: Broker, queue: bytes, expected: list[byt
         wire.close()
 
 
-def hold_then_requeue(server: Broker, queue: bytes, event: bytes, how: str) -> Wire | None:
+def hold_then_requeue(server: BrokerProcess, queue: bytes, event: bytes, how: str) -> Wire | None:
     """Deliver HELD messages to a manual-ack consumer and bring them back to wait in the queue by `how`.
 
     Records wait in the queue only while no consumer can take them: the consumer is gone, or its
@@ -121,7 +122,7 @@ def wait_for_greenlets(condition: Callable[[], object], what: str, timeout: floa
         gevent.sleep(0.01)
 
 
-def hold_with_the_client(server: Broker, queue: bytes, event: bytes) -> None:
+def hold_with_the_client(server: BrokerProcess, queue: bytes, event: bytes) -> None:
     """The Python client holds HELD messages, loses its connection, reconnects and replays its consume;
     its replayed consumer is then removed, so the requeued messages wait."""
     got: list[str] = []
@@ -144,7 +145,7 @@ def hold_with_the_client(server: Broker, queue: bytes, event: bytes) -> None:
 
 
 @pytest.mark.parametrize("how", ["disconnect", "reject --all", "ack timeout", "client reconnects"])
-def test_requeued_messages_then_confirmed_publishes_all_stay(server: Broker, how: str) -> None:
+def test_requeued_messages_then_confirmed_publishes_all_stay(server: BrokerProcess, how: str) -> None:
     queue, event = unique("q"), unique("e")
     paused_consumer = hold_then_requeue(server, queue, event, how)
     publisher = server.wire()

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import Broker
-from helpers import eval_value, unique_bytes
+from conftest import BrokerProcess
+from helpers import queue_row, unique_bytes
 
 from mqks.server import reshard
 from mqks.server.journal import Journal
@@ -59,7 +59,7 @@ def read_until(wire, line: bytes) -> list[bytes]:
     return got
 
 
-def build_state(server: Broker, data_dir: str) -> Built:
+def build_state(server: BrokerProcess, data_dir: str) -> Built:
     """Queues with bindings (one by mask) and settings, waiting, held, rejected, parked and dead-lettered
     messages, a delayed publish and a schedule; everything on disk when this returns."""
     queues = [unique_bytes(f"rq{i}-") for i in range(QUEUES)]
@@ -99,7 +99,7 @@ def build_state(server: Broker, data_dir: str) -> Built:
 def built(tmp_path_factory) -> Iterator[Built]:
     """One killed broker's data dir for the whole module; each test copies it."""
     data_dir = str(tmp_path_factory.mktemp("built") / "data")
-    server = Broker("--data-dir", data_dir)
+    server = BrokerProcess("--data-dir", data_dir)
     try:
         state = build_state(server, data_dir)
     finally:
@@ -220,7 +220,7 @@ def test_the_built_state_is_what_the_test_means(built: Built, tmp_path) -> None:
     assert len(recovery.delayed) == 1 and list(recovery.schedules) == [built.schedule]
 
 
-def consume_all(server: Broker, names: list[bytes]) -> dict[bytes, list[tuple[bytes, int]]]:
+def consume_all(server: BrokerProcess, names: list[bytes]) -> dict[bytes, list[tuple[bytes, int]]]:
     """Every message each queue delivers to an auto-ack consumer, as (msg id, retry), in order."""
     wire = server.wire()
     got: dict[bytes, list[tuple[bytes, int]]] = {}
@@ -252,13 +252,13 @@ def test_one_worker_to_two_to_three_and_back_keeps_every_queue_message_and_setti
     check_layout(data_dir, 1, expected, built)
 
     # a real 1-worker broker serves it all again
-    server = Broker("--eval", "--data-dir", data_dir)
+    server = BrokerProcess("--eval", "--data-dir", data_dir)
     try:
         names = sorted(expected)
         assert consume_all(server, names) == {name: expected[name]["messages"] for name in names}
         q = built.queues
-        assert eval_value(server, f"state.queues[{q[1]!r}].max_retries") == 0
-        assert eval_value(server, f"state.queues[{q[2]!r}].max_length") == 100
+        assert "--max-retries=0" in queue_row(server, q[1])["flags"]
+        assert "--max-length=100" in queue_row(server, q[2])["flags"]
         wire = server.wire()
         wire.send(b"st stats")
         line = wire.recv_line()

@@ -17,17 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPLY_TIMEOUT_SECONDS, Broker, Wire
+from conftest import REPLY_TIMEOUT_SECONDS, BrokerProcess, Wire
 from helpers import free_port, unique_bytes, wait_for
-from tls_certs import Certs, make_certs
+from tls_certs import Certs
 
 TOKEN = "s3cret-token-0123456789"
 OTHER_TOKEN = "an0ther-token-9876543210"
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Certs:
-    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 class TlsWire(Wire):
@@ -40,7 +35,7 @@ class TlsWire(Wire):
         self.buffer = b""
 
 
-def tls_broker(make_broker, certs: Certs, *args: str, require_client_cert: bool = False) -> Broker:
+def tls_broker(make_broker, certs: Certs, *args: str, require_client_cert: bool = False) -> BrokerProcess:
     tls_port = free_port()
     server = make_broker(*certs.server_args(tls_port, require_client_cert), *args)
     server.tls_port = tls_port
@@ -173,7 +168,7 @@ def test_bad_tls_flags_exit_2_with_one_line(certs, flags, message):
 # token auth
 
 
-def auth_broker(make_broker, tmp_path: Path, *args: str, tokens: str = TOKEN + "\n") -> Broker:
+def auth_broker(make_broker, tmp_path: Path, *args: str, tokens: str = TOKEN + "\n") -> BrokerProcess:
     token_file = tmp_path / "tokens"
     token_file.write_text(tokens)
     server = make_broker("--auth-token-file", str(token_file), *args)
@@ -345,7 +340,7 @@ def test_hello_ttl_0_turns_the_client_ttl_off(make_broker):
 # drain on SIGTERM
 
 
-def drain_broker(make_broker, tmp_path: Path, seconds: str) -> Broker:
+def drain_broker(make_broker, tmp_path: Path, seconds: str) -> BrokerProcess:
     return make_broker("--data-dir", str(tmp_path / "data"), "--drain-seconds", seconds)
 
 
@@ -364,7 +359,7 @@ def held(wire: Wire, queue: bytes, event: bytes, count: int, say_hello: bool = T
     return ids
 
 
-def remaining(server: Broker, queue: bytes, event: bytes) -> list[bytes]:
+def remaining(server: BrokerProcess, queue: bytes, event: bytes) -> list[bytes]:
     """After a restart: every message the queue holds (delivered to a fresh consumer), proved complete by a ping."""
     wire = server.wire()
     wire.send(b"r1 consume --confirm %s %s --manual-ack" % (queue, event))

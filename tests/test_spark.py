@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Broker
-from helpers import eval_value, free_port, wait_for
+from conftest import BrokerProcess
+from helpers import free_port, queue_row, queue_row_on, wait_for
 
 pytest.importorskip("pyspark", reason="pyspark is not installed: pip install -e '.[spark]'")
 pytest.importorskip("pyarrow", reason="pyarrow is not installed: pip install -e '.[spark]'")
@@ -44,10 +44,10 @@ def eventually(condition, what: str, timeout: float = WAIT_SECONDS):
 
 
 @pytest.fixture(scope="module", params=[1], ids=["workers1"])
-def broker(request) -> Iterator[Broker]:
+def broker(request) -> Iterator[BrokerProcess]:
     """One broker for the Spark tests, with one worker; the tests marked ON_BOTH run with two as well
     (a Spark run takes seconds, so the whole module twice would double the suite)."""
-    server = Broker("--eval", "--workers", str(request.param))
+    server = BrokerProcess("--eval", "--workers", str(request.param))
     yield server
     server.kill()
 
@@ -57,13 +57,9 @@ ON_BOTH = pytest.mark.parametrize("broker", [1, 2], ids=["workers1", "workers2"]
 
 
 def queue_depths(broker, queue: str) -> tuple[int, int]:
-    """(messages waiting, messages in flight: un-acked or leased) of one queue, read from the server's state."""
-    return eval_value(
-        broker,
-        "(lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)"
-        " + sum(len(l.held) for l in state.leases.by_id.values() if l.queue is q)) if q else (0, 0))"
-        f"(state.queues.get({queue.encode()!r}))", owner=queue,
-    )
+    """(messages waiting, messages in flight: un-acked or leased) of one queue, from its `queues` row."""
+    row = queue_row(broker, queue)
+    return (row["depth"], row["unacked"] + row["leased"]) if row is not None else (0, 0)
 
 
 def bind(broker, queue: str, *events: str) -> None:
@@ -661,7 +657,7 @@ def test_example_pipeline_publishes_the_last_window_after_events_stop(broker, tm
 
 
 def _queue_exists(broker, queue: str) -> bool:
-    return eval_value(broker, f"{queue.encode()!r} in state.queues", owner=queue)
+    return queue_row(broker, queue) is not None
 
 
 @pytest.mark.timeout(300)
@@ -773,16 +769,11 @@ def test_sink_and_source_over_tls_with_a_token(spark, make_broker, tmp_path):
             rows = [msg_id for msg_id, _ in _read(reader, reader.partitions(start, end))]
             assert rows == [f"s{i}" for i in range(10)]  # fetched by the "executor" over TLS with the token
             reader.commit(end)
-            wait_for(lambda: b"ok (0, 0)" in eval_on_authenticated(wire, in_queue), "the acks over TLS")
+            wait_for(lambda: (row := queue_row_on(wire, in_queue)) and (row["depth"], row["unacked"] + row["leased"])
+                     == (0, 0), "the acks over TLS")
         finally:
             reader.stop()
     finally:
         wire.close()
     assert token not in server.log()
 
-
-def eval_on_authenticated(wire, queue: str) -> bytes:
-    wire.send(b"ev _eval (lambda q: (q.depth(), sum(len(c.unacked) for c in q.consumers)"
-              b" + sum(len(l.held) for l in state.leases.by_id.values() if l.queue is q)))(state.queues[%r])"
-              % queue.encode())
-    return wire.recv_line()

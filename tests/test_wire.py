@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from helpers import eval_on, wait_for
+from helpers import queue_row_on, wait_for
 from helpers import unique_bytes as unique
 
 pytestmark = pytest.mark.timeout(60)
@@ -122,7 +122,7 @@ def test_manual_ack_reject_redelivers_with_retry(wire):
     wire.send(b"a1 ack --confirm c1 m1")
     wire.expect(b"a1 ok ")
     assert wire.barrier() == []
-    assert eval_on(wire, b"--owner=%b state.stats()['messages_unacked']" % queue) == b"0"
+    assert queue_row_on(wire, queue)["unacked"] == 0
 
 
 def test_ack_and_reject_all_and_batch_ack(wire):
@@ -206,14 +206,14 @@ def test_delete_queue_tells_its_consumers_then_drops_them(broker, wire):
     other.expect(b"c2 ok --update %b --delete-queue-when-unused=30.0 --manual-ack" % queue)
     wire.send(b"m1 publish %b d" % event)
     assert wire.barrier() == [] and other.barrier() == []
-    assert eval_on(wire, b"--owner=%b %r in state.queues" % (queue, queue)) == b"False"
+    assert queue_row_on(wire, queue) is None
     # the consumers are gone: a settle is refused, and the un-acked m0 went with the queue
     other.send(b"a1 ack c2 m0")
     other.expect_error(b"a1", b"unknown consumer")
     wire.send(b"c3 consume --confirm %b" % queue)
     wire.expect(b"c3 ok ")
     assert wire.barrier() == []  # a new, empty queue: no old bindings, no old messages
-    assert eval_on(wire, b"--owner=%b list(state.queues[%r].events)" % (queue, queue)) == b"[]"
+    assert queue_row_on(wire, queue)["bindings"] == 0
     other.close()
 
 
@@ -223,11 +223,11 @@ def test_delete_queue_when_unused_immediately_and_after_seconds(wire, broker):
     other.send(b"c1 consume %b e --delete-queue-when-unused" % now)
     other.send(b"c2 consume %b e --delete-queue-when-unused=0.3" % later)
     other.barrier()
-    assert eval_on(wire, b"--owner=%b %r in state.queues" % (now, now)) == b"True"
-    assert eval_on(wire, b"--owner=%b %r in state.queues" % (later, later)) == b"True"
+    assert queue_row_on(wire, now) is not None
+    assert queue_row_on(wire, later) is not None
     other.close()
-    wait_for(lambda: eval_on(wire, b"--owner=%b %r in state.queues" % (now, now)) == b"False", "immediate delete")
-    wait_for(lambda: eval_on(wire, b"--owner=%b %r in state.queues" % (later, later)) == b"False", "delayed delete")
+    wait_for(lambda: queue_row_on(wire, now) is None, "immediate delete")
+    wait_for(lambda: queue_row_on(wire, later) is None, "delayed delete")
 
 
 def test_delete_queue_when_unused_keeps_queue_if_consumer_returns_in_time(broker, wire):
@@ -244,8 +244,8 @@ def test_delete_queue_when_unused_keeps_queue_if_consumer_returns_in_time(broker
     probe.send(b"c3 consume %b e --delete-queue-when-unused=1.0" % marker)
     probe.barrier()
     probe.close()
-    wait_for(lambda: eval_on(wire, b"--owner=%b %r in state.queues" % (marker, marker)) == b"False", "marker delete")
-    assert eval_on(wire, b"--owner=%b %r in state.queues" % (queue, queue)) == b"True"
+    wait_for(lambda: queue_row_on(wire, marker) is None, "marker delete")
+    assert queue_row_on(wire, queue) is not None
 
 
 def test_ping_echoes_data(wire):
@@ -283,7 +283,7 @@ def test_ten_thousand_pipelined_messages_are_delivered_exactly_once(broker):
                 conn.send(b"a ack c%d %b" % (n, msg_id))
     assert len(seen) == 10_000
     assert set(seen) == {b"m%d" % i for i in range(10_000)}
-    assert eval_on(publisher, b"--owner=%b state.queues[%r].depth()" % (queue, queue)) == b"0"
+    assert queue_row_on(publisher, queue)["depth"] == 0
 
 
 def test_consume_with_add_gets_its_own_update_without_confirm_too(broker):
@@ -320,7 +320,7 @@ def test_delete_when_unused_timer_arms_again_after_a_consumer_came_back(broker, 
     wire.expect(b"c2 ok ")
     wire.send(b"d2 delete_consumer --confirm c2")  # armed again
     wire.expect(b"d2 ok ")
-    wait_for(lambda: eval_on(wire, b"--owner=%b %r in state.queues" % (queue, queue)) == b"False",
+    wait_for(lambda: queue_row_on(wire, queue) is None,
              "the re-armed delete")
     publisher = broker.wire()
     publisher.send(b"p3 publish --confirm %b 3" % event)

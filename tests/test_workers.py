@@ -18,8 +18,18 @@ import tempfile
 import threading
 
 import pytest
-from conftest import Broker, Wire, free_port
-from helpers import eval_on, eval_value, http_get, read_a_while, rss_bytes, unique_bytes, wait_for
+from conftest import BrokerProcess, Wire, free_port
+from helpers import (
+    eval_on,
+    http_get,
+    queue_owned_by,
+    queue_row,
+    queue_row_on,
+    read_a_while,
+    rss_bytes,
+    unique_bytes,
+    wait_for,
+)
 
 from mqks.server.routing import MAX_CACHED_EVENTS
 from mqks.server.slots import owner_of, slot_ranges
@@ -34,7 +44,7 @@ def hello(wire: Wire) -> dict:
     return json.loads(line[5:])
 
 
-def direct(broker: Broker, worker: int) -> Wire:
+def direct(broker: BrokerProcess, worker: int) -> Wire:
     """A connection to worker `worker` alone."""
     wire = broker.wire()
     info = hello(wire)
@@ -48,10 +58,7 @@ def direct(broker: Broker, worker: int) -> Wire:
 
 def queue_on(worker: int, prefix: str = "q", workers: int = WORKERS) -> bytes:
     """A fresh queue name that worker `worker` owns."""
-    while True:
-        name = unique_bytes(prefix)
-        if owner_of(name, workers) == worker:
-            return name
+    return queue_owned_by(worker, workers, prefix).encode()
 
 
 def stats(wire: Wire, worker: int | None = None) -> dict:
@@ -62,8 +69,8 @@ def stats(wire: Wire, worker: int | None = None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two() -> Broker:
-    server = Broker("--eval", "--workers", str(WORKERS))
+def two() -> BrokerProcess:
+    server = BrokerProcess("--eval", "--workers", str(WORKERS))
     yield server
     server.kill()
 
@@ -177,13 +184,11 @@ def test_delete_queue_when_unused_across_workers(two):
     consumer.send(b"c consume --confirm %b %b --delete-queue-when-unused" % (queue, event))
     consumer.expect(b"c ok ")
     inspector = two.wire()
-    inspector.send(b"e _eval --owner=%b %r in state.queues" % (queue, queue))
-    inspector.expect(b"e ok True")
+    assert queue_row_on(inspector, queue) is not None
     consumer.close()
 
     def deleted() -> bool:
-        inspector.send(b"e _eval --owner=%b %r in state.queues" % (queue, queue))
-        return inspector.recv_line() == b"e ok False"
+        return queue_row_on(inspector, queue) is None
 
     wait_for(deleted, "the owner to delete the queue its last (relayed) consumer left")
     publisher = direct(two, 0)  # the replica on the other worker forgot the binding too
@@ -235,7 +240,7 @@ def test_a_killed_worker_is_restarted_and_keeps_confirmed_messages(make_broker):
     consumer.close()
 
 
-def wait_restarted(broker: Broker, worker: int, old_pid: int) -> None:
+def wait_restarted(broker: BrokerProcess, worker: int, old_pid: int) -> None:
     """Until the supervisor has restarted `worker` (a new pid) and worker 0 has linked to it again."""
 
     def restarted() -> bool:
@@ -558,7 +563,7 @@ def test_distinct_events_keep_the_owner_cache_bounded(two):
 def test_a_worker_whose_log_is_corrupt_stops_the_broker_instead_of_a_crash_loop(tmp_path):
     # issue 31.7: the worker exited 1 and the supervisor restarted it for ever, while the other
     # worker served and every line for the broken one answered "worker 1 is restarting"
-    server = Broker("--workers", "2", "--data-dir", str(tmp_path))
+    server = BrokerProcess("--workers", "2", "--data-dir", str(tmp_path))
     try:
         wire = direct(server, 1)
         queue = queue_on(1)
@@ -627,11 +632,11 @@ def test_a_stalled_consumer_on_a_worker_that_does_not_own_its_queue_loses_nothin
         publisher.send(*(b"m%d publish e %d" % (i, i) for i in range(start, start + batch)))
     assert publisher.barrier() == []
     # the consumer has not read a byte: what the socket buffers do not hold waits in the queue
-    assert eval_value(broker, f"state.queues[{queue!r}].depth()", worker=1) > 0
+    assert queue_row(broker, queue)["depth"] > 0
     got = [consumer.recv_line(timeout=30) for _ in range(count)]
     assert got == [b"c ok m%d event=e %d" % (i, i) for i in range(count)]
     assert consumer.barrier() == []
-    assert eval_value(broker, f"state.queues[{queue!r}].depth()", worker=1) == 0
+    assert queue_row(broker, queue)["depth"] == 0
     consumer.close()
     publisher.close()
 
