@@ -29,8 +29,20 @@ from conftest import BrokerProcess, free_port
 from helpers import MQKS, REPO, RUN_TIMEOUT_SECONDS, mqks, unique
 
 STATS_PY = REPO / "stats.py"
-README = REPO / "README.md"
+CLIENT_DOC = REPO / "docs" / "client.md"
 LINE_TIMEOUT_SECONDS = 10.0
+
+
+def test_the_readme_python_example_runs_as_written(broker: BrokerProcess) -> None:
+    """The README's ten lines, run against a real broker (its port in place of 25000)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    example = readme.split("## The Python client in ten lines")[1].split("```python\n")[1].split("```")[0]
+    assert len(example.splitlines()) <= 10, example
+    script = example.replace("25000", str(broker.port)).replace(
+        "client.close()", "assert done.is_set(), 'no message within 5 s'\nclient.close()")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "user.1.created hi there\n"
 
 
 def stats_py(server: BrokerProcess, *args: str) -> subprocess.CompletedProcess:
@@ -210,11 +222,11 @@ def test_mqks_eval_with_eval_off_exits_3(make_broker: Callable[..., BrokerProces
     assert done.returncode == 3 and "--eval" in done.stderr, done.stderr
 
 
-def test_readme_documents_every_exit_code_of_mqks() -> None:
+def test_the_docs_document_every_exit_code_of_mqks() -> None:
     from mqks.client import cli
 
     codes = {value for name, value in vars(cli).items() if name.startswith("EXIT_")}
-    section = README.read_text(encoding="utf-8").split("## The `mqks` command")[1].split("\n## ")[0]
+    section = CLIENT_DOC.read_text(encoding="utf-8").split("## The `mqks` command")[1].split("\n## ")[0]
     documented = {int(code) for code in re.findall(r"^\| `(\d+)` \|", section, re.MULTILINE)}
     assert documented == codes
 
