@@ -18,7 +18,7 @@ from collections import deque
 
 from mqks.server.actions import actions_for, handlers_for, run_lines
 from mqks.server.outbox import Outbox
-from mqks.server.workers import Workers
+from mqks.server.process import Process
 
 BATCH_LINES = 2000  # about what one 64 KiB read holds
 
@@ -26,13 +26,13 @@ BATCH_LINES = 2000  # about what one 64 KiB read holds
 class BenchSession:
     """The `Session` a connection would be, with an outbox nobody flushes."""
 
-    def __init__(self, workers: Workers) -> None:
+    def __init__(self, process: Process) -> None:
         self.peer = "bench"
         self.peer_is_loopback = True
         self.eval_enabled = False
-        self.workers = workers
-        self.brokers = workers.brokers
-        self.outbox = Outbox(workers.pending, 1 << 40)
+        self.process = process
+        self.publisher = process.publisher
+        self.outbox = Outbox(process.pending, 1 << 40)
         self.consumers_by_id = self.outbox.consumers_by_id
         self.actions = actions_for(False, True)
         self.handlers = handlers_for(False, True)
@@ -53,8 +53,8 @@ class BenchSession:
 
 def run(workload: str, messages: int) -> float:
     """CPU ns per message of one run of `workload`."""
-    workers = Workers(1)
-    session = BenchSession(workers)
+    process = Process()
+    session = BenchSession(process)
     rejected: deque = deque()
     if workload == "queued":
         run_lines(session, [b"r1 rebind q1 e1"], rejected)
@@ -69,7 +69,7 @@ def run(workload: str, messages: int) -> float:
             lines.append(b"a ack c1 " + b" ".join(b"m%d" % i for i in range(start, min(messages, start + BATCH_LINES))))
         batches.append(lines)
     outbox = session.outbox
-    pending = workers.pending
+    pending = process.pending
     started = time.process_time()
     for lines in batches:
         run_lines(session, lines, rejected)

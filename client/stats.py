@@ -21,6 +21,9 @@ from typing import Any, NoReturn
 import gevent
 from gevent.event import Event
 
+from mqks.server.figures import FIGURES as ALL_FIGURES
+from mqks.server.figures import TOP_QUEUES
+
 from .client import Client
 from .errors import MqksError
 from .tls import client_context, token_setting
@@ -28,26 +31,9 @@ from .tls import client_context, token_setting
 EXIT_INTERRUPTED = 130  # a one-shot command interrupted by Ctrl-C (a --watch ends with 0, as `mqks consume`)
 
 # (key in the stats answer, label) in the order a message lives: published, queued, consumed, acked
-FIGURES: tuple[tuple[str, str], ...] = (
-    ("published", "messages published"),
-    ("queued", "messages queued"),
-    ("consumed", "messages consumed"),
-    ("acked", "messages acked"),
-    ("rejected", "messages rejected"),
-    ("queues", "queues"),
-    ("consumers", "consumers"),
-    ("messages_waiting", "messages waiting in queues"),
-    ("messages_unacked", "messages waiting for ack"),
-    ("events", "events subscribed"),
-    ("clients", "clients"),
-    ("connections", "connections"),
-    ("bytes_in", "bytes received"),
-    ("bytes_out", "bytes sent"),
-    ("errors", "errors answered"),
-)
+FIGURES: tuple[tuple[str, str], ...] = tuple((key, figure.label) for key, figure in ALL_FIGURES.items() if figure.label)
 # counted once for the whole process, not per worker: shown in the total column only
-PROCESS_WIDE_FIGURES = frozenset({"published", "clients", "connections", "bytes_in", "bytes_out", "errors"})
-TOP_QUEUES = 10
+PROCESS_WIDE_FIGURES = frozenset(key for key, figure in ALL_FIGURES.items() if figure.label and not figure.per_worker)
 
 
 class Parser(argparse.ArgumentParser):

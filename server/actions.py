@@ -23,6 +23,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from .outbox import Outbox
+from .process import VERSION, Process
 from .protocol import (
     Held,
     ProtocolError,
@@ -34,8 +35,7 @@ from .protocol import (
     text,
 )
 from .schedules import BadRule
-from .state import Broker, Consumer, SeqConsumer, TimedConsumer, TimedSeqConsumer
-from .workers import VERSION, Workers
+from .state import Consumer, Queue, SeqConsumer, TimedConsumer, TimedSeqConsumer
 
 if TYPE_CHECKING:
     from .relay import RelaySession
@@ -50,6 +50,16 @@ REBIND_MISSING = ("rebind: queue expected: {id} rebind {queue} [{event} ...] [--
                   "[--add ...]")
 
 
+class Publisher(Protocol):
+    """What a publish calls: this process's broker, or with worker processes the Forwarder (peers.py)."""
+
+    def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None: ...
+
+    def routes(self, event: bytes) -> bool: ...
+
+    def full_queues(self, event: bytes) -> list[Queue]: ...
+
+
 class Session(Protocol):
     """What a handler may use of the client that sent the line."""
 
@@ -62,8 +72,8 @@ class Session(Protocol):
     said_hello: bool
     tls: bool
     ttl_seconds: float | None
-    workers: Workers
-    brokers: list[Broker]  # workers.brokers, one attribute away for publish
+    process: Process
+    publisher: Publisher  # process.publisher (this broker, or the Forwarder to every worker), one load away
     outbox: Outbox
     consumers_by_id: dict[bytes, Consumer]
     actions: dict[bytes, Action]
@@ -111,8 +121,7 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
     if confirm:
         publish_confirmed(session, rid, event, tail)
         return
-    for broker in session.brokers:
-        broker.publish(rid, event, tail)
+    session.publisher.publish(rid, event, tail)
 
 
 def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
@@ -130,18 +139,17 @@ def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) ->
         check_name(event, "publish: event")
     tail = b"".join((b" ok ", rid, b" event=", rest, b"" if space else b" "))
     due_ms = math.ceil(due * 1000)  # never early: the first millisecond at or after the due time
-    workers = session.workers
+    process = session.process
     if due_ms <= now * 1000:
         if confirm:
             publish_confirmed(session, rid, event, tail)
         else:
-            for broker in session.brokers:
-                broker.publish(rid, event, tail)
+            session.publisher.publish(rid, event, tail)
         return
-    journal = workers.journal
+    journal = process.journal
     if confirm and journal is not None and journal.blocked:
         raise ProtocolError(journal.refusal())
-    workers.publish_later(due_ms, tail)
+    process.publish_later(due_ms, tail)
     if confirm:
         if journal is None:
             session.ok(rid)
@@ -151,18 +159,16 @@ def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) ->
 
 def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
     """Publish, then `ok`: at once in memory, once the log has it with --data-dir."""
-    journal = session.workers.journal
+    journal = session.process.journal
     if journal is not None and journal.blocked:
         raise ProtocolError(journal.refusal())
-    forwarder = session.workers.forwarder
-    # a line another worker forwarded (its session publishes to this worker's queues only) is never sent on
-    sent_on = forwarder is not None and session.brokers is session.workers.publishers
-    if sent_on and forwarder.routes_elsewhere(event):
-        forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'
+    process = session.process
+    # a line another worker forwarded (its session publishes to this worker's broker only) is never sent on
+    if session.publisher is not process.broker and process.forwarder.routes_elsewhere(event):
+        process.forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'
         return
-    full = [queue for broker in session.brokers for queue in broker.full_queues(event)]
-    for broker in session.brokers:
-        broker.publish(rid, event, tail)
+    full = session.publisher.full_queues(event)
+    session.publisher.publish(rid, event, tail)
     if full:
         names = ", ".join(f"queue {text(queue.name)} is full (--max-length={queue.max_length})" for queue in full)
         raise ProtocolError(f"{names}: the message was not put there (every other bound queue has it)")
@@ -208,18 +214,17 @@ def handle_request(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
         args = rest
     event, _, data = args.partition(b" ")
     check_name(event, "request: event")
-    if not any(broker.routes(event) for broker in session.brokers):
+    if not session.publisher.routes(event):
         raise ProtocolError(f"request: no queue is bound to event {text(event)!r}")
-    token = session.workers.requests.open(session.outbox, rid, seconds)
+    token = session.process.requests.open(session.outbox, rid, seconds)
     tail = b"".join((b" ok ", rid, b" event=", event, b",reply=", token, b" ", data))
-    for broker in session.brokers:
-        broker.publish(rid, event, tail)
+    session.publisher.publish(rid, event, tail)
 
 
 def handle_reply(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     """`{id} reply {token} {data}` (extension): answer a request; a second reply is dropped and counted."""
     token, _, data = args.partition(b" ")
-    if not session.workers.requests.reply(token, data):
+    if not session.process.requests.reply(token, data):
         raise ProtocolError(f"reply: unknown token {text(token)!r}: never issued, timed out, or its requester left")
     if confirm:
         session.ok(rid)
@@ -262,7 +267,7 @@ def handle_schedule(session: Session, rid: bytes, args: bytes, confirm: bool) ->
     event, _, data = rest.partition(b" ")
     check_name(event, "schedule: event")
     try:
-        session.workers.schedules.set(name, every, cron, count, nohaste, event, data)
+        session.process.schedules.set(name, every, cron, count, nohaste, event, data)
     except BadRule as e:
         raise ProtocolError(f"schedule: {e}") from None
     if confirm:
@@ -273,7 +278,7 @@ def handle_unschedule(session: Session, rid: bytes, args: bytes, confirm: bool) 
     tokens = args.split()
     if len(tokens) != 1:
         raise ProtocolError("unschedule: expected {id} unschedule {name}")
-    if not session.workers.schedules.remove(tokens[0]):
+    if not session.process.schedules.remove(tokens[0]):
         raise ProtocolError(f"unschedule: no schedule {text(tokens[0])!r}")
     if confirm:
         session.ok(rid)
@@ -284,7 +289,7 @@ def handle_schedules(session: Session, rid: bytes, args: bytes, confirm: bool) -
     if args.strip():
         raise ProtocolError(f"schedules: unexpected {text(args)!r}; expected {{id}} schedules")
     head = rid + b" ok "
-    lines = [b"%b%b\n" % (head, to_json(row)) for row in session.workers.schedules.rows()]
+    lines = [b"%b%b\n" % (head, to_json(row)) for row in session.process.schedules.rows()]
     lines.append(head + b"--end\n")
     session.write(b"".join(lines))
 
@@ -337,7 +342,7 @@ def handle_consume(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
     name, events, added, flags, limits = parse_consume(args)
     if rid in session.consumers_by_id:
         raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
-    broker = session.workers.worker_for(name)
+    broker = session.process.broker
     queue = broker.queue(name)
     seq = flags.pop("seq")
     ack_timeout_seconds = flags.pop("ack_timeout_seconds")
@@ -370,7 +375,7 @@ def handle_rebind(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
                 raise ProtocolError(f"rebind: unknown flag {text(token)!r}")
         else:
             target.append(token)
-    broker = session.workers.worker_for(name)
+    broker = session.process.broker
     queue = broker.queue(name)
     changed = broker.rebind(queue, replace=lists[b""] or None, add=lists[b"--add"], remove=lists[b"--remove"],
                             remove_masks=lists[b"--remove-mask"])
@@ -417,7 +422,7 @@ def settle(session: Session, rid: bytes, args: bytes, confirm: bool, action: str
             args = head
             delay_seconds = parse_seconds(value, "reject: --delay")
     consumer, msg_ids = parse_ack(session, action, args)
-    broker = session.workers.worker_for(consumer.queue.name)
+    broker = session.process.broker
     if delay_seconds:
         due_ms = math.ceil((time.time() + delay_seconds) * 1000)
         if unknown := broker.reject_later(consumer, msg_ids, due_ms):
@@ -438,7 +443,7 @@ def not_in_flight(action: str, msg_ids: list[bytes], consumer: Consumer) -> Prot
 def handle_touch(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     """`touch {consumer_id} {msg_id} ...|--all` (extension): restart the ack-timeout clock of copies in flight."""
     consumer, msg_ids = parse_ack(session, "touch", args)
-    broker = session.workers.worker_for(consumer.queue.name)
+    broker = session.process.broker
     if msg_ids is None:
         msg_ids = list(consumer.seq_by_msg_id)
     if unknown := broker.touch(consumer, msg_ids):
@@ -454,7 +459,7 @@ def handle_delete_consumer(session: Session, rid: bytes, args: bytes, confirm: b
     consumer = session.consumers_by_id.get(tokens[0])
     if consumer is None:
         raise ProtocolError(f"delete_consumer: unknown consumer {text(tokens[0])!r} on this connection")
-    session.workers.worker_for(consumer.queue.name).remove_consumer(consumer)
+    session.process.broker.remove_consumer(consumer)
     if confirm:
         session.ok(rid)
 
@@ -464,7 +469,7 @@ def handle_delete_queue(session: Session, rid: bytes, args: bytes, confirm: bool
     if len(tokens) != 1:
         raise ProtocolError("delete_queue: expected {queue}")
     name = check_name(tokens[0], "delete_queue: queue")
-    session.workers.worker_for(name).delete_queue(name)
+    session.process.broker.delete_queue(name)
     if confirm:
         session.ok(rid)
 
@@ -474,20 +479,20 @@ def handle_ping(session: Session, rid: bytes, args: bytes, confirm: bool) -> Non
 
 
 def handle_eval(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-    workers = session.workers
-    worker = 0
+    """`_eval [--worker=N | --owner=Q] {expression}` with `state` (this worker's broker) and `process` in scope;
+    with worker processes the relay has brought the line to worker N or to queue Q's owner."""
+    process = session.process
     first, _, code = args.partition(b" ")
     if (value := parse_flag_value(first, b"--worker")) is not None:
         worker = parse_count(value, "--worker")
-        if worker >= workers.count:
-            raise ProtocolError(f"_eval: no worker {worker}: this server has {workers.count} (0..{workers.count - 1})")
-    elif (value := parse_flag_value(first, b"--owner")) is not None:
-        worker = workers.brokers.index(workers.worker_for(value))  # the worker that owns queue `value`
-    else:
+        if worker >= process.worker_count:
+            count = process.worker_count
+            raise ProtocolError(f"_eval: no worker {worker}: this server has {count} (0..{count - 1})")
+    elif parse_flag_value(first, b"--owner") is None:
         code = args
     if not code.strip():
         raise ProtocolError("_eval: expected a Python expression")
-    namespace = {"state": workers.brokers[worker], "workers": workers}
+    namespace = {"state": process.broker, "process": process}
     try:
         # remote code execution on purpose: the dispatcher lets only --eval servers' loopback peers here
         result = eval(code.decode(), namespace)
@@ -514,8 +519,12 @@ def to_json(value: object) -> bytes:
 
 def handle_stats(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     """`{id} stats [--worker=N]` -> `{id} ok {json}`: every worker's figures summed, or worker N's."""
-    workers = session.workers
-    session.ok(rid, to_json(workers.stats(parse_stats_args(args, workers.count))))
+    process = session.process
+    worker = parse_stats_args(args, process.worker_count)
+    figures = process.stats()
+    if worker is not None:
+        figures["worker"] = worker
+    session.ok(rid, to_json(figures))
 
 
 def parse_stats_args(args: bytes, count: int) -> int | None:
@@ -535,7 +544,7 @@ def handle_queues(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
     if len(tokens) > 1 or (tokens and tokens[0].startswith(b"--")):
         raise ProtocolError(f"queues: unexpected {text(args)!r}; expected {{id}} queues [{{mask}}]")
     head = rid + b" ok "
-    lines = [b"%b%b\n" % (head, to_json(row)) for row in session.workers.queue_rows(tokens[0] if tokens else None)]
+    lines = [b"%b%b\n" % (head, to_json(row)) for row in session.process.queue_rows(tokens[0] if tokens else None)]
     lines.append(head + b"--end\n")
     session.write(b"".join(lines))  # one write: the limit on unread output still applies to the whole answer
 
@@ -558,10 +567,10 @@ def handle_hello(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
     if value is not None:
         session.set_ttl(parse_seconds(value, "--ttl") or None)  # --ttl=0: no limit
     session.said_hello = True
-    workers = session.workers
+    process = session.process
     session.ok(rid, to_json({"version": VERSION, "protocol": PROTOCOL_VERSION, "extensions": list(EXTENSIONS),
                              "ttl": session.ttl_seconds, "tls": session.tls, "authenticated": session.authenticated,
-                             **workers.topology()}))
+                             **process.topology()}))
 
 
 def handle_auth(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
@@ -623,7 +632,7 @@ def handle_fetch(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
     # one answer never passes the point where deliveries to this client pause: it must fit the
     # limit on unread output with room to spare
     max_bytes = min(max_bytes, session.outbox.high_water_bytes)
-    broker = session.workers.worker_for(name)
+    broker = session.process.broker
     lines, count = broker.leases.fetch(name, lease_id, max_count, max_bytes, seconds, add, rid)
     lines.append(b"%b ok --end %d\n" % (rid, count))
     session.write(b"".join(lines))
@@ -646,11 +655,10 @@ def handle_settle(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
     if ack == release or not lease_ids:
         raise ProtocolError(SETTLE_LEASE_USAGE)
     count = 0
-    # a lease lives in its queue's worker; its id does not name the queue, so every worker is asked
-    for broker in session.workers.brokers:
-        settle_lease = broker.leases.settle
-        for lease_id in lease_ids:
-            count += settle_lease(lease_id, ack)
+    # a lease lives in its queue's worker; its id does not name the queue, so every worker is asked (relay.py)
+    settle_lease = session.process.broker.leases.settle
+    for lease_id in lease_ids:
+        count += settle_lease(lease_id, ack)
     session.ok(rid, b"%d" % count)
 
 
@@ -717,7 +725,7 @@ def refuse_publish_over_memory(session: Session, rid: bytes, args: bytes, confir
     """`publish` past --max-memory: a confirmed one gets an error, an unconfirmed one is dropped and counted."""
     if confirm:
         raise ProtocolError(memory_reason(session))
-    session.workers.dropped_by_memory += 1
+    session.process.dropped_by_memory += 1
 
 
 def refuse_request_over_memory(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
@@ -725,7 +733,7 @@ def refuse_request_over_memory(session: Session, rid: bytes, args: bytes, confir
 
 
 def memory_reason(session: Session) -> str:
-    return session.workers.memory_reason()
+    return session.process.memory_reason()
 
 
 OVER_MEMORY: dict[bytes, Handler] = {b"publish": refuse_publish_over_memory, b"request": refuse_request_over_memory}

@@ -1,8 +1,8 @@
 """The `mqksd` process: command line, logging, the listener, timers and signals.
 
-One `Server` per process wires the parts together: the `Workers` (a queue belongs to
-worker `crc32(queue) % workers`), the one timer heap and its greenlet, the error ids, and
-a `Connection` per client, which gets the workers and an error-id source, never the
+One `Server` per process wires the parts together: the `Process` (its one broker, worker i of
+n, owning the queues of its slot range), the one timer heap and its greenlet, the error ids,
+and a `Connection` per client, which gets the process and an error-id source, never the
 server itself. SIGTERM or SIGINT drains: stop accepting, stop delivering, give consumers
 `--drain-seconds` to settle what they hold (those that said `hello` hear `ok --draining`),
 flush what is owed, requeue the rest (durably with --data-dir), exit 0. SIGHUP re-reads the
@@ -36,12 +36,12 @@ from .actions import ONE_PROCESS, HandlerTables
 from .config import CANNOT_START_EXIT_CODE, DEFAULTS, Config
 from .connection import Connection
 from .journal import Journal
+from .process import VERSION, Process
 from .protocol import format_error
 from .recovery import rebuild, recover
 from .sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
 from .slots import SLOTS, slot_ranges
 from .timers import Timers
-from .workers import VERSION, Workers
 
 if TYPE_CHECKING:
     from gevent.pywsgi import WSGIServer
@@ -133,19 +133,19 @@ class Server:
         self.journal = self.open_journal() if config.data_dir else None
         self.peers: Peers | None = None
         self.tables = ONE_PROCESS  # the sessions' handler tables; a worker of several wraps them (link_workers)
-        if config.worker_index is None:
-            self.workers = Workers(config.workers, self.timers, self.journal)
-        else:
-            self.workers = Workers(1, self.timers, self.journal)
-            self.link_workers(config.worker_index, config.workers)
-        self.workers.topology_extra = self.topology
+        # one broker per process: worker i of n with --workers n (the supervisor started it), else worker 0 of 1
+        worker, count = (0, 1) if config.worker_index is None else (config.worker_index, config.workers)
+        self.process = Process(self.timers, self.journal, worker, count)
+        if count > 1:
+            self.link_workers()
+        self.process.topology_extra = self.topology
         self.direct_listeners: list[Listener] = []
         self.link_listener: Listener | None = None
-        self.workers.error_line = self.error_line
-        self.workers.max_memory_bytes = config.max_memory_bytes
+        self.process.error_line = self.error_line
+        self.process.max_memory_bytes = config.max_memory_bytes
         if config.max_memory_bytes is not None and self.peers is not None:
             # every worker process holds itself to an equal share, so together they stay under the limit
-            self.workers.max_memory_share = config.max_memory_bytes // config.workers
+            self.process.max_memory_share = config.max_memory_bytes // config.workers
         self.stream_server: Listener | None = None
         self.tls_server: Listener | None = None
         self.tls_context = (tls_server_context(config.tls_cert, config.tls_key, config.tls_ca)
@@ -161,28 +161,27 @@ class Server:
         self.stopped = Event()  # shutdown is complete: serve_forever may return
         self.stopping = False  # shutdown has begun: a worker still linking at start-up must not open its port
 
-    def link_workers(self, worker: int, count: int) -> None:
-        """This process is worker `worker` of `count`: reach the others, route lines to the owners."""
+    def link_workers(self) -> None:
+        """This process is one worker of several: reach the others, route lines to the owners."""
         from .peers import RELAY_WINDOW_BYTES, Peers
         from .relay import place
 
         assert self.config.run_dir is not None
-        broker = self.workers.brokers[0]
-        broker.worker, broker.workers = worker, count
+        process = self.process
+        count = process.worker_count
         # a relayed session's window: 8 MiB, and small enough that even if every other worker fills one for
         # the same client while it stalls, its worker holds under --max-output-bytes in all
-        self.peers = Peers(self.workers, worker, count, self.config.run_dir, self.config.max_link_backlog_bytes,
+        self.peers = Peers(process, self.config.run_dir, self.config.max_link_backlog_bytes,
                            min(RELAY_WINDOW_BYTES, self.config.max_output_bytes // (2 * count)))
         self.peers.on_link_lost = self.on_link_lost
-        self.workers.link(self.peers)
-        self.workers.requests.prefix = f"{worker}w{self.workers.requests.prefix}"  # a reply finds its worker
+        process.link(self.peers)
+        process.requests.prefix = f"{process.worker}w{process.requests.prefix}"  # a reply finds its worker
         self.tables = HandlerTables(place)
 
     def topology(self) -> dict[str, Any]:
         """`hello`'s fields about placement: this worker, the slot map, and every worker's own address."""
         config = self.config
-        count = self.peers.count if self.peers is not None else 1
-        worker = self.peers.worker if self.peers is not None else 0
+        count, worker = self.process.worker_count, self.process.worker
         fields: dict[str, Any] = {"worker": worker, "slots": SLOTS, "slot_map": slot_ranges(count)}
         if self.peers is None:
             listener = self.stream_server
@@ -231,7 +230,7 @@ class Server:
 
     def error_line(self, rid: bytes, reason: str) -> bytes:
         error_id = self.next_error_id()
-        self.workers.errors += 1
+        self.process.errors += 1
         log.warning("error %s: %s (rid %r)", error_id, reason, rid[:80])
         return format_error(rid, error_id, reason)
 
@@ -245,8 +244,8 @@ class Server:
         lines = journal.log.replay(repair=self.config.repair)
         try:
             recovery = recover(lines)
-            queues, messages = rebuild(recovery.queues, self.workers.worker_for)
-            self.workers.restore(recovery)
+            queues, messages = rebuild(recovery.queues, lambda name: self.process.broker)
+            self.process.restore(recovery)
         except LogCorrupt as e:
             log.error("cannot start: %s", e)  # names the file, the offset and --repair
             sys.exit(1 if self.config.worker_index is None else CANNOT_START_EXIT_CODE)
@@ -261,7 +260,7 @@ class Server:
         """The log made commits durable (or failed them): answer their confirms."""
         assert self.journal is not None
         self.journal.settle()
-        self.workers.flush_pending()
+        self.process.flush_pending()
 
     def run_timers(self) -> None:
         """The process's one timer greenlet: sleep until the earliest deadline, run what is due."""
@@ -270,7 +269,7 @@ class Server:
             due.wait(timers.next_delay())
             due.clear()
             if timers.run_due():
-                self.workers.flush_pending()
+                self.process.flush_pending()
 
     def check_memory(self) -> None:
         """Every MEMORY_CHECK_SECONDS with --max-memory: past the limit, publishes are refused until it drains.
@@ -278,12 +277,12 @@ class Server:
         Refusal swaps each connection's handler table, so the publish path itself checks nothing.
         A broker that holds no message is never refusing, whatever its RSS: only messages can drain.
         """
-        workers = self.workers
-        limit = workers.max_memory_share or self.config.max_memory_bytes
+        process = self.process
+        limit = process.max_memory_share or self.config.max_memory_bytes
         assert limit is not None
-        over = resident_bytes() > limit and workers.holds_messages()
-        if over != workers.memory_full:
-            workers.memory_full = over
+        over = resident_bytes() > limit and process.holds_messages()
+        if over != process.memory_full:
+            process.memory_full = over
             log.warning("resident memory %s --max-memory=%d: publishes are %s", "over" if over else "back under",
                         limit, "refused until consumers drain the queues" if over else "accepted again")
             for conn in self.connections:
@@ -295,7 +294,7 @@ class Server:
         self.timers.call_later(MEMORY_CHECK_SECONDS, self.check_memory)
 
     def handle(self, sock: socket.socket, address: object, tls: bool = False) -> None:
-        conn = Connection(sock, address, self.config, self.workers, self.next_error_id, tls=tls, tokens=self.tokens,
+        conn = Connection(sock, address, self.config, self.process, self.next_error_id, tls=tls, tokens=self.tokens,
                           eval_refusal=self.eval_refusal, silence_watch=self.silence_watch, tables=self.tables)
         self.connections.add(conn)
         self.no_connections.clear()
@@ -369,7 +368,7 @@ class Server:
             if unlinked:
                 return (f"worker {', '.join(map(str, unlinked))} not linked (restarting, or not reading): "
                         "lines for its queues get an error")
-            from .peers import log_trouble
+            from .figures import log_trouble
 
             for answer in self.peers.ask_all(b"h stats"):
                 stats = json.loads(answer.partition(b" ok ")[2])
@@ -392,7 +391,7 @@ class Server:
         if config.metrics_port is not None and (self.peers is None or self.peers.worker == 0):
             from .metrics import metrics_server  # prometheus_client is loaded only when asked for
 
-            self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.workers,
+            self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.process,
                                                  config.metrics_max_queues, self.health)
             try:
                 self.metrics_server.start()
@@ -528,7 +527,7 @@ class Server:
             listener.close()
         try:
             self.drain()
-            self.workers.flush_pending()
+            self.process.flush_pending()
             deadline = time.monotonic() + SHUTDOWN_FLUSH_SECONDS
             while any(conn.outbox.out for conn in self.connections) and time.monotonic() < deadline:
                 gevent.sleep(0.01)
@@ -557,14 +556,14 @@ class Server:
             if conn.said_hello:
                 for consumer_id in conn.consumers_by_id:
                     conn.write(consumer_id + DRAINING)
-        self.workers.draining = True
+        self.process.draining = True
         sessions: list[Any] = list(self.connections)
         if self.peers is not None:  # other workers' clients consuming here stop getting deliveries too
             for link in self.peers.incoming:
                 for session in link.sessions.values():
                     session.outbox.paused = True
                     sessions.append(session)
-        self.workers.flush_pending()
+        self.process.flush_pending()
         self.drain_ends_at = time.monotonic() + self.config.drain_seconds  # a second SIGTERM sets it to 0
         while time.monotonic() < self.drain_ends_at and any(
                 consumer.unacked for session in sessions for consumer in session.consumers_by_id.values()):

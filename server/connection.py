@@ -1,7 +1,7 @@
 """Steps 1 and 6 of the flow: one client's socket, read in big chunks, written in batches.
 
 The reader greenlet does `recv(65536)`, splits every complete line, runs them all, then
-flushes every outbox the batch touched (`Workers.flush_pending`): one `b"".join` and one
+flushes every outbox the batch touched (`Process.flush_pending`): one `b"".join` and one
 `os.write` on the non-blocking fd per connection per batch, never a write per message.
 What a socket does not take goes to that connection's writer greenlet, so a slow client
 blocks only its own writer.
@@ -26,15 +26,15 @@ from typing import Any
 import gevent
 from gevent.event import Event
 
-from .actions import ONE_PROCESS, Action, Handler, HandlerTables, actions_for, run_lines
+from .actions import ONE_PROCESS, Action, Handler, HandlerTables, Publisher, actions_for, run_lines
 from .config import Config
 from .frames import Frame
 from .outbox import Outbox
+from .process import Process
 from .protocol import LineSplitter, format_error, format_ok
 from .relay import RelaySession
 from .sessions import SilenceWatch, Tokens
-from .state import Broker, Consumer
-from .workers import Workers
+from .state import Consumer
 
 log = logging.getLogger("mqks.connection")
 
@@ -90,13 +90,13 @@ def loop_turns() -> Any:
 class Connection:
     """A client: its socket, its line splitter, and the outbox its replies and deliveries go to."""
 
-    __slots__ = ("sock", "fd", "peer", "peer_is_loopback", "eval_enabled", "workers", "outbox", "consumers_by_id",
-                 "actions", "handlers", "brokers", "splitter", "next_error_id", "wake", "writing", "closed",
+    __slots__ = ("sock", "fd", "peer", "peer_is_loopback", "eval_enabled", "process", "outbox", "consumers_by_id",
+                 "actions", "handlers", "publisher", "splitter", "next_error_id", "wake", "writing", "closed",
                  "max_output_bytes", "errors", "tls", "tokens", "authenticated", "unauthenticated_lines",
                  "eval_refusal", "said_hello", "ttl_seconds", "reads", "silence_watch", "draining", "tables",
                  "relay")
 
-    def __init__(self, sock: socket.socket, address: object, config: Config, workers: Workers,
+    def __init__(self, sock: socket.socket, address: object, config: Config, process: Process,
                  next_error_id: Callable[[], str], *, tls: bool = False, tokens: Tokens | None = None,
                  eval_refusal: str | None = None, silence_watch: SilenceWatch | None = None,
                  tables: HandlerTables = ONE_PROCESS) -> None:
@@ -110,10 +110,10 @@ class Connection:
         self.peer_is_loopback = _is_loopback(address)
         self.eval_enabled = config.eval_enabled and eval_refusal is None
         self.eval_refusal = eval_refusal
-        self.workers = workers
+        self.process = process
         self.tls = tls
         # a TLS socket is written by its writer greenlet only: the kernel fd would bypass the encryption
-        self.outbox = Outbox(workers.pending, config.max_output_bytes // 4, self.wake_writer if tls else self.flush)
+        self.outbox = Outbox(process.pending, config.max_output_bytes // 4, self.wake_writer if tls else self.flush)
         self.consumers_by_id: dict[bytes, Consumer] = self.outbox.consumers_by_id
         self.tokens = tokens
         self.authenticated = tokens is None
@@ -121,15 +121,15 @@ class Connection:
         self.tables = tables
         self.actions: dict[bytes, Action] = actions_for(self.eval_enabled, self.peer_is_loopback, self.authenticated)
         self.handlers: dict[bytes, Handler] = tables.for_session(self.eval_enabled, self.peer_is_loopback,
-                                                                 self.authenticated, workers.memory_full)
+                                                                 self.authenticated, process.memory_full)
         self.said_hello = False
         self.ttl_seconds: float | None = None
         self.reads = 0  # recv calls: the silence watch compares it between its checks
         self.silence_watch = silence_watch
         self.draining = False  # the server is stopping: deliveries stay paused
-        self.brokers: list[Broker] = workers.publishers
+        self.publisher: Publisher = process.publisher
         # with worker processes: this client's session on the other workers
-        self.relay = RelaySession(self, workers.peers) if workers.peers is not None else None
+        self.relay = RelaySession(self, process.peers) if process.peers is not None else None
         self.splitter = LineSplitter(config.max_line_bytes)
         self.next_error_id = next_error_id
         self.wake = Event()
@@ -159,7 +159,7 @@ class Connection:
     def error(self, rid: bytes, reason: str, line: bytes) -> None:
         error_id = self.next_error_id()
         self.errors += 1
-        self.workers.errors += 1
+        self.process.errors += 1
         # a client looping on a bad line must not flood the log: the first ones in full,
         # then one line per LOG_EVERY_NTH_ERROR
         if self.errors <= LOG_FIRST_ERRORS or self.errors % LOG_EVERY_NTH_ERROR == 0:
@@ -177,7 +177,7 @@ class Connection:
             self.authenticated = True
             self.actions = actions_for(self.eval_enabled, self.peer_is_loopback)
             self.handlers = self.tables.for_session(self.eval_enabled, self.peer_is_loopback, True,
-                                                    self.workers.memory_full)
+                                                    self.process.memory_full)
             log.info("%s authenticated", self.peer)
         return True
 
@@ -195,7 +195,7 @@ class Connection:
         relay = self.relay
         if relay is not None and relay.owed_credit:
             relay.give_credit()
-        self.workers.resume(self.outbox)
+        self.process.resume(self.outbox)
 
     def wake_writer(self) -> None:
         """The flush of a TLS connection: its writer greenlet encrypts and sends the batch."""
@@ -223,7 +223,7 @@ class Connection:
             log.info("write to %s failed: %s", self.peer, e)
             self.close()
             return
-        self.workers.bytes_out += sent
+        self.process.bytes_out += sent
         if sent == len(data):
             out.clear()
             outbox.out_bytes = 0
@@ -269,9 +269,9 @@ class Connection:
 
     def serve(self) -> None:
         """Run the connection until the client or the server closes it."""
-        workers = self.workers
-        workers.clients += 1
-        log.info("connected %s (%d clients)", self.peer, workers.clients)
+        process = self.process
+        process.clients += 1
+        log.info("connected %s (%d clients)", self.peer, process.clients)
         writer = gevent.spawn(self._write_loop)
         try:
             self._read_loop()
@@ -286,25 +286,25 @@ class Connection:
         Runs to the end whatever one consumer's clean-up raises: a consumer left attached
         to a closed connection would keep taking messages nobody can receive.
         """
-        workers = self.workers
+        process = self.process
         self.closed = True
         self.fd = -1
-        workers.clients -= 1
+        process.clients -= 1
         if self.silence_watch is not None:
             self.silence_watch.forget(self)
-        workers.detach(self.outbox, self._log_failed_detach)
+        process.detach(self.outbox, self._log_failed_detach)
         if self.relay is not None:
             self.relay.leave()
         self.outbox.out.clear()
         try:
-            workers.flush_pending()  # the requeued messages, to the consumers that remain
+            process.flush_pending()  # the requeued messages, to the consumers that remain
         except Exception:
             log.exception("flush after %s left failed", self.peer)
         # the writer goes before the socket: closing a socket under a writer blocked in
         # sendall would fail that send with EBADF, logged as a failed write
         writer.kill(block=True, timeout=1)
         self.sock.close()
-        log.info("disconnected %s (%d clients)", self.peer, workers.clients)
+        log.info("disconnected %s (%d clients)", self.peer, process.clients)
 
     def _log_failed_detach(self, consumer: Consumer, error: BaseException) -> None:
         log.error("clean-up of consumer %r of %s failed; detaching it anyway", consumer.consumer_id, self.peer,
@@ -340,11 +340,11 @@ class Connection:
         recv = self.recv_tls if self.tls else self.sock.recv
         splitter = self.splitter
         feed, rejected = splitter.feed, splitter.rejected
-        workers = self.workers
-        pending = workers.pending
-        flush_pending = workers.flush_pending
-        journal = workers.journal
-        delayed = workers.delayed
+        process = self.process
+        pending = process.pending
+        flush_pending = process.flush_pending
+        journal = process.journal
+        delayed = process.delayed
         delayed_keys = delayed.keys  # a heap, changed in place
         relay = self.relay
         debug = log.isEnabledFor(logging.DEBUG)
@@ -358,7 +358,7 @@ class Connection:
                     self.finish_after_eof()
                 return
             self.reads += 1
-            workers.bytes_in += len(chunk)
+            process.bytes_in += len(chunk)
             lines = feed(chunk)
             if lines:
                 if debug:
@@ -400,14 +400,14 @@ class Connection:
         outbox = self.outbox
         self.draining = True  # the writer must not resume deliveries once it has caught up
         outbox.paused = True
-        workers = self.workers
+        process = self.process
         relay = self.relay
         if relay is not None:
             relay.mark_other_workers()  # what its lines caused on other workers comes back before the marks
-        workers.detach(outbox, self._log_failed_detach)
+        process.detach(outbox, self._log_failed_detach)
         if relay is not None and relay.key:
             relay.tell(Frame.SESSION_LEFT)  # behind the marks: the owners answer them, then drop its relayed consumers
-        workers.flush_pending()
+        process.flush_pending()
         deadline = time.monotonic() + HALF_CLOSE_SECONDS
         while not self.closed and self.owes_answers_or_bytes():
             if time.monotonic() > deadline:
@@ -424,17 +424,17 @@ class Connection:
         relay = self.relay
         if outbox.out or self.writing or (relay is not None and (relay.held is not None or relay.awaiting)):
             return True
-        journal = self.workers.journal
+        journal = self.process.journal
         if journal is not None and journal.owes(outbox):
             return True
-        peers = self.workers.peers
+        peers = self.process.peers
         return peers is not None and any(getattr(fanin, "outbox", None) is outbox for fanin in peers.fanins.values())
 
     def _write_loop(self) -> None:
         wake = self.wake
         sendall = self.sock.sendall
         outbox = self.outbox
-        workers = self.workers
+        process = self.process
         relay = self.relay
         try:
             while not self.closed:
@@ -449,14 +449,14 @@ class Connection:
                     del out  # while sendall waits on a slow client, its bytes are held once, not twice
                     sendall(data)
                     self.writing = False
-                    workers.bytes_out += len(data)
+                    process.bytes_out += len(data)
                     if outbox.out_bytes < outbox.high_water_bytes // 2:
                         if outbox.paused and not self.draining:
                             outbox.paused = False
                             self.resumed()
                         elif relay is not None and relay.owed_credit:
                             relay.give_credit()
-                            workers.flush_pending()
+                            process.flush_pending()
         except OSError as e:
             log.info("write to %s failed: %s", self.peer, e)
             self.close()

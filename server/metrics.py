@@ -2,9 +2,9 @@
 
 Beside the flow, not in it: `mqksd --metrics-port P` serves it from the broker's own gevent
 loop (a `gevent.pywsgi.WSGIServer`, no thread), and it only reads. `StatsCollector` turns
-`Workers.stats()` and the deepest queues into metric families when a scrape asks, so
-nothing is counted per message for it. A stats key that the table below does not name
-(one a later issue adds) is still exported, as a gauge, if it is a number.
+`Process.stats()` and the deepest queues into metric families when a scrape asks, so
+nothing is counted per message for it. figures.py names each key's kind and help; a key it
+does not name (one a later issue adds) is still exported, as a gauge, if it is a number.
 """
 
 from __future__ import annotations
@@ -19,66 +19,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .workers import Workers
+from .figures import COUNTER, FIGURES, GAUGE, LOG_FIGURES, Figure
+from .process import Process
 
 log = logging.getLogger("mqks.metrics")
-
-# stats key -> (counter or gauge, help); the metric is mqks_{key} (a counter gets _total)
-COUNTERS = "counter"
-GAUGE = "gauge"
-STATS_METRICS: dict[str, tuple[str, str]] = {
-    "published": (COUNTERS, "Messages published to this process."),
-    "queued": (COUNTERS, "Copies of messages put into queues (one per bound queue)."),
-    "consumed": (COUNTERS, "Copies delivered to consumers."),
-    "acked": (COUNTERS, "Deliveries acked."),
-    "rejected": (COUNTERS, "Deliveries rejected or returned by a consumer that went away."),
-    "ack_timeouts": (COUNTERS, "Deliveries returned to their queue because their --ack-timeout passed."),
-    "touched": (COUNTERS, "Deliveries whose ack-timeout clock a touch restarted."),
-    "dead_lettered": (COUNTERS, "Messages moved to a {queue}.dead queue past their queue's --max-retries."),
-    "dropped": (COUNTERS, "Copies refused by a full queue (--max-length) or by --max-memory."),
-    "requests": (COUNTERS, "Requests published (request/reply)."),
-    "replies": (COUNTERS, "Replies passed on to their requester."),
-    "replies_late": (COUNTERS, "Replies dropped because another reply had won."),
-    "request_timeouts": (COUNTERS, "Requests answered with a timeout error: no reply in time."),
-    "schedule_firings": (COUNTERS, "Publishes made by schedules."),
-    "bytes_in": (COUNTERS, "Bytes read from client connections."),
-    "bytes_out": (COUNTERS, "Bytes written to client connections."),
-    "errors": (COUNTERS, "Error lines sent to clients."),
-    "queues": (GAUGE, "Queues."),
-    "consumers": (GAUGE, "Consumers attached to queues."),
-    "messages_waiting": (GAUGE, "Messages waiting in queues for a consumer."),
-    "messages_unacked": (GAUGE, "Messages delivered and not acked yet."),
-    "leases": (GAUGE, "Leases holding messages fetched and not settled yet."),
-    "messages_leased": (GAUGE, "Messages held under leases."),
-    "events": (GAUGE, "Distinct events and masks that queues are bound to."),
-    "delayed": (GAUGE, "Publishes waiting for their --delay or --at time."),
-    "requests_waiting": (GAUGE, "Requests waiting for a reply."),
-    "schedules": (GAUGE, "Schedules."),
-    "memory_full": (GAUGE, "1 while resident memory is past --max-memory and publishes are refused."),
-    "connections": (GAUGE, "Live client connections."),
-    "workers": (GAUGE, "Workers of this process."),
-    "uptime_seconds": (GAUGE, "Seconds since the broker started."),
-}
-# info, a duplicate, or per queue
-NOT_EXPORTED = frozenset({"version", "clients", "top_queues", "top_leased_queues", "log", "worker"})
-LOG_COUNTERS = frozenset({"commits", "fsyncs", "snapshots"})
-LOG_HELP = {
-    "log_bytes": "Bytes in the write-ahead log's segment files.",
-    "segments": "Segment files of the write-ahead log.",
-    "commits": "Commits (frames) written to the log.",
-    "fsyncs": "fdatasync calls on the log.",
-    "fsync_ms_p50": "Median fdatasync latency over the last 1024, in milliseconds.",
-    "fsync_ms_p99": "99th percentile fdatasync latency over the last 1024, in milliseconds.",
-    "unsynced_bytes": "Bytes written to the log and not yet durable.",
-    "disk_full": "1 while the log cannot write for lack of space.",
-    "blocked": "1 while the log cannot write for any reason (a full disk, no file descriptor for a new segment).",
-    "replayed_records": "Records replayed from the log at the last start.",
-    "truncated_bytes": "Bytes of torn tail cut off the log at the last start.",
-    "recovery_seconds": "Seconds the last start spent replaying the log.",
-    "snapshots": "Snapshots of the live state written to the log.",
-    "confirms_waiting": "Confirmed publishes waiting for the log to make them durable.",
-}
-
 
 def _number(value: Any) -> float | None:
     """A stats value as a sample, or None if it is not a number (a bool counts as 0 or 1)."""
@@ -92,26 +36,25 @@ def _number(value: Any) -> float | None:
 class StatsCollector(Collector):
     """Reads the workers when scraped: the process's figures, the log's, and the deepest queues."""
 
-    def __init__(self, workers: Workers, max_queues: int) -> None:
-        self.workers = workers
+    def __init__(self, process: Process, max_queues: int) -> None:
+        self.process = process
         self.max_queues = max_queues
 
     def collect(self) -> Iterable[Metric]:
-        peers = self.workers.peers  # with worker processes: every worker's figures, asked for now
-        stats = self.workers.stats() if peers is None else peers.cluster_stats()
+        peers = self.process.peers  # with worker processes: every worker's figures, asked for now
+        stats = self.process.stats() if peers is None else peers.cluster_stats()
         yield InfoMetricFamily("mqks_build", "The mqksd version.", value={"version": str(stats["version"])})
         for key, value in stats.items():
+            figure = FIGURES.get(key) or Figure(GAUGE, f"stats: {key}.")  # a key the table lacks: a gauge
             sample = _number(value)
-            if key in NOT_EXPORTED or sample is None:
-                continue
-            kind, help_text = STATS_METRICS.get(key, (GAUGE, f"stats: {key}."))
-            yield _family(f"mqks_{key}", kind, help_text, sample)
+            if figure.kind is not None and sample is not None:
+                yield _family(f"mqks_{key}", figure.kind, figure.help, sample)
         for key, value in stats.get("log", {}).items():
+            figure = LOG_FIGURES.get(key) or Figure(GAUGE, f"log stats: {key}.")
             sample = _number(value)
-            if sample is not None:
-                kind = COUNTERS if key in LOG_COUNTERS else GAUGE
+            if figure.kind is not None and sample is not None:
                 name = key if key.startswith("log_") else f"log_{key}"
-                yield _family(f"mqks_{name}", kind, LOG_HELP.get(key, f"log stats: {key}."), sample)
+                yield _family(f"mqks_{name}", figure.kind, figure.help, sample)
         yield from self.queue_families()
 
     def queue_families(self) -> Iterator[Metric]:
@@ -121,8 +64,8 @@ class StatsCollector(Collector):
                                     "(the same queues as mqks_queue_depth).", labels=["queue"])
         leased = GaugeMetricFamily("mqks_queue_leased", "Messages of the queue held under fetch --lease "
                                    "(the same queues as mqks_queue_depth).", labels=["queue"])
-        peers = self.workers.peers
-        deepest = (self.workers.deepest_queues(self.max_queues) if peers is None
+        peers = self.process.peers
+        deepest = (self.process.deepest_queues(self.max_queues) if peers is None
                    else peers.cluster_deepest_queues(self.max_queues))
         for name, waiting, held, under_lease in deepest:
             depth.add_metric([name], waiting)
@@ -134,15 +77,15 @@ class StatsCollector(Collector):
 
 
 def _family(name: str, kind: str, help_text: str, value: float) -> Metric:
-    if kind == COUNTERS:
+    if kind == COUNTER:
         return CounterMetricFamily(name, help_text, value=value)
     return GaugeMetricFamily(name, help_text, value=value)
 
 
-def make_registry(workers: Workers, max_queues: int) -> CollectorRegistry:
+def make_registry(process: Process, max_queues: int) -> CollectorRegistry:
     """A registry of its own (not prometheus_client's global one): the broker's figures and the process's."""
     registry = CollectorRegistry()
-    registry.register(StatsCollector(workers, max_queues))
+    registry.register(StatsCollector(process, max_queues))
     ProcessCollector(registry=registry)  # memory, CPU and descriptors, read from /proc at scrape time
     return registry
 
@@ -172,9 +115,9 @@ def _answer(start_response: Callable[..., Any], status: str, body: bytes,
     return [body]
 
 
-def metrics_server(host: str, port: int, workers: Workers, max_queues: int,
+def metrics_server(host: str, port: int, process: Process, max_queues: int,
                    health: Callable[[], str | None]) -> WSGIServer:
     """The HTTP server, not started: `start()` binds it on the caller's gevent loop."""
-    app = make_app(make_registry(workers, max_queues), health)
+    app = make_app(make_registry(process, max_queues), health)
     # log=None: no access line per scrape; errors go to the broker's log
     return WSGIServer((host, port), app, log=None, error_log=log)

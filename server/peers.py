@@ -32,6 +32,7 @@ import gevent
 import gevent.socket
 from gevent.event import Event
 
+from .figures import merge_stats
 from .frames import NEWLINE, Frame, FrameReader, FrameSocket
 from .outbox import Outbox
 from .protocol import format_ok, msg_id_of
@@ -40,8 +41,9 @@ from .slots import owner_of
 from .state import Broker, Queue
 
 if TYPE_CHECKING:
+    from .actions import Publisher
+    from .process import Process
     from .relay import RelaySession
-    from .workers import Workers
 
 log = logging.getLogger("mqks.peers")
 
@@ -135,7 +137,7 @@ class HoldRelease:
         peers.holds -= 1
         if not peers.holds:
             peers.check_barrier()
-            peers.workers.flush_pending()
+            peers.process.flush_pending()
 
 
 class PeerLink(FrameSocket):
@@ -144,7 +146,7 @@ class PeerLink(FrameSocket):
     __slots__ = ("worker", "peers", "reader", "up")
 
     def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
-        super().__init__(sock, peers.workers.pending, f"link to worker {worker}", peers.max_backlog)
+        super().__init__(sock, peers.process.pending, f"link to worker {worker}", peers.max_backlog)
         self.worker = worker
         self.peers = peers
         self.reader = FrameReader()
@@ -160,7 +162,7 @@ class PeerLink(FrameSocket):
         targets = peers.targets
         fanins = peers.fanins
         replica = peers.replica
-        flush_pending = peers.workers.flush_pending
+        flush_pending = peers.process.flush_pending
         recv = self.sock.recv
         feed = self.reader.feed
         try:
@@ -200,7 +202,7 @@ class PeerLink(FrameSocket):
 class RemoteSession:
     """A client of another worker, as its lines run here: its consumers, and the frames its output goes back in."""
 
-    __slots__ = ("link", "key", "peer", "workers", "brokers", "outbox", "consumers_by_id", "actions", "handlers",
+    __slots__ = ("link", "key", "peer", "process", "publisher", "outbox", "consumers_by_id", "actions", "handlers",
                  "closed", "unauthenticated_lines", "in_flight")
 
     peer_is_loopback = True  # the client's own worker has checked what it may run
@@ -215,18 +217,18 @@ class RemoteSession:
     def __init__(self, link: IncomingLink, key: bytes) -> None:
         from .actions import ONE_PROCESS, actions_for
 
-        workers = link.peers.workers
+        process = link.peers.process
         self.link = link
         self.key = key
         self.peer = f"{link.name} client {key.decode(errors='replace')}"
-        self.workers = workers
-        self.brokers = workers.brokers  # only this worker's queues: the sender already forwarded elsewhere
+        self.process = process
+        self.publisher: Publisher = process.broker  # only this worker's queues: the sender forwarded elsewhere
         # its high-water mark is the window: the bytes sent and not yet credited count as owed
-        self.outbox = Outbox(workers.pending, link.peers.relay_window, self.flush)
+        self.outbox = Outbox(process.pending, link.peers.relay_window, self.flush)
         self.in_flight = 0  # `>` bytes sent that the client's worker has not credited
         self.consumers_by_id = self.outbox.consumers_by_id
         self.actions = actions_for(True, True)
-        self.handlers = ONE_PROCESS.for_forwarded(workers.memory_full)
+        self.handlers = ONE_PROCESS.for_forwarded(process.memory_full)
         self.closed = False
         self.unauthenticated_lines = 0
 
@@ -237,7 +239,7 @@ class RemoteSession:
         self.outbox.write(format_ok(rid, data))
 
     def error(self, rid: bytes, reason: str, line: bytes) -> None:
-        self.outbox.write(self.workers.error_line(rid, reason))
+        self.outbox.write(self.process.error_line(rid, reason))
 
     def close(self, flush_first: bool = False) -> None:
         """A remote session is closed by its client's worker (frame X), never from here."""
@@ -265,9 +267,9 @@ class RemoteSession:
         self.in_flight = max(0, before - taken)
         outbox = self.outbox
         outbox.out_bytes = max(0, outbox.out_bytes - (before - self.in_flight))
-        if outbox.paused and outbox.out_bytes < outbox.high_water_bytes // 2 and not self.workers.draining:
+        if outbox.paused and outbox.out_bytes < outbox.high_water_bytes // 2 and not self.process.draining:
             outbox.paused = False
-            self.workers.resume(outbox)
+            self.process.resume(outbox)
 
 
 class IncomingLink(FrameSocket):
@@ -276,12 +278,12 @@ class IncomingLink(FrameSocket):
     __slots__ = ("peers", "worker", "sessions", "confirms", "reader", "acked")
 
     def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
-        super().__init__(sock, peers.workers.pending, f"worker {worker}", peers.max_backlog)
+        super().__init__(sock, peers.process.pending, f"worker {worker}", peers.max_backlog)
         self.peers = peers
         self.acked = peers.epoch  # it gets every binding at once (the dump), then acks each change
         self.worker = worker
         self.sessions: dict[bytes, RemoteSession] = {}
-        self.confirms = Outbox(peers.workers.pending, NO_LIMIT, self.flush_confirms)
+        self.confirms = Outbox(peers.process.pending, NO_LIMIT, self.flush_confirms)
         self.reader = FrameReader()
 
     def flush_confirms(self) -> None:
@@ -300,10 +302,10 @@ class IncomingLink(FrameSocket):
         `first_bytes` came in the read with the link's first line: they may hold whole frames
         (a peer that links again sends dead letters that waited for it at once)."""
         peers = self.peers
-        workers = peers.workers
+        process = peers.process
         writer = gevent.spawn(self.write_loop)
         try:
-            self.read_loop(workers, first_bytes)
+            self.read_loop(process, first_bytes)
         except OSError as e:
             log.info("link from worker %d failed: %s", self.worker, e)
         finally:
@@ -313,28 +315,28 @@ class IncomingLink(FrameSocket):
             for session in list(self.sessions.values()):
                 self.end_session(session)
             self.sessions.clear()
-            workers.flush_pending()
+            process.flush_pending()
             writer.kill(block=True, timeout=1)
             self.sock.close()
             log.info("link from worker %d closed", self.worker)
 
     def end_session(self, session: RemoteSession) -> None:
         session.closed = True
-        self.peers.workers.detach(session.outbox, lambda consumer, error: log.error(
+        self.peers.process.detach(session.outbox, lambda consumer, error: log.error(
             "clean-up of consumer %r of %s failed", getattr(consumer, "consumer_id", None), session.peer,
             exc_info=error))
 
-    def read_loop(self, workers: Workers, first_bytes: bytes) -> None:
+    def read_loop(self, process: Process, first_bytes: bytes) -> None:
         from .actions import run_lines
 
-        broker = workers.brokers[0]
+        broker = process.broker
         publish = broker.publish
         sessions = self.sessions
         peers = self.peers
         recv = self.sock.recv
         feed = self.reader.feed
         no_rejects: deque[tuple[bytes, str]] = deque()
-        flush_pending = workers.flush_pending
+        flush_pending = process.flush_pending
         chunk = first_bytes
         while not self.closed:
             if not chunk:
@@ -344,8 +346,8 @@ class IncomingLink(FrameSocket):
             for kind, key, payload in feed(chunk):
                 if kind == Frame.PUBLISH:
                     lines = payload.split(NEWLINE)[:-1]
-                    if workers.memory_full:  # past this worker's share of --max-memory: as a publish here
-                        workers.dropped_by_memory += len(lines)
+                    if process.memory_full:  # past this worker's share of --max-memory: as a publish here
+                        process.dropped_by_memory += len(lines)
                         continue
                     broker.published -= len(lines)  # counted by the worker the client published to
                     for line in lines:
@@ -358,7 +360,7 @@ class IncomingLink(FrameSocket):
                     session = sessions.get(key)
                     if session is None:
                         session = sessions[key] = RemoteSession(self, key)
-                        if workers.draining:
+                        if process.draining:
                             session.outbox.paused = True
                     run_lines(session, payload.split(NEWLINE)[:-1], no_rejects)
                 elif kind == Frame.MARK:
@@ -379,10 +381,10 @@ class IncomingLink(FrameSocket):
                         queue.put_record(rest[len(name) :], int(retry))
                         broker.pump(queue)
                     # the sender writes its ack once they are in this worker's log
-                    if workers.journal is None:
+                    if process.journal is None:
                         self.confirms.write(format_ok(key))
                     else:
-                        workers.journal.confirm_later(self.confirms, key)
+                        process.journal.confirm_later(self.confirms, key)
                 elif kind == Frame.SESSION_LEFT:
                     session = sessions.pop(key, None)
                     if session is not None:
@@ -404,19 +406,19 @@ class IncomingLink(FrameSocket):
         self.frame(Frame.MARKED, key)
 
     def publish_confirmed(self, broker: Broker, payload: bytes) -> None:
-        workers = self.peers.workers
-        journal = workers.journal
+        process = self.peers.process
+        journal = process.journal
         confirms = self.confirms
         for line in payload.split(NEWLINE)[:-1]:
             fanin_id, _, rest = line.partition(b" ")
             event, _, tail = rest.partition(b" ")
             tail = b" " + tail
             msg_id = msg_id_of(tail)
-            if workers.memory_full:
-                confirms.write(workers.error_line(fanin_id, workers.memory_reason()))
+            if process.memory_full:
+                confirms.write(process.error_line(fanin_id, process.memory_reason()))
                 continue
             if journal is not None and journal.blocked:
-                confirms.write(workers.error_line(fanin_id, journal.refusal()))
+                confirms.write(process.error_line(fanin_id, journal.refusal()))
                 continue
             full = broker.full_queues(event)
             broker.publish(msg_id, event, tail)
@@ -424,7 +426,7 @@ class IncomingLink(FrameSocket):
             if full:
                 names = ", ".join(f"queue {queue.name.decode(errors='replace')} is full "
                                   f"(--max-length={queue.max_length})" for queue in full)
-                confirms.write(workers.error_line(fanin_id, f"{names}: the message was not put there "
+                confirms.write(process.error_line(fanin_id, f"{names}: the message was not put there "
                                                             "(every other bound queue has it)"))
             elif journal is None:
                 confirms.write(b"%b ok \n" % fanin_id)
@@ -486,7 +488,7 @@ class Forwarder:
     """A client's publish in a worker of several: copies into this worker's queues, then one line to each
     other worker that owns a bound queue.
 
-    It stands in place of the local broker in `Workers.publishers` rather than beside it: a loop
+    It stands in place of the local broker as `Process.publisher` rather than beside it: a loop
     that called both a Broker's and a Forwarder's `publish` at one call site was polymorphic, which
     the interpreter's specialization punishes (bench.hot_path with a linked worker: +160 ns a message
     over one alone, +115 ns since).
@@ -499,7 +501,7 @@ class Forwarder:
         self.replica = peers.replica
         self.cache = peers.replica.cache  # cleared, never replaced: one attribute load per publish
         self.links = peers.links
-        self.local: Broker = peers.workers.brokers[0]
+        self.local: Broker = peers.process.broker
         self.local_publish = self.local.publish
         self.fanins = peers.fanins
         self.next_fanin = itertools.count(1)
@@ -544,7 +546,7 @@ class Forwarder:
             session.relay.send(owners[0], b"%b publish --confirm %b" % (rid, tail[len(rid) + 11 :]),
                                answer_first=False)
             return
-        workers = self.peers.workers
+        process = self.peers.process
         msg_id = msg_id_of(tail)
         full = local.full_queues(event)
         fanin = FanIn(session.outbox, rid, len(owners) + 1, owners)
@@ -553,7 +555,7 @@ class Forwarder:
         for owner in owners:
             link = self.links[owner]
             if link is None:
-                fanin.write(workers.error_line(rid, f"worker {owner}, which owns a bound queue, is restarting: "
+                fanin.write(process.error_line(rid, f"worker {owner}, which owns a bound queue, is restarting: "
                                                     "the message was not put there"))
             else:
                 link.add(Frame.PUBLISH_CONFIRMED, b"-", b"%b %b%b" % (fanin_id, event, tail))
@@ -561,10 +563,10 @@ class Forwarder:
         if full:
             names = ", ".join(f"queue {queue.name.decode(errors='replace')} is full (--max-length="
                               f"{queue.max_length})" for queue in full)
-            fanin.write(workers.error_line(rid, f"{names}: the message was not put there (every other bound "
+            fanin.write(process.error_line(rid, f"{names}: the message was not put there (every other bound "
                                                 "queue has it)"))
-        elif local_part and workers.journal is not None:
-            workers.journal.confirm_later(fanin, rid)  # the fan-in answers as an outbox would
+        elif local_part and process.journal is not None:
+            process.journal.confirm_later(fanin, rid)  # the fan-in answers as an outbox would
         else:
             fanin.write(format_ok(rid))
 
@@ -632,13 +634,14 @@ class DeadLetterTransfer:
 class Peers:
     """This worker's view of the others: links, the bindings replica, sessions waiting on answers."""
 
-    def __init__(self, workers: Workers, worker: int, count: int, run_dir: str,
-                 max_backlog: int = 512 << 20, relay_window: int = RELAY_WINDOW_BYTES) -> None:
-        self.workers = workers
+    def __init__(self, process: Process, run_dir: str, max_backlog: int = 512 << 20,
+                 relay_window: int = RELAY_WINDOW_BYTES) -> None:
+        self.process = process
         self.max_backlog = max_backlog  # unread bytes on a link before it is closed (a frozen peer)
         self.relay_window = relay_window  # `>` bytes in flight to one client's worker before its credit
-        self.worker = worker
-        self.count = count
+        # which worker this is, of how many: the process's, read once (it never changes while it runs)
+        self.worker = process.worker
+        self.count = count = process.worker_count
         self.run_dir = run_dir
         self.links: list[PeerLink | None] = [None] * count
         self.incoming: set[IncomingLink] = set()
@@ -650,13 +653,13 @@ class Peers:
         self.dropped_unlinked = 0
         self.on_link_lost: Callable[[int], None] = lambda worker: None
         # binding changes made here (epoch) and the latest every other worker has applied: while they
-        # differ, client output is held (Workers.flush_pending) and M marks wait in deferred_marks
+        # differ, client output is held (Process.flush_pending) and M marks wait in deferred_marks
         self.epoch = 0
         self.acked_epoch = 0
         self.deferred_marks: list[tuple[IncomingLink, bytes]] = []
         self.holds = 0  # marks awaited before client output may go (dead letters sent to another worker)
         self.dead_waiting: dict[int, list[DeadLetterTransfer]] = {}  # for a worker that is restarting
-        local = workers.brokers[0]
+        local = process.broker
         local.bindings_changed = self.broadcast_bindings
         local.broker_for = self.broker_for
 
@@ -669,7 +672,7 @@ class Peers:
     def broker_for(self, name: bytes) -> Any:
         owner = owner_of(name, self.count)
         if owner == self.worker:
-            return self.workers.brokers[0]
+            return self.process.broker
         return RemoteDeadLetters(self, owner, name)
 
     def send_dead_letters(self, transfer: DeadLetterTransfer) -> None:
@@ -729,11 +732,11 @@ class Peers:
         for link, key in marks:
             if not link.closed:
                 link.mark(key)
-        self.workers.flush_pending()
+        self.process.flush_pending()
 
     def binding_dump(self) -> bytes:
         return b"".join(b" ".join([name, *queue.events]) + NEWLINE
-                        for name, queue in self.workers.brokers[0].queues.items() if queue.events)
+                        for name, queue in self.process.broker.queues.items() if queue.events)
 
     # -- links ------------------------------------------------------------------------------------
 
@@ -778,7 +781,7 @@ class Peers:
             for transfer in waiting:
                 self.send_dead_letters(transfer)
             if waiting:
-                self.workers.flush_pending()
+                self.process.flush_pending()
             writer = gevent.spawn(link.write_loop)
             link.read_loop()
             writer.kill(block=False)
@@ -796,13 +799,13 @@ class Peers:
                     fanin.link_lost()
                     continue
                 fanin.parts = 1
-                fanin.write(self.workers.error_line(fanin.rid, f"worker {link.worker} stopped before it had the "
+                fanin.write(self.process.error_line(fanin.rid, f"worker {link.worker} stopped before it had the "
                                                                "message"))
         for target in list(self.targets.values()):
             if isinstance(target, HoldRelease) and target.link is link:
                 target.done()  # that worker is gone: what it was sent is lost with it, and so is the wait
         self.on_link_lost(link.worker)
-        self.workers.flush_pending()
+        self.process.flush_pending()
 
     def ask_all(self, line: bytes, timeout: float = ASK_SECONDS) -> list[bytes]:
         """Run `line` on every other worker and wait (this greenlet only) for their answers; a worker that is
@@ -815,7 +818,7 @@ class Peers:
             for link in links:
                 link.add(Frame.SESSION_LINES, key, line)
                 link.frame(Frame.MARK, key)
-            self.workers.flush_pending()
+            self.process.flush_pending()
             waiter.event.wait(timeout)
         finally:
             self.targets.pop(key, None)
@@ -823,10 +826,10 @@ class Peers:
 
     def cluster_stats(self) -> dict[str, Any]:
         """`stats` summed over every worker, for a reader that is not a client (/metrics)."""
-        return merge_stats(self.ask_all(b"m stats"), self.workers.stats(), self.distinct_events())
+        return merge_stats(self.ask_all(b"m stats"), self.process.stats(), self.distinct_events())
 
     def cluster_deepest_queues(self, limit: int) -> list[tuple[str, int, int, int]]:
-        rows = list(self.workers.deepest_queues(limit))
+        rows = list(self.process.deepest_queues(limit))
         for answer in self.ask_all(b"m queues"):
             for line in answer.split(NEWLINE):
                 body = line.partition(b" ok ")[2]
@@ -838,7 +841,7 @@ class Peers:
     def distinct_events(self) -> int:
         """Events and masks bound by any worker's queues, each once (the replica knows the others')."""
         events: set[bytes] = set()
-        for queue in self.workers.brokers[0].queues.values():
+        for queue in self.process.broker.queues.values():
             events.update(queue.events)
         for remote in self.replica.queues.values():
             events.update(remote.events)
@@ -847,56 +850,3 @@ class Peers:
     def stats(self) -> dict[str, Any]:
         return {"worker_links": sum(link is not None for link in self.links), "replica_queues": self.replica.count(),
                 "dropped_unlinked": self.dropped_unlinked}
-
-
-def merge_stats(answers: list[bytes], local: dict[str, Any], events: int) -> dict[str, Any]:
-    """Every worker's `stats` as one: counts summed, top queues re-ranked, the rest as this worker has it."""
-    from .workers import TOP_QUEUES
-
-    per_worker = [local] + [json.loads(answer.partition(b" ok ")[2]) for answer in answers]
-    figures: dict[str, Any] = {}
-    for key, value in local.items():
-        if key in ("worker", "pid", "log", "top_queues", "top_leased_queues", "worker_links", "replica_queues",
-                   "dropped_unlinked"):
-            continue  # one worker's own: `stats --worker=N` shows them
-        if isinstance(value, bool) or not isinstance(value, int | float) or key == "uptime_seconds":
-            figures[key] = value
-        else:
-            figures[key] = sum(one.get(key, 0) for one in per_worker)
-    figures["workers"] = len(per_worker)
-    figures["events"] = events
-    # copies for a worker that was restarting count as dropped, as those of a full queue do
-    figures["dropped"] = figures.get("dropped", 0) + sum(one.get("dropped_unlinked", 0) for one in per_worker)
-    figures["memory_full"] = any(one.get("memory_full") for one in per_worker)
-    ranked = sorted((row for one in per_worker for row in one.get("top_queues", [])), key=lambda row: -row[1])
-    figures["top_queues"] = ranked[:TOP_QUEUES]
-    leased = sorted((row for one in per_worker for row in one.get("top_leased_queues", [])), key=lambda row: -row[1])
-    figures["top_leased_queues"] = leased[:TOP_QUEUES]
-    logs = [one["log"] for one in per_worker if one.get("log")]
-    if logs:
-        figures["log"] = merge_log_stats(logs)
-    return figures
-
-
-def merge_log_stats(logs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every worker's log figures as one: sizes and counts summed, latencies the worst, flags if any has it."""
-    merged: dict[str, Any] = {}
-    for key, value in logs[0].items():
-        values = [one.get(key, 0) for one in logs]
-        if isinstance(value, bool):
-            merged[key] = any(values)
-        elif key.startswith("fsync_ms_") or key == "recovery_seconds":
-            merged[key] = max(values)
-        else:
-            merged[key] = sum(values)
-    return merged
-
-
-def log_trouble(stats: dict[str, Any]) -> str | None:
-    """Why one worker's log cannot write, from its `stats`; None while it can (or it has no log)."""
-    figures = stats.get("log") or {}
-    if figures.get("disk_full"):
-        return "disk full"
-    if figures.get("blocked"):
-        return "the log cannot create a segment (out of file descriptors)"
-    return None

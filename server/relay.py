@@ -35,8 +35,8 @@ from .actions import (
     run_lines,
     to_json,
 )
+from .figures import merge_stats
 from .frames import Frame
-from .peers import merge_stats
 from .protocol import Held, ProtocolError, format_ok, parse_flag_value, text
 from .state import Consumer
 
@@ -155,7 +155,7 @@ class RelaySession:
     def run_held(self, rejected: deque) -> None:
         """Run the lines a forward held back, each time the answers they wait for are in."""
         connection = self.connection
-        flush_pending = connection.workers.flush_pending
+        flush_pending = connection.process.flush_pending
         while self.held is not None and not connection.closed:
             flush_pending()  # the forwards go out
             while self.awaiting and not connection.closed:
@@ -331,11 +331,11 @@ def every_worker_stats(name: bytes, handler: Handler) -> Handler:
     def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
         relay = relay_of(session)
         peers = relay.peers
-        workers = session.workers
+        process = session.process
         worker = parse_stats_args(args, peers.count)
         if worker is not None and worker != peers.worker:
             return relay.send(worker, b"%b stats" % rid, answer_first=True)
-        local = workers.stats()
+        local = process.stats()
         if worker is not None:
             session.ok(rid, to_json(local))
             return None

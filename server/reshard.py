@@ -33,12 +33,13 @@ from collections.abc import Iterator
 
 from . import records
 from .journal import Journal
+from .leases import Leases
 from .log import SEGMENT_NAME, Log, LogCorrupt, fsync_dir
 from .protocol import msg_id_of
 from .recovery import Recovery, rebuild, recover
 from .slots import SLOTS, owner_of
+from .state import Broker
 from .timers import Timers
-from .workers import Workers
 
 log = logging.getLogger("mqks.reshard")
 
@@ -117,10 +118,8 @@ def write_layout(data_dir: str, workers: int) -> None:
 def _reshard(data_dir: str, old_workers: int, workers: int, fsync: str, segment_bytes: int, repair: bool) -> str:
     """Replay every log in DIR, write the new layout beside it, then swap it in."""
     recovery = _replay_all(data_dir, old_workers, fsync, segment_bytes, repair)
-    placed = Workers(workers, Timers(), Journal(NullLog(), lambda rid, reason: b""))
-    # records appended while rebuilding (a held copy past --max-retries becomes a dead letter) go
-    # to NullLog: the snapshot below holds their outcome
-    rebuild(recovery.queues, placed.worker_for)
+    placed = placed_brokers(workers)
+    rebuild(recovery.queues, lambda name: placed[owner_of(name, workers)])
     process_lines: list[list[bytes]] = [[] for _ in range(workers)]
     delayed = 0
     for due_ms, tails in sorted(recovery.delayed.items()):
@@ -143,12 +142,27 @@ def _reshard(data_dir: str, old_workers: int, workers: int, fsync: str, segment_
     fsync_dir(data_dir)
     _swap(data_dir)
     # counted as placed: a held copy past --max-retries has moved to a dead-letter queue rebuild made
-    queues = sum(len(broker.queues) for broker in placed.brokers)
-    messages = sum(queue.depth() for broker in placed.brokers for queue in broker.queues.values())
-    messages += sum(len(records) for broker in placed.brokers for _, entries in broker.parked.items()
-                    for _, records in entries)
+    queues = sum(len(broker.queues) for broker in placed)
+    messages = sum(queue.depth() for broker in placed for queue in broker.queues.values())
+    messages += sum(len(parked) for broker in placed for _, entries in broker.parked.items() for _, parked in entries)
     return (f"re-sharded {queues} queues, {messages} messages, {delayed} delayed publishes and "
             f"{len(recovery.schedules)} schedules in {data_dir} from {old_workers} to {workers} workers")
+
+
+def placed_brokers(workers: int) -> list[Broker]:
+    """A broker for each of `workers` new workers, each queue name owned by `owner_of(name, workers)`'s.
+
+    Records appended while rebuilding (a held copy past --max-retries becomes a dead letter) go to
+    a NullLog: the snapshots written from these brokers hold their outcome.
+    """
+    timers = Timers()
+    journal = Journal(NullLog(), lambda rid, reason: b"")
+    brokers = [Broker(timers.call_later, clock=timers.clock) for _ in range(workers)]
+    for broker in brokers:
+        broker.record = journal.append
+        broker.leases = Leases(broker)
+        broker.broker_for = lambda name: brokers[owner_of(name, workers)]
+    return brokers
 
 
 def _replay_all(data_dir: str, old_workers: int, fsync: str, segment_bytes: int, repair: bool) -> Recovery:
@@ -191,12 +205,12 @@ def _replay(path: str, fsync: str, segment_bytes: int, repair: bool) -> Recovery
     return recovery
 
 
-def _write_snapshot(path: str, placed: Workers, worker: int, process_lines: list[bytes], fsync: str,
+def _write_snapshot(path: str, placed: list[Broker], worker: int, process_lines: list[bytes], fsync: str,
                     segment_bytes: int) -> None:
     """A fresh log in `path` holding one snapshot frame: worker `worker`'s queues and its process-level lines."""
     fatal: list[str] = []
     log_ = Log(path, fsync, segment_bytes, on_fatal=fatal.append)
-    Journal(log_, lambda rid, reason: b"").snapshot([placed.brokers[worker]], process_lines)
+    Journal(log_, lambda rid, reason: b"").snapshot([placed[worker]], process_lines)
     log_.close()  # writes and fsyncs the frame on every policy; waits out a full disk
     if fatal:
         raise ReshardError(f"cannot write the re-sharded log {path}: {fatal[0]}")

@@ -541,14 +541,11 @@ class Queue:
 class Broker:
     """The queues, bindings and consumers of one worker, and its counters."""
 
-    def __init__(self, worker: int = 0, workers: int = 1, schedule: Schedule | None = None,
-                 count_clients: Callable[[], int] = lambda: 0, cache_routes: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.worker = worker
-        self.workers = workers
+    def __init__(self, schedule: Schedule | None = None, count_clients: Callable[[], int] = lambda: 0,
+                 cache_routes: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.schedule = schedule
         self.clock = clock  # the schedule's clock: ack-timeout deadlines are on it
-        # the worker that owns a queue name (dead letters may belong to another); set by Workers
+        # the broker that owns a queue name (dead letters may belong to another worker's); peers.py sets it
         self.broker_for: Callable[[bytes], Broker] = lambda name: self
         # copies rejected with --delay, waiting to go back to the front of their queue: (queue, records)
         self.parked = Buckets(schedule, self._unpark)
@@ -565,7 +562,7 @@ class Broker:
         self.touched = 0
         self.dead_lettered = 0
         self.dropped_by_deleted_queues = 0
-        self.leases: Any = None  # server/leases.py's Leases, set by Workers (fetch and settle)
+        self.leases: Any = None  # server/leases.py's Leases, set by Process (fetch and settle)
         # with worker processes, every other worker's replica of the bindings must learn each change
         self.bindings_changed: Callable[[Queue], None] | None = None
         # the journal's append with --data-dir: every change of durable state is a record (records.py)
@@ -932,12 +929,10 @@ class Broker:
         return True
 
     def stats(self) -> dict[str, Any]:
-        """Counters and sizes of this worker, for the `stats` action (Workers.stats adds the process's)."""
+        """Counters and sizes of this broker, for the `stats` action (Process.stats adds the process's)."""
         queues = self.queues.values()
         depths = heapq.nlargest(10, ((q.depth(), q.name) for q in queues))
         return {
-            "worker": self.worker,
-            "workers": self.workers,
             "published": self.published,
             "queued": self.queued,
             "consumed": self.consumed,

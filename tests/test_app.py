@@ -9,7 +9,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
-from helpers import queue_owned_by
+from helpers import queue_owned_by, stats_on
 
 from mqks.server import actions
 from mqks.server.app import parse_args
@@ -74,7 +74,7 @@ def test_eval_refuses_peers_that_are_not_loopback():
 
 
 def test_eval_answers_repr_on_one_line(broker, wire):
-    wire.send(b"ev _eval 'a\\nb'", b"ev2 _eval --worker=0 state.worker")
+    wire.send(b"ev _eval 'a\\nb'", b"ev2 _eval --worker=0 process.worker")
     wire.expect(b"ev ok 'a\\nb'")
     wire.expect(b"ev2 ok 0")
 
@@ -124,8 +124,7 @@ def test_max_memory_reads_sizes_with_units():
 
 def queues_one_per_worker(wire, prefix: str) -> list[bytes]:
     """A queue name for each worker of the broker behind `wire`, in worker order."""
-    wire.send(b"w _eval state.workers")
-    workers = int(wire.recv_line().split()[2])
+    workers = stats_on(wire)["workers"]
     return [queue_owned_by(worker, workers, prefix).encode() for worker in range(workers)]
 
 

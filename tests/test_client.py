@@ -281,7 +281,7 @@ def test_ping_and_eval(client: Client) -> None:
     assert client.ping("hello there") == "hello there"
     assert client.ping() == ""
     assert client.eval("1 + 1") == "2"
-    assert client.eval("state.stats()['worker']", worker=0) == "0"
+    assert client.eval("process.worker", worker=0) == "0"
     with pytest.raises(MqksError):
         client.eval("1 +")
 

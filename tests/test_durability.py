@@ -445,7 +445,7 @@ def test_state_comes_back_from_a_snapshot_exactly(make_broker, tmp_path):
     server = durable(make_broker, tmp_path)
     names = set_up_state(server)
     wire = server.wire()
-    wire.send(b"ev _eval workers.journal.snapshot(workers.brokers)")  # compaction, by hand
+    wire.send(b"ev _eval process.journal.snapshot([state])")  # compaction, by hand
     wire.expect(b"ev ok None")
     sync(wire)
     wire.close()

@@ -22,15 +22,21 @@ from conftest import BrokerProcess
 from helpers import queue_row, unique_bytes
 
 from mqks.server import reshard
-from mqks.server.journal import Journal
 from mqks.server.log import Log
 from mqks.server.protocol import msg_id_of
 from mqks.server.recovery import Recovery, rebuild, recover
-from mqks.server.reshard import DONE_DIR, LAYOUT_FILE, READY_DIR, TEMP_DIR, NullLog, ReshardError, log_dir, prepare
+from mqks.server.reshard import (
+    DONE_DIR,
+    LAYOUT_FILE,
+    READY_DIR,
+    TEMP_DIR,
+    ReshardError,
+    log_dir,
+    placed_brokers,
+    prepare,
+)
 from mqks.server.slots import SLOTS, owner_of
 from mqks.server.state import Message, Packed
-from mqks.server.timers import Timers
-from mqks.server.workers import Workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -138,9 +144,8 @@ def contents(queue: Any) -> list[tuple[bytes, int]]:
 
 def restart_state(recovery: Recovery) -> dict[bytes, dict[str, Any]]:
     """Each queue as a restart from `recovery` rebuilds it: messages in order, parked ones, bindings, settings."""
-    placed = Workers(1, Timers(), Journal(NullLog(), lambda rid, reason: b""))
-    rebuild(recovery.queues, placed.worker_for)
-    broker = placed.brokers[0]
+    [broker] = placed_brokers(1)
+    rebuild(recovery.queues, lambda name: broker)
     parked: dict[bytes, list[tuple[int, bytes, int]]] = {}
     for due_ms, entries in broker.parked.items():
         for queue, records in entries:

@@ -552,9 +552,9 @@ def test_distinct_events_keep_the_owner_cache_bounded(two):
         wire.send(*(b"m publish nobody.%d.created x" % i for i in range(start, start + 10_000)))
     wire.send(b"m publish hot x")
     assert wire.barrier() == []
-    size = int(eval_on(wire, b"len(workers.peers.replica.cache)"))
+    size = int(eval_on(wire, b"len(process.peers.replica.cache)"))
     assert 0 < size <= MAX_CACHED_EVENTS
-    assert eval_on(wire, b"workers.peers.replica.cache.get(b'hot')") == b"(1,)"  # the newest stayed
+    assert eval_on(wire, b"process.peers.replica.cache.get(b'hot')") == b"(1,)"  # the newest stayed
     routes = int(eval_on(wire, b"len(state.routing.cache)"))
     assert routes <= MAX_CACHED_EVENTS
     wire.close()
