@@ -33,7 +33,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "mqksd = mqks.server.app:main",
+            "mqksd = mqks.server.cli:main",
             "mqks = mqks.client.cli:main",
         ],
     },

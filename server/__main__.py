@@ -1,5 +1,5 @@
 """`python -m mqks.server` runs mqksd."""
 
-from .app import main
+from .cli import main
 
 main()

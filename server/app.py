@@ -1,4 +1,4 @@
-"""The `mqksd` process: command line, logging, the listener, timers and signals.
+"""One `mqksd` process (cli.py starts it): the listeners, the journal and its recovery, timers and signals.
 
 One `Server` per process wires the parts together: the `Process` (its one broker, worker i of
 n, owning the queues of its slot range), the one timer heap and its greenlet, the error ids,
@@ -8,15 +8,10 @@ server itself. SIGTERM or SIGINT drains: stop accepting, stop delivering, give c
 flush what is owed, requeue the rest (durably with --data-dir), exit 0. SIGHUP re-reads the
 token file. With `--tls-port` a second listener speaks the same protocol over TLS; with
 `--metrics-port` the same loop serves `/metrics` and `/healthz` (server/metrics.py).
-
-Exit codes: 0 a clean stop, 1 cannot listen or the log is corrupt, 2 bad flags (argparse),
-70 a failed fsync (server/log.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import errno
 import json
 import logging
 import os
@@ -25,18 +20,19 @@ import socket
 import sys
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import gevent
 import gevent.socket
 from gevent.event import Event
-from gevent.server import StreamServer
 
 from .actions import ONE_PROCESS, HandlerTables
-from .config import CANNOT_START_EXIT_CODE, DEFAULTS, Config
+from .config import CANNOT_START_EXIT_CODE, Config
 from .connection import Connection
 from .journal import Journal
-from .process import VERSION, Process
+from .listeners import AcceptFailed, CannotListen, Listener, tcp_listener, unix_listener
+from .memory import MemoryGuard
+from .process import Process
 from .protocol import format_error
 from .recovery import rebuild, recover
 from .sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
@@ -56,48 +52,7 @@ DRAIN_POLL_SECONDS = 0.02
 TLS_HANDSHAKE_SECONDS = 10.0  # a peer that connects and never finishes the handshake holds nothing longer
 DRAINING = b" ok --draining\n"
 PLAIN_TEXT_REASONS = ("WRONG_VERSION_NUMBER",)  # an HTTP request is closed at once, as on the plain port
-MAX_PORT = 65535
-MEMORY_CHECK_SECONDS = 0.01  # at 1M msg/s of 100 bytes, ~2 MB of messages come in between two checks
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 LINK_WAIT_SECONDS = 10.0  # at start: how long a worker waits for the others before it serves anyway
-OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-
-
-def resident_bytes() -> int:
-    """This process's resident set size (Linux)."""
-    with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[1]) * PAGE_BYTES
-
-
-class CannotListen(Exception):
-    """A port the server must listen on cannot be bound (exit 1)."""
-
-
-class AcceptFailed(Exception):
-    """accept() ran out of descriptors or memory; gevent backs off and retries (up to 1 s apart)."""
-
-
-class Listener(StreamServer):
-    """The StreamServer, reporting a burst of failed accepts in one log line, not a traceback each."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.failed_accepts = 0
-
-    def do_read(self):
-        try:
-            accepted = super().do_read()
-        except OSError as e:
-            if e.errno not in OUT_OF_RESOURCES:
-                raise
-            if not self.failed_accepts:
-                log.error("cannot accept new connections: %s; retrying, existing clients are still served", e)
-            self.failed_accepts += 1
-            raise AcceptFailed(str(e)) from None
-        if accepted and self.failed_accepts:
-            log.warning("accepting again after %d failed accepts", self.failed_accepts)
-            self.failed_accepts = 0
-        return accepted
 
 
 class ErrorIds:
@@ -271,27 +226,14 @@ class Server:
             if timers.run_due():
                 self.process.flush_pending()
 
-    def check_memory(self) -> None:
-        """Every MEMORY_CHECK_SECONDS with --max-memory: past the limit, publishes are refused until it drains.
-
-        Refusal swaps each connection's handler table, so the publish path itself checks nothing.
-        A broker that holds no message is never refusing, whatever its RSS: only messages can drain.
-        """
-        process = self.process
-        limit = process.max_memory_share or self.config.max_memory_bytes
-        assert limit is not None
-        over = resident_bytes() > limit and process.holds_messages()
-        if over != process.memory_full:
-            process.memory_full = over
-            log.warning("resident memory %s --max-memory=%d: publishes are %s", "over" if over else "back under",
-                        limit, "refused until consumers drain the queues" if over else "accepted again")
-            for conn in self.connections:
-                # a connection still owing its `auth` keeps its table of the few actions allowed before it
-                conn.handlers = self.tables.for_session(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated,
-                                                        over)
-            if self.peers is not None:  # other workers' clients' lines that run here (publish --confirm)
-                self.peers.set_over_memory(over)
-        self.timers.call_later(MEMORY_CHECK_SECONDS, self.check_memory)
+    def set_over_memory(self, over: bool) -> None:
+        """The memory guard's verdict: every session's table refuses publishes, or takes them again."""
+        for conn in self.connections:
+            # a connection still owing its `auth` keeps its table of the few actions allowed before it
+            conn.handlers = self.tables.for_session(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated,
+                                                    over)
+        if self.peers is not None:  # other workers' clients' lines that run here (publish --confirm)
+            self.peers.set_over_memory(over)
 
     def handle(self, sock: socket.socket, address: object, tls: bool = False) -> None:
         conn = Connection(sock, address, self.config, self.process, self.next_error_id, tls=tls, tokens=self.tokens,
@@ -383,9 +325,9 @@ class Server:
         config = self.config
         shared = self.peers is not None  # every worker accepts on the public ports (SO_REUSEPORT)
         if config.port:  # --port 0: TLS only
-            self.stream_server = self.listener(config.host, config.port, self.handle, "", shared)
+            self.stream_server = tcp_listener(config.host, config.port, self.handle, "", shared)
         if config.tls_port is not None:
-            self.tls_server = self.listener(config.host, config.tls_port, self.handle_tls, " for TLS", shared)
+            self.tls_server = tcp_listener(config.host, config.tls_port, self.handle_tls, " for TLS", shared)
         if self.peers is not None:
             self.listen_direct()
         if config.metrics_port is not None and (self.peers is None or self.peers.worker == 0):
@@ -401,31 +343,6 @@ class Server:
             log.info("metrics on http://%s:%d/metrics and /healthz", config.metrics_host,
                      self.metrics_server.server_port)
 
-    def listener(self, host: str, port: int, handle: Any, what: str, shared: bool = False) -> Listener:
-        """A listening TCP port; `shared`: with SO_REUSEPORT, so each worker process accepts on it too."""
-        try:
-            if not shared:
-                listener = Listener((host, port), handle, backlog=1024)
-                listener.init_socket()
-                return listener
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = gevent.socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
-            sock.listen(1024)
-            return Listener(sock, handle)
-        except OSError as e:
-            raise CannotListen(f"cannot listen{what} on {host}:{port}: {e}") from None
-
-    def unix_listener(self, path: str, handle: Any) -> Listener:
-        if os.path.exists(path):
-            os.unlink(path)  # left by this worker's previous life
-        sock = gevent.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(path)
-        sock.listen(1024)
-        return Listener(sock, handle)
-
     def listen_direct(self) -> None:
         """Worker i's own addresses: a TCP port and a Unix socket for clients, a Unix socket for the other workers.
 
@@ -435,20 +352,20 @@ class Server:
         config, peers = self.config, self.peers
         assert peers is not None
         port = config.direct_port + peers.worker if config.direct_port else 0
-        direct = self.listener(config.host, port, self.handle, " (this worker's own port)")
+        direct = tcp_listener(config.host, port, self.handle, " (this worker's own port)")
         unix_path = os.path.join(peers.run_dir, f"worker-{peers.worker}.sock")
-        self.direct_listeners = [direct, self.unix_listener(unix_path, self.handle)]
+        self.direct_listeners = [direct, unix_listener(unix_path, self.handle)]
         info: dict[str, Any] = {"worker": peers.worker, "host": config.host, "port": direct.server_port,
                                 "unix": unix_path}
         if self.tls_context is not None:
-            direct_tls = self.listener(config.host, 0, self.handle_tls, " for TLS (this worker's own port)")
+            direct_tls = tcp_listener(config.host, 0, self.handle_tls, " for TLS (this worker's own port)")
             self.direct_listeners.append(direct_tls)
             info["tls_port"] = direct_tls.server_port
         path = os.path.join(peers.run_dir, f"direct-{peers.worker}.json")
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(info, f)
         os.replace(path + ".tmp", path)
-        self.link_listener = self.unix_listener(peers.socket_path(peers.worker), self.handle_link)
+        self.link_listener = unix_listener(peers.socket_path(peers.worker), self.handle_link)
 
     def handle_link(self, sock: socket.socket, address: object) -> None:
         """Another worker's link: its first line says which worker it is."""
@@ -478,7 +395,8 @@ class Server:
         hub.NOT_ERROR = (*hub.NOT_ERROR, AcceptFailed)  # logged by Listener, once per burst
         gevent.spawn(self.run_timers)
         if config.max_memory_bytes is not None:
-            self.check_memory()
+            limit = self.process.max_memory_share or config.max_memory_bytes
+            MemoryGuard(self.process, limit, self.timers, self.set_over_memory).check()
         for signum in (signal.SIGTERM, signal.SIGINT):
             gevent.signal_handler(signum, gevent.spawn, self.shutdown)
         if self.tokens is not None:
@@ -568,177 +486,3 @@ class Server:
         while time.monotonic() < self.drain_ends_at and any(
                 consumer.unacked for session in sessions for consumer in session.consumers_by_id.values()):
             gevent.sleep(DRAIN_POLL_SECONDS)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag answered in one line (mqksd's usage alone is several) and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
-
-
-def byte_size(text: str) -> int:
-    """`512M`, `2G`, `1048576` -> bytes (K, M and G are powers of 1024)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    number, unit = (text[:-1], units[text[-1].upper()]) if text[-1:].upper() in units else (text, 1)
-    try:
-        return int(float(number) * unit)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512M, 2G)") from None
-
-
-def worker_count(text: str) -> int:
-    """`--workers`: a number, or `auto` for the cores this process may run on."""
-    if text == "auto":
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of workers: {text!r} (a number, or auto)") from None
-
-
-def parse_args(argv: list[str] | None = None) -> Config:
-    """The command line as a Config; defaults and their help text come from `config.DEFAULTS`."""
-    d = DEFAULTS
-    parser = Parser(prog="mqksd", description="MQKS broker: Message Queue Kept Simple.")
-    parser.add_argument("--version", action="version", version=f"mqksd {VERSION}")
-    parser.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
-    parser.add_argument("--workers", type=worker_count, default=d.workers,
-                        help="worker processes, or `auto` for one per core; a queue belongs to the worker that owns "
-                             "its slot, crc32(queue) %% 16384 (default: %(default)s)")
-    parser.add_argument("--direct-port", type=int, default=d.direct_port, metavar="PORT",
-                        help="with --workers N: worker i also listens on PORT+i, for clients that reach a queue's "
-                             "owner directly (default: any free port; hello tells clients)")
-    parser.add_argument("--max-link-backlog", type=byte_size, default=d.max_link_backlog_bytes,
-                        dest="max_link_backlog_bytes", metavar="BYTES",
-                        help="with --workers N: bytes one worker may leave unread on its link from another (a "
-                             "frozen worker) before that link is closed, as if it had restarted; K, M or G "
-                             "(default: 512M)")
-    parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
-                        help="(default: %(default)s)")
-    parser.add_argument("--max-line-bytes", type=int, default=d.max_line_bytes,
-                        help="longest request line; longer lines are discarded with an error (default: %(default)s)")
-    parser.add_argument("--max-output-bytes", type=int, default=d.max_output_bytes,
-                        help="unsent bytes after which a client that does not read is disconnected "
-                             "(deliveries pause at a quarter of it; default: %(default)s)")
-    parser.add_argument("--max-memory", type=byte_size, default=d.max_memory_bytes, dest="max_memory_bytes",
-                        metavar="BYTES",
-                        help="past this resident memory (a number, or with K, M or G), publishes are refused "
-                             "(confirmed ones with an error) while every other action keeps working, so consumers "
-                             "drain the broker back under it (default: no limit)")
-    parser.add_argument("--eval", action="store_true", dest="eval_enabled", default=d.eval_enabled,
-                        help="enable the _eval backdoor (remote code execution; loopback clients only)")
-    parser.add_argument("--data-dir", default=d.data_dir, metavar="DIR",
-                        help="keep queues, bindings and messages in a write-ahead log in DIR (default: in memory)")
-    parser.add_argument("--fsync", default=d.fsync, choices=["always", "everysec", "no"],
-                        help="with --data-dir: when a confirmed publish is answered: after the fdatasync that "
-                             "covers it (always), after the write, with an fdatasync every second (everysec), "
-                             "or after the write, syncing left to the OS (no) (default: %(default)s)")
-    parser.add_argument("--repair", action="store_true", default=d.repair,
-                        help="with --data-dir: a bad frame in the log is cut off there instead of stopping the start")
-    parser.add_argument("--log-segment-bytes", type=int, default=d.log_segment_bytes, metavar="N",
-                        help="with --data-dir: size of one log file (default: %(default)s)")
-    parser.add_argument("--compact-min-bytes", type=int, default=d.compact_min_bytes, metavar="N",
-                        help="with --data-dir: the live state is rewritten (and older log files deleted) once the "
-                             "log has grown by half its size, and by at least N bytes (default: %(default)s)")
-    parser.add_argument("--metrics-port", type=int, default=d.metrics_port, metavar="PORT",
-                        help="serve Prometheus /metrics and /healthz over HTTP on this port (default: off)")
-    parser.add_argument("--metrics-host", default=d.metrics_host,
-                        help="address of the metrics port (default: %(default)s)")
-    parser.add_argument("--metrics-max-queues", type=int, default=d.metrics_max_queues, metavar="N",
-                        help="per-queue gauges for the N deepest queues only (default: %(default)s)")
-    parser.add_argument("--tls-port", type=int, default=d.tls_port, metavar="PORT",
-                        help="also listen for TLS (1.2 or newer) on this port; needs --tls-cert and --tls-key "
-                             "(default: off; --port 0 leaves TLS alone)")
-    parser.add_argument("--tls-cert", default=d.tls_cert, metavar="FILE", help="the server's certificate (PEM)")
-    parser.add_argument("--tls-key", default=d.tls_key, metavar="FILE", help="its private key (PEM)")
-    parser.add_argument("--tls-ca", default=d.tls_ca, metavar="FILE",
-                        help="clients must present a certificate signed by this CA (PEM)")
-    parser.add_argument("--auth-token-file", default=d.auth_token_file, metavar="FILE",
-                        help="require `{id} auth {token}` first; one token per line, re-read on SIGHUP "
-                             f"(the environment variable {AUTH_TOKEN_ENV} adds one token; default: no auth)")
-    parser.add_argument("--client-ttl", type=float, default=d.client_ttl, metavar="SECONDS",
-                        help="close any connection silent for 2x this, returning its un-acked messages "
-                             "(a client's hello --ttl=S sets its own; default: off)")
-    parser.add_argument("--drain-seconds", type=float, default=d.drain_seconds, metavar="SECONDS",
-                        help="on SIGTERM, how long consumers get to ack what they hold before it is requeued "
-                             "(default: %(default)s)")
-    parser.add_argument("--log-close-seconds", type=float, default=d.log_close_seconds, metavar="SECONDS",
-                        help="on SIGTERM, how long to wait for a log that cannot write (a full disk) before "
-                             "stopping anyway; what was confirmed is on disk, what was not is logged "
-                             "(default: %(default)s)")
-    args = parser.parse_args(argv)
-    for flag, value, minimum in (("--port", args.port, 0), ("--tls-port", args.tls_port, 1),
-                                 ("--client-ttl", args.client_ttl, 0), ("--drain-seconds", args.drain_seconds, 0),
-                                 ("--log-close-seconds", args.log_close_seconds, 0),
-                                 ("--workers", args.workers, 1),
-                                 ("--max-line-bytes", args.max_line_bytes, 64),
-                                 ("--max-output-bytes", args.max_output_bytes, 4096),
-                                 ("--log-segment-bytes", args.log_segment_bytes, 1),
-                                 ("--compact-min-bytes", args.compact_min_bytes, 0),
-                                 ("--metrics-port", args.metrics_port, 1),
-                                 ("--metrics-max-queues", args.metrics_max_queues, 0),
-                                 ("--max-memory", args.max_memory_bytes, 1 << 20),
-                                 ("--max-link-backlog", args.max_link_backlog_bytes, 1 << 20)):
-        if value is not None and value < minimum:
-            parser.error(f"{flag} must be at least {minimum}, not {value}")
-    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port), ("--tls-port", args.tls_port)):
-        if value is not None and value > MAX_PORT:
-            parser.error(f"{flag} must be a TCP port, at most {MAX_PORT}, not {value}")
-    if args.metrics_port is not None and args.metrics_port == args.port and args.metrics_host == args.host:
-        parser.error("--metrics-port must differ from --port")
-    check_tls_args(parser, args)
-    return Config(**vars(args))
-
-
-def check_tls_args(parser: Parser, args: argparse.Namespace) -> None:
-    """TLS flags come together; a certificate or key that cannot be loaded stops mqksd with exit 2, not later."""
-    if args.tls_port is None:
-        if args.tls_cert or args.tls_key or args.tls_ca:
-            parser.error("--tls-cert, --tls-key and --tls-ca need --tls-port")
-        if args.port == 0:
-            parser.error("--port 0 turns the plain port off: give --tls-port to listen somewhere")
-        return
-    if not (args.tls_cert and args.tls_key):
-        parser.error("--tls-port needs --tls-cert and --tls-key")
-    if args.tls_port == args.port:
-        parser.error("--tls-port must differ from --port")
-    try:
-        tls_server_context(args.tls_cert, args.tls_key, args.tls_ca)
-    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
-        parser.error(f"cannot load the TLS certificate, key or CA: {e}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    config = parse_args(argv)
-    worker = "" if config.worker_index is None else f" worker-{config.worker_index}"
-    logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s{worker}: %(message)s")
-    if config.workers > 1 and config.worker_index is None:
-        from .supervisor import Supervisor
-
-        sys.exit(Supervisor(config, sys.argv[1:] if argv is None else argv).run())
-    if config.worker_index is not None:
-        from .supervisor import die_with_parent
-
-        die_with_parent()
-    try:
-        server = Server(config)
-    except (OSError, ValueError) as e:  # the data dir, the token file: a restart would fail the same way
-        log.error("cannot start: %s", e)
-        sys.exit(1 if config.worker_index is None else CANNOT_START_EXIT_CODE)
-    try:
-        server.serve_forever()
-    except CannotListen as e:
-        log.error("%s", e)
-        sys.exit(1)
-    except (OSError, ValueError) as e:
-        log.error("cannot start: %s", e)
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

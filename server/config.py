@@ -1,6 +1,6 @@
 """The operator's settings for one `mqksd`, built once from the command line.
 
-Every default lives here and only here: `app.parse_args` takes its argparse defaults
+Every default lives here and only here: `cli.parse_args` takes its argparse defaults
 and help text from this dataclass, so the two can never disagree.
 """
 

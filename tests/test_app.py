@@ -12,7 +12,7 @@ import pytest
 from helpers import queue_owned_by, stats_on
 
 from mqks.server import actions
-from mqks.server.app import parse_args
+from mqks.server.cli import parse_args
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,0 +1,194 @@
+"""`mqksd`'s command line, on top of everything: the flags as a Config, then a supervisor of worker
+processes or one `Server` (app.py). Every default and its meaning lives in config.py.
+
+Exit codes: 0 a clean stop, 1 cannot listen or the log is corrupt, 2 bad flags (argparse),
+70 a failed fsync (server/log.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import NoReturn
+
+from .app import Server
+from .config import CANNOT_START_EXIT_CODE, DEFAULTS, Config
+from .listeners import CannotListen
+from .process import VERSION
+from .sessions import AUTH_TOKEN_ENV, tls_server_context
+
+log = logging.getLogger("mqks.server")
+
+MAX_PORT = 65535
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag answered in one line (mqksd's usage alone is several) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
+def byte_size(text: str) -> int:
+    """`512M`, `2G`, `1048576` -> bytes (K, M and G are powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    number, unit = (text[:-1], units[text[-1].upper()]) if text[-1:].upper() in units else (text, 1)
+    try:
+        return int(float(number) * unit)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512M, 2G)") from None
+
+
+def worker_count(text: str) -> int:
+    """`--workers`: a number, or `auto` for the cores this process may run on."""
+    if text == "auto":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of workers: {text!r} (a number, or auto)") from None
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """The command line as a Config; defaults and their help text come from `config.DEFAULTS`."""
+    d = DEFAULTS
+    parser = Parser(prog="mqksd", description="MQKS broker: Message Queue Kept Simple.")
+    parser.add_argument("--version", action="version", version=f"mqksd {VERSION}")
+    parser.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
+    parser.add_argument("--workers", type=worker_count, default=d.workers,
+                        help="worker processes, or `auto` for one per core; a queue belongs to the worker that owns "
+                             "its slot, crc32(queue) %% 16384 (default: %(default)s)")
+    parser.add_argument("--direct-port", type=int, default=d.direct_port, metavar="PORT",
+                        help="with --workers N: worker i also listens on PORT+i, for clients that reach a queue's "
+                             "owner directly (default: any free port; hello tells clients)")
+    parser.add_argument("--max-link-backlog", type=byte_size, default=d.max_link_backlog_bytes,
+                        dest="max_link_backlog_bytes", metavar="BYTES",
+                        help="with --workers N: bytes one worker may leave unread on its link from another (a "
+                             "frozen worker) before that link is closed, as if it had restarted; K, M or G "
+                             "(default: 512M)")
+    parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
+                        help="(default: %(default)s)")
+    parser.add_argument("--max-line-bytes", type=int, default=d.max_line_bytes,
+                        help="longest request line; longer lines are discarded with an error (default: %(default)s)")
+    parser.add_argument("--max-output-bytes", type=int, default=d.max_output_bytes,
+                        help="unsent bytes after which a client that does not read is disconnected "
+                             "(deliveries pause at a quarter of it; default: %(default)s)")
+    parser.add_argument("--max-memory", type=byte_size, default=d.max_memory_bytes, dest="max_memory_bytes",
+                        metavar="BYTES",
+                        help="past this resident memory (a number, or with K, M or G), publishes are refused "
+                             "(confirmed ones with an error) while every other action keeps working, so consumers "
+                             "drain the broker back under it (default: no limit)")
+    parser.add_argument("--eval", action="store_true", dest="eval_enabled", default=d.eval_enabled,
+                        help="enable the _eval backdoor (remote code execution; loopback clients only)")
+    parser.add_argument("--data-dir", default=d.data_dir, metavar="DIR",
+                        help="keep queues, bindings and messages in a write-ahead log in DIR (default: in memory)")
+    parser.add_argument("--fsync", default=d.fsync, choices=["always", "everysec", "no"],
+                        help="with --data-dir: when a confirmed publish is answered: after the fdatasync that "
+                             "covers it (always), after the write, with an fdatasync every second (everysec), "
+                             "or after the write, syncing left to the OS (no) (default: %(default)s)")
+    parser.add_argument("--repair", action="store_true", default=d.repair,
+                        help="with --data-dir: a bad frame in the log is cut off there instead of stopping the start")
+    parser.add_argument("--log-segment-bytes", type=int, default=d.log_segment_bytes, metavar="N",
+                        help="with --data-dir: size of one log file (default: %(default)s)")
+    parser.add_argument("--compact-min-bytes", type=int, default=d.compact_min_bytes, metavar="N",
+                        help="with --data-dir: the live state is rewritten (and older log files deleted) once the "
+                             "log has grown by half its size, and by at least N bytes (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=d.metrics_port, metavar="PORT",
+                        help="serve Prometheus /metrics and /healthz over HTTP on this port (default: off)")
+    parser.add_argument("--metrics-host", default=d.metrics_host,
+                        help="address of the metrics port (default: %(default)s)")
+    parser.add_argument("--metrics-max-queues", type=int, default=d.metrics_max_queues, metavar="N",
+                        help="per-queue gauges for the N deepest queues only (default: %(default)s)")
+    parser.add_argument("--tls-port", type=int, default=d.tls_port, metavar="PORT",
+                        help="also listen for TLS (1.2 or newer) on this port; needs --tls-cert and --tls-key "
+                             "(default: off; --port 0 leaves TLS alone)")
+    parser.add_argument("--tls-cert", default=d.tls_cert, metavar="FILE", help="the server's certificate (PEM)")
+    parser.add_argument("--tls-key", default=d.tls_key, metavar="FILE", help="its private key (PEM)")
+    parser.add_argument("--tls-ca", default=d.tls_ca, metavar="FILE",
+                        help="clients must present a certificate signed by this CA (PEM)")
+    parser.add_argument("--auth-token-file", default=d.auth_token_file, metavar="FILE",
+                        help="require `{id} auth {token}` first; one token per line, re-read on SIGHUP "
+                             f"(the environment variable {AUTH_TOKEN_ENV} adds one token; default: no auth)")
+    parser.add_argument("--client-ttl", type=float, default=d.client_ttl, metavar="SECONDS",
+                        help="close any connection silent for 2x this, returning its un-acked messages "
+                             "(a client's hello --ttl=S sets its own; default: off)")
+    parser.add_argument("--drain-seconds", type=float, default=d.drain_seconds, metavar="SECONDS",
+                        help="on SIGTERM, how long consumers get to ack what they hold before it is requeued "
+                             "(default: %(default)s)")
+    parser.add_argument("--log-close-seconds", type=float, default=d.log_close_seconds, metavar="SECONDS",
+                        help="on SIGTERM, how long to wait for a log that cannot write (a full disk) before "
+                             "stopping anyway; what was confirmed is on disk, what was not is logged "
+                             "(default: %(default)s)")
+    args = parser.parse_args(argv)
+    for flag, value, minimum in (("--port", args.port, 0), ("--tls-port", args.tls_port, 1),
+                                 ("--client-ttl", args.client_ttl, 0), ("--drain-seconds", args.drain_seconds, 0),
+                                 ("--log-close-seconds", args.log_close_seconds, 0),
+                                 ("--workers", args.workers, 1),
+                                 ("--max-line-bytes", args.max_line_bytes, 64),
+                                 ("--max-output-bytes", args.max_output_bytes, 4096),
+                                 ("--log-segment-bytes", args.log_segment_bytes, 1),
+                                 ("--compact-min-bytes", args.compact_min_bytes, 0),
+                                 ("--metrics-port", args.metrics_port, 1),
+                                 ("--metrics-max-queues", args.metrics_max_queues, 0),
+                                 ("--max-memory", args.max_memory_bytes, 1 << 20),
+                                 ("--max-link-backlog", args.max_link_backlog_bytes, 1 << 20)):
+        if value is not None and value < minimum:
+            parser.error(f"{flag} must be at least {minimum}, not {value}")
+    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port), ("--tls-port", args.tls_port)):
+        if value is not None and value > MAX_PORT:
+            parser.error(f"{flag} must be a TCP port, at most {MAX_PORT}, not {value}")
+    if args.metrics_port is not None and args.metrics_port == args.port and args.metrics_host == args.host:
+        parser.error("--metrics-port must differ from --port")
+    check_tls_args(parser, args)
+    return Config(**vars(args))
+
+
+def check_tls_args(parser: Parser, args: argparse.Namespace) -> None:
+    """TLS flags come together; a certificate or key that cannot be loaded stops mqksd with exit 2, not later."""
+    if args.tls_port is None:
+        if args.tls_cert or args.tls_key or args.tls_ca:
+            parser.error("--tls-cert, --tls-key and --tls-ca need --tls-port")
+        if args.port == 0:
+            parser.error("--port 0 turns the plain port off: give --tls-port to listen somewhere")
+        return
+    if not (args.tls_cert and args.tls_key):
+        parser.error("--tls-port needs --tls-cert and --tls-key")
+    if args.tls_port == args.port:
+        parser.error("--tls-port must differ from --port")
+    try:
+        tls_server_context(args.tls_cert, args.tls_key, args.tls_ca)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        parser.error(f"cannot load the TLS certificate, key or CA: {e}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    worker = "" if config.worker_index is None else f" worker-{config.worker_index}"
+    logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s{worker}: %(message)s")
+    if config.workers > 1 and config.worker_index is None:
+        from .supervisor import Supervisor
+
+        sys.exit(Supervisor(config, sys.argv[1:] if argv is None else argv).run())
+    if config.worker_index is not None:
+        from .supervisor import die_with_parent
+
+        die_with_parent()
+    try:
+        server = Server(config)
+    except (OSError, ValueError) as e:  # the data dir, the token file: a restart would fail the same way
+        log.error("cannot start: %s", e)
+        sys.exit(1 if config.worker_index is None else CANNOT_START_EXIT_CODE)
+    try:
+        server.serve_forever()
+    except CannotListen as e:
+        log.error("%s", e)
+        sys.exit(1)
+    except (OSError, ValueError) as e:
+        log.error("cannot start: %s", e)
+        sys.exit(1)
