@@ -100,7 +100,7 @@ class FrameSocket:
     __slots__ = ("sock", "fd", "out", "run_kind", "run_key", "run", "flush_pending", "pending", "writing", "wake",
                  "closed", "name", "backlog", "max_backlog")
 
-    is_link = True  # Workers.flush_pending sends links' frames even while client output is held
+    is_link = True  # Process.flush_pending sends links' frames even while client output is held
 
     def __init__(self, sock: socket.socket, pending: list, name: str, max_backlog: int) -> None:
         self.sock = sock

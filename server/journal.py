@@ -26,8 +26,9 @@ from operator import itemgetter
 from typing import Any, Protocol
 
 from . import records
+from .messages import Item, Message, Packed
 from .outbox import Outbox
-from .state import Broker, Item, Message, Packed, Queue, queue_record
+from .state import Broker, Queue, queue_record
 
 log = logging.getLogger("mqks.durable")
 

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import records
+from .messages import Item, Message, Packed
 from .protocol import with_field
-from .state import Broker, Item, Message, Packed, Queue
+from .state import Broker, Queue
 
 NEWLINE = b"\n"
 

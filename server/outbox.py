@@ -1,10 +1,11 @@
 """Step 6 of the flow, the state's side of it: the bytes owed to one client until the next flush.
 
-A `Consumer` appends deliveries to its outbox; a handler appends replies through its
-session. The first append of a batch puts the outbox on the process's `pending` list,
-and `Workers.flush_pending` calls each pending outbox's `flush` once (the connection sets
-it to its socket write). Past `high_water_bytes` the outbox is `paused`: no deliveries
-until the connection drains it and resumes its consumers.
+A `Consumer` appends deliveries to its outbox (`deliver`); a handler appends replies through its
+session (`write`); a relayed block from another worker comes in whole (`take`). Only this class
+counts the bytes owed and registers an outbox for the next flush: the first append of a batch
+puts it on the process's `pending` list, and `Process.flush_pending` calls each pending outbox's
+`flush` once (the connection sets it to its socket write). Past `high_water_bytes` the outbox is
+`paused`: no deliveries until the connection drains it and resumes its consumers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ DEFAULT_HIGH_WATER_BYTES = 4 << 20
 # cost about this much beside its length (measured: counting the length alone, a client that
 # never reads grew the server by 5.6x --max-output-bytes before it was cut off)
 REPLY_OVERHEAD_BYTES = 56
+NEWLINE = b"\n"
 
 
 def _no_flush() -> None:
@@ -44,7 +46,21 @@ class Outbox:
         self.consumers_by_id: dict[bytes, Any] = {}
         self.flush = flush
 
+    def deliver(self, consumer_id: bytes, tail: bytes, size: int) -> None:
+        """A delivery line, `{consumer_id}{tail}\\n`, of `size` bytes; past the high-water mark, pause."""
+        out = self.out
+        out.append(consumer_id)
+        out.append(tail)
+        out.append(NEWLINE)
+        self.out_bytes += size
+        if self.out_bytes > self.high_water_bytes:
+            self.paused = True
+        if not self.flush_pending:
+            self.flush_pending = True
+            self.pending.append(self)
+
     def write(self, data: bytes) -> None:
+        """A reply line (or lines), counted with the overhead of the object that holds it."""
         self.out.append(data)
         self.out_bytes += len(data) + REPLY_OVERHEAD_BYTES
         if not self.flush_pending:

@@ -32,6 +32,7 @@ import gevent
 import gevent.socket
 from gevent.event import Event
 
+from . import dead_letters
 from .figures import merge_stats
 from .frames import NEWLINE, Frame, FrameReader, FrameSocket
 from .outbox import Outbox
@@ -624,7 +625,7 @@ class DeadLetterTransfer:
     def write(self, line: bytes) -> None:
         """The owner's answer: `ok` once its log has them (it has no other)."""
         self.parts = 0
-        self.source.dead_letters_moved(self.queue, self.taken)
+        dead_letters.moved(self.source, self.queue, self.taken)
 
     def link_lost(self) -> None:
         """The owner went before it answered: again once it is back."""

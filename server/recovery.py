@@ -13,7 +13,8 @@ import logging
 from collections.abc import Callable, Iterable
 
 from . import records
-from .state import PACK_MIN_DEPTH, PACK_TAILS, Broker, Message, Packed
+from .messages import Message
+from .state import Broker
 
 log = logging.getLogger("mqks.durable")
 
@@ -231,11 +232,11 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         for due_ms, parked in parked_by_due.items():
             broker.park(queue, due_ms, parked)
         broker.record = record
-        front = []
+        requeued = []
         for seq in state.front:
             if seq in messages and seq not in seen:
                 seen.add(seq)
-                front.append(seq)
+                requeued.append(seq)
         rest = sorted(seq for seq in messages if seq not in seen)
         # the newest never-delivered messages with consecutive seqs and nothing live above them
         # go back as plain tails, packed as a deep queue packs them (records cost ~2.5x the
@@ -244,29 +245,19 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         while plain_from and messages[rest[plain_from - 1]][1] == 0 and (
                 plain_from == len(rest) or rest[plain_from - 1] == rest[plain_from] - 1):
             plain_from -= 1
-        if rest and max(held[-1:] + front + list(state.parked), default=-1) > rest[-1]:
+        if rest and max(held[-1:] + requeued + list(state.parked), default=-1) > rest[-1]:
             plain_from = len(rest)  # a live record above them: keep every seq explicit
-        records = []
+        front = []  # explicit records: held (retry raised), requeued, then the rest that keep their seq
         for seq in held:
             tail, retry, _ = messages[seq]
-            records.append(Message(seq, retry + 1, tail))
-        for seq in front + rest[:plain_from]:
+            front.append(Message(seq, retry + 1, tail))
+        for seq in requeued + rest[:plain_from]:
             tail, retry, _ = messages[seq]
-            records.append(Message(seq, retry, tail))
-        queue.messages.extend(records)
-        queue.requeued = len(records)
+            front.append(Message(seq, retry, tail))
         plain = [messages[seq][0] for seq in rest[plain_from:]]
-        runs = len(plain) // PACK_TAILS if len(plain) >= PACK_MIN_DEPTH else 0
-        for i in range(runs):
-            queue.messages.append(Packed(b"\n".join(plain[i * PACK_TAILS : (i + 1) * PACK_TAILS])))
-        queue.packed_extra += runs * (PACK_TAILS - 1)
-        queue.messages.extend(plain[runs * PACK_TAILS :])
-        queue.appended_since_pack = len(plain) - runs * PACK_TAILS
-        if plain:
-            queue.next_seq = rest[-1] + 1
-        else:
-            queue.next_seq = max(state.next_seq, queue.next_seq)
-        total += len(records) + len(plain)
+        # the plain tails' seqs are implicit: the queue's next seq follows the last of them
+        queue.restore(front, plain, rest[-1] + 1 if plain else max(state.next_seq, queue.next_seq))
+        total += len(front) + len(plain)
     for name in recovered:
         # a copy held at the crash came back with retry raised: past max_retries it is a dead letter,
         # moved only now that every queue, its dead-letter queue included, is rebuilt

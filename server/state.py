@@ -25,52 +25,16 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, TypeAlias
+from typing import Any
 
-from . import records
+from . import dead_letters, records
+from .messages import NEWLINE, Item, Message, MessageStore, Packed, retry_of
 from .outbox import Outbox
 from .protocol import msg_id_of, with_field
 from .routing import Routing, compile_mask
 from .timers import Buckets
 
 Schedule = Callable[[float, Callable[[], None]], Callable[[], None]]  # (seconds, fn) -> cancel
-# tails per Packed run: ~128 KiB of 100-byte messages, past glibc's mmap threshold, so a run
-# gets pages of its own instead of pinning holes in the heap (measured, 1M queued messages:
-# 256-tail runs gave 134 or 183 bytes/msg from run to run, 1024-tail runs 128 every time)
-PACK_TAILS = 1024
-PACK_MIN_DEPTH = 4096  # shallower queues are left alone: they drain soon anyway
-NEWLINE = b"\n"
-
-
-class Packed(bytes):
-    """Tails joined by newlines: one queue item standing for several messages."""
-
-    __slots__ = ()
-
-
-class Message:
-    """A message copy that came back to its queue: the tail as published, its seq, its retry counter."""
-
-    __slots__ = ("seq", "retry", "tail")
-
-    def __init__(self, seq: int, retry: int, tail: bytes) -> None:
-        self.seq = seq
-        self.retry = retry
-        self.tail = tail  # as published: never holds a retry field
-
-    def delivery_tail(self) -> bytes:
-        """The tail with `,retry={n}` after the event, built from the fields (none while retry is 0)."""
-        tail = self.tail
-        if not self.retry:
-            return tail  # a message recovered from the log that was never delivered
-        return with_field(tail, b",retry=%d" % self.retry)
-
-
-Item: TypeAlias = "bytes | Message"  # what a queue holds and un-acked maps keep
-
-
-def retry_of(item: Item) -> int:
-    return item.retry if type(item) is Message else 0
 
 
 class Consumer:
@@ -102,17 +66,7 @@ class Consumer:
 
     def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Item | None = None) -> None:
         """Owe the client this tail; with manual ack, hold the message (`held`, else the tail) under `seq`."""
-        outbox = self.outbox
-        out = outbox.out
-        out.append(self.consumer_id)
-        out.append(tail)
-        out.append(NEWLINE)
-        outbox.out_bytes += len(tail) + self.line_overhead
-        if outbox.out_bytes > outbox.high_water_bytes:
-            outbox.paused = True
-        if not outbox.flush_pending:
-            outbox.flush_pending = True
-            outbox.pending.append(outbox)
+        self.outbox.deliver(self.consumer_id, tail, len(tail) + self.line_overhead)
         if self.manual_ack:
             self.unacked[seq] = tail if held is None else held
             seq_by_msg_id = self.seq_by_msg_id
@@ -302,20 +256,14 @@ def update_line(consumer: Consumer) -> bytes:
                       *consumer.flags()]) + NEWLINE
 
 
-class Queue:
-    """Messages waiting for consumers, the consumers competing for them, and the queue's events."""
+class Queue(MessageStore):
+    """A queue: its messages (MessageStore), the consumers competing for them, its events and settings."""
 
-    __slots__ = ("name", "messages", "packed_extra", "appended_since_pack", "next_seq", "requeued", "consumers",
-                 "next_consumer", "events", "delete_when_unused_seconds", "cancel_delete", "max_retries", "max_length",
-                 "dropped", "record")
+    __slots__ = ("consumers", "next_consumer", "events", "delete_when_unused_seconds", "cancel_delete", "max_retries",
+                 "max_length", "dropped")
 
     def __init__(self, name: bytes) -> None:
-        self.name = name
-        self.messages: deque[Any] = deque()  # requeued Messages first, then tails and Packed runs of tails
-        self.packed_extra = 0  # messages inside Packed items beyond one per item
-        self.appended_since_pack = 0
-        self.next_seq = 0  # the seq the next copy put into this queue gets
-        self.requeued = 0  # Message records waiting (all at the front)
+        super().__init__(name)
         self.consumers: list[Consumer] = []
         self.next_consumer = 0  # round-robin position
         self.events: dict[bytes, None] = {}  # an ordered set
@@ -324,8 +272,6 @@ class Queue:
         self.max_retries: int | None = None  # past it a message goes to `{queue}.dead` (extension)
         self.max_length: int | None = None  # a put that would make the queue longer is refused (extension)
         self.dropped = 0  # puts refused by max_length
-        # the journal's append with --data-dir (deliveries, requeues and dead letters are records); None: in memory
-        self.record: Callable[[bytes], None] | None = None
 
     def flags(self) -> list[bytes]:
         """The queue's own settings as consume flags, in the order `--update` lines show them."""
@@ -380,59 +326,12 @@ class Queue:
                     self.next_seq = seq + 1
                     ready.deliver(tail, seq, msg_id)
                     return True
-        messages = self.messages
-        if self.max_length is not None and len(messages) + self.packed_extra >= self.max_length:
+        if self.max_length is not None and len(self.messages) + self.packed_extra >= self.max_length:
             self.dropped += 1
             return None
-        # waiting tails hold consecutive seqs ending at next_seq - 1: only an empty queue
-        # delivers directly, so no seq is skipped between them
-        self.next_seq += 1
-        messages.append(tail)
-        self.appended_since_pack += 1
-        if self.appended_since_pack >= PACK_TAILS and len(messages) >= PACK_MIN_DEPTH:
-            self._pack_newest()
+        # only an empty queue delivers directly, so no seq is skipped between waiting tails
+        self.append(tail)
         return False
-
-    def _pack_newest(self) -> None:
-        messages = self.messages
-        # the tails appended since the last pack sit at the back, unless consumers drained the
-        # queue into them: then no Packed item is left, and every item behind the requeued
-        # records is one of them (records put back in front are never counted)
-        plain = min(self.appended_since_pack, len(messages) - self.requeued)
-        if plain < PACK_TAILS:
-            self.appended_since_pack = plain
-            return
-        run = [messages.pop() for _ in range(PACK_TAILS)]
-        run.reverse()
-        try:
-            packed = Packed(NEWLINE.join(run))
-        except Exception:
-            messages.extend(run)  # back as they were: a step that fails must not lose what it took
-            raise
-        messages.append(packed)
-        self.packed_extra += PACK_TAILS - 1
-        self.appended_since_pack = 0  # the run is the newest item now: no plain tail behind it
-
-    def _unpack_front(self) -> None:
-        tails = self.messages.popleft().split(NEWLINE)
-        self.packed_extra -= len(tails) - 1
-        self.messages.extendleft(reversed(tails))
-
-    def depth(self) -> int:
-        """Messages waiting in the queue."""
-        return len(self.messages) + self.packed_extra
-
-    def pop(self) -> tuple[int, Item]:
-        """The front message with its seq (the queue must not be empty)."""
-        messages = self.messages
-        if type(messages[0]) is Packed:
-            self._unpack_front()
-        item = messages.popleft()
-        if type(item) is Message:
-            self.requeued -= 1
-            return item.seq, item
-        # the waiting tails, this one included, end at next_seq - 1
-        return self.next_seq - (len(messages) + self.packed_extra + 1 - self.requeued), item
 
     def pump(self) -> int:
         """Hand waiting messages to ready consumers; returns how many were delivered."""
@@ -486,56 +385,6 @@ class Queue:
             self.record(records.delivered_one(self.name, seq, consumer.manual_ack))
         return seq
 
-    def requeue(self, taken: list[tuple[int, Item]]) -> None:
-        """Put messages back at the front, in the order given, with retry raised."""
-        self.put_front([Message(seq, item.retry + 1, item.tail) if isinstance(item, Message) else Message(seq, 1, item)
-                        for seq, item in taken])
-
-    def put_front(self, returned: list[Message]) -> None:
-        """Put records at the front as they are, in the order given."""
-        self.messages.extendleft(reversed(returned))
-        self.requeued += len(returned)
-        if self.record is not None and returned:
-            self.record(records.requeued(self.name, returned))
-
-    def put_record(self, tail: bytes, retry: int) -> Message:
-        """Put a message that keeps its retry counter (a dead letter) at the back, with the next seq.
-
-        Records sit in front of plain tails (whose seqs are implicit), so plain tails waiting
-        here are first made records too: each tail is converted at most once, and a queue
-        that only ever gets records, as a dead-letter queue does, converts nothing.
-        """
-        if len(self.messages) + self.packed_extra > self.requeued:
-            self._make_explicit()
-        record = Message(self.next_seq, retry, tail)
-        self.next_seq += 1
-        self.messages.append(record)
-        self.requeued += 1
-        if self.record is not None:
-            self.record(records.dead_letter(self.name, record.seq, retry, tail))
-        return record
-
-    def _make_explicit(self) -> None:
-        messages = self.messages
-        records = [messages.popleft() for _ in range(self.requeued)]
-        seq = self.next_seq - (len(messages) + self.packed_extra)
-        for item in messages:
-            for tail in (item.split(NEWLINE) if type(item) is Packed else (item,)):
-                records.append(Message(seq, 0, tail))
-                seq += 1
-        messages.clear()
-        messages.extend(records)
-        self.requeued = len(records)
-        self.packed_extra = 0
-        self.appended_since_pack = 0
-
-    def take_front_over(self, max_retries: int) -> list[Message]:
-        """Remove the records at the front whose retry is past `max_retries` (a lowered setting)."""
-        messages = self.messages
-        front = [messages.popleft() for _ in range(self.requeued)]
-        self.requeued = 0
-        self.put_front([record for record in front if record.retry <= max_retries])
-        return [record for record in front if record.retry > max_retries]
 
 
 class Broker:
@@ -710,7 +559,7 @@ class Broker:
         if queue.max_retries is not None and queue.requeued:
             dead = queue.take_front_over(queue.max_retries)
             if dead:
-                self.dead_letter(queue, [(record.seq, record) for record in dead], raise_retry=False)
+                dead_letters.move(self, queue, [(record.seq, record) for record in dead], raise_retry=False)
 
     def updates(self, queue: Queue, skip: Consumer | None = None) -> None:
         """Tell every consumer of `queue` (but `skip`) its current events and flags (`--update`)."""
@@ -806,7 +655,7 @@ class Broker:
         self.rejected += len(taken)
         queue = consumer.queue
         if taken and self.queues.get(queue.name) is queue:
-            taken = self.divert_dead(queue, taken)
+            taken = dead_letters.divert(self, queue, taken)
             if taken:
                 self.park(queue, due_ms, [Message(seq, retry_of(item) + 1, item.tail if isinstance(item, Message)
                                                   else item) for seq, item in taken])
@@ -836,46 +685,9 @@ class Broker:
 
     def requeue(self, queue: Queue, taken: list[tuple[int, Item]]) -> None:
         """Copies taken from consumers go back to the front with retry+1; past `max_retries`, to the dead letters."""
-        taken = self.divert_dead(queue, taken)
+        taken = dead_letters.divert(self, queue, taken)
         if taken:
             queue.requeue(taken)
-
-    def divert_dead(self, queue: Queue, taken: list[tuple[int, Item]]) -> list[tuple[int, Item]]:
-        """Send the copies that would come back past the queue's `max_retries` to its dead letters; the rest."""
-        max_retries = queue.max_retries
-        if max_retries is None:
-            return taken
-        dead = [taken_one for taken_one in taken if retry_of(taken_one[1]) >= max_retries]
-        if dead:
-            self.dead_letter(queue, dead)
-            taken = [taken_one for taken_one in taken if retry_of(taken_one[1]) < max_retries]
-        return taken
-
-    def dead_letter(self, queue: Queue, taken: list[tuple[int, Item]], raise_retry: bool = True) -> None:
-        """Put copies into `{queue}.dead` (created if missing) with their event, data and retry counter."""
-        name = queue.name + b".dead"
-        broker = self.broker_for(name)
-        dead_queue = broker.queue(name)
-        for _, item in taken:
-            if isinstance(item, Message):
-                dead_queue.put_record(item.tail, item.retry + 1 if raise_retry else item.retry)
-            else:
-                dead_queue.put_record(item, 1 if raise_retry else 0)
-        self.dead_lettered += len(taken)
-        broker.pump(dead_queue)
-        if isinstance(broker, Broker):
-            self.dead_letters_moved(queue, taken)
-        else:  # another worker process owns the dead letters: moved once it has them (server/peers.py)
-            broker.send(self, queue, taken)
-
-    def dead_letters_moved(self, queue: Queue, taken: list[tuple[int, Item]]) -> None:
-        """The copies are in their dead-letter queue: gone from this one.
-
-        Recorded after their E records (a crash between the two repeats a dead letter, never loses
-        one); a queue deleted while another worker took them was recorded whole (X).
-        """
-        if self.record is not None and self.queues.get(queue.name) is queue:
-            self.record(records.gone(queue.name, [seq for seq, _ in taken]))
 
     def expire(self, consumer: TimedConsumer) -> None:
         """The consumer's ack timeout: copies past their deadline go back as if rejected."""
@@ -919,10 +731,7 @@ class Broker:
             consumer.outbox.consumers_by_id.pop(consumer.consumer_id, None)
             consumer.take_all_unacked()
         queue.consumers.clear()
-        queue.messages.clear()
-        queue.packed_extra = 0
-        queue.appended_since_pack = 0
-        queue.requeued = 0
+        queue.clear()
         self.dropped_by_deleted_queues += queue.dropped
         if self.record is not None:
             self.record(records.queue_deleted(name))

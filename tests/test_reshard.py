@@ -23,6 +23,7 @@ from helpers import queue_row, unique_bytes
 
 from mqks.server import reshard
 from mqks.server.log import Log
+from mqks.server.messages import Message, Packed
 from mqks.server.protocol import msg_id_of
 from mqks.server.recovery import Recovery, rebuild, recover
 from mqks.server.reshard import (
@@ -36,7 +37,6 @@ from mqks.server.reshard import (
     prepare,
 )
 from mqks.server.slots import SLOTS, owner_of
-from mqks.server.state import Message, Packed
 
 pytestmark = pytest.mark.timeout(120)
 

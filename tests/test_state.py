@@ -2,8 +2,9 @@
 
 import pytest
 
+from mqks.server.messages import PACK_MIN_DEPTH, PACK_TAILS, Message, Packed
 from mqks.server.outbox import Outbox
-from mqks.server.state import PACK_MIN_DEPTH, PACK_TAILS, Broker, Consumer, Message, Packed, TimedConsumer, update_line
+from mqks.server.state import Broker, Consumer, TimedConsumer, update_line
 from mqks.server.timers import Timers
 
 pytestmark = pytest.mark.timeout(10)

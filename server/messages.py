@@ -1,0 +1,199 @@
+"""Step 5 of the flow, a queue's storage: the messages waiting in it, in order, with the fewest objects.
+
+A message is stored as its *tail*, the bytes after the consumer id of a delivery:
+`b" ok {msg_id} event={event} {data}"`, built once per publish and shared by every queue that
+gets a copy. A deep queue packs runs of tails into one `Packed` bytes object (tails never hold a
+newline), which saves the ~45 bytes of object and deque overhead each message would cost on its
+own. Every copy put into a queue gets the queue's next sequence number (`seq`): a message never
+delivered is a bare tail whose seq is implicit (waiting tails hold consecutive seqs, oldest
+first); one that came back (requeued, a dead letter) is a `Message` record carrying its seq and
+retry counter, always at the front. No sockets, no consumers: state.py's Queue adds those.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+from . import records
+from .protocol import with_field
+
+# tails per Packed run: ~128 KiB of 100-byte messages, past glibc's mmap threshold, so a run
+# gets pages of its own instead of pinning holes in the heap (measured, 1M queued messages:
+# 256-tail runs gave 134 or 183 bytes/msg from run to run, 1024-tail runs 128 every time)
+PACK_TAILS = 1024
+PACK_MIN_DEPTH = 4096  # shallower queues are left alone: they drain soon anyway
+NEWLINE = b"\n"
+
+
+class Packed(bytes):
+    """Tails joined by newlines: one queue item standing for several messages."""
+
+    __slots__ = ()
+
+
+class Message:
+    """A message copy that came back to its queue: the tail as published, its seq, its retry counter."""
+
+    __slots__ = ("seq", "retry", "tail")
+
+    def __init__(self, seq: int, retry: int, tail: bytes) -> None:
+        self.seq = seq
+        self.retry = retry
+        self.tail = tail  # as published: never holds a retry field
+
+    def delivery_tail(self) -> bytes:
+        """The tail with `,retry={n}` after the event, built from the fields (none while retry is 0)."""
+        tail = self.tail
+        if not self.retry:
+            return tail  # a message recovered from the log that was never delivered
+        return with_field(tail, b",retry=%d" % self.retry)
+
+
+Item: TypeAlias = "bytes | Message"  # what a queue holds and un-acked maps keep
+
+
+def retry_of(item: Item) -> int:
+    return item.retry if type(item) is Message else 0
+
+
+class MessageStore:
+    """The messages of one queue: requeued `Message` records first, then tails and `Packed` runs of tails.
+
+    With --data-dir, `record` (the journal's append) hears of every requeue and dead letter.
+    """
+
+    __slots__ = ("name", "messages", "packed_extra", "appended_since_pack", "next_seq", "requeued", "record")
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.messages: deque[Any] = deque()  # requeued Messages first, then tails and Packed runs of tails
+        self.packed_extra = 0  # messages inside Packed items beyond one per item
+        self.appended_since_pack = 0
+        self.next_seq = 0  # the seq the next copy put into this queue gets
+        self.requeued = 0  # Message records waiting (all at the front)
+        # the journal's append with --data-dir (deliveries, requeues and dead letters are records); None: in memory
+        self.record: Callable[[bytes], None] | None = None
+
+    def append(self, tail: bytes) -> None:
+        """Keep a tail at the back with the next seq (waiting tails hold consecutive seqs ending at next_seq - 1)."""
+        messages = self.messages
+        self.next_seq += 1
+        messages.append(tail)
+        self.appended_since_pack += 1
+        if self.appended_since_pack >= PACK_TAILS and len(messages) >= PACK_MIN_DEPTH:
+            self._pack_newest()
+
+    def _pack_newest(self) -> None:
+        messages = self.messages
+        # the tails appended since the last pack sit at the back, unless consumers drained the
+        # queue into them: then no Packed item is left, and every item behind the requeued
+        # records is one of them (records put back in front are never counted)
+        plain = min(self.appended_since_pack, len(messages) - self.requeued)
+        if plain < PACK_TAILS:
+            self.appended_since_pack = plain
+            return
+        run = [messages.pop() for _ in range(PACK_TAILS)]
+        run.reverse()
+        try:
+            packed = Packed(NEWLINE.join(run))
+        except Exception:
+            messages.extend(run)  # back as they were: a step that fails must not lose what it took
+            raise
+        messages.append(packed)
+        self.packed_extra += PACK_TAILS - 1
+        self.appended_since_pack = 0  # the run is the newest item now: no plain tail behind it
+
+    def _unpack_front(self) -> None:
+        tails = self.messages.popleft().split(NEWLINE)
+        self.packed_extra -= len(tails) - 1
+        self.messages.extendleft(reversed(tails))
+
+    def depth(self) -> int:
+        """Messages waiting in the queue."""
+        return len(self.messages) + self.packed_extra
+
+    def pop(self) -> tuple[int, Item]:
+        """The front message with its seq (the queue must not be empty)."""
+        messages = self.messages
+        if type(messages[0]) is Packed:
+            self._unpack_front()
+        item = messages.popleft()
+        if type(item) is Message:
+            self.requeued -= 1
+            return item.seq, item
+        # the waiting tails, this one included, end at next_seq - 1
+        return self.next_seq - (len(messages) + self.packed_extra + 1 - self.requeued), item
+
+    def requeue(self, taken: list[tuple[int, Item]]) -> None:
+        """Put messages back at the front, in the order given, with retry raised."""
+        self.put_front([Message(seq, item.retry + 1, item.tail) if isinstance(item, Message) else Message(seq, 1, item)
+                        for seq, item in taken])
+
+    def put_front(self, returned: list[Message]) -> None:
+        """Put records at the front as they are, in the order given."""
+        self.messages.extendleft(reversed(returned))
+        self.requeued += len(returned)
+        if self.record is not None and returned:
+            self.record(records.requeued(self.name, returned))
+
+    def put_record(self, tail: bytes, retry: int) -> Message:
+        """Put a message that keeps its retry counter (a dead letter) at the back, with the next seq.
+
+        Records sit in front of plain tails (whose seqs are implicit), so plain tails waiting
+        here are first made records too: each tail is converted at most once, and a queue
+        that only ever gets records, as a dead-letter queue does, converts nothing.
+        """
+        if len(self.messages) + self.packed_extra > self.requeued:
+            self._make_explicit()
+        record = Message(self.next_seq, retry, tail)
+        self.next_seq += 1
+        self.messages.append(record)
+        self.requeued += 1
+        if self.record is not None:
+            self.record(records.dead_letter(self.name, record.seq, retry, tail))
+        return record
+
+    def _make_explicit(self) -> None:
+        messages = self.messages
+        records = [messages.popleft() for _ in range(self.requeued)]
+        seq = self.next_seq - (len(messages) + self.packed_extra)
+        for item in messages:
+            for tail in (item.split(NEWLINE) if type(item) is Packed else (item,)):
+                records.append(Message(seq, 0, tail))
+                seq += 1
+        messages.clear()
+        messages.extend(records)
+        self.requeued = len(records)
+        self.packed_extra = 0
+        self.appended_since_pack = 0
+
+    def take_front_over(self, max_retries: int) -> list[Message]:
+        """Remove the records at the front whose retry is past `max_retries` (a lowered setting)."""
+        messages = self.messages
+        front = [messages.popleft() for _ in range(self.requeued)]
+        self.requeued = 0
+        self.put_front([record for record in front if record.retry <= max_retries])
+        return [record for record in front if record.retry > max_retries]
+
+    def restore(self, front: list[Message], plain: list[bytes], next_seq: int) -> None:
+        """Refill an empty store as recovery found it: `front` records (held, requeued, explicit seqs) first, then
+        `plain` never-delivered tails with consecutive seqs ending at `next_seq - 1`, packed as a deep queue packs."""
+        messages = self.messages
+        messages.extend(front)
+        self.requeued = len(front)
+        runs = len(plain) // PACK_TAILS if len(plain) >= PACK_MIN_DEPTH else 0
+        for i in range(runs):
+            messages.append(Packed(NEWLINE.join(plain[i * PACK_TAILS : (i + 1) * PACK_TAILS])))
+        self.packed_extra += runs * (PACK_TAILS - 1)
+        messages.extend(plain[runs * PACK_TAILS :])
+        self.appended_since_pack = len(plain) - runs * PACK_TAILS
+        self.next_seq = next_seq
+
+    def clear(self) -> None:
+        """Forget every message (the queue was deleted)."""
+        self.messages.clear()
+        self.packed_extra = 0
+        self.appended_since_pack = 0
+        self.requeued = 0
