@@ -17,9 +17,10 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=["mqks.server", "mqks.client", "mqks.spark"],
+    packages=["mqks.server", "mqks.server.wire", "mqks.server.journal", "mqks.server.core", "mqks.server.dispatch",
+              "mqks.server.workers", "mqks.server.node", "mqks.client", "mqks.spark"],
     package_dir={
-        "mqks.server": "server",
+        "mqks.server": "server",  # its subpackages follow the folders: server/wire is mqks.server.wire
         "mqks.client": "client",
         "mqks.spark": "spark",
     },

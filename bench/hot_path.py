@@ -16,9 +16,9 @@ import argparse
 import time
 from collections import deque
 
-from mqks.server.actions import actions_for, handlers_for, run_lines
-from mqks.server.outbox import Outbox
-from mqks.server.process import Process
+from mqks.server.dispatch.actions import actions_for, handlers_for, run_lines
+from mqks.server.dispatch.process import Process
+from mqks.server.wire.outbox import Outbox
 
 BATCH_LINES = 2000  # about what one 64 KiB read holds
 

@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 
-from mqks.server.log import Log
+from mqks.server.journal.log import Log
 
 RECORD = b"P 1 q1 1 ok m1 event=user.1.created " + b"d" * 74  # 110 bytes, a publish record's shape
 

@@ -5,7 +5,7 @@
 
 (from the repository root; ~25 s with the defaults, one repetition of 8 cells: take `--reps 3` for
 figures to quote, `--quick` for a smoke run of a few seconds). Spread cells: the queues are split
-into `--groups` groups whose queues share an owner (server/slots.py `owner_of`); each group gets one
+into `--groups` groups whose queues share an owner (server/dispatch/slots.py `owner_of`); each group gets one
 producer connection (publishing to its queues in turn, each queue bound to its own event) and one
 consumer connection (consuming all of them), each driven by its own generator process, connected to
 the owner's direct port when `hello` lists one, else to the public port. Every cell runs on a fresh,
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mqks.server.slots import owner_of
+from mqks.server.dispatch.slots import owner_of
 
 from . import loadgen, peers
 from .loadgen import ConsumerState, Flow, Mqks, MqksAutoState

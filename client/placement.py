@@ -5,7 +5,7 @@ direct address a consume (and its acks) for that queue goes to; None sends it on
 connection. Routing is only an optimisation: every worker serves every action, relaying to the
 owner, so any doubt about the answer (an older broker, one worker, a malformed map, an entry
 lacking a port) means None, never an error. No gevent: Spark executors import this.
-The slot map comes from the broker, so only the slot function is copied from server/slots.py
+The slot map comes from the broker, so only the slot function is copied from server/dispatch/slots.py
 (the client never imports server/: it ships on hosts without the broker's dependencies).
 """
 
@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SLOTS = 16384  # server/slots.py SLOTS; the broker's hello names its own in "slots"
+SLOTS = 16384  # server/dispatch/slots.py SLOTS; the broker's hello names its own in "slots"
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # a bind address, not one to dial
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 def slot_of(queue: bytes, slots: int = SLOTS) -> int:
-    """The slot of `queue`, as server/slots.py computes it."""
+    """The slot of `queue`, as server/dispatch/slots.py computes it."""
     return zlib.crc32(queue) % slots
 
 

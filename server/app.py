@@ -7,7 +7,7 @@ server itself. SIGTERM or SIGINT drains: stop accepting, stop delivering, give c
 `--drain-seconds` to settle what they hold (those that said `hello` hear `ok --draining`),
 flush what is owed, requeue the rest (durably with --data-dir), exit 0. SIGHUP re-reads the
 token file. With `--tls-port` a second listener speaks the same protocol over TLS; with
-`--metrics-port` the same loop serves `/metrics` and `/healthz` (server/metrics.py).
+`--metrics-port` the same loop serves `/metrics` and `/healthz` (server/node/metrics.py).
 """
 
 from __future__ import annotations
@@ -26,23 +26,24 @@ import gevent
 import gevent.socket
 from gevent.event import Event
 
-from .actions import ONE_PROCESS, HandlerTables
-from .config import CANNOT_START_EXIT_CODE, Config
-from .connection import Connection
-from .journal import Journal
-from .listeners import AcceptFailed, CannotListen, Listener, tcp_listener, unix_listener
-from .memory import MemoryGuard
-from .process import Process
-from .protocol import format_error
-from .recovery import rebuild, recover
-from .sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
-from .slots import SLOTS, slot_ranges
-from .timers import Timers
+from .core.restore import rebuild
+from .core.timers import Timers
+from .dispatch.actions import ONE_PROCESS, HandlerTables
+from .dispatch.process import Process
+from .dispatch.slots import SLOTS, slot_ranges
+from .journal.journal import Journal
+from .journal.recovery import recover
+from .node.config import CANNOT_START_EXIT_CODE, Config
+from .node.connection import Connection
+from .node.listeners import AcceptFailed, CannotListen, Listener, tcp_listener, unix_listener
+from .node.memory import MemoryGuard
+from .node.sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
+from .wire.protocol import format_error
 
 if TYPE_CHECKING:
     from gevent.pywsgi import WSGIServer
 
-    from .peers import Peers
+    from .workers.peers import Peers
 
 log = logging.getLogger("mqks.server")
 
@@ -118,8 +119,8 @@ class Server:
 
     def link_workers(self) -> None:
         """This process is one worker of several: reach the others, route lines to the owners."""
-        from .peers import RELAY_WINDOW_BYTES, Peers
-        from .relay import place
+        from .workers.peers import RELAY_WINDOW_BYTES, Peers
+        from .workers.relay import place
 
         assert self.config.run_dir is not None
         process = self.process
@@ -162,12 +163,12 @@ class Server:
 
     def open_journal(self) -> Journal:
         """The write-ahead log in --data-dir, woken from its writer thread through a gevent async watcher."""
-        from .log import Log  # only durable servers load the storage layer
+        from .journal.log import Log  # only durable servers load the storage layer
 
         config = self.config
         assert config.data_dir is not None
         self.log_wake = gevent.get_hub().loop.async_()
-        from .reshard import ReshardError, log_dir, prepare
+        from .node.reshard import ReshardError, log_dir, prepare
 
         if config.worker_index is None:  # one process: a log written by N workers comes back into one first
             try:
@@ -193,7 +194,7 @@ class Server:
         """Replay the log into the workers before the first client is accepted."""
         journal = self.journal
         assert journal is not None
-        from .log import LogCorrupt
+        from .journal.log import LogCorrupt
 
         started = time.monotonic()
         lines = journal.log.replay(repair=self.config.repair)
@@ -310,7 +311,7 @@ class Server:
             if unlinked:
                 return (f"worker {', '.join(map(str, unlinked))} not linked (restarting, or not reading): "
                         "lines for its queues get an error")
-            from .figures import log_trouble
+            from .dispatch.figures import log_trouble
 
             for answer in self.peers.ask_all(b"h stats"):
                 stats = json.loads(answer.partition(b" ok ")[2])
@@ -331,7 +332,7 @@ class Server:
         if self.peers is not None:
             self.listen_direct()
         if config.metrics_port is not None and (self.peers is None or self.peers.worker == 0):
-            from .metrics import metrics_server  # prometheus_client is loaded only when asked for
+            from .node.metrics import metrics_server  # prometheus_client is loaded only when asked for
 
             self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.process,
                                                  config.metrics_max_queues, self.health)

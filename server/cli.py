@@ -2,7 +2,7 @@
 processes or one `Server` (app.py). Every default and its meaning lives in config.py.
 
 Exit codes: 0 a clean stop, 1 cannot listen or the log is corrupt, 2 bad flags (argparse),
-70 a failed fsync (server/log.py).
+70 a failed fsync (server/journal/log.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import sys
 from typing import NoReturn
 
 from .app import Server
-from .config import CANNOT_START_EXIT_CODE, DEFAULTS, Config
-from .listeners import CannotListen
-from .process import VERSION
-from .sessions import AUTH_TOKEN_ENV, tls_server_context
+from .dispatch.process import VERSION
+from .node.config import CANNOT_START_EXIT_CODE, DEFAULTS, Config
+from .node.listeners import CannotListen
+from .node.sessions import AUTH_TOKEN_ENV, tls_server_context
 
 log = logging.getLogger("mqks.server")
 
@@ -172,11 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s{worker}: %(message)s")
     if config.workers > 1 and config.worker_index is None:
-        from .supervisor import Supervisor
+        from .node.supervisor import Supervisor
 
         sys.exit(Supervisor(config, sys.argv[1:] if argv is None else argv).run())
     if config.worker_index is not None:
-        from .supervisor import die_with_parent
+        from .node.supervisor import die_with_parent
 
         die_with_parent()
     try:

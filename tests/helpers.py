@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import gevent
 
 from mqks.client import Client, Message
-from mqks.server.slots import owner_of
+from mqks.server.dispatch.slots import owner_of
 
 T = TypeVar("T")
 
@@ -78,7 +78,7 @@ def wait_until(predicate: Callable[[], object], what: str, timeout: float = WAIT
 
 
 def queue_owned_by(worker: int, workers: int, prefix: str = "q") -> str:
-    """A fresh queue name that worker `worker` of `workers` owns (server/slots.py's map)."""
+    """A fresh queue name that worker `worker` of `workers` owns (server/dispatch/slots.py's map)."""
     while True:
         name = unique(prefix)
         if owner_of(name.encode(), workers) == worker:

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from mqks.server.log import Log
+from mqks.server.journal.log import Log
 
 WAIT_SECONDS = 10.0
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import queue_owned_by, stats_on
 
-from mqks.server import actions
 from mqks.server.cli import parse_args
+from mqks.server.dispatch import actions
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,7 +19,7 @@ from gevent.event import Event
 from helpers import Inbox, make_client, unique, wait_until
 
 from mqks.client import Client, Message, MqksConnectionError, MqksError, MqksTimeoutError, wire
-from mqks.server.slots import owner_of
+from mqks.server.dispatch.slots import owner_of
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from tls_certs import make_certs
 
 from mqks.client import Client
 from mqks.client.placement import Placement, Route
-from mqks.server.slots import SLOTS, owner_of, slot_ranges
+from mqks.server.dispatch.slots import SLOTS, owner_of, slot_ranges
 
 WAIT_SECONDS = 10.0
 TOKEN = "workers-s3cret-0123456789"
@@ -31,7 +31,7 @@ NO_SLOT_MAP = "mqksd --workers 2 answered hello without a slot map or direct add
 
 
 def hello(workers: int, ports: list[int], host: str = "127.0.0.1", **extra: Any) -> dict[str, Any]:
-    """A hello answer as the multi-process broker gives it (server/slots.py's map)."""
+    """A hello answer as the multi-process broker gives it (server/dispatch/slots.py's map)."""
     return {"version": "x", "workers": workers, "worker": 0, "slots": SLOTS, "slot_map": slot_ranges(workers),
             "direct": [{"worker": worker, "host": host, "port": port, "unix": None}
                        for worker, port in enumerate(ports)], **extra}

@@ -13,8 +13,8 @@ import pytest
 from conftest import READY_TIMEOUT_SECONDS
 from helpers import queue_row, server_stats, unique, wait_for
 
-from mqks.server.log import Log
-from mqks.server.recovery import recover
+from mqks.server.journal.log import Log
+from mqks.server.journal.recovery import recover
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -445,7 +445,7 @@ def test_state_comes_back_from_a_snapshot_exactly(make_broker, tmp_path):
     server = durable(make_broker, tmp_path)
     names = set_up_state(server)
     wire = server.wire()
-    wire.send(b"ev _eval process.journal.snapshot([state])")  # compaction, by hand
+    wire.send(b"ev _eval process.snapshot()")  # compaction, by hand
     wire.expect(b"ev ok None")
     sync(wire)
     wire.close()

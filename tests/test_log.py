@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from helpers import WAIT_SECONDS, wait_for
 
-from mqks.server.log import HEADER_BYTES, Log, LogCorrupt
+from mqks.server.journal.log import HEADER_BYTES, Log, LogCorrupt
 
 pytestmark = pytest.mark.timeout(60)
 

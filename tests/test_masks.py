@@ -7,7 +7,7 @@ The broker-level tests call `Broker.rebind` directly; the rest are wire transcri
 import pytest
 from helpers import unique_bytes as unique
 
-from mqks.server.state import Broker
+from mqks.server.core.state import Broker
 
 pytestmark = pytest.mark.timeout(60)
 

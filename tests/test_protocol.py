@@ -2,7 +2,7 @@
 
 import pytest
 
-from mqks.server.protocol import (
+from mqks.server.wire.protocol import (
     LineSplitter,
     format_error,
     format_ok,

@@ -21,7 +21,7 @@ from helpers import unique_bytes as unique
 from helpers import wait_for
 
 from mqks.client import Client
-from mqks.server.messages import PACK_MIN_DEPTH, PACK_TAILS
+from mqks.server.core.messages import PACK_MIN_DEPTH, PACK_TAILS
 
 pytestmark = pytest.mark.timeout(120)
 

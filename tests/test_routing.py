@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from mqks.server.routing import MAX_CACHED_EVENTS, Routing, is_mask
+from mqks.server.core.routing import MAX_CACHED_EVENTS, Routing, is_mask
 
 pytestmark = [pytest.mark.timeout(10), pytest.mark.parametrize("cache", [True, False], ids=["cache", "nocache"])]
 

@@ -319,7 +319,7 @@ def test_settings_dead_letters_and_delays_survive_a_restart(make_broker, tmp_pat
     q, e, due = semantic_state(server, 2.0)
     if how.startswith("snapshot"):
         wire = server.wire()
-        wire.send(b"s1 _eval process.journal.snapshot([state], process.snapshot_lines())")
+        wire.send(b"s1 _eval process.snapshot()")
         wire.expect(b"s1 ok None")
         publish(wire, b"sync", b"nobody.listens")  # a confirm waits for everything before it
     server.kill()

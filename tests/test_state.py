@@ -2,10 +2,10 @@
 
 import pytest
 
-from mqks.server.messages import PACK_MIN_DEPTH, PACK_TAILS, Message, Packed
-from mqks.server.outbox import Outbox
-from mqks.server.state import Broker, Consumer, TimedConsumer, update_line
-from mqks.server.timers import Timers
+from mqks.server.core.messages import PACK_MIN_DEPTH, PACK_TAILS, Message, Packed
+from mqks.server.core.state import Broker, Consumer, TimedConsumer, update_line
+from mqks.server.core.timers import Timers
+from mqks.server.wire.outbox import Outbox
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mqks.server.timers import COMPACT_MIN_CANCELLED, Buckets, Timers
+from mqks.server.core.timers import COMPACT_MIN_CANCELLED, Buckets, Timers
 
 pytestmark = pytest.mark.timeout(10)
 

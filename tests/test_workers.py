@@ -1,7 +1,7 @@
 """Worker processes (`mqksd --workers N`): lines that cross workers on purpose, and the supervisor.
 
 Each worker's own port (from `hello`'s "direct") reaches that worker alone, so a test can put a
-client on the owner of a queue or on the other worker. Placement is server/slots.py's.
+client on the owner of a queue or on the other worker. Placement is server/dispatch/slots.py's.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from helpers import (
     wait_for,
 )
 
-from mqks.server.routing import MAX_CACHED_EVENTS
-from mqks.server.slots import owner_of, slot_ranges
+from mqks.server.core.routing import MAX_CACHED_EVENTS
+from mqks.server.dispatch.slots import owner_of, slot_ranges
 
 WORKERS = 2
 
@@ -525,7 +525,7 @@ def test_the_readme_hello_world_on_two_workers(two):
 
 def test_frames_come_out_whole_however_the_stream_is_cut():
     """The link's frame reader, fed random frames (some far larger than a read) in random pieces."""
-    from mqks.server.frames import FrameReader
+    from mqks.server.workers.frames import FrameReader
 
     rng = random.Random(13)
     for _ in range(200):

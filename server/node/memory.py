@@ -11,8 +11,8 @@ import logging
 import os
 from collections.abc import Callable
 
-from .process import Process
-from .timers import Timers
+from ..core.timers import Timers
+from ..dispatch.process import Process
 
 log = logging.getLogger("mqks.server")
 

@@ -1,6 +1,6 @@
 """Worker processes (`mqksd --workers N`, N >= 2): the links between them and what crosses them.
 
-Each worker owns the queues of its slots (server/slots.py) and accepts clients like any
+Each worker owns the queues of its slots (server/dispatch/slots.py) and accepts clients like any
 other. A line about a queue another worker owns is forwarded to that owner; every worker
 keeps a replica of every other worker's bindings, so a publish goes only to the owners of
 bound queues. Nothing crosses one message at a time: what a batch of lines owes a peer
@@ -32,18 +32,18 @@ import gevent
 import gevent.socket
 from gevent.event import Event
 
-from . import dead_letters
-from .figures import merge_stats
+from ..core import dead_letters
+from ..core.routing import Routing, cache_put
+from ..core.state import Broker, Queue
+from ..dispatch.figures import merge_stats
+from ..dispatch.slots import owner_of
+from ..wire.outbox import Outbox
+from ..wire.protocol import format_ok, msg_id_of
 from .frames import NEWLINE, Frame, FrameReader, FrameSocket
-from .outbox import Outbox
-from .protocol import format_ok, msg_id_of
-from .routing import Routing, cache_put
-from .slots import owner_of
-from .state import Broker, Queue
 
 if TYPE_CHECKING:
-    from .actions import Publisher
-    from .process import Process
+    from ..dispatch.actions import Publisher
+    from ..dispatch.process import Process
     from .relay import RelaySession
 
 log = logging.getLogger("mqks.peers")
@@ -216,7 +216,7 @@ class RemoteSession:
     relay: RelaySession | None = None  # its lines run here and go no further
 
     def __init__(self, link: IncomingLink, key: bytes) -> None:
-        from .actions import ONE_PROCESS, actions_for
+        from ..dispatch.actions import ONE_PROCESS, actions_for
 
         process = link.peers.process
         self.link = link
@@ -328,7 +328,7 @@ class IncomingLink(FrameSocket):
             exc_info=error))
 
     def read_loop(self, process: Process, first_bytes: bytes) -> None:
-        from .actions import run_lines
+        from ..dispatch.actions import run_lines
 
         broker = process.broker
         publish = broker.publish
@@ -716,7 +716,7 @@ class Peers:
 
     def set_over_memory(self, over: bool) -> None:
         """Past this worker's share of --max-memory: other workers' clients' publishes here are refused too."""
-        from .actions import ONE_PROCESS
+        from ..dispatch.actions import ONE_PROCESS
 
         for link in self.incoming:
             for session in link.sessions.values():

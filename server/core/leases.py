@@ -1,4 +1,4 @@
-"""Step 5 of the flow, beside state.py: messages held under a named lease instead of by a consumer.
+"""Messages held under a named lease instead of by a consumer.
 
 `fetch` takes messages off the front of a queue and holds them under a lease id that any
 connection may later `settle` (ack or release): a Spark executor reads, the driver acks.
@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import records
+from ..journal import records
+from ..wire.protocol import with_field
 from .messages import Item, Message, Packed
-from .protocol import with_field
 from .state import Broker, Queue
 
 NEWLINE = b"\n"

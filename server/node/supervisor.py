@@ -1,7 +1,7 @@
 """`mqksd --workers N` (N >= 2): the parent process that runs N worker processes and keeps them running.
 
 The parent holds no queues and serves no client. It prepares the data dir for N workers
-(re-sharding a log written with another N, server/reshard.py), makes a private run
+(re-sharding a log written with another N, server/node/reshard.py), makes a private run
 directory for the workers' Unix sockets, starts `mqksd ... --worker-index i` N times,
 restarts a worker that dies (logged, with a back-off if it keeps dying) unless it cannot start
 because of its data (then the whole broker stops, exit 1, as one process would), passes SIGHUP
@@ -48,7 +48,8 @@ class Supervisor:
         self.stop_deadline = 0.0
 
     def command(self, worker: int) -> list[str]:
-        package = (__spec__.parent if __spec__ is not None else None) or "mqks.server"
+        # `python -m mqks.server`: the server package, one above this one (server/node)
+        package = (__spec__.parent.rpartition(".")[0] if __spec__ is not None else None) or "mqks.server"
         return [sys.executable, "-m", package, *self.argv, "--worker-index", str(worker), "--run-dir", self.run_dir]
 
     def start(self, worker: int) -> None:

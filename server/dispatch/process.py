@@ -1,4 +1,4 @@
-"""Step 5 of the flow, its front door: the one broker of this process, and what the process keeps beside it.
+"""The one broker of this process, and what the process keeps beside it.
 
 A process runs exactly one broker: worker `worker` of `worker_count`, owning the queues of its
 slot range (slots.py; stable across processes, restarts and the log's re-sharding). With worker
@@ -22,21 +22,22 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import records
+from ..core.leases import Leases
+from ..core.requests import Requests
+from ..core.routing import compile_mask
+from ..core.schedules import Schedules
+from ..core.snapshot import snapshot_lines
+from ..core.state import Broker, Queue
+from ..core.timers import Buckets, Timers
+from ..journal import records
+from ..journal.journal import Journal
+from ..wire.outbox import Outbox
+from ..wire.protocol import event_of, msg_id_of
 from .figures import ranked
-from .journal import Journal
-from .leases import Leases
-from .outbox import Outbox
-from .protocol import event_of, msg_id_of
-from .requests import Requests
-from .routing import compile_mask
-from .schedules import Schedules
 from .slots import slot_ranges
-from .state import Broker, Queue
-from .timers import Buckets, Timers
 
 if TYPE_CHECKING:
-    from .recovery import Recovery
+    from ..journal.recovery import Recovery
 
 
 def package_version() -> str:
@@ -83,7 +84,7 @@ class Process:
         self.broker.leases = Leases(self.broker)  # fetch/settle: messages held under a lease
         # what a publish calls: the broker, or with worker processes the Forwarder, which also sends to the others
         self.publisher: Any = self.broker
-        self.peers: Any = None  # server/peers.py's Peers, with worker processes
+        self.peers: Any = None  # server/workers/peers.py's Peers, with worker processes
         self.forwarder: Any = None
         self.draining = False
         # what `hello` says of the workers beside how many: the slot map, their direct addresses (set by the app)
@@ -160,13 +161,18 @@ class Process:
                 yield records.delayed(due_ms, tail)
         yield from self.schedules.snapshot_lines()
 
+    def snapshot(self) -> None:
+        """Rewrite the live state into the journal, so the log before it can go."""
+        assert self.journal is not None
+        self.journal.snapshot(snapshot_lines([self.broker], self.snapshot_lines()))
+
     def flush_pending(self) -> None:
         """Commit the batch's records (durable mode), then flush every outbox that has output."""
         journal = self.journal
         if journal is not None:
             journal.commit()
             if journal.wants_snapshot():
-                journal.snapshot([self.broker], self.snapshot_lines())
+                self.snapshot()
         pending = self.pending
         peers = self.peers
         if peers is not None and (peers.acked_epoch != peers.epoch or peers.holds):

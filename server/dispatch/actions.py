@@ -1,4 +1,4 @@
-"""Steps 3-4 of the flow: the declared actions, one small handler each, and the dispatcher.
+"""The declared actions, one small handler each, and the dispatcher.
 
 `ACTIONS` declares every action: its handler, its error for a missing argument, and what the dispatcher must
 know (needs arguments, protected like `_eval`, needs auth, writes to the log). Each
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-from .outbox import Outbox
-from .process import VERSION, Process
-from .protocol import (
+from ..core.schedules import BadRule
+from ..core.state import Consumer, Queue, SeqConsumer, TimedConsumer, TimedSeqConsumer
+from ..wire.outbox import Outbox
+from ..wire.protocol import (
     Held,
     ProtocolError,
     looks_like_http,
@@ -34,11 +35,10 @@ from .protocol import (
     parse_unix_seconds,
     text,
 )
-from .schedules import BadRule
-from .state import Consumer, Queue, SeqConsumer, TimedConsumer, TimedSeqConsumer
+from .process import VERSION, Process
 
 if TYPE_CHECKING:
-    from .relay import RelaySession
+    from ..workers.relay import RelaySession
 
 log = logging.getLogger("mqks.actions")
 

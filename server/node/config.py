@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .protocol import DEFAULT_MAX_LINE_BYTES
+from ..wire.protocol import DEFAULT_MAX_LINE_BYTES
 
 
 @dataclass(frozen=True, slots=True)

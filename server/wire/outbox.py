@@ -1,4 +1,4 @@
-"""Step 6 of the flow, the state's side of it: the bytes owed to one client until the next flush.
+"""The bytes owed to one client until the next flush.
 
 A `Consumer` appends deliveries to its outbox (`deliver`); a handler appends replies through its
 session (`write`); a relayed block from another worker comes in whole (`take`). Only this class
@@ -31,7 +31,7 @@ class Outbox:
     __slots__ = ("out", "out_bytes", "paused", "flush_pending", "pending", "high_water_bytes", "consumers_by_id",
                  "flush")
 
-    is_link = False  # a link between worker processes (server/peers.py) is not a client's outbox
+    is_link = False  # a link between worker processes (server/workers/peers.py) is not a client's outbox
 
     def __init__(self, pending: list[Outbox], high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
                  flush: Callable[[], None] = _no_flush) -> None:

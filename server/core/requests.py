@@ -1,4 +1,4 @@
-"""Step 5 of the flow, above the queues: requests waiting for a reply (extension, EventMQ's REQUEST/REPLY).
+"""Requests waiting for a reply (extension, EventMQ's REQUEST/REPLY).
 
 `{rid} request --timeout=S {event} {data}` is a publish whose deliveries carry
 `,reply={token}` after the event; a worker answers `{id} reply {token} {data}` and the
@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .outbox import Outbox
+from ..wire.outbox import Outbox
 
 DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 

@@ -1,4 +1,4 @@
-"""Step 5 of the flow, above the queues: named schedules that publish on an interval or a cron rule (extension).
+"""Named schedules that publish on an interval or a cron rule (extension).
 
 EventMQ's SCHEDULE/UNSCHEDULE: each firing is an ordinary publish of `{event} {data}` with
 msg id `{name}.{n}`. A schedule that missed slots while the broker was down fires once when
@@ -17,7 +17,7 @@ from typing import Any
 
 from cronsim import CronSim, CronSimError
 
-from . import records
+from ..journal import records
 
 
 class BadRule(ValueError):

@@ -1,4 +1,4 @@
-"""Step 5 of the flow, on disk: the write-ahead log's storage, one segment file after another.
+"""The write-ahead log's storage, one segment file after another.
 
 Invariants: a frame is one commit (8-byte header `<II` payload length, crc32 of the payload;
 then the records joined with newlines) and never spans two files; frames reach the disk in

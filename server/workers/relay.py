@@ -1,4 +1,4 @@
-"""Step 4 of the flow with worker processes: which worker runs a line, and the forward when it is not this one.
+"""Which worker runs a line, and the forward when it is not this one.
 
 Each action declares its `Placement` (actions.py); `place` wraps its handler once, when a
 worker of several builds its tables. A line about a queue (consume, rebind, delete_queue,
@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from gevent.event import Event
 
-from .actions import (
+from ..core.state import Consumer
+from ..dispatch.actions import (
     Action,
     Handler,
     Placement,
@@ -35,13 +36,12 @@ from .actions import (
     run_lines,
     to_json,
 )
-from .figures import merge_stats
+from ..dispatch.figures import merge_stats
+from ..wire.protocol import Held, ProtocolError, format_ok, parse_flag_value, text
 from .frames import Frame
-from .protocol import Held, ProtocolError, format_ok, parse_flag_value, text
-from .state import Consumer
 
 if TYPE_CHECKING:
-    from .connection import Connection
+    from ..node.connection import Connection
     from .peers import Peers
 
 log = logging.getLogger("mqks.relay")

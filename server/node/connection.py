@@ -1,4 +1,4 @@
-"""Steps 1 and 6 of the flow: one client's socket, read in big chunks, written in batches.
+"""One client's socket, read in big chunks, written in batches.
 
 The reader greenlet does `recv(65536)`, splits every complete line, runs them all, then
 flushes every outbox the batch touched (`Process.flush_pending`): one `b"".join` and one
@@ -26,15 +26,15 @@ from typing import Any
 import gevent
 from gevent.event import Event
 
-from .actions import ONE_PROCESS, Action, Handler, HandlerTables, Publisher, actions_for, run_lines
+from ..core.state import Consumer
+from ..dispatch.actions import ONE_PROCESS, Action, Handler, HandlerTables, Publisher, actions_for, run_lines
+from ..dispatch.process import Process
+from ..wire.outbox import Outbox
+from ..wire.protocol import LineSplitter, format_error, format_ok
+from ..workers.frames import Frame
+from ..workers.relay import RelaySession
 from .config import Config
-from .frames import Frame
-from .outbox import Outbox
-from .process import Process
-from .protocol import LineSplitter, format_error, format_ok
-from .relay import RelaySession
 from .sessions import SilenceWatch, Tokens
-from .state import Consumer
 
 log = logging.getLogger("mqks.connection")
 

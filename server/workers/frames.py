@@ -1,4 +1,4 @@
-"""Step 1 of the flow between worker processes: the frames on a link, read and written in batches.
+"""The frames on a link, read and written in batches.
 
 A link is one Unix socket per ordered pair of workers, opened by the worker that asks (see
 peers.py). A frame is a header line `{kind}{key} {size}\\n` and `size` bytes of payload; its

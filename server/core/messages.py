@@ -1,4 +1,4 @@
-"""Step 5 of the flow, a queue's storage: the messages waiting in it, in order, with the fewest objects.
+"""A queue's storage: the messages waiting in it, in order, with the fewest objects.
 
 A message is stored as its *tail*, the bytes after the consumer id of a delivery:
 `b" ok {msg_id} event={event} {data}"`, built once per publish and shared by every queue that
@@ -16,8 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from . import records
-from .protocol import with_field
+from ..journal import records
+from ..wire.protocol import with_field
 
 # tails per Packed run: ~128 KiB of 100-byte messages, past glibc's mmap threshold, so a run
 # gets pages of its own instead of pinning holes in the heap (measured, 1M queued messages:

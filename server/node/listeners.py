@@ -1,4 +1,4 @@
-"""Step 1 of the flow, before a connection exists: the listening sockets that accept clients (TCP, Unix), and
+"""The listening sockets that accept clients (TCP, Unix), and
 the one place that survives running out of descriptors while accepting.
 """
 

@@ -1,4 +1,4 @@
-"""Step 5 of the flow: the broker core of one worker. No sockets, no gevent.
+"""The broker core of one worker. No sockets, no gevent.
 
 A message is stored and delivered as its *tail*, the bytes between the consumer id and
 the newline: `b" ok {msg_id} event={event} {data}"`, built once per publish and shared
@@ -27,10 +27,11 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import dead_letters, records
+from ..journal import records
+from ..wire.outbox import Outbox
+from ..wire.protocol import msg_id_of, with_field
+from . import dead_letters
 from .messages import NEWLINE, Item, Message, MessageStore, Packed, retry_of
-from .outbox import Outbox
-from .protocol import msg_id_of, with_field
 from .routing import Routing, compile_mask
 from .timers import Buckets
 
@@ -43,7 +44,7 @@ class Consumer:
     __slots__ = ("consumer_id", "line_overhead", "queue", "outbox", "manual_ack", "wants_seq", "prefetch", "unacked",
                  "seq_by_msg_id", "later_seqs_by_msg_id", "delete_when_unused_seconds")
 
-    relayed = False  # a stand-in for a consumer another worker process holds (server/relay.py) says True
+    relayed = False  # a stand-in for a consumer another worker process holds (server/workers/relay.py) says True
 
     def __init__(self, consumer_id: bytes, queue: Queue, outbox: Outbox, manual_ack: bool = False,
                  prefetch: int = 0, delete_when_unused_seconds: float | None = None) -> None:
@@ -411,7 +412,7 @@ class Broker:
         self.touched = 0
         self.dead_lettered = 0
         self.dropped_by_deleted_queues = 0
-        self.leases: Any = None  # server/leases.py's Leases, set by Process (fetch and settle)
+        self.leases: Any = None  # server/core/leases.py's Leases, set by Process (fetch and settle)
         # with worker processes, every other worker's replica of the bindings must learn each change
         self.bindings_changed: Callable[[Queue], None] | None = None
         # the journal's append with --data-dir: every change of durable state is a record (records.py)

@@ -1,4 +1,4 @@
-"""Step 5 of the flow, beside a queue: copies that came back past their queue's `--max-retries` move to
+"""Copies that came back past their queue's `--max-retries` move to
 `{queue}.dead`, keeping their event, data and retry counter (extension).
 
 The dead-letter queue may belong to another worker process: then `broker_for` gives a stand-in
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import records
+from ..journal import records
 from .messages import Item, Message, retry_of
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def move(broker: Broker, queue: Queue, taken: list[tuple[int, Item]], raise_retr
     send = getattr(owner, "send", None)
     if send is None:
         moved(broker, queue, taken)
-    else:  # another worker process owns the dead letters: moved once it has them (server/peers.py)
+    else:  # another worker process owns the dead letters: moved once it has them (server/workers/peers.py)
         send(broker, queue, taken)
 
 

@@ -31,15 +31,17 @@ import re
 import shutil
 from collections.abc import Iterator
 
-from . import records
-from .journal import Journal
-from .leases import Leases
-from .log import SEGMENT_NAME, Log, LogCorrupt, fsync_dir
-from .protocol import msg_id_of
-from .recovery import Recovery, rebuild, recover
-from .slots import SLOTS, owner_of
-from .state import Broker
-from .timers import Timers
+from ..core.leases import Leases
+from ..core.restore import rebuild
+from ..core.snapshot import snapshot_lines
+from ..core.state import Broker
+from ..core.timers import Timers
+from ..dispatch.slots import SLOTS, owner_of
+from ..journal import records
+from ..journal.journal import Journal
+from ..journal.log import SEGMENT_NAME, Log, LogCorrupt, fsync_dir
+from ..journal.recovery import Recovery, recover
+from ..wire.protocol import msg_id_of
 
 log = logging.getLogger("mqks.reshard")
 
@@ -210,7 +212,7 @@ def _write_snapshot(path: str, placed: list[Broker], worker: int, process_lines:
     """A fresh log in `path` holding one snapshot frame: worker `worker`'s queues and its process-level lines."""
     fatal: list[str] = []
     log_ = Log(path, fsync, segment_bytes, on_fatal=fatal.append)
-    Journal(log_, lambda rid, reason: b"").snapshot([placed[worker]], process_lines)
+    Journal(log_, lambda rid, reason: b"").snapshot(snapshot_lines([placed[worker]], process_lines))
     log_.close()  # writes and fsyncs the frame on every policy; waits out a full disk
     if fatal:
         raise ReshardError(f"cannot write the re-sharded log {path}: {fatal[0]}")

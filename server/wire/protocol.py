@@ -1,4 +1,4 @@
-"""Step 2 of the flow: bytes in, lines out; replies formatted back to bytes.
+"""Bytes in, lines out; replies formatted back to bytes.
 
 Pure code, no I/O and no broker state, so it can be unit-tested and fuzzed on raw bytes.
 Invariants: a line never holds its `\\n` (nor a trailing `\\r`); a line that is too long

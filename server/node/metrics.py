@@ -19,8 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .figures import COUNTER, FIGURES, GAUGE, LOG_FIGURES, Figure
-from .process import Process
+from ..dispatch.figures import COUNTER, FIGURES, GAUGE, LOG_FIGURES, Figure
+from ..dispatch.process import Process
 
 log = logging.getLogger("mqks.metrics")
 

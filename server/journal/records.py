@@ -1,4 +1,4 @@
-"""Step 5 of the flow, as the journal writes it: every record kind of the write-ahead log, an encode beside
+"""Every record kind of the write-ahead log, an encode beside
 its decode.
 
 A record is one text line (a tail never holds a newline), its kind the first byte:

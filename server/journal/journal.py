@@ -1,4 +1,4 @@
-"""Step 5 of the flow, on disk: the records of each batch, committed as one frame, and the confirms that wait
+"""The records of each batch, committed as one frame, and the confirms that wait
 for them to be durable.
 
 With `mqksd --data-dir` the brokers call their record hook (`Broker.record`, the journal's
@@ -7,7 +7,7 @@ With `mqksd --data-dir` the brokers call their record hook (`Broker.record`, the
 once the log reports that frame durable. A snapshot rewrites the live state so older
 segments can go.
 
-The log is an interface (`Log`): server/log.py, segment files on the local disk, is its
+The log is an interface (`Log`): server/journal/log.py, segment files on the local disk, is its
 first implementation; another (a replicated stream) is one more module with the same five
 calls, and nothing but app.py's choice of it has to know.
 
@@ -21,14 +21,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from itertools import chain, groupby
+from itertools import groupby
 from operator import itemgetter
 from typing import Any, Protocol
 
+from ..wire.outbox import Outbox
 from . import records
-from .messages import Item, Message, Packed
-from .outbox import Outbox
-from .state import Broker, Queue, queue_record
 
 log = logging.getLogger("mqks.durable")
 
@@ -155,11 +153,9 @@ class Journal:
         growth = max(self.snapshot_min_growth_bytes, int(self.last_snapshot_bytes * SNAPSHOT_GROWTH))
         return self.log.handed_bytes - self.snapshot_mark > growth
 
-    def snapshot(self, brokers: Iterable[Broker], process_lines: Iterable[bytes] = ()) -> None:
-        """Write the whole live state as one frame in a new segment; the log then drops older ones.
-
-        `process_lines`: the state kept above the workers (delayed publishes, schedules) as records.
-        """
+    def snapshot(self, lines: Iterable[bytes]) -> None:
+        """Write the whole live state (`lines`, snapshot.py's records) in frames from a new segment on; the log
+        drops older segments once the last of them is durable."""
         self.commit()  # what came before stays before
         started = time.monotonic()
         size = chunk = 0
@@ -167,8 +163,7 @@ class Journal:
         append = log_.append
         append(records.SNAPSHOT_BEGIN)
         first = True
-        brokers = list(brokers)
-        for line in chain(self._state_lines(brokers), *map(parked_lines, brokers), process_lines):
+        for line in lines:
             size += len(line) + 1
             chunk += len(line) + 1
             append(line)
@@ -186,13 +181,6 @@ class Journal:
         self.snapshot_mark = self.log.handed_bytes
         self.snapshots += 1
         log.info("snapshot of the live state: %d bytes in %.3f s", size, time.monotonic() - started)
-
-    @staticmethod
-    def _state_lines(brokers: list[Broker]) -> Iterator[bytes]:
-        for broker in brokers:
-            leased = broker.leases.held_by_queue() if broker.leases is not None else {}
-            for queue in broker.queues.values():
-                yield from queue_snapshot_lines(queue, leased.get(queue.name, ()))
 
     def _wait_for_the_writer(self) -> None:
         """Block (the whole loop) until the writer thread has taken the last chunk, so at most two exist:
@@ -216,35 +204,3 @@ def answer_ok(confirms: list[tuple[Outbox, bytes]]) -> None:
     """`{rid} ok` to each, one write per run of confirms owed to the same client."""
     for outbox, run in groupby(confirms, key=itemgetter(0)):
         outbox.write(b"".join([b"%b ok \n" % rid for _, rid in run]))
-
-
-def parked_lines(broker: Broker) -> Iterator[bytes]:
-    """The copies rejected with --delay, as snapshot records: each message, then when it comes back."""
-    for due_ms, entries in broker.parked.items():
-        for queue, parked in entries:
-            name: bytes = queue.name
-            if broker.queues.get(name) is not queue:
-                continue
-            for record in parked:
-                yield records.live(name, record.seq, record.retry, False, record.tail)
-            yield records.parked(name, due_ms, parked)
-
-
-def queue_snapshot_lines(queue: Queue, leased: Iterable[tuple[int, Item]] = ()) -> Iterator[bytes]:
-    """A queue's live state as snapshot records: held messages (by consumers or leases) first, then waiting ones."""
-    yield queue_record(queue)
-    name = queue.name
-    yield records.next_seq(name, queue.next_seq)
-    held = sorted([*((seq, item) for consumer in queue.consumers for seq, item in consumer.unacked.items()),
-                   *leased], key=itemgetter(0))
-    for seq, item in held:
-        message = item if isinstance(item, Message) else Message(seq, 0, item)
-        yield records.live(name, seq, message.retry, True, message.tail)
-    first_plain = queue.next_seq - (queue.depth() - queue.requeued)
-    for item in queue.messages:
-        if isinstance(item, Message):
-            yield records.live(name, item.seq, item.retry, False, item.tail)
-        else:
-            for tail in (item.split(b"\n") if type(item) is Packed else (item,)):
-                yield records.live(name, first_plain, 0, False, tail)
-                first_plain += 1

@@ -1,0 +1,1 @@
+"""Worker processes: where a line runs (relay), the links between workers (peers), their frames."""
