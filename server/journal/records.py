@@ -107,6 +107,11 @@ def ref(name: bytes, seq: int, held: bool) -> bytes:
     return b"%b -%d" % (name, seq) if held else b"%b %d" % (name, seq)
 
 
+def published_one(name: bytes, seq: int, held: bool, tail: bytes) -> bytes:
+    """`published` of a message with one copy: `P 1 {queue} [-]{seq}{tail}`, in one format."""
+    return b"P 1 %b -%d%b" % (name, seq, tail) if held else b"P 1 %b %d%b" % (name, seq, tail)
+
+
 def published(refs: list[bytes], tail: bytes) -> bytes:
     if len(refs) == 1:
         return b"P 1 %b%b" % (refs[0], tail)
@@ -132,7 +137,7 @@ def delivered(name: bytes, seqs: Iterable[int]) -> bytes:
 
 
 def gone(name: bytes, seqs: Iterable[int]) -> bytes:
-    return b"A %b %b" % (name, seq_list(seqs))
+    return b"A %b %b" % (name, b" ".join([b"%d" % seq for seq in seqs]))  # seq_list, inlined: once per ack
 
 
 def delivered_one(name: bytes, seq: int, held: bool) -> bytes:

@@ -49,7 +49,7 @@ class Supervisor:
 
     def command(self, worker: int) -> list[str]:
         # `python -m mqks.server`: the server package, one above this one (server/node)
-        package = (__spec__.parent.rpartition(".")[0] if __spec__ is not None else None) or "mqks.server"
+        package = ((__spec__.parent or "") if __spec__ is not None else "").rpartition(".")[0] or "mqks.server"
         return [sys.executable, "-m", package, *self.argv, "--worker-index", str(worker), "--run-dir", self.run_dir]
 
     def start(self, worker: int) -> None:
