@@ -20,7 +20,7 @@ from typing import Any
 
 from ..journal import records
 from ..wire.protocol import with_field
-from .messages import Item, Message, Packed
+from .messages import Item, Message
 from .state import Broker, Queue
 
 NEWLINE = b"\n"
@@ -76,17 +76,11 @@ class Leases:
             lease = self.by_id[lease_id] = Lease(lease_id, queue)
         lines: list[bytes] = []
         held = lease.held
-        messages = queue.messages
         size = 0
         count = 0
         seqs: list[int] = []
         record = broker.record
-        while messages and count < max_count:
-            front = messages[0]
-            if type(front) is Packed:
-                queue._unpack_front()
-                front = messages[0]
-            length = len(front.tail) if type(front) is Message else len(front)
+        while count < max_count and (length := queue.front_size()):
             if (count or held) and size + length > max_bytes:
                 # a lease's first message goes whatever its size, so nothing blocks the queue; an
                 # --add fetch for a lease that holds some already stays within its bytes

@@ -110,6 +110,16 @@ class MessageStore:
         self.packed_extra -= len(tails) - 1
         self.messages.extendleft(reversed(tails))
 
+    def front_size(self) -> int:
+        """The size of the front message's tail as published; 0 if the store is empty."""
+        messages = self.messages
+        if not messages:
+            return 0
+        if type(messages[0]) is Packed:
+            self._unpack_front()
+        front = messages[0]
+        return len(front.tail) if type(front) is Message else len(front)
+
     def depth(self) -> int:
         """Messages waiting in the queue."""
         return len(self.messages) + self.packed_extra
