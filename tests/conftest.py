@@ -16,9 +16,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from helpers import free_port, wait_for
+from helpers import free_port, mqks_nats, wait_for
 from tls_certs import Certs, make_certs
 
 __all__ = ["READY_TIMEOUT_SECONDS", "REPLY_TIMEOUT_SECONDS", "BrokerProcess", "Wire", "free_port"]
@@ -199,6 +200,19 @@ class BrokerProcess:
         """The server's processes: mqksd, and with --workers N its N workers."""
         assert self.proc is not None
         return [self.proc.pid, *child_pids(self.proc.pid)]
+
+
+@pytest.fixture
+def nats_cluster(tmp_path) -> Iterator[tuple[Path, list[str]]]:
+    """Three NATS JetStream nodes on loopback through `mqks nats up` (the cluster extra): (their dir, URLs).
+    Always down at the end, whatever the test did to them."""
+    pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
+    directory = tmp_path / "nats"
+    done = mqks_nats("up", "--nodes", "3", "--dir", str(directory))
+    assert done.returncode == 0, done.stderr
+    yield directory, done.stdout.splitlines()[0].split(",")
+    if (directory / "cluster.json").exists():
+        mqks_nats("down", "--dir", str(directory))
 
 
 @pytest.fixture(scope="session")

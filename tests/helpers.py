@@ -190,6 +190,11 @@ def mqks(server: Any, *args: str) -> subprocess.CompletedProcess:
                           timeout=RUN_TIMEOUT_SECONDS)
 
 
+def mqks_nats(*args: str) -> subprocess.CompletedProcess:
+    """Run `mqks nats ARGS` (a local NATS cluster, the cluster extra) to the end."""
+    return subprocess.run([str(MQKS), "nats", *args], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
+
+
 def rss_bytes(pid: int) -> int:
     """VmRSS of a live process; raises if there is none (a zombie or a gone process has no RSS)."""
     with open(f"/proc/{pid}/status", encoding="ascii") as status:

@@ -14,17 +14,13 @@ import subprocess
 import time
 
 import pytest
-from helpers import MQKS, RUN_TIMEOUT_SECONDS, wait_for
+from helpers import mqks_nats, wait_for
 
 nats = pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
 pytestmark = pytest.mark.timeout(120)
 
 ELECTION_SECONDS = 30.0  # a new stream leader within this; measured 4-9 s (shared/notes/replication.md)
-
-
-def mqks_nats(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(MQKS), "nats", *args], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
 
 
 def nodes_of(directory) -> list[dict]:
@@ -38,18 +34,6 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    """Three nodes up through the CLI; always down at the end, whatever the test did to them."""
-    directory = tmp_path / "nats"
-    done = mqks_nats("up", "--nodes", "3", "--dir", str(directory))
-    assert done.returncode == 0, done.stderr
-    urls = done.stdout.splitlines()[0].split(",")
-    yield directory, urls
-    if (directory / "cluster.json").exists():
-        mqks_nats("down", "--dir", str(directory))
 
 
 async def publish_and_read(urls: list[str], stream: str, count: int) -> tuple[list[int], str]:
@@ -89,8 +73,8 @@ async def publish_after_failover(urls: list[str], stream: str, count: int) -> tu
         await nc.close()
 
 
-def test_up_starts_three_ready_nodes_and_down_stops_them(cluster):
-    directory, urls = cluster
+def test_up_starts_three_ready_nodes_and_down_stops_them(nats_cluster):
+    directory, urls = nats_cluster
     assert len(urls) == 3 and all(url.startswith("nats://127.0.0.1:") for url in urls)
     nodes = nodes_of(directory)
     assert [node["name"] for node in nodes] == ["n0", "n1", "n2"]
@@ -109,8 +93,8 @@ def test_up_starts_three_ready_nodes_and_down_stops_them(cluster):
     assert again.returncode == 1 and "no cluster" in again.stderr
 
 
-def test_an_r3_stream_keeps_every_acknowledged_message_when_its_leader_is_killed(cluster):
-    directory, urls = cluster
+def test_an_r3_stream_keeps_every_acknowledged_message_when_its_leader_is_killed(nats_cluster):
+    directory, urls = nats_cluster
     seqs, leader = asyncio.run(publish_and_read(urls, "LOG0", 20))
     assert seqs == list(range(1, 21))
     victim = next(node for node in nodes_of(directory) if node["name"] == leader)
@@ -123,7 +107,7 @@ def test_an_r3_stream_keeps_every_acknowledged_message_when_its_leader_is_killed
     assert messages == 30
 
 
-def test_up_refuses_a_directory_that_holds_a_running_cluster(cluster):
-    directory, _ = cluster
+def test_up_refuses_a_directory_that_holds_a_running_cluster(nats_cluster):
+    directory, _ = nats_cluster
     again = mqks_nats("up", "--dir", str(directory))
     assert again.returncode == 1 and "running cluster already" in again.stderr
