@@ -5,6 +5,9 @@ last sequence) comes back as an error, not as a hang; NATS missing at start is o
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import gevent
 import pytest
 from helpers import free_port
@@ -26,12 +29,24 @@ def wait_greenlet(condition, what: str, timeout: float = WAIT_SECONDS) -> None:
 
 
 def make_stream(bridge: NatsBridge, name: str) -> None:
-    async def add(nc):
-        js = nc.jetstream(timeout=10)
-        await js.add_stream(name=name, subjects=[f"{name}.frames"], num_replicas=3, storage="file", discard="new",
-                            allow_rollup_hdrs=True)
+    """An R3 file stream as the log will make it, once it has a leader (it takes no write before)."""
 
-    bridge.run(add, timeout=WAIT_SECONDS)
+    async def add(nc):
+        js = nc.jetstream(timeout=5)
+        deadline = time.monotonic() + WAIT_SECONDS
+        while True:
+            try:
+                await js.add_stream(name=name, subjects=[f"{name}.frames"], num_replicas=3, storage="file",
+                                    discard="new", allow_rollup_hdrs=True)
+                info = await js.stream_info(name)
+                if info.cluster is not None and info.cluster.leader:
+                    return
+            except Exception:  # a timeout while the cluster settles: ask again
+                pass
+            assert time.monotonic() < deadline, f"stream {name} has no leader after {WAIT_SECONDS:g} s"
+            await asyncio.sleep(0.2)
+
+    bridge.run(add, timeout=WAIT_SECONDS + 10)
 
 
 def test_pipelined_frames_keep_their_order_and_each_gets_its_puback(nats_cluster):
