@@ -37,7 +37,7 @@ def test_publish_confirm_and_data_with_spaces_or_empty(wire):
 
 
 def test_update_shows_the_queues_setting_and_each_consumers_own_flags(wire):
-    queue, e1, e2 = unique("q"), unique("e"), unique("e")
+    queue, (e1, e2) = unique("q"), sorted((unique("e"), unique("e")))  # --update lists events sorted
     wire.send(b"c1 consume --confirm %b %b --delete-queue-when-unused=5 --manual-ack --prefetch=3" % (queue, e1))
     wire.expect(b"c1 ok ")
     wire.send(b"c2 consume --confirm %b --add %b --delete-queue-when-unused=5" % (queue, e2))
@@ -52,7 +52,7 @@ def test_consume_confirm_answers_ok_alone_unless_it_used_add(broker):
     """The original MQKS's handshake: the consumer that named its events gets no --update of its own;
     one that used --add does, since only the server knows the merged list; --add keeps the bindings."""
     first, second, publisher = broker.wire(), broker.wire(), broker.wire()
-    queue, e1, e2 = unique("q"), unique("e"), unique("e")
+    queue, (e1, e2) = unique("q"), sorted((unique("e"), unique("e")))  # --update lists events sorted
     first.send(b"c1 consume --confirm %b %b" % (queue, e1))
     first.expect(b"c1 ok ")
     second.send(b"c2 consume --confirm %b --add %b" % (queue, e2))
@@ -288,7 +288,7 @@ def test_ten_thousand_pipelined_messages_are_delivered_exactly_once(broker):
 
 def test_consume_with_add_gets_its_own_update_without_confirm_too(broker):
     first, second = broker.wire(), broker.wire()
-    queue, e1, e2 = unique("q"), unique("e"), unique("e")
+    queue, (e1, e2) = unique("q"), sorted((unique("e"), unique("e")))  # --update lists events sorted
     first.send(b"c1 consume %b %b" % (queue, e1))
     assert first.barrier() == []
     second.send(b"c2 consume %b --add %b --manual-ack" % (queue, e2))
