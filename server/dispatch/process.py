@@ -34,7 +34,6 @@ from ..journal.journal import Journal
 from ..wire.outbox import Outbox
 from ..wire.protocol import event_of, msg_id_of
 from .figures import ranked
-from .slots import slot_ranges
 
 if TYPE_CHECKING:
     from ..journal.recovery import Recovery
@@ -101,11 +100,6 @@ class Process:
         self.dropped_by_memory = 0
         if journal is not None:
             self.schedules.record = journal.append
-
-    def slot_range(self) -> tuple[int, int]:
-        """The first and last slot this process owns."""
-        first, last, _ = slot_ranges(self.worker_count)[self.worker]
-        return first, last
 
     def count_clients(self) -> int:
         return self.clients
