@@ -33,7 +33,7 @@ from .dispatch.process import Process
 from .dispatch.slots import SLOTS, slot_ranges
 from .journal.journal import Journal
 from .journal.recovery import recover
-from .node.config import CANNOT_START_EXIT_CODE, Config
+from .node.config import CANNOT_START_EXIT_CODE, FENCED_EXIT_CODE, Config
 from .node.connection import Connection
 from .node.listeners import AcceptFailed, CannotListen, Listener, tcp_listener, unix_listener
 from .node.memory import MemoryGuard
@@ -86,7 +86,7 @@ class Server:
         self.timers_due = Event()
         self.timers = Timers(on_earlier=self.timers_due.set)
         self.next_error_id = ErrorIds()
-        self.journal = self.open_journal() if config.data_dir else None
+        self.journal = self.open_journal() if config.data_dir or config.log else None
         self.peers: Peers | None = None
         self.tables = ONE_PROCESS  # the sessions' handler tables; a worker of several wraps them (link_workers)
         # one broker per process: worker i of n with --workers n (the supervisor started it), else worker 0 of 1
@@ -115,6 +115,8 @@ class Server:
         self.no_connections = Event()  # set whenever the last connection's clean-up is done
         self.no_connections.set()
         self.stopped = Event()  # shutdown is complete: serve_forever may return
+        self.fenced = False  # the replicated log was taken over: stopping
+        self.exit_code = 0
         self.stopping = False  # shutdown has begun: a worker still linking at start-up must not open its port
 
     def link_workers(self) -> None:
@@ -162,12 +164,15 @@ class Server:
                 conn.close()
 
     def open_journal(self) -> Journal:
-        """The write-ahead log in --data-dir, woken from its writer thread through a gevent async watcher."""
+        """The write-ahead log in --data-dir (or a JetStream stream with --log), woken from its writer thread
+        through a gevent async watcher."""
+        config = self.config
+        self.log_wake = gevent.get_hub().loop.async_()
+        if config.log is not None:
+            return Journal(self.open_stream(), self.error_line, config.compact_min_bytes)
         from .journal.log import Log  # only durable servers load the storage layer
 
-        config = self.config
         assert config.data_dir is not None
-        self.log_wake = gevent.get_hub().loop.async_()
         from .node.reshard import ReshardError, log_dir, prepare
 
         if config.worker_index is None:  # one process: a log written by N workers comes back into one first
@@ -184,6 +189,24 @@ class Server:
         log_ = Log(data_dir, config.fsync, segment_bytes=config.log_segment_bytes, wake=self.log_wake.send)
         return Journal(log_, self.error_line, config.compact_min_bytes)
 
+    def open_stream(self) -> Any:
+        """--log: this worker's stream on the NATS cluster (the cluster extra is imported only here)."""
+        from .journal.jetstream_log import JetStreamLog, log_urls
+        from .journal.nats_bridge import BridgeError
+
+        config = self.config
+        stream = config.log_stream if config.workers == 1 else (
+            f"{config.log_stream}-{config.worker_index or 0}-of-{config.workers}")
+        owner = f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
+        assert config.log is not None
+        log_ = JetStreamLog(log_urls(config.log), stream, owner, replicas=config.log_replicas,
+                            takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send)
+        try:
+            log_.open()
+        except BridgeError as e:
+            raise ValueError(str(e)) from None
+        return log_
+
     def error_line(self, rid: bytes, reason: str) -> bytes:
         error_id = self.next_error_id()
         self.process.errors += 1
@@ -194,22 +217,30 @@ class Server:
         """Replay the log into the workers before the first client is accepted."""
         journal = self.journal
         assert journal is not None
-        from .journal.log import LogCorrupt
+        cannot_start: tuple[type[Exception], ...]
+        if self.config.log is not None:
+            from .journal.jetstream_log import LogOwned
+            from .journal.nats_bridge import BridgeError
 
+            cannot_start = (LogOwned, BridgeError)
+        else:
+            from .journal.log import LogCorrupt
+
+            cannot_start = (LogCorrupt,)
         started = time.monotonic()
         lines = journal.log.replay(repair=self.config.repair)
         try:
             recovery = recover(lines)
             queues, messages = rebuild(recovery.queues, lambda name: self.process.broker)
             self.process.restore(recovery)
-        except LogCorrupt as e:
-            log.error("cannot start: %s", e)  # names the file, the offset and --repair
+        except cannot_start as e:
+            log.error("cannot start: %s", e)  # names the file and offset and --repair, or the stream's owner
             sys.exit(1 if self.config.worker_index is None else CANNOT_START_EXIT_CODE)
         stats = journal.log.stats()
         # the whole log counts as churn: the first snapshot comes as soon as it is worth it
         journal.count_as_churn(stats.get("log_bytes", 0))
         log.info("recovered %d queues and %d messages from %s in %.3f s (%d records, %d bytes truncated)",
-                 queues, messages, self.config.data_dir, time.monotonic() - started,
+                 queues, messages, self.config.data_dir or self.config.log, time.monotonic() - started,
                  stats.get("replayed_records", 0), stats.get("truncated_bytes", 0))
 
     def on_log_wake(self) -> None:
@@ -217,6 +248,13 @@ class Server:
         assert self.journal is not None
         self.journal.settle()
         self.process.flush_pending()
+        fenced_by = self.journal.fenced_by
+        if fenced_by is not None and not self.fenced:
+            # the confirms that waited were just answered with an error naming the new owner
+            self.fenced = True
+            log.critical("stopping: %s", fenced_by)
+            self.exit_code = FENCED_EXIT_CODE
+            gevent.spawn(self.shutdown)
 
     def run_timers(self) -> None:
         """The process's one timer greenlet: sleep until the earliest deadline, run what is due."""
@@ -409,7 +447,8 @@ class Server:
         log.info("mqksd listening on %s (workers=%d, eval=%s, auth=%s, %s)", ", ".join(ports), config.workers,
                  "refused: token auth beyond loopback" if self.eval_refusal else "on" if config.eval_enabled else "off",
                  f"{len(self.tokens.tokens)} tokens" if self.tokens is not None else "off",
-                 f"data dir {config.data_dir}, fsync {config.fsync}" if config.data_dir else "in memory")
+                 f"data dir {config.data_dir}, fsync {config.fsync}" if config.data_dir else
+                 f"replicated log {config.log}" if config.log else "in memory")
         if self.peers is not None:
             for listener in (self.link_listener, *self.direct_listeners):
                 assert listener is not None

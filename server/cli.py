@@ -1,15 +1,18 @@
 """`mqksd`'s command line, on top of everything: the flags as a Config, then a supervisor of worker
 processes or one `Server` (app.py). Every default and its meaning lives in config.py.
 
-Exit codes: 0 a clean stop, 1 cannot listen or the log is corrupt, 2 bad flags (argparse),
-70 a failed fsync (server/journal/log.py).
+Exit codes: 0 a clean stop, 1 cannot listen, the log is corrupt, NATS cannot be reached or another broker
+owns the stream, 2 bad flags (argparse), 70 a failed fsync (server/journal/log.py), 75 the replicated log
+was taken over by another broker (server/journal/jetstream_log.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
+import re
 import sys
 from typing import NoReturn
 
@@ -93,6 +96,21 @@ def parse_args(argv: list[str] | None = None) -> Config:
                              "or after the write, syncing left to the OS (no) (default: %(default)s)")
     parser.add_argument("--repair", action="store_true", default=d.repair,
                         help="with --data-dir: a bad frame in the log is cut off there instead of stopping the start")
+    parser.add_argument("--log", default=d.log, metavar="NATS_URLS",
+                        help="keep the write-ahead log in a NATS JetStream stream instead of a data dir: "
+                             "nats://host:4222,host:4223,... (the cluster extra; docs/operating.md)")
+    parser.add_argument("--log-stream", default=d.log_stream, metavar="NAME",
+                        help="with --log: the stream's name; with --workers N, worker i's is NAME-i-of-N "
+                             "(default: %(default)s)")
+    parser.add_argument("--log-replicas", type=int, default=d.log_replicas, metavar="N",
+                        help="with --log: replicas of a new stream; a confirm waits for a majority of them "
+                             "(default: %(default)s)")
+    parser.add_argument("--log-timeout", type=float, default=d.log_timeout, metavar="SECONDS",
+                        help="with --log: how long a confirm waits for NATS before it is answered with an error "
+                             "and confirmed publishes are refused (default: %(default)s)")
+    parser.add_argument("--takeover", action="store_true", default=d.takeover,
+                        help="with --log: take the stream over from a broker that still runs it; that broker's "
+                             "next write is refused and it stops")
     parser.add_argument("--log-segment-bytes", type=int, default=d.log_segment_bytes, metavar="N",
                         help="with --data-dir: size of one log file (default: %(default)s)")
     parser.add_argument("--compact-min-bytes", type=int, default=d.compact_min_bytes, metavar="N",
@@ -132,6 +150,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                  ("--max-line-bytes", args.max_line_bytes, 64),
                                  ("--max-output-bytes", args.max_output_bytes, 4096),
                                  ("--log-segment-bytes", args.log_segment_bytes, 1),
+                                 ("--log-replicas", args.log_replicas, 1), ("--log-timeout", args.log_timeout, 1),
                                  ("--compact-min-bytes", args.compact_min_bytes, 0),
                                  ("--metrics-port", args.metrics_port, 1),
                                  ("--metrics-max-queues", args.metrics_max_queues, 0),
@@ -145,7 +164,22 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if args.metrics_port is not None and args.metrics_port == args.port and args.metrics_host == args.host:
         parser.error("--metrics-port must differ from --port")
     check_tls_args(parser, args)
+    check_log_args(parser, args)
     return Config(**vars(args))
+
+
+def check_log_args(parser: Parser, args: argparse.Namespace) -> None:
+    """One log at a time; --log needs the cluster extra and a stream name NATS accepts."""
+    if args.log is None:
+        if args.takeover:
+            parser.error("--takeover needs --log")
+        return
+    if args.data_dir is not None:
+        parser.error("--log and --data-dir are two places for the same log: give one")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", args.log_stream):
+        parser.error(f"--log-stream must be letters, digits, '-' or '_', not {args.log_stream!r}")
+    if importlib.util.find_spec("nats") is None:
+        parser.error("--log needs the cluster extra: pip install 'mqks[cluster]' (it brings nats-py)")
 
 
 def check_tls_args(parser: Parser, args: argparse.Namespace) -> None:
@@ -186,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1 if config.worker_index is None else CANNOT_START_EXIT_CODE)
     try:
         server.serve_forever()
+        if server.exit_code:
+            sys.exit(server.exit_code)
     except CannotListen as e:
         log.error("%s", e)
         sys.exit(1)

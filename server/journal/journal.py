@@ -45,6 +45,7 @@ class Log(Protocol):
     unsynced_bytes: int
     disk_full: bool
     blocked: str | None
+    fenced_by: str | None  # set once another writer took the log over: stop
 
     @property
     def handed_bytes(self) -> int: ...
@@ -93,6 +94,11 @@ class Journal:
         return self.log.disk_full
 
     @property
+    def fenced_by(self) -> str | None:
+        """Why this broker must stop (its replicated log was taken over), or None."""
+        return self.log.fenced_by
+
+    @property
     def blocked(self) -> str | None:
         """Why the log cannot write now (confirmed publishes are refused), or None."""
         return self.log.blocked
@@ -136,7 +142,8 @@ class Journal:
             kept: deque[tuple[int, list[tuple[Outbox, bytes]]]] = deque()
             for commit, confirms in waiting:
                 if commit in failed_commits:
-                    reason = f"{self.log.blocked or 'disk full'}: the message is kept in memory but is not on disk"
+                    reason = (f"{self.log.blocked or 'disk full'}: the message is kept in memory but is not "
+                              f"{'on disk' if self.log.fenced_by is None else 'in the log'}")
                     for outbox, rid in confirms:
                         outbox.write(self.error_line(rid, reason))
                 else:

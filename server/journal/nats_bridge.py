@@ -1,20 +1,17 @@
 """The hop between the broker's gevent hub and nats-py, which is asyncio only: its event loop runs in an OS
-thread of its own, and frames cross once per group commit, never once per message (the cluster extra).
+thread of its own (the cluster extra). Nothing is monkey-patched.
 
-Hub -> asyncio: `publish` appends a batch of frames to a deque and calls `call_soon_threadsafe` once; one
-pump coroutine publishes them in order, each with a reply subject of its own on one inbox subscription,
-without waiting for acks (many in flight). The PubAcks are parsed here: nats-py's `publish_async` never
-resolves when the server answers an error, and leaks its slot. asyncio -> hub: results go to a deque and a
-ref'd libev async watcher (`ev_async_send`, safe from any thread; several sends coalesce) wakes the hub,
-which hands them to `on_results` in one call. `run` runs a coroutine (stream management, reads) and waits
-for it in the calling greenlet only. Nothing is monkey-patched. shared/notes/replication.md has the
-measurements and the traps this follows.
+Hub -> asyncio: `call_soon` (one `call_soon_threadsafe`) and `spawn`; the replicated log (jetstream_log.py)
+hands over one group commit per call, never one message. asyncio -> hub: `run` answers through a deque and
+a ref'd libev async watcher (`ev_async_send`, safe from any thread; several sends coalesce): the calling
+greenlet waits, the hub goes on. The PubAck parser is here because nats-py's `publish_async` never resolves
+when the server answers an error (and leaks its slot): the log publishes with a reply subject of its own
+and parses the answers itself. shared/notes/replication.md has the measurements and the traps this follows.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import threading
@@ -67,25 +64,20 @@ def parse_puback(frame: int, data: bytes) -> PubAck:
 
 
 class NatsBridge:
-    """One connection to a NATS cluster, driven from the gevent hub."""
+    """One connection to a NATS cluster, in an asyncio thread of its own, driven from the gevent hub."""
 
-    def __init__(self, servers: list[str], on_results: Callable[[list[PubAck]], None],
-                 connect_timeout: float = 5.0) -> None:
+    def __init__(self, servers: list[str], connect_timeout: float = 5.0) -> None:
         self.servers = servers
-        self.on_results = on_results
         self.connect_timeout = connect_timeout
-        self.outgoing: deque[tuple[int, str, bytes, dict[str, str] | None]] = deque()
-        self.results: deque[Any] = deque()  # PubAcks, and (AsyncResult, value, error) of `run`
-        self.frame_ids = itertools.count(1)
+        self.results: deque[Any] = deque()  # (AsyncResult, value, error) of `run`, and "started"
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.wake: asyncio.Event | None = None
         self.nc: Any = None
-        self.inbox = ""
         self.thread: threading.Thread | None = None
         self.watcher: Any = None
         self.started = Event()
         self.start_error: str | None = None
         self.closing = False
+        self.stopped: asyncio.Event | None = None
 
     # -- the hub's side -----------------------------------------------------------------------
 
@@ -101,19 +93,15 @@ class NatsBridge:
             self.stop_watcher()
             raise BridgeError(self.start_error)
 
-    def publish(self, frames: list[tuple[str, bytes, dict[str, str] | None]]) -> list[int]:
-        """Send `frames` (subject, payload, headers) in order; their PubAcks come to `on_results` later.
-        Returns the frame numbers, in the same order."""
+    def call_soon(self, callback: Callable[[], Any]) -> None:
+        """Run `callback` in the asyncio thread soon (one `call_soon_threadsafe`: a group commit's hand-over)."""
         if self.loop is None or self.closing:
             raise BridgeError("the NATS bridge is closed")
-        numbers = []
-        for subject, payload, headers in frames:
-            number = next(self.frame_ids)
-            numbers.append(number)
-            self.outgoing.append((number, subject, payload, headers))
-        assert self.wake is not None
-        self.loop.call_soon_threadsafe(self.wake.set)  # once per batch, never per frame
-        return numbers
+        self.loop.call_soon_threadsafe(callback)
+
+    def spawn(self, make: Callable[[Any], Awaitable[Any]]) -> None:
+        """Start `make(nc)` as a task in the asyncio thread, waiting for nothing."""
+        self.call_soon(lambda: asyncio.ensure_future(make(self.nc)))
 
     def run(self, make: Callable[[Any], Awaitable[Any]], timeout: float = 10.0) -> Any:
         """`await make(nc)` in the asyncio thread; this greenlet waits for it (the hub goes on)."""
@@ -133,14 +121,11 @@ class NatsBridge:
         return result.get(timeout=timeout)
 
     def drain(self) -> None:
-        """In the hub, when the thread sent: PubAcks to `on_results` at once, answers of `run` to their waiters."""
+        """In the hub, when the thread sent: answers of `run` to their waiters."""
         results = self.results
-        acks: list[PubAck] = []
         while results:
             item = results.popleft()
-            if type(item) is PubAck:
-                acks.append(item)
-            elif isinstance(item, tuple):
+            if isinstance(item, tuple):
                 waiter, value, error = item
                 if error is not None:
                     waiter.set_exception(error)
@@ -148,18 +133,16 @@ class NatsBridge:
                     waiter.set(value)
             elif item == "started":
                 self.started.set()
-        if acks:
-            self.on_results(acks)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop taking frames, drain the connection (what is in flight is answered first), end the thread."""
+        """Drain the connection (what is in flight is answered first) and end the thread."""
         if self.loop is None or self.closing:
             self.stop_watcher()
             return
         self.closing = True
-        loop = self.loop
-        assert self.wake is not None
-        loop.call_soon_threadsafe(self.wake.set)
+        stopped = self.stopped
+        assert stopped is not None
+        self.loop.call_soon_threadsafe(stopped.set)
         deadline = gevent.get_hub().loop.now() + timeout
         while self.thread is not None and self.thread.is_alive() and gevent.get_hub().loop.now() < deadline:
             gevent.sleep(0.01)  # Thread.join would block the whole hub: nothing is monkey-patched
@@ -176,7 +159,8 @@ class NatsBridge:
 
     def thread_main(self) -> None:
         loop = asyncio.new_event_loop()
-        loop.set_exception_handler(lambda _, context: log.error("NATS bridge: %s", context.get("message")))
+        loop.set_exception_handler(lambda _, context: log.error("NATS bridge: %s %s", context.get("message"),
+                                                                context.get("exception") or ""))
         try:
             loop.run_until_complete(self.main())
         finally:
@@ -185,7 +169,7 @@ class NatsBridge:
     async def main(self) -> None:
         import nats  # the cluster extra: only a broker with a replicated log loads it
 
-        self.wake = asyncio.Event()
+        self.stopped = asyncio.Event()
         nc = nats.NATS()
         try:
             # with reconnects on (they must be, later), nats-py retries a first connect forever: bound it
@@ -205,39 +189,14 @@ class NatsBridge:
             self.results.append("started")
             self.watcher.send()
             return
-        self.inbox = self.nc.new_inbox()
-        await self.nc.subscribe(self.inbox + ".*", cb=self.on_puback)
         self.loop = asyncio.get_running_loop()
         self.results.append("started")
         self.watcher.send()
-        await self.pump()
+        await self.stopped.wait()
         try:
-            await self.nc.drain()
+            await asyncio.wait_for(self.nc.drain(), timeout=5)
         except Exception as e:
             log.warning("NATS bridge: drain at close failed: %s", e)
-
-    async def pump(self) -> None:
-        """Publish what the hub queued, in order, until the bridge closes."""
-        assert self.wake is not None
-        outgoing, publish, inbox = self.outgoing, self.nc.publish, self.inbox
-        while True:
-            await self.wake.wait()
-            self.wake.clear()
-            while outgoing:
-                number, subject, payload, headers = outgoing.popleft()
-                await publish(subject, payload, reply=f"{inbox}.{number}", headers=headers)
-            if self.closing:
-                await self.nc.flush()
-                return
-
-    async def on_puback(self, msg: Any) -> None:
-        frame = int(msg.subject.rpartition(".")[2])
-        status = (msg.headers or {}).get("Status") if not msg.data else None
-        if status is not None:  # 503: no stream leader (an election), or no stream at all
-            self.results.append(PubAck(frame, error_code=-int(status), error=f"NATS status {status}"))
-        else:
-            self.results.append(parse_puback(frame, msg.data))
-        self.watcher.send()
 
     async def on_error(self, error: Exception) -> None:
         if self.nc is not None:  # before the first connect, `start` reports one error, not one per retry

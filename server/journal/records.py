@@ -22,6 +22,8 @@ A record is one text line (a tail never holds a newline), its kind the first byt
                                           replace everything before it only once SE is read
     N {queue} {next_seq}                  (snapshot) the queue's next seq
     M {queue} {seq} {retry} {0|1}{tail}   (snapshot) a live message; 1: it was held for an ack
+    W {epoch} {owner}                     (replicated log) a broker took the log over: a snapshot begun
+                                          before it and never ended is dropped
 
 Retry counts are absolute, so a replay never counts twice. recovery.py applies them; the
 journal (journal.py) frames and stores them.
@@ -49,6 +51,7 @@ SNAPSHOT_BEGIN = b"SB"
 SNAPSHOT_END = b"SE"
 NEXT_SEQ = b"N"
 LIVE = b"M"
+WRITER = b"W"
 
 
 def seq_list(seqs: Iterable[int]) -> bytes:

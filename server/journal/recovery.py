@@ -166,6 +166,14 @@ def apply_live(state: Recovery, line: bytes) -> None:
         q.front.append(seq)  # a requeued one: the snapshot lists them front first
 
 
+def apply_writer(state: Recovery, line: bytes) -> None:
+    before = state.before_snapshot
+    if before is not None:  # the writer that began it was taken over: nothing of it after SB counts
+        log.warning("a snapshot was cut short by a takeover of the log: it is ignored")
+        state.queues, state.delayed, state.schedules = before.queues, before.delayed, before.schedules
+        state.before_snapshot = None
+
+
 APPLY: dict[bytes, Callable[[Recovery, bytes], None]] = {
     records.PUBLISHED: apply_published,
     records.DELIVERED: apply_delivered,
@@ -182,6 +190,7 @@ APPLY: dict[bytes, Callable[[Recovery, bytes], None]] = {
     records.SNAPSHOT: apply_snapshot,
     records.NEXT_SEQ: apply_next_seq,
     records.LIVE: apply_live,
+    records.WRITER: apply_writer,
 }
 
 

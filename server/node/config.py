@@ -24,6 +24,11 @@ class Config:
     data_dir: str | None = None  # None: in memory only, as the spec's server
     fsync: str = "always"  # with data_dir: safe by default, fast by group commit
     repair: bool = False  # truncate the log at a bad frame instead of refusing to start
+    log: str | None = None  # nats://host:port,...: the log is a replicated JetStream stream (the cluster extra)
+    log_stream: str = "mqks"  # with log: the stream's name (a worker of several adds -{i}-of-{n})
+    log_replicas: int = 3  # with log: a quorum of these fsyncs a frame before its confirms are answered
+    log_timeout: float = 15.0  # with log: a confirm waits this long (> a NATS election), then gets an error
+    takeover: bool = False  # with log: fence off a running owner of the stream instead of refusing to start
     log_segment_bytes: int = 64 << 20
     compact_min_bytes: int = 128 << 20  # never rewrite the live state for less churn than this
     metrics_port: int | None = None  # None: no HTTP endpoint (/metrics, /healthz)
@@ -47,3 +52,5 @@ DEFAULTS = Config()
 # a worker that cannot start because of its data (a corrupt log, an unreadable data dir): restarting
 # it would fail the same way for ever, so its supervisor stops the whole broker (EX_CONFIG)
 CANNOT_START_EXIT_CODE = 78
+# the replicated log was taken over (--takeover elsewhere): this broker stopped confirming and exits (EX_TEMPFAIL)
+FENCED_EXIT_CODE = 75

@@ -324,6 +324,7 @@ class NullLog:
     unsynced_bytes = 0
     disk_full = False
     blocked: str | None = None
+    fenced_by: str | None = None
     handed_bytes = 0
     frames_waiting = False
 

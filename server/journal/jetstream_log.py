@@ -1,0 +1,707 @@
+"""The write-ahead log on a NATS JetStream stream (`mqksd --log nats://...`, the cluster extra): the same
+records as the local log, replicated and fsynced by a quorum of NATS servers before a confirm is answered.
+
+The stream holds messages, each a frame (commits joined with newlines; a frame over the server's
+max_payload is split in parts, `Mqks-More` on all but the last). Headers on every message:
+
+    Mqks-Epoch: E                      the writer's epoch; a takeover message raises it by one
+    Mqks-Frame: k                      the writer's counter within its epoch (0: the takeover message)
+    Nats-Msg-Id: {stream}.{E}.{k}      so a frame sent again after a timeout is stored once
+    Nats-Expected-Last-Sequence: N     the fence: JetStream refuses the append if anything else came after N
+
+One writer per stream. The writer sends many frames in flight, each expecting the sequence the one before
+it will get, and reports a commit durable once the frame holding it and every frame before it have their
+PubAck. Its first refusal, error or timeout stops the sending: it waits for what is in flight, reads the
+stream's tail from the leader, and then either finds a frame of a higher epoch (taken over: it stops and
+fails what waits) or goes on, sending again what the tail does not hold. A leader change inside NATS is
+such a refusal with no rival: nothing is failed for it.
+
+Replay keeps, per epoch, the frames in counter order and ignores every frame of an epoch lower than the
+highest it has seen: after a takeover, frames a stopped writer still had in flight may be stored behind
+the takeover (measured: `w0, w1, rival, w3, w4, w5`), and none of them was ever confirmed.
+
+Compaction: a snapshot starts a new frame; once its last frame and every frame before it are stored, the
+writer purges the stream below the snapshot's first frame. A purge takes no expected-sequence check, but
+it needs none here: it only removes frames a complete, stored snapshot covers, and a writer taken over
+before its snapshot was stored whole never gets that far (its first frame after the takeover is refused,
+so the rest never count as stored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import json
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import gevent
+
+from .nats_bridge import BridgeError, NatsBridge, parse_puback
+
+log = logging.getLogger("mqks.log")
+
+EPOCH = "Mqks-Epoch"
+FRAME = "Mqks-Frame"
+MORE = "Mqks-More"
+OWNER = "Mqks-Owner"
+MSG_ID = "Nats-Msg-Id"
+EXPECTED = "Nats-Expected-Last-Sequence"
+WRONG_LAST_SEQUENCE = 10071
+
+MAX_IN_FLIGHT = 32  # frames sent and not yet answered
+MAX_IN_FLIGHT_BYTES = 32 << 20  # JetStream's ingest queue holds 128 MiB: stay well under it
+FRAME_BYTES = 1 << 20  # commits waiting to be sent are merged into frames up to this (or max_payload)
+ACK_SECONDS = 5.0  # a frame with no answer after this: read the tail
+TAIL_CHECK_SECONDS = 1.0  # idle: look at the stream's last sequence this often (a rival, the figures)
+RETRY_SECONDS = 0.5  # NATS has no answer: read the tail again after this
+REPLAY_BATCH = 256
+OWNER_PING_SECONDS = 1.5
+PUBACK_SAMPLES = 1024
+REPLICAS_FALLBACK_ERRORS = (10074, 10005)  # insufficient resources, R>1 on a single server
+
+
+class LogOwned(Exception):
+    """Another broker owns the stream and answers: name it, and say how to take over."""
+
+
+def log_urls(text: str) -> list[str]:
+    """`nats://a:4222,b:4223` (or hosts without a scheme) as nats-py's server list."""
+    urls = [url.strip() for url in text.split(",") if url.strip()]
+    return [url if "://" in url else f"nats://{url}" for url in urls]
+
+
+class _Frame:
+    """One message of the stream as the writer tracks it until it is stored."""
+
+    __slots__ = ("k", "payload", "more", "commit", "snapshot_starts", "snapshot_ends", "seq", "sent_at",
+                 "token")
+
+    def __init__(self, k: int, payload: bytes, more: bool, commit: int, snapshot_starts: bool,
+                 snapshot_ends: bool) -> None:
+        self.k = k
+        self.payload = payload
+        self.more = more
+        self.commit = commit  # the last commit this frame completes; 0 for a part that is not the last
+        self.snapshot_starts = snapshot_starts
+        self.snapshot_ends = snapshot_ends
+        self.seq = 0  # its stream sequence, once stored
+        self.sent_at = 0.0
+        self.token = 0  # the send it waits on (its PubAck's reply subject)
+
+
+class Replayer:
+    """The stream's messages in, the records of the frames that count out (epoch, then counter order)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.next_k = 0
+        self.pending: dict[int, tuple[bytes, bool]] = {}
+        self.parts: list[bytes] = []
+        self.owner = ""
+        self.frames = 0
+        self.ignored = 0
+
+    def feed(self, headers: dict[str, str] | None, data: bytes) -> list[bytes]:
+        """The records this message completes (none while a frame's parts or an earlier frame are missing)."""
+        headers = headers or {}
+        epoch, k = int(headers.get(EPOCH, 0)), int(headers.get(FRAME, 0))
+        if epoch < self.epoch:
+            self.ignored += 1  # a writer taken over: nothing of it after the takeover was confirmed
+            return []
+        if epoch > self.epoch:
+            # a new writer: its takeover (k 0), or its first frame left by a purge
+            self.epoch, self.next_k, self.parts = epoch, k, []
+            self.pending.clear()
+            self.owner = headers.get(OWNER, self.owner)
+        if k < self.next_k:
+            return []  # a frame sent again and stored twice (after the duplicate window)
+        self.pending[k] = (data, MORE in headers)
+        lines: list[bytes] = []
+        while self.next_k in self.pending:
+            part, more = self.pending.pop(self.next_k)
+            self.next_k += 1
+            self.parts.append(part)
+            if not more:
+                frame = b"".join(self.parts)
+                self.parts = []
+                self.frames += 1
+                lines += frame.split(b"\n")
+        return lines
+
+
+class JetStreamLog:
+    """The journal's Log on a JetStream stream; `open()`, then `replay()` to the end (which takes the stream
+    over), then commits. The writer runs in the NATS bridge's asyncio thread."""
+
+    disk_full = False  # no disk of ours: `blocked` says why the log cannot write
+
+    def __init__(self, servers: list[str], stream: str, owner: str, replicas: int = 3, takeover: bool = False,
+                 timeout_seconds: float = 15.0, wake: Callable[[], None] = lambda: None,
+                 connect_timeout: float = 5.0) -> None:
+        self.servers = servers
+        self.stream = stream
+        self.subject = f"mqks.log.{stream}"
+        self.owner_subject = f"mqks.owner.{stream}"
+        self.owner = owner
+        self.replicas = replicas
+        self.takeover = takeover
+        self.timeout_seconds = timeout_seconds
+        self.wake = wake
+        self.bridge = NatsBridge(servers, connect_timeout)
+        # hub side
+        self._records: list[bytes] = []
+        self.append = self._records.append
+        self._commits = 0
+        self._handed_bytes = 0
+        self.unsynced_bytes = 0
+        self._refuse: str | None = "replay() the stream to its end before the first commit"
+        self._closed = False
+        # handed over: the hub appends, the writer pops (deque appends and poplefts are atomic)
+        self._handed: deque[tuple[int, bytes, bool, bool, float]] = deque()
+        # written by the writer, read by the hub
+        self._durable = 0
+        self._durable_bytes = 0
+        self._failed: deque[int] = deque()
+        self.blocked: str | None = None
+        self.fenced_by: str | None = None  # the owner that took the stream over: this broker must stop
+        # the writer's own
+        self.epoch = 0
+        self.max_payload = FRAME_BYTES
+        self._k = 0
+        self._frames: dict[int, _Frame] = {}  # by k: built and not yet stored in order
+        self._unsent: deque[_Frame] = deque()
+        self._in_flight = 0
+        self._in_flight_bytes = 0
+        self._stored_k = 0  # every frame up to this one is stored
+        self._tail_seq = 0  # the sequence the stream's last message has, as this writer expects it
+        self._stored_seq = 0  # the sequence of the last frame stored in order
+        self._tokens = itertools.count(1)
+        self._by_token: dict[int, _Frame] = {}
+        self._trouble: str | None = None  # the first error since the last tail read
+        self._commit_times: deque[tuple[int, float]] = deque()  # handed commits not yet durable
+        self._failed_up_to = 0
+        self._snapshot_seq = 0  # the first frame of the snapshot being stored
+        self._purging: asyncio.Future[None] | None = None
+        self._stalled_since: float | None = None
+        self._stopping = False
+        self._writer_done = False
+        self._inbox = ""
+        self._wake_event: asyncio.Event | None = None
+        # figures
+        self._puback_ms: deque[float] = deque(maxlen=PUBACK_SAMPLES)
+        self._stream_bytes = 0
+        self._stream_messages = 0
+        self._leader = ""
+        self._stalls = 0
+        self._purges = 0
+        self._resent = 0
+        self._replayed_records = 0
+        self._ignored_frames = 0
+        self._recovery_seconds = 0.0
+
+    # -- the hub's side -------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect and make sure the stream exists; raises BridgeError when NATS cannot be reached."""
+        self.bridge.start()
+        self.bridge.run(self._ensure_stream, timeout=60)
+
+    def replay(self, repair: bool = False) -> Iterator[bytes]:
+        """Every record the stream holds, in order; then take the stream over (a takeover message with epoch+1,
+        expecting the last sequence read), whose record ends the replay. `repair` has no meaning here."""
+        started = time.perf_counter()
+        replayer = Replayer()
+        self._replayed_records = 0
+        run = self.bridge.run
+        last_seq = run(self._open_reader, timeout=60)
+        read = 0
+        while True:
+            while read < last_seq:
+                batch = run(self._read_batch, timeout=60)
+                if not batch:
+                    raise BridgeError(f"stream {self.stream}: no message after sequence {read} of {last_seq}")
+                for seq, headers, data in batch:
+                    read = seq
+                    lines = replayer.feed(headers, data)
+                    self._replayed_records += len(lines)
+                    yield from lines
+            if not self.takeover:
+                owner = run(self._ask_owner, timeout=30)
+                if owner is not None:
+                    raise LogOwned(f"stream {self.stream} is owned by {owner}, which is running: stop it first, "
+                                   "or start with --takeover to fence it off")
+            self.epoch = replayer.epoch + 1
+            record = b"W %d %b" % (self.epoch, self.owner.encode())
+            answer = run(functools.partial(self._append_takeover, record=record, last_seq=last_seq), timeout=60)
+            if answer.error_code == WRONG_LAST_SEQUENCE:  # someone appended after what was read: read on
+                last_seq = run(self._last_seq, timeout=60)
+                continue
+            if answer.error:
+                raise BridgeError(f"stream {self.stream}: the takeover was refused: {answer.error}")
+            break
+        if replayer.epoch:
+            log.info("stream %s: taken over from %s (epoch %d -> %d)", self.stream, replayer.owner or "?",
+                     replayer.epoch, self.epoch)
+        self._ignored_frames = replayer.ignored
+        self._tail_seq = self._stored_seq = answer.seq
+        self._k = 0
+        run(self._close_reader, timeout=30)
+        self._refuse = None
+        self._recovery_seconds = time.perf_counter() - started
+        self.bridge.spawn(self._write)
+        yield record
+
+    def commit(self, new_segment: bool = False, completes: bool | None = None) -> int | None:
+        """Close the open batch into one commit for the writer; its number, or None when empty.
+
+        new_segment=True starts a snapshot (a frame of its own); the stream is purged below it once the
+        commit with completes=True (by default the same) and everything before it are stored."""
+        if completes is None:
+            completes = new_segment
+        batch = self._records
+        if not batch:
+            return None
+        if self._refuse is not None:
+            raise RuntimeError(self._refuse)
+        payload = b"\n".join(batch)
+        batch.clear()
+        self._commits = number = self._commits + 1
+        self._handed_bytes += len(payload)
+        self.unsynced_bytes = self._handed_bytes - self._durable_bytes
+        self._handed.append((number, payload, new_segment, completes, time.monotonic()))
+        if not self._writer_done:
+            self.bridge.call_soon(self._poke)  # once per commit: once per loop turn that wrote
+        return number
+
+    @property
+    def frames_waiting(self) -> bool:
+        """True while commits wait to be sent (a snapshot holds back its next chunk); never during a stall."""
+        return bool(self._handed or len(self._unsent) > 2) and self._stalled_since is None
+
+    @property
+    def handed_bytes(self) -> int:
+        return self._handed_bytes
+
+    def poll(self) -> tuple[int, list[int]]:
+        """The highest durable commit, and the commits failed since the last poll."""
+        failed = self._failed
+        if not failed:
+            return self._durable, []
+        numbers = []
+        while failed:
+            numbers.append(failed.popleft())
+        return self._durable, numbers
+
+    def stats(self) -> dict[str, Any]:
+        samples = sorted(tuple(self._puback_ms))
+        n = len(samples)
+        return {
+            "log_bytes": self._stream_bytes,
+            "stream_messages": self._stream_messages,
+            "commits": self._commits,
+            "frames_in_flight": self._in_flight,
+            "bytes_in_flight": self._in_flight_bytes,
+            "puback_ms_p50": samples[n // 2] if n else 0.0,
+            "puback_ms_p99": samples[min(n - 1, n * 99 // 100)] if n else 0.0,
+            "unsynced_bytes": self.unsynced_bytes,
+            "disk_full": False,
+            "blocked": self.blocked is not None,
+            "stream": self.stream,
+            "stream_leader": self._leader,
+            "epoch": self.epoch,
+            "last_seq": self._tail_seq,
+            "stalls": self._stalls,
+            "resent_frames": self._resent,
+            "purges": self._purges,
+            "replayed_records": self._replayed_records,
+            "ignored_frames": self._ignored_frames,
+            "recovery_seconds": self._recovery_seconds,
+        }
+
+    def close(self, timeout_seconds: float | None = None) -> None:
+        """Send what is open, wait (at most timeout_seconds) until it is stored, then disconnect."""
+        if self._closed:
+            return
+        if self._refuse is None:
+            self.commit()
+        self._closed = True
+        self._refuse = "the log is closed"
+        deadline = time.monotonic() + (timeout_seconds if timeout_seconds is not None else 3600.0)
+        while (self._durable < self._commits and not self._writer_done and self.fenced_by is None
+               and time.monotonic() < deadline):
+            gevent.sleep(0.01)
+        if self._durable < self._commits and self.fenced_by is None:
+            log.error("closing stream %s: %d bytes of unconfirmed records are not stored (%s); stopping without "
+                      "them", self.stream, self.unsynced_bytes, self.blocked or "NATS does not answer")
+        self._stopping = True
+        if not self._writer_done:
+            try:
+                self.bridge.call_soon(self._poke)
+            except BridgeError:
+                pass
+        self.bridge.close()
+
+    # -- the asyncio thread's side: stream management -------------------------------------------
+
+    async def _ensure_stream(self, nc: Any) -> None:
+        from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+        from nats.js.errors import APIError, NotFoundError
+
+        js = nc.jetstream(timeout=5)
+        self.max_payload = min(FRAME_BYTES, nc.max_payload) if nc.max_payload else FRAME_BYTES
+        try:
+            info = await js.stream_info(self.stream)
+        except NotFoundError:
+            info = None
+        if info is None:
+            replicas = self.replicas
+            while True:
+                config = StreamConfig(name=self.stream, subjects=[self.subject], num_replicas=replicas,
+                                      storage=StorageType.FILE, discard=DiscardPolicy.NEW, allow_rollup_hdrs=True,
+                                      allow_direct=False, duplicate_window=120.0)
+                try:
+                    info = await js.add_stream(config)
+                    break
+                except APIError as e:
+                    if replicas > 1 and e.err_code in REPLICAS_FALLBACK_ERRORS:
+                        log.warning("stream %s: NATS cannot place %d replicas (%s): trying %d", self.stream,
+                                    replicas, e.description, replicas - 1)
+                        replicas -= 1
+                        continue
+                    raise BridgeError(f"cannot create stream {self.stream}: {e.description}") from None
+            log.info("stream %s created on NATS: %d replicas, file storage", self.stream, replicas)
+        config = info.config
+        limited = [name for name, value in (("max_msgs", config.max_msgs), ("max_bytes", config.max_bytes),
+                                            ("max_age", config.max_age)) if value not in (None, -1, 0)]
+        if limited and config.discard != DiscardPolicy.NEW:
+            raise BridgeError(f"stream {self.stream} has limits ({', '.join(limited)}) that would discard old "
+                              "frames: a log must lose nothing; remove them or use discard: new")
+        # the stream takes no write until it has a leader (a fresh R3 stream, or during an election)
+        deadline = time.monotonic() + 30
+        while not (info.cluster is None or info.cluster.leader) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            info = await js.stream_info(self.stream)
+        self._note_info(info)
+
+    def _note_info(self, info: Any) -> None:
+        self._stream_bytes = info.state.bytes
+        self._stream_messages = info.state.messages
+        self._leader = (info.cluster.leader or "") if info.cluster is not None else ""
+
+    async def _last_seq(self, nc: Any) -> int:
+        info = await nc.jetstream(timeout=5).stream_info(self.stream)
+        self._note_info(info)
+        return int(info.state.last_seq)
+
+    async def _open_reader(self, nc: Any) -> int:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        last_seq = await self._last_seq(nc)
+        self._reader = await nc.jetstream(timeout=10).pull_subscribe(
+            self.subject, durable=None, stream=self.stream,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, mem_storage=True,
+                                  inactive_threshold=60.0))
+        return last_seq
+
+    async def _read_batch(self, nc: Any) -> list[tuple[int, dict[str, str] | None, bytes]]:
+        from nats.errors import TimeoutError as NatsTimeout
+
+        try:
+            msgs = await self._reader.fetch(REPLAY_BATCH, timeout=5)
+        except NatsTimeout:
+            return []
+        return [(msg.metadata.sequence.stream, msg.headers, msg.data) for msg in msgs]
+
+    async def _close_reader(self, nc: Any) -> None:
+        try:
+            await self._reader.unsubscribe()
+        except Exception:
+            pass
+        self._reader = None
+
+    async def _ask_owner(self, nc: Any) -> str | None:
+        """The running owner's description, or None when no broker answers for the stream."""
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
+
+        try:
+            answer = await nc.request(self.owner_subject, b"", timeout=OWNER_PING_SECONDS)
+        except (NoRespondersError, NatsTimeout):
+            return None
+        try:
+            about = json.loads(answer.data)
+            return f"{about['owner']} (epoch {about['epoch']})"
+        except (ValueError, KeyError):
+            return answer.data.decode(errors="replace")
+
+    async def _append_takeover(self, nc: Any, record: bytes, last_seq: int) -> Any:
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
+
+        headers = {EPOCH: str(self.epoch), FRAME: "0", OWNER: self.owner, MSG_ID: f"{self.stream}.{self.epoch}.0",
+                   EXPECTED: str(last_seq)}
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                msg = await nc.request(self.subject, record, timeout=ACK_SECONDS, headers=headers)
+                if msg.data:
+                    return parse_puback(0, msg.data)
+            except (NoRespondersError, NatsTimeout):
+                pass
+            if time.monotonic() > deadline:
+                raise BridgeError(f"stream {self.stream}: no stream leader answers")
+            await asyncio.sleep(RETRY_SECONDS)  # an election: the same Msg-Id makes the retry safe
+
+    # -- the writer ------------------------------------------------------------------------------
+
+    def _poke(self) -> None:
+        if self._wake_event is not None:
+            self._wake_event.set()
+
+    async def _write(self, nc: Any) -> None:
+        try:
+            await self._write_until_stopped(nc)
+        except BaseException as e:  # a bug must not leave confirms waiting in silence
+            log.exception("the writer of stream %s failed", self.stream)
+            self._stop_with(f"the replicated log's writer failed: {e!r}")
+        finally:
+            self._writer_done = True
+            self.wake()
+
+    async def _write_until_stopped(self, nc: Any) -> None:
+        wake = self._wake_event = asyncio.Event()
+        self._inbox = nc.new_inbox()
+        await nc.subscribe(self._inbox + ".*", cb=self._on_puback)
+        await nc.subscribe(self.owner_subject, cb=self._on_owner_ping)
+        wake.set()  # commits handed during the replay's end
+        last_check = time.monotonic()
+        while not self._stopping and self.fenced_by is None:
+            try:
+                await asyncio.wait_for(wake.wait(), TAIL_CHECK_SECONDS)
+            except TimeoutError:
+                pass
+            wake.clear()
+            self._take_handed()
+            now = time.monotonic()
+            if self._in_flight and self._trouble is None:
+                oldest = min((f.sent_at for f in self._by_token.values()), default=now)
+                if now - oldest > ACK_SECONDS:
+                    self._trouble = f"no PubAck within {ACK_SECONDS:g} s"
+            if self._trouble is not None:
+                await self._read_tail(nc)
+                continue
+            await self._send(nc)
+            if now - last_check >= TAIL_CHECK_SECONDS and not self._in_flight and not self._unsent:
+                last_check = now
+                await self._check_tail(nc)
+
+    def _take_handed(self) -> None:
+        """The hub's commits into frames: merged up to the frame size, split over max_payload."""
+        handed = self._handed
+        limit = self.max_payload
+        parts: list[bytes] = []
+        size = last_commit = 0
+        starts = False
+        while handed:
+            number, payload, new_segment, completes, at = handed.popleft()
+            self._commit_times.append((number, at))
+            if parts and (new_segment or size + 1 + len(payload) > limit):
+                self._add_frame(b"\n".join(parts), False, last_commit, starts, False)
+                parts, size, starts = [], 0, False
+            if len(payload) > limit:  # alone, in parts
+                for offset in range(0, len(payload), limit):
+                    last = offset + limit >= len(payload)
+                    self._add_frame(payload[offset:offset + limit], not last, number if last else 0,
+                                    new_segment and offset == 0, completes and last)
+                continue
+            parts.append(payload)
+            size += len(payload) + 1
+            last_commit = number
+            starts = starts or new_segment
+            if completes:
+                self._add_frame(b"\n".join(parts), False, number, starts, True)
+                parts, size, starts = [], 0, False
+        if parts:
+            self._add_frame(b"\n".join(parts), False, last_commit, starts, False)
+
+    def _add_frame(self, payload: bytes, more: bool, commit: int, snapshot_starts: bool,
+                   snapshot_ends: bool) -> None:
+        self._k += 1
+        frame = _Frame(self._k, payload, more, commit, snapshot_starts, snapshot_ends)
+        self._frames[frame.k] = frame
+        self._unsent.append(frame)
+
+    async def _send(self, nc: Any) -> None:
+        unsent = self._unsent
+        publish, subject, inbox = nc.publish, self.subject, self._inbox
+        epoch, prefix = str(self.epoch), f"{self.stream}.{self.epoch}."
+        while unsent and self._in_flight < MAX_IN_FLIGHT and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES:
+            frame = unsent.popleft()
+            frame.token = token = next(self._tokens)
+            frame.sent_at = time.monotonic()
+            self._by_token[token] = frame
+            self._in_flight += 1
+            self._in_flight_bytes += len(frame.payload)
+            headers = {EPOCH: epoch, FRAME: str(frame.k), MSG_ID: prefix + str(frame.k),
+                       EXPECTED: str(self._tail_seq)}
+            if frame.more:
+                headers[MORE] = "1"
+            self._tail_seq += 1
+            try:
+                await publish(subject, frame.payload, reply=f"{inbox}.{token}", headers=headers)
+            except Exception as e:  # disconnected with a full buffer: the tail read settles it
+                self._trouble = f"publish failed: {e}"
+                return
+
+    async def _on_puback(self, msg: Any) -> None:
+        frame = self._by_token.pop(int(msg.subject.rpartition(".")[2]), None)
+        if frame is None:
+            return  # answered after a tail read settled it
+        self._in_flight -= 1
+        self._in_flight_bytes -= len(frame.payload)
+        status = (msg.headers or {}).get("Status") if not msg.data else None
+        if status is not None:  # 503: no stream leader (an election)
+            self._trouble = self._trouble or f"NATS status {status}"
+        else:
+            ack = parse_puback(frame.k, msg.data)
+            if ack.error:
+                self._trouble = self._trouble or f"error {ack.error_code}: {ack.error}"
+            else:
+                self._puback_ms.append((time.monotonic() - frame.sent_at) * 1000.0)
+                self._stored(frame, ack.seq)
+        assert self._wake_event is not None
+        self._wake_event.set()
+
+    def _stored(self, frame: _Frame, seq: int) -> None:
+        """`frame` is in the stream at `seq`: advance what is durable over every frame stored in order."""
+        frame.seq = seq
+        frames = self._frames
+        durable = self._durable
+        durable_bytes = self._durable_bytes
+        purge = 0
+        while (head := frames.get(self._stored_k + 1)) is not None and head.seq:
+            del frames[head.k]
+            self._stored_k = head.k
+            self._stored_seq = head.seq
+            durable_bytes += len(head.payload)
+            if head.snapshot_starts:
+                self._snapshot_seq = head.seq
+            if head.snapshot_ends and self._snapshot_seq:
+                purge, self._snapshot_seq = self._snapshot_seq, 0
+            if head.commit:
+                durable = head.commit
+        if durable != self._durable:
+            self._durable_bytes = durable_bytes
+            self.unsynced_bytes = self._handed_bytes - durable_bytes
+            self._durable = durable
+            times = self._commit_times
+            while times and times[0][0] <= durable:
+                times.popleft()
+            self.wake()
+        if purge:
+            self._purging = asyncio.ensure_future(self._purge(purge))
+
+    async def _purge(self, below: int) -> None:
+        """Remove the frames the stored snapshot starting at `below` replaces."""
+        try:
+            await self.bridge.nc.jetstream(timeout=10).purge_stream(self.stream, seq=below)
+            self._purges += 1
+        except Exception as e:  # the next snapshot purges again
+            log.warning("stream %s: purge below %d failed: %s", self.stream, below, e)
+
+    async def _check_tail(self, nc: Any) -> None:
+        """Idle: a stream that grew behind this writer's back means a rival (or a late frame): read its tail."""
+        try:
+            last = await self._last_seq(nc)
+        except Exception:
+            return
+        if last != self._tail_seq:
+            self._trouble = f"the stream's last sequence is {last}, not {self._tail_seq}"
+
+    async def _read_tail(self, nc: Any) -> None:
+        """After a refusal, an error or a timeout: settle every frame from the stream itself, then go on."""
+        trouble = self._trouble
+        log.warning("stream %s: %s; reading the tail", self.stream, trouble)
+        self._stalls += 1
+        self._stalled_since = started = time.monotonic()
+        while self._in_flight and time.monotonic() - started < ACK_SECONDS:  # answers still coming
+            await asyncio.sleep(0.05)
+        js = nc.jetstream(timeout=3)
+        while not self._stopping:
+            try:
+                last = await self._last_seq(nc)
+                base = self._stored_seq
+                for seq in range(base + 1, last + 1):
+                    try:
+                        msg = await js.get_msg(self.stream, seq)  # from the leader: a replica may be behind
+                    except Exception as e:
+                        if "no message found" in str(e).lower() or getattr(e, "err_code", 0) == 10037:
+                            continue
+                        raise
+                    headers = msg.headers or {}
+                    epoch = int(headers.get(EPOCH, 0))
+                    if epoch > self.epoch:
+                        self._fenced(headers.get(OWNER, "another broker"), epoch)
+                        return
+                    if epoch == self.epoch:
+                        frame = self._frames.get(int(headers.get(FRAME, 0)))
+                        if frame is not None and not frame.seq:
+                            self._stored(frame, seq)
+                break
+            except Exception as e:
+                if time.monotonic() - started > self.timeout_seconds:
+                    self._stall_too_long(f"the replicated log has not answered for {self.timeout_seconds:g} s "
+                                         f"({type(e).__name__}: {e})")
+                await asyncio.sleep(RETRY_SECONDS)
+        # everything not stored goes again, in order, after the tail as it is now
+        self._by_token.clear()
+        self._in_flight = self._in_flight_bytes = 0
+        again = sorted((f for f in self._frames.values() if not f.seq), key=lambda f: f.k)
+        self._resent += sum(1 for f in again if f.token)
+        self._unsent = deque(again)
+        self._tail_seq = last
+        self._trouble = None
+        self._stalled_since = None
+        if self.blocked is not None:
+            log.warning("stream %s: the replicated log takes writes again", self.stream)
+            self.blocked = None
+        log.info("stream %s: tail read at sequence %d after %.1f s; %d frames go again", self.stream, last,
+                 time.monotonic() - started, len(again))
+        self.wake()
+
+    def _stall_too_long(self, reason: str) -> None:
+        """Confirmed publishes are refused, and the commits waiting longer than the timeout are failed."""
+        if self.blocked is None:
+            log.error("stream %s: %s: confirmed publishes are refused until it answers", self.stream, reason)
+            self.blocked = "the replicated log does not answer"
+        cutoff = time.monotonic() - self.timeout_seconds
+        waiting = [*self._commit_times, *((number, at) for number, _, _, _, at in list(self._handed))]
+        failed = [number for number, at in waiting if at < cutoff and number > self._failed_up_to]
+        if failed:
+            self._failed_up_to = failed[-1]
+            self._failed.extend(failed)
+            self.wake()
+
+    def _fenced(self, owner: str, epoch: int) -> None:
+        log.critical("stream %s was taken over by %s (epoch %d > %d): this broker stops confirming and exits",
+                     self.stream, owner, epoch, self.epoch)
+        self._stop_with(f"the log was taken over by {owner}")
+
+    def _stop_with(self, reason: str) -> None:
+        """Fail every commit not durable, and tell the hub this broker must stop."""
+        self.blocked = reason
+        self._failed.extend(number for number, _ in self._commit_times if number > self._failed_up_to)
+        self._commit_times.clear()
+        self.fenced_by = reason
+        self.wake()
+
+    async def _on_owner_ping(self, msg: Any) -> None:
+        if msg.reply:
+            await self.bridge.nc.publish(msg.reply, json.dumps(
+                {"owner": self.owner, "epoch": self.epoch, "pid": os.getpid()}).encode())
