@@ -57,7 +57,7 @@ WRONG_LAST_SEQUENCE = 10071
 MAX_IN_FLIGHT = 32  # frames sent and not yet answered
 MAX_IN_FLIGHT_BYTES = 32 << 20  # JetStream's ingest queue holds 128 MiB: stay well under it
 FRAME_BYTES = 1 << 20  # commits waiting to be sent are merged into frames up to this (or max_payload)
-ACK_SECONDS = 5.0  # a frame with no answer after this: read the tail
+ACK_SECONDS = 2.0  # a frame with no answer after this: read the tail (an election answers 503 at once)
 TAIL_CHECK_SECONDS = 1.0  # idle: look at the stream's last sequence this often (a rival, the figures)
 RETRY_SECONDS = 0.5  # NATS has no answer: read the tail again after this
 REPLAY_BATCH = 256
@@ -140,6 +140,7 @@ class JetStreamLog:
     over), then commits. The writer runs in the NATS bridge's asyncio thread."""
 
     disk_full = False  # no disk of ours: `blocked` says why the log cannot write
+    where = "in the replicated log"
 
     def __init__(self, servers: list[str], stream: str, owner: str, replicas: int = 3, takeover: bool = False,
                  timeout_seconds: float = 15.0, wake: Callable[[], None] = lambda: None,
@@ -188,7 +189,8 @@ class JetStreamLog:
         self._failed_up_to = 0
         self._snapshot_seq = 0  # the first frame of the snapshot being stored
         self._purging: asyncio.Future[None] | None = None
-        self._stalled_since: float | None = None
+        self._stalled_since: float | None = None  # the first trouble since a frame was last stored
+        self._stall_logged = False
         self._stopping = False
         self._writer_done = False
         self._inbox = ""
@@ -492,12 +494,14 @@ class JetStreamLog:
             if self._in_flight and self._trouble is None:
                 oldest = min((f.sent_at for f in self._by_token.values()), default=now)
                 if now - oldest > ACK_SECONDS:
-                    self._trouble = f"no PubAck within {ACK_SECONDS:g} s"
+                    self._in_trouble(f"no PubAck within {ACK_SECONDS:g} s")
+            if self._stalled_since is not None and now - self._stalled_since > self.timeout_seconds:
+                self._stall_too_long(f"the replicated log has stored nothing for {self.timeout_seconds:g} s")
             if self._trouble is not None:
                 await self._read_tail(nc)
                 continue
             await self._send(nc)
-            if now - last_check >= TAIL_CHECK_SECONDS and not self._in_flight and not self._unsent:
+            if now - last_check >= TAIL_CHECK_SECONDS:
                 last_check = now
                 await self._check_tail(nc)
 
@@ -556,7 +560,7 @@ class JetStreamLog:
             try:
                 await publish(subject, frame.payload, reply=f"{inbox}.{token}", headers=headers)
             except Exception as e:  # disconnected with a full buffer: the tail read settles it
-                self._trouble = f"publish failed: {e}"
+                self._in_trouble(f"publish failed: {e}")
                 return
 
     async def _on_puback(self, msg: Any) -> None:
@@ -567,20 +571,35 @@ class JetStreamLog:
         self._in_flight_bytes -= len(frame.payload)
         status = (msg.headers or {}).get("Status") if not msg.data else None
         if status is not None:  # 503: no stream leader (an election)
-            self._trouble = self._trouble or f"NATS status {status}"
+            self._in_trouble(f"NATS status {status}")
         else:
             ack = parse_puback(frame.k, msg.data)
             if ack.error:
-                self._trouble = self._trouble or f"error {ack.error_code}: {ack.error}"
+                self._in_trouble(f"error {ack.error_code}: {ack.error}")
             else:
                 self._puback_ms.append((time.monotonic() - frame.sent_at) * 1000.0)
                 self._stored(frame, ack.seq)
         assert self._wake_event is not None
         self._wake_event.set()
 
+    def _in_trouble(self, reason: str) -> None:
+        """Stop sending until the tail is read; the stall lasts until a frame is stored again."""
+        if self._trouble is None:
+            self._trouble = reason
+        if self._stalled_since is None:
+            self._stalled_since = time.monotonic()
+
     def _stored(self, frame: _Frame, seq: int) -> None:
         """`frame` is in the stream at `seq`: advance what is durable over every frame stored in order."""
         frame.seq = seq
+        if self._stalled_since is not None:
+            log.info("stream %s: frames are stored again after %.1f s", self.stream,
+                     time.monotonic() - self._stalled_since)
+            self._stalled_since = None
+            self._stall_logged = False
+            if self.blocked is not None and self.fenced_by is None:
+                log.warning("stream %s: the replicated log takes writes again", self.stream)
+                self.blocked = None
         frames = self._frames
         durable = self._durable
         durable_bytes = self._durable_bytes
@@ -616,22 +635,27 @@ class JetStreamLog:
             log.warning("stream %s: purge below %d failed: %s", self.stream, below, e)
 
     async def _check_tail(self, nc: Any) -> None:
-        """Idle: a stream that grew behind this writer's back means a rival (or a late frame): read its tail."""
+        """Each second: the stream's figures; and when idle, a stream that grew behind this writer's back means a
+        rival (or a late frame): read its tail."""
         try:
             last = await self._last_seq(nc)
         except Exception:
             return
-        if last != self._tail_seq:
-            self._trouble = f"the stream's last sequence is {last}, not {self._tail_seq}"
+        if last != self._tail_seq and not self._in_flight and not self._unsent:
+            self._in_trouble(f"the stream's last sequence is {last}, not {self._tail_seq}")
 
     async def _read_tail(self, nc: Any) -> None:
         """After a refusal, an error or a timeout: settle every frame from the stream itself, then go on."""
-        trouble = self._trouble
-        log.warning("stream %s: %s; reading the tail", self.stream, trouble)
-        self._stalls += 1
-        self._stalled_since = started = time.monotonic()
-        while self._in_flight and time.monotonic() - started < ACK_SECONDS:  # answers still coming
-            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        if not self._stall_logged:  # once per stall, not once per tail read
+            log.warning("stream %s: %s; reading the tail", self.stream, self._trouble)
+            self._stall_logged = True
+            self._stalls += 1
+        stalled_since = self._stalled_since or started
+        if self._trouble is not None and self._trouble.startswith("error"):
+            # refused: the frames behind it are answered within moments (a timeout waits for nothing)
+            while self._in_flight and time.monotonic() - started < ACK_SECONDS:
+                await asyncio.sleep(0.05)
         js = nc.jetstream(timeout=3)
         while not self._stopping:
             try:
@@ -655,7 +679,7 @@ class JetStreamLog:
                             self._stored(frame, seq)
                 break
             except Exception as e:
-                if time.monotonic() - started > self.timeout_seconds:
+                if time.monotonic() - stalled_since > self.timeout_seconds:
                     self._stall_too_long(f"the replicated log has not answered for {self.timeout_seconds:g} s "
                                          f"({type(e).__name__}: {e})")
                 await asyncio.sleep(RETRY_SECONDS)
@@ -667,13 +691,12 @@ class JetStreamLog:
         self._unsent = deque(again)
         self._tail_seq = last
         self._trouble = None
-        self._stalled_since = None
-        if self.blocked is not None:
-            log.warning("stream %s: the replicated log takes writes again", self.stream)
-            self.blocked = None
-        log.info("stream %s: tail read at sequence %d after %.1f s; %d frames go again", self.stream, last,
+        log.debug("stream %s: tail read at sequence %d after %.1f s; %d frames go again", self.stream, last,
                  time.monotonic() - started, len(again))
         self.wake()
+        if self._stalled_since is not None:
+            await asyncio.sleep(RETRY_SECONDS)  # NATS refused or did not answer: do not spin on it
+        self._poke()
 
     def _stall_too_long(self, reason: str) -> None:
         """Confirmed publishes are refused, and the commits waiting longer than the timeout are failed."""

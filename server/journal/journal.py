@@ -46,6 +46,7 @@ class Log(Protocol):
     disk_full: bool
     blocked: str | None
     fenced_by: str | None  # set once another writer took the log over: stop
+    where: str  # where a durable record is, for an error: "on disk"
 
     @property
     def handed_bytes(self) -> int: ...
@@ -143,7 +144,7 @@ class Journal:
             for commit, confirms in waiting:
                 if commit in failed_commits:
                     reason = (f"{self.log.blocked or 'disk full'}: the message is kept in memory but is not "
-                              f"{'on disk' if self.log.fenced_by is None else 'in the log'}")
+                              f"{self.log.where}")
                     for outbox, rid in confirms:
                         outbox.write(self.error_line(rid, reason))
                 else:

@@ -126,6 +126,7 @@ class Log:
     disk_full: bool  # writes fail for lack of space; cleared once one succeeds again
     blocked: str | None  # why writes wait ("disk full", "out of file descriptors"); None while they succeed
     fenced_by: str | None = None  # a local log has one writer: never taken over
+    where = "on disk"
 
     def __init__(self, data_dir: str, fsync: str = "always", segment_bytes: int = 64 << 20,
                  wake: Callable[[], None] = lambda: None,

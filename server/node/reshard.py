@@ -325,6 +325,7 @@ class NullLog:
     disk_full = False
     blocked: str | None = None
     fenced_by: str | None = None
+    where = "on disk"
     handed_bytes = 0
     frames_waiting = False
 

@@ -1,0 +1,353 @@
+"""The write-ahead log on NATS JetStream (`mqksd --log nats://...`, server/journal/jetstream_log.py), against a
+real three-node NATS cluster on loopback, with real kill -9s of brokers and of NATS nodes.
+
+What is checked: a confirmed message survives the broker's host (a fresh broker with no local data restores it
+from the stream); a NATS leader's death stalls confirms without failing them; with two NATS nodes of three gone
+no confirm is answered ok, and the broker resumes by itself; a stopped owner fenced off by --takeover confirms
+nothing after it and names the new owner; frames a fenced writer still stores after the takeover, and a
+snapshot cut short by one, are ignored by replay.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+import time
+
+import gevent
+import pytest
+from helpers import server_stats, unique, wait_for
+
+pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
+
+from mqks.server.journal import records
+from mqks.server.journal.jetstream_log import JetStreamLog
+from mqks.server.journal.nats_local import load, restart
+from mqks.server.journal.recovery import recover
+
+pytestmark = pytest.mark.timeout(240)
+
+ELECTION_SECONDS = 40.0  # a new stream leader, and the broker's tail read after it; measured 4-9 s
+
+
+def b(text: str) -> bytes:
+    return text.encode()
+
+
+def replicated(make_broker, nats_cluster, stream: str, *args: str):
+    _, urls = nats_cluster
+    return make_broker("--log", ",".join(urls), "--log-stream", stream, *args)
+
+
+def produce_confirmed(producer, event: bytes, ids, stop: threading.Event, confirmed: set[bytes],
+                      answers: dict[bytes, bytes] | None = None) -> None:
+    """Publish with --confirm in pipelined batches of 50 until stopped; collect what was confirmed."""
+    try:
+        while not stop.is_set():
+            batch = [b"p%d" % next(ids) for _ in range(50)]
+            producer.send(*(b"%b publish --confirm %b x" % (rid, event) for rid in batch))
+            for _ in batch:
+                line = producer.recv_line(timeout=60)
+                rid, status = line.split(b" ")[:2]
+                if status == b"ok":
+                    confirmed.add(rid)
+                elif answers is not None:
+                    answers[rid] = line
+    except (OSError, TimeoutError, ConnectionError):
+        pass  # the broker was killed mid-batch: the unconfirmed ones may or may not be there
+
+
+def drain(server, queue: bytes) -> list[bytes]:
+    """Every message id the queue holds (auto-ack)."""
+    consumer = server.wire()
+    consumer.send(b"c consume %b" % queue)
+    received = []
+    while more := consumer.barrier():
+        received += [line.split(b" ")[2] for line in more]
+    consumer.close()
+    return received
+
+
+def bind(server, queue: bytes, event: bytes) -> None:
+    wire = server.wire()
+    wire.send(b"rb rebind --confirm %b %b" % (queue, event))
+    wire.expect(b"rb ok ")
+    wire.close()
+
+
+def test_a_confirmed_message_survives_the_loss_of_its_broker(make_broker, nats_cluster):
+    """kill -9 under pipelined confirmed publishes and per-message acks; a fresh broker (no local data) restores
+    every confirmed message from the stream, and no message whose ack was committed comes back."""
+    stream = unique("s").replace("-", "_")
+    server = replicated(make_broker, nats_cluster, stream)
+    queue, event = b(unique("q")), b(unique("e"))
+    bind(server, queue, event)
+    confirmed: set[bytes] = set()
+    producer, consumer = server.wire(), server.wire()
+    stop = threading.Event()
+    thread = threading.Thread(target=produce_confirmed, args=(producer, event, itertools.count(), stop, confirmed))
+    thread.start()
+    consumer.send(b"c consume %b --manual-ack" % queue)
+    acked_committed: set[bytes] = set()  # acks a later confirm on the same connection proves committed
+    acked_after: set[bytes] = set()
+    deadline = time.monotonic() + 120
+    while len(confirmed) < 3000 and time.monotonic() < deadline:
+        delivered = [line.split(b" ")[2] for line in fence(consumer, event)]
+        acked_committed |= acked_after
+        acked_after = set(delivered)
+        # one ack line per message, as msg.ack() sends
+        consumer.send(*(b"a ack c " + msg_id for msg_id in delivered))
+    server.kill()
+    stop.set()
+    thread.join(60)
+    producer.close()
+    consumer.close()
+    # another "host": a new broker on another port, with no data dir at all
+    fresh = replicated(make_broker, nats_cluster, stream)
+    assert "taken over from" in fresh.log()
+    restored = drain(fresh, queue)
+    lost = confirmed - acked_committed - acked_after - set(restored)
+    came_back = acked_committed & set(restored)
+    duplicates = acked_after & set(restored)
+    print(f"restore: {len(confirmed)} confirmed, {len(acked_committed) + len(acked_after)} acked, "
+          f"{len(restored)} restored, {len(duplicates)} duplicates (acks not yet committed), {len(lost)} lost")
+    assert len(confirmed) > 1000
+    assert not lost, sorted(lost)[:20]
+    assert not came_back, sorted(came_back)[:20]
+    assert len(restored) == len(set(restored))
+
+
+def test_a_running_owner_makes_a_second_broker_refuse_and_takeover_fences_it(make_broker, nats_cluster):
+    """The zombie: SIGSTOP the owner, --takeover from another broker, SIGCONT the old one: it confirms nothing
+    after the takeover, its clients get an error naming the new owner, and it exits."""
+    stream = unique("s").replace("-", "_")
+    old = replicated(make_broker, nats_cluster, stream)
+    queue, event = b(unique("q")), b(unique("e"))
+    bind(old, queue, event)
+    wire = old.wire()
+    for i in range(20):
+        wire.send(b"m%d publish --confirm %b before-%d" % (i, event, i))
+    for i in range(20):
+        wire.expect(b"m%d ok " % i)
+    with pytest.raises(RuntimeError, match=r"is owned by .* which is running: stop it first, or start with --takeover"):
+        replicated(make_broker, nats_cluster, stream)
+    old.signal(signal.SIGSTOP)
+    new = replicated(make_broker, nats_cluster, stream, "--takeover")
+    # the old owner's client sends while it is stopped; it reads them after SIGCONT
+    wire.send(*(b"z%d publish --confirm %b zombie-%d" % (i, event, i) for i in range(10)))
+    old.signal(signal.SIGCONT)
+    answers = []
+    try:
+        for _ in range(10):
+            answers.append(wire.recv_line(timeout=30))
+    except (OSError, TimeoutError, ConnectionError):
+        pass
+    assert answers, "the old owner answered nothing"
+    assert not [line for line in answers if b" ok " in line + b" "], answers
+    port = str(new.port).encode()
+    assert all(b"taken over by" in line and b":" + port + b" pid" in line for line in answers), answers
+    assert old.proc is not None
+    assert old.proc.wait(30) == 75, old.log()
+    restored = drain(new, queue)
+    assert restored == [b"m%d" % i for i in range(20)]  # nothing of the zombie's, everything confirmed before
+
+
+def test_two_nats_nodes_down_confirm_nothing_then_resume_by_themselves(make_broker, nats_cluster):
+    directory, _ = nats_cluster
+    stream = unique("s").replace("-", "_")
+    server = replicated(make_broker, nats_cluster, stream, "--log-timeout", "3")
+    queue, event = b(unique("q")), b(unique("e"))
+    bind(server, queue, event)
+    wire = server.wire()
+    wire.send(b"m0 publish --confirm %b before" % event)
+    wire.expect(b"m0 ok ")
+    nodes = load(str(directory))
+    gone = nodes[:2]
+    for node in gone:
+        os.kill(node.pid, signal.SIGKILL)
+    # the confirm waits, then is answered with an error; the broker takes no new confirmed publish
+    wire.send(b"m1 publish --confirm %b during" % event)
+    line = wire.recv_line(timeout=60)
+    assert line.startswith(b"m1 error "), line
+    assert b"replicated log does not answer" in line, line
+    wire.send(b"m2 publish --confirm %b refused" % event)
+    line = wire.recv_line(timeout=30)
+    assert line.startswith(b"m2 error ") and b"refused" in line, line
+    wire.send(b"p ping")  # everything else goes on
+    wire.expect(b"p ok ")
+    health = server_stats(server)["log"]
+    assert health["blocked"] is True
+    for node in gone:
+        restart(str(directory), node.name)
+
+    def confirms_again() -> bool:
+        wire.send(b"m3 publish --confirm %b after" % event)
+        line = wire.recv_line(timeout=60)
+        return line.startswith(b"m3 ok ")
+
+    wait_for(confirms_again, "a confirm answered ok after NATS came back", ELECTION_SECONDS * 2, interval=0.5)
+    assert server.proc is not None and server.proc.poll() is None  # never restarted
+    server.kill()
+    fresh = replicated(make_broker, nats_cluster, stream)
+    bodies = drain_bodies(fresh, queue)
+    assert bodies[0] == b"before" and b"after" in bodies
+    assert b"refused" not in bodies
+    # "during" was answered with an error but kept in memory: it went out once NATS was back
+    assert b"during" in bodies
+
+
+def fence(consumer, event: bytes) -> list[bytes]:
+    """A confirmed publish on the consumer's connection: once it is ok, every ack sent before it is in the log
+    (the log keeps order). Returns the deliveries read while waiting for it."""
+    consumer.send(b"fence publish --confirm %b-nobody x" % event)
+    delivered = []
+    while (line := consumer.recv_line(timeout=60)) != b"fence ok ":
+        assert line.startswith(b"c ok "), line
+        delivered.append(line)
+    return delivered
+
+
+def drain_bodies(server, queue: bytes) -> list[bytes]:
+    consumer = server.wire()
+    consumer.send(b"c consume %b" % queue)
+    bodies = []
+    while more := consumer.barrier():
+        bodies += [line.split(b" ", 4)[4] for line in more]
+    consumer.close()
+    return bodies
+
+
+def test_killing_the_stream_leader_under_load_stalls_confirms_but_loses_none(make_broker, nats_cluster):
+    directory, _ = nats_cluster
+    stream = unique("s").replace("-", "_")
+    server = replicated(make_broker, nats_cluster, stream)
+    queue, event = b(unique("q")), b(unique("e"))
+    bind(server, queue, event)
+    confirmed: set[bytes] = set()
+    errors: dict[bytes, bytes] = {}
+    producer = server.wire()
+    stop = threading.Event()
+    thread = threading.Thread(target=produce_confirmed,
+                              args=(producer, event, itertools.count(), stop, confirmed, errors))
+    thread.start()
+    stalls = []
+    try:
+        for _ in range(2):
+            wait_for(lambda n=len(confirmed) + 500: len(confirmed) > n, "confirms before the kill")
+            leader = server_stats(server)["log"]["stream_leader"]
+            node = next(node for node in load(str(directory)) if node.name == leader)
+            os.kill(node.pid, signal.SIGKILL)
+            killed_at, before = time.monotonic(), len(confirmed)
+            wait_for(lambda n=before: len(confirmed) > n + 200, "confirms after the leader's death",
+                     ELECTION_SECONDS)
+            stalls.append(time.monotonic() - killed_at)
+            restart(str(directory), node.name)
+            # the broker names the new leader within a second or two: the next kill is of that one
+            wait_for(lambda dead=node.name: server_stats(server)["log"]["stream_leader"] not in ("", dead),
+                     "the broker to name the new stream leader")
+    finally:
+        stop.set()
+        thread.join(120)
+        producer.close()
+    print(f"leader kills: confirms resumed after {', '.join(f'{s:.1f}' for s in stalls)} s; "
+          f"{len(confirmed)} confirmed, {len(errors)} errors")
+    assert server.proc is not None and server.proc.poll() is None
+    assert not errors, list(errors.values())[:5]
+    stats = server_stats(server)["log"]
+    assert stats["stalls"] >= 2
+    server.kill()
+    fresh = replicated(make_broker, nats_cluster, stream)
+    restored = set(drain(fresh, queue))
+    assert not confirmed - restored, sorted(confirmed - restored)[:20]
+
+
+def test_compaction_under_load_keeps_the_stream_small_and_the_state_exact(make_broker, nats_cluster):
+    stream = unique("s").replace("-", "_")
+    server = replicated(make_broker, nats_cluster, stream, "--compact-min-bytes", "200000")
+    queue, event = b(unique("q")), b(unique("e"))
+    bind(server, queue, event)
+    wire = server.wire()
+    consumer = server.wire()
+    consumer.send(b"c consume %b --manual-ack --prefetch=1000" % queue)
+    acked: set[bytes] = set()
+    for batch in range(40):  # 40 x 100 confirmed publishes; three of four acked: the log churns
+        wire.send(*(b"m%d publish --confirm %b body-%d-%s" % (batch * 100 + i, event, batch * 100 + i, b"x" * 200)
+                    for i in range(100)))
+        for i in range(100):
+            wire.expect(b"m%d ok " % (batch * 100 + i))
+        for line in fence(consumer, event):
+            _, _, msg_id, _, body = line.split(b" ", 4)
+            if int(body.split(b"-")[1]) % 4:
+                consumer.send(b"a ack c " + msg_id)
+                acked.add(msg_id)
+    fence(consumer, event)  # and the acks before it are in the log
+    kept = {b"m%d" % i for i in range(4000)} - acked
+    stats = wait_for(lambda: (s := server_stats(server)["log"])["purges"] >= 1 and s["stream_messages"] and s,
+                     "a purge after a snapshot, and the stream's figures after it")
+    live_bytes = len(kept) * 230
+    print(f"compaction: {stats['purges']} purges, stream {stats['log_bytes']} bytes, {stats['stream_messages']} "
+          f"messages, live about {live_bytes} bytes")
+    assert stats["log_bytes"] < 40 * 100 * 230  # well under everything ever written
+    server.kill()
+    fresh = replicated(make_broker, nats_cluster, stream)
+    # the unacked ones come back (retry raised), the acked ones do not
+    restored = drain(fresh, queue)
+    assert len(restored) == len(kept) and set(restored) == kept
+
+
+# -- in one process: two writers on one stream, through JetStreamLog itself ----------------------------------
+
+def open_log(urls: list[str], stream: str, owner: str, takeover: bool = False) -> tuple[JetStreamLog, list]:
+    log_ = JetStreamLog(urls, stream, owner, takeover=takeover, timeout_seconds=5)
+    log_.open()
+    replayed = list(log_.replay())
+    return log_, replayed
+
+
+def commit_and_wait(log_: JetStreamLog, *lines: bytes) -> int:
+    for line in lines:
+        log_.append(line)
+    number = log_.commit()
+    assert number is not None
+    wait_greenlet(lambda: log_.poll()[0] >= number, f"commit {number} to be durable")
+    return number
+
+
+def wait_greenlet(condition, what: str, timeout: float = 30.0) -> None:
+    with gevent.Timeout(timeout, AssertionError(f"timed out after {timeout:g}s waiting for {what}")):
+        while not condition():
+            gevent.sleep(0.01)
+
+
+def published(name: bytes, seq: int, body: bytes) -> bytes:
+    return records.published_one(name, seq, False, b" " + body)
+
+
+def test_frames_of_a_fenced_writer_and_its_unfinished_snapshot_are_ignored(nats_cluster):
+    _, urls = nats_cluster
+    stream = unique("s").replace("-", "_")
+    queue_record = records.queue(b"q", None, [b"e"], None, None)
+    first, _ = open_log(urls, stream, "first")
+    commit_and_wait(first, queue_record, published(b"q", 0, b"kept"))
+    # a snapshot begun and stored in part: the first of its frames
+    commit_and_wait(first, records.SNAPSHOT_BEGIN, queue_record)
+    second, _ = open_log(urls, stream, "second", takeover=True)
+    # the first writer goes on: its snapshot's end and new messages, many frames in flight
+    first.append(records.SNAPSHOT_END)
+    for i in range(20):
+        first.append(published(b"q", 100 + i, b"zombie"))
+        first.commit()
+    wait_greenlet(lambda: first.fenced_by is not None, "the first writer to find it was taken over")
+    assert "taken over by second" in first.fenced_by
+    durable, failed = first.poll()
+    assert durable < first._commits and failed
+    commit_and_wait(second, published(b"q", 1, b"second's"))
+    second.close(10)
+    first.close(1)
+    third, lines = open_log(urls, stream, "third")
+    state = recover(lines)
+    messages = {seq: message[0] for seq, message in state.queues[b"q"].messages.items()}
+    assert messages == {0: b" kept", 1: b" second's"}, messages
+    third.close(10)
