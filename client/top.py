@@ -156,6 +156,9 @@ def render(view: View, height: int) -> RenderableType:
                   f"  workers {cell(stats.get('workers'))}\n")
     header.append(f"sort: {view.sort}", style="bold")
     header.append("   keys: d depth  n name  r rate  q quit")
+    log_figures = log_line(stats.get("log"))
+    if log_figures:
+        header.append(f"\n{log_figures}")
     if view.error:
         header.append(f"\n{view.error}", style="bold red")
 
@@ -171,7 +174,7 @@ def render(view: View, height: int) -> RenderableType:
                        cell(stats.get(gauge_key)))
 
     rows = sorted_queues(view)
-    room = max(1, height - HEADER_LINES - (1 if view.error else 0))
+    room = max(1, height - HEADER_LINES - (1 if view.error else 0) - (1 if log_figures else 0))
     shown = rows[:room]
     queues = Table(box=None, pad_edge=False, show_edge=False, title_justify="left",
                    title=f"queues: {len(shown)} of {len(rows)}, by {view.sort}")
@@ -184,6 +187,22 @@ def render(view: View, height: int) -> RenderableType:
         queues.add_row(queue, cell(row.get("depth")), "-" if depth_rate is None else f"{depth_rate:+,.1f}",
                        cell(row.get("unacked")), cell(row.get("leased")), cell(row.get("consumers")))
     return Group(header, Text(""), totals, Text(""), queues)
+
+
+def log_line(figures: Any) -> str | None:
+    """One line about the write-ahead log: the replicated log's stream, leader, epoch and PubAck latency, or the
+    local log's size and fsync latency; None without a log."""
+    if not isinstance(figures, dict) or not figures:
+        return None
+    trouble = "  BLOCKED: confirmed publishes are refused" if figures.get("blocked") else ""
+    if "stream" in figures:
+        return (f"log: stream {figures.get('stream')}  leader {figures.get('stream_leader') or '-'}  epoch "
+                f"{cell(figures.get('epoch'))}  seq {cell(figures.get('last_seq'))}  in flight "
+                f"{cell(figures.get('frames_in_flight'))} frames {human_bytes(figures.get('bytes_in_flight'))}  "
+                f"PubAck p50/p99 {figures.get('puback_ms_p50', 0):.1f}/{figures.get('puback_ms_p99', 0):.1f} ms"
+                f"{trouble}")
+    return (f"log: {human_bytes(figures.get('log_bytes'))} in {cell(figures.get('segments'))} segments  fsync "
+            f"p50/p99 {figures.get('fsync_ms_p50', 0):.2f}/{figures.get('fsync_ms_p99', 0):.2f} ms{trouble}")
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import time
 
 import gevent
 import pytest
-from helpers import server_stats, unique, wait_for
+from helpers import free_port, http_get, server_stats, unique, wait_for
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
@@ -351,3 +351,28 @@ def test_frames_of_a_fenced_writer_and_its_unfinished_snapshot_are_ignored(nats_
     messages = {seq: message[0] for seq, message in state.queues[b"q"].messages.items()}
     assert messages == {0: b" kept", 1: b" second's"}, messages
     third.close(10)
+
+
+def test_the_replicated_log_figures_in_stats_metrics_and_top(make_broker, nats_cluster):
+    from mqks.client.top import log_line  # rich: the top extra
+
+    stream = unique("s").replace("-", "_")
+    metrics_port = free_port()
+    server = replicated(make_broker, nats_cluster, stream, "--metrics-port", str(metrics_port))
+    queue, event = b(unique("q")), b(unique("e"))
+    bind(server, queue, event)
+    wire = server.wire()
+    wire.send(*(b"m%d publish --confirm %b x" % (i, event) for i in range(100)))
+    for i in range(100):
+        wire.expect(b"m%d ok " % i)
+    figures = wait_for(lambda: (s := server_stats(server)["log"])["stream_leader"] and s, "the stream's leader")
+    assert figures["stream"] == stream and figures["epoch"] == 1 and figures["last_seq"] >= 2
+    assert figures["puback_ms_p99"] >= figures["puback_ms_p50"] > 0
+    assert figures["frames_in_flight"] == 0 and figures["blocked"] is False
+    status, body = http_get(metrics_port, "/metrics")
+    assert status == 200
+    text = body.decode()
+    assert f'mqks_log_stream_info{{leader="{figures["stream_leader"]}",stream="{stream}"}} 1.0' in text
+    assert "mqks_log_puback_ms_p99 " in text and "mqks_log_epoch 1.0" in text
+    line = log_line(figures)
+    assert line is not None and f"stream {stream}" in line and f"leader {figures['stream_leader']}" in line

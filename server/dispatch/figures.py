@@ -94,6 +94,23 @@ LOG_FIGURES: dict[str, Figure] = {
     "recovery_seconds": Figure(GAUGE, "Seconds the last start spent replaying the log.", "max"),
     "snapshots": Figure(COUNTER, "Snapshots of the live state written to the log."),
     "confirms_waiting": Figure(GAUGE, "Confirmed publishes waiting for the log to make them durable."),
+    # the replicated log (--log nats://...): server/journal/jetstream_log.py
+    "stream_messages": Figure(GAUGE, "Messages (frames) in the replicated log's JetStream stream."),
+    "frames_in_flight": Figure(GAUGE, "Frames sent to JetStream and not yet acknowledged."),
+    "bytes_in_flight": Figure(GAUGE, "Bytes of the frames sent to JetStream and not yet acknowledged."),
+    "puback_ms_p50": Figure(GAUGE, "Median JetStream PubAck latency over the last 1024 frames, in milliseconds.",
+                            "max"),
+    "puback_ms_p99": Figure(GAUGE, "99th percentile JetStream PubAck latency over the last 1024 frames, in "
+                                   "milliseconds.", "max"),
+    "stream": Figure(None, "The replicated log's stream (the mqks_log_stream info metric)."),
+    "stream_leader": Figure(None, "The NATS server leading the stream (the mqks_log_stream info metric)."),
+    "epoch": Figure(GAUGE, "The writer's epoch: one more at each takeover of the stream.", "max"),
+    "last_seq": Figure(GAUGE, "The stream's last sequence as this writer knows it."),
+    "stalls": Figure(COUNTER, "Times frames stopped being stored (a NATS election, NATS out of reach) until "
+                              "the tail was read and writing went on."),
+    "resent_frames": Figure(COUNTER, "Frames sent again after a stall (stored once: Nats-Msg-Id)."),
+    "purges": Figure(COUNTER, "Purges of the stream below a stored snapshot."),
+    "ignored_frames": Figure(GAUGE, "Frames of a fenced-off writer ignored at the last start."),
 }
 
 
@@ -140,6 +157,8 @@ def merge_log_stats(logs: list[dict[str, Any]]) -> dict[str, Any]:
         merge = LOG_FIGURES[key].merge if key in LOG_FIGURES else SUM
         if isinstance(value, bool) or merge == ANY:
             merged[key] = any(values)
+        elif isinstance(value, str):  # names (a stream, its leader): each worker's, once
+            merged[key] = ", ".join(dict.fromkeys(str(one) for one in values))
         elif merge == "max":
             merged[key] = max(values)
         else:

@@ -55,6 +55,11 @@ class StatsCollector(Collector):
             if figure.kind is not None and sample is not None:
                 name = key if key.startswith("log_") else f"log_{key}"
                 yield _family(f"mqks_{name}", figure.kind, figure.help, sample)
+        log_figures = stats.get("log", {})
+        if "stream" in log_figures:
+            yield InfoMetricFamily("mqks_log_stream", "The replicated log's stream and the NATS server leading it.",
+                                   value={"stream": str(log_figures["stream"]),
+                                          "leader": str(log_figures.get("stream_leader", ""))})
         yield from self.queue_families()
 
     def queue_families(self) -> Iterator[Metric]:
