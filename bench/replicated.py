@@ -1,0 +1,131 @@
+"""Confirmed publishes with per-message acks on the local disk log and on the replicated log, beside NATS
+JetStream's own pipelined publishes from nats-py to the same cluster (the cluster extra).
+
+    .venv/bin/python -m bench.replicated [--messages 200000] [--reps 3] [--json FILE]
+
+One three-node NATS cluster on loopback (`mqks nats up`, `sync_interval: always`) serves every cell. The MQKS
+cells run loadgen's confirmed w5 flow (100-byte messages, at most --window publishes unconfirmed, one ack line
+per message, done once every publish is confirmed and acked): `--data-dir --fsync always` and
+`--log nats://...` (R3). The peer is nats-py publishing the same number of 100-byte messages to an R3 stream
+with 1,000 in flight (js.publish_async). Figures are medians of --reps; the ratios are the result, an absolute
+figure from this VM is noise. Each cell also gives the MQKS server's CPU per message and the confirm latency
+p50/p99 of lock-step confirmed publishes (one at a time, 2,000 of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+
+from mqks.server.journal import nats_local
+
+from . import loadgen, peers
+from .run import mqks_check, process_cpu_seconds
+
+
+def mqks_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_dir: str | None) -> dict:
+    server = peers.start_mqks(None, log_dir, data_dir=data_dir, fsync="always", extra_args=tuple(extra))
+    try:
+        proto = loadgen.Mqks(manual_ack=True, confirm=True)
+        flow = loadgen.Flow(proto=proto, host=server.host, port=server.port, n=args.messages, window=args.window,
+                            timeout_s=300.0, confirm=True)
+        cpu0 = process_cpu_seconds(server.pid)
+        result = loadgen.run_flow(flow, check=mqks_check(server, args.messages, 1, True))
+        cpu = process_cpu_seconds(server.pid) - cpu0
+        p50, p99 = lockstep_latency(server.host, server.port)
+        return {"ok": result.ok and not result.errors, "rate": result.rate, "note": result.note,
+                "cpu_us_per_msg": 1e6 * cpu / args.messages, "confirm_p50_ms": p50, "confirm_p99_ms": p99}
+    finally:
+        server.stop()
+
+
+def lockstep_latency(host: str, port: int, count: int = 2000) -> tuple[float, float]:
+    """Confirm latency of one confirmed publish at a time into a bound queue: (p50, p99) in ms."""
+    sock = socket.create_connection((host, port))
+    reader = sock.makefile("rb")
+    sock.sendall(b"b rebind --confirm lat.q lat.e\n")
+    reader.readline()
+    samples = []
+    for i in range(count):
+        started = time.perf_counter()
+        sock.sendall(b"p%d publish --confirm lat.e %b\n" % (i, b"x" * 100))
+        reader.readline()
+        samples.append((time.perf_counter() - started) * 1000.0)
+    sock.close()
+    samples.sort()
+    return samples[len(samples) // 2], samples[len(samples) * 99 // 100]
+
+
+async def jetstream_rate(urls: list[str], messages: int, stream: str, in_flight: int = 1000) -> float:
+    """nats-py, `publish_async` with `in_flight` pending, to an R3 file stream: PubAcks per second."""
+    import nats
+
+    nc = await nats.connect(servers=urls)
+    js = nc.jetstream(publish_async_max_pending=in_flight)
+    await js.add_stream(name=stream, subjects=[f"{stream}.x"], num_replicas=3, storage="file")
+    payload = b"x" * 100
+    started = time.perf_counter()
+    futures = [await js.publish_async(f"{stream}.x", payload) for _ in range(messages)]
+    await js.publish_async_completed()
+    seconds = time.perf_counter() - started
+    assert all(f.done() and not f.exception() for f in futures)
+    await js.delete_stream(stream)
+    await nc.close()
+    return messages / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--jetstream-messages", type=int, default=50_000)
+    parser.add_argument("--window", type=int, default=10_000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="bench-replicated-")
+    log_dir = tempfile.mkdtemp(prefix="bench-replicated-logs-")
+    nodes = nats_local.up(f"{work}/nats", 3)
+    urls = [node.url for node in nodes]
+    results: dict[str, list[dict]] = {"local disk, fsync always": [], "replicated log, R3": []}
+    jetstream: list[float] = []
+    try:
+        for rep in range(args.reps):
+            data_dir = f"{work}/data-{rep}"
+            results["local disk, fsync always"].append(mqks_cell(args, log_dir, [], data_dir))
+            shutil.rmtree(data_dir, ignore_errors=True)
+            stream = ["--log", ",".join(urls), "--log-stream", f"bench{rep}"]
+            results["replicated log, R3"].append(mqks_cell(args, log_dir, stream, None))
+            jetstream.append(asyncio.run(jetstream_rate(urls, args.jetstream_messages, f"peer{rep}")))
+    finally:
+        nats_local.down(f"{work}/nats")
+        shutil.rmtree(work, ignore_errors=True)
+    summary = {}
+    for name, samples in results.items():
+        summary[name] = {key: statistics.median(s[key] for s in samples)
+                         for key in ("rate", "cpu_us_per_msg", "confirm_p50_ms", "confirm_p99_ms")}
+        summary[name]["ok"] = all(s["ok"] for s in samples)
+        summary[name]["notes"] = [s["note"] for s in samples if s["note"]]
+    summary["jetstream nats-py, 1000 in flight, R3"] = {"rate": statistics.median(jetstream)}
+    local = summary["local disk, fsync always"]["rate"]
+    replicated = summary["replicated log, R3"]["rate"]
+    peer = summary["jetstream nats-py, 1000 in flight, R3"]["rate"]
+    for name, figures in summary.items():
+        extra = "" if "cpu_us_per_msg" not in figures else (
+            f"  cpu {figures['cpu_us_per_msg']:.1f} us/msg  confirm p50/p99 {figures['confirm_p50_ms']:.2f}/"
+            f"{figures['confirm_p99_ms']:.2f} ms{'' if figures['ok'] else '  NOT OK: ' + '; '.join(figures['notes'])}")
+        print(f"{name:40s} {figures['rate']:>10,.0f} msg/s{extra}")
+    print(f"replicated / JetStream per-message: {replicated / peer:.2f}x   replicated / local disk: "
+          f"{replicated / local:.2f}x")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"summary": summary, "samples": results, "jetstream": jetstream}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
