@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -376,3 +378,12 @@ def test_the_replicated_log_figures_in_stats_metrics_and_top(make_broker, nats_c
     assert "mqks_log_puback_ms_p99 " in text and "mqks_log_epoch 1.0" in text
     line = log_line(figures)
     assert line is not None and f"stream {stream}" in line and f"leader {figures['stream_leader']}" in line
+
+
+def test_nats_out_of_reach_at_start_is_one_clear_line_and_exit_1():
+    port = free_port()
+    done = subprocess.run([sys.executable, "-m", "mqks.server", "--port", str(free_port()), "--log",
+                           f"nats://127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"cannot start: cannot reach NATS at nats://127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
