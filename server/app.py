@@ -43,6 +43,8 @@ from .wire.protocol import format_error
 if TYPE_CHECKING:
     from gevent.pywsgi import WSGIServer
 
+    from .journal.jetstream_log import JetStreamLog
+    from .node.cluster import ClusterMap
     from .workers.peers import Peers
 
 log = logging.getLogger("mqks.server")
@@ -54,6 +56,7 @@ TLS_HANDSHAKE_SECONDS = 10.0  # a peer that connects and never finishes the hand
 DRAINING = b" ok --draining\n"
 PLAIN_TEXT_REASONS = ("WRONG_VERSION_NUMBER",)  # an HTTP request is closed at once, as on the plain port
 LINK_WAIT_SECONDS = 10.0  # at start: how long a worker waits for the others before it serves anyway
+CLUSTER_DIAL_RETRY_SECONDS = 0.2  # a group's owner unknown or unreachable: dial again after this
 
 
 class ErrorIds:
@@ -86,13 +89,15 @@ class Server:
         self.timers_due = Event()
         self.timers = Timers(on_earlier=self.timers_due.set)
         self.next_error_id = ErrorIds()
+        self.cluster_map: ClusterMap | None = None
+        self.stream_log: JetStreamLog | None = None  # with --log: the journal's log, which a cluster's node steers
         self.journal = self.open_journal() if config.data_dir or config.log else None
         self.peers: Peers | None = None
         self.tables = ONE_PROCESS  # the sessions' handler tables; a worker of several wraps them (link_workers)
         # one broker per process: worker i of n with --workers n (the supervisor started it), else worker 0 of 1
         worker, count = (0, 1) if config.worker_index is None else (config.worker_index, config.workers)
         self.process = Process(self.timers, self.journal, worker, count)
-        if count > 1:
+        if count > 1 or config.cluster:
             self.link_workers()
         self.process.topology_extra = self.topology
         self.direct_listeners: list[Listener] = []
@@ -135,12 +140,40 @@ class Server:
         process.link(self.peers)
         process.requests.prefix = f"{process.worker}w{process.requests.prefix}"  # a reply finds its worker
         self.tables = HandlerTables(place)
+        if self.cluster_map is not None:  # the groups' owners are on any node: links go over TCP
+            self.peers.dial = self.cluster_map.dial
+            self.peers.address_of = self.cluster_map.address
+            self.peers.connect_retry_seconds = CLUSTER_DIAL_RETRY_SECONDS
+            token = self.tokens_for_links()
+            if token is not None:
+                self.peers.link_hello = b"- _link %d %b\n" % (process.worker, token)
+
+    def tokens_for_links(self) -> bytes | None:
+        """A cluster's links cross hosts: with tokens, a link proves itself with the first one, as a client does."""
+        env_token = os.environ.get(AUTH_TOKEN_ENV)
+        tokens = Tokens(self.config.auth_token_file, env_token) if self.config.auth_token_file or env_token else None
+        return tokens.tokens[0] if tokens is not None and tokens.tokens else None
+
+    def on_map_change(self, group: int) -> None:
+        """A group's owner changed: a link to its old address goes."""
+        if self.peers is not None:
+            self.peers.readdress(group)
 
     def topology(self) -> dict[str, Any]:
         """`hello`'s fields about placement: this worker, the slot map, and every worker's own address."""
         config = self.config
         count, worker = self.process.worker_count, self.process.worker
         fields: dict[str, Any] = {"worker": worker, "slots": SLOTS, "slot_map": slot_ranges(count)}
+        if self.cluster_map is not None:
+            fields["cluster"], fields["node"] = config.cluster, config.node
+            direct = []
+            for group in range(count):
+                entry = self.cluster_map.entries.get(group, {})
+                direct.append({"worker": group, "host": entry.get("host"), "port": entry.get("port"), "unix": None,
+                               "tls_port": entry.get("tls_port"), "node": entry.get("node"),
+                               "epoch": entry.get("epoch")})
+            fields["direct"] = direct
+            return fields
         if self.peers is None:
             listener = self.stream_server
             fields["direct"] = [{"worker": 0, "host": config.host,
@@ -169,7 +202,12 @@ class Server:
         config = self.config
         self.log_wake = gevent.get_hub().loop.async_()
         if config.log is not None:
-            return Journal(self.open_stream(), self.error_line, config.compact_min_bytes)
+            stream = self.stream_log = self.open_stream()
+            if stream.candidacy is not None:
+                from .node.cluster import ClusterMap
+
+                self.cluster_map = ClusterMap(stream.bridge, stream.candidacy, config.log_replicas, self.on_map_change)
+            return Journal(stream, self.error_line, config.compact_min_bytes)
         from .journal.log import Log  # only durable servers load the storage layer
 
         assert config.data_dir is not None
@@ -189,18 +227,26 @@ class Server:
         log_ = Log(data_dir, config.fsync, segment_bytes=config.log_segment_bytes, wake=self.log_wake.send)
         return Journal(log_, self.error_line, config.compact_min_bytes)
 
-    def open_stream(self) -> Any:
+    def open_stream(self) -> JetStreamLog:
         """--log: this worker's stream on the NATS cluster (the cluster extra is imported only here)."""
-        from .journal.jetstream_log import JetStreamLog, log_urls
+        from .journal.jetstream_log import Candidacy, JetStreamLog, log_urls
         from .journal.nats_bridge import BridgeError
 
         config = self.config
-        stream = config.log_stream if config.workers == 1 else (
+        stream = config.log_stream if config.workers == 1 and not config.cluster else (
             f"{config.log_stream}-{config.worker_index or 0}-of-{config.workers}")
         owner = f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
+        candidacy = None
+        if config.cluster is not None:
+            assert config.node is not None
+            owner = f"node {config.node} ({config.advertise or config.host}:{config.port} pid {os.getpid()})"
+            run_dir = config.run_dir or "."
+            candidacy = Candidacy(config.cluster, config.node, config.worker_index or 0, config.lease_seconds,
+                                  owned_here=lambda: sum(name.startswith("owns-") for name in os.listdir(run_dir)))
         assert config.log is not None
         log_ = JetStreamLog(log_urls(config.log), stream, owner, replicas=config.log_replicas,
-                            takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send)
+                            takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
+                            candidacy=candidacy)
         try:
             log_.open()
         except BridgeError as e:
@@ -235,6 +281,8 @@ class Server:
             self.process.restore(recovery)
         except cannot_start as e:
             log.error("cannot start: %s", e)  # names the file and offset and --repair, or the stream's owner
+            if self.cluster_map is not None:  # NATS went away while standing by: the node starts this one again
+                sys.exit(FENCED_EXIT_CODE)
             sys.exit(1 if self.config.worker_index is None else CANNOT_START_EXIT_CODE)
         stats = journal.log.stats()
         # the whole log counts as churn: the first snapshot comes as soon as it is worth it
@@ -248,6 +296,12 @@ class Server:
         assert self.journal is not None
         self.journal.settle()
         self.process.flush_pending()
+        stream_log = self.stream_log
+        if stream_log is not None and stream_log.move_to is not None and not self.stopping:
+            log.warning("handing this group over to node %s: draining, then stopping", stream_log.move_to)
+            stream_log.handoff_to = stream_log.move_to
+            self.exit_code = FENCED_EXIT_CODE  # the node starts this process again, as a standby
+            gevent.spawn(self.shutdown)
         fenced_by = self.journal.fenced_by
         if fenced_by is not None and not self.fenced:
             # the confirms that waited were just answered with an error naming the new owner
@@ -392,6 +446,9 @@ class Server:
         assert peers is not None
         port = config.direct_port + peers.worker if config.direct_port else 0
         direct = tcp_listener(config.host, port, self.handle, " (this worker's own port)")
+        if self.cluster_map is not None:
+            self.listen_as_owner(direct)
+            return
         unix_path = os.path.join(peers.run_dir, f"worker-{peers.worker}.sock")
         self.direct_listeners = [direct, unix_listener(unix_path, self.handle)]
         info: dict[str, Any] = {"worker": peers.worker, "host": config.host, "port": direct.server_port,
@@ -406,6 +463,28 @@ class Server:
         os.replace(path + ".tmp", path)
         self.link_listener = unix_listener(peers.socket_path(peers.worker), self.handle_link)
 
+    def listen_as_owner(self, direct: Listener) -> None:
+        """A cluster's group owner: its own port for clients, and one for the other groups' links, both over TCP and
+        published in the cluster map (the other owners link here once they read it)."""
+        config, peers, cluster_map = self.config, self.peers, self.cluster_map
+        assert peers is not None and cluster_map is not None and self.stream_log is not None
+        self.direct_listeners = [direct]
+        link_port = config.direct_port + config.workers + peers.worker if config.direct_port else 0
+        self.link_listener = tcp_listener(config.host, link_port, self.handle_link, " for links from other nodes")
+        host = config.advertise or config.host
+        about: dict[str, Any] = {"group": peers.worker, "node": config.node, "epoch": self.stream_log.epoch,
+                                 "host": host, "port": direct.server_port, "link_port": self.link_listener.server_port,
+                                 "public_port": config.port or None, "pid": os.getpid()}
+        if self.tls_context is not None:
+            direct_tls = tcp_listener(config.host, 0, self.handle_tls, " for TLS (this worker's own port)")
+            self.direct_listeners.append(direct_tls)
+            about["tls_port"] = direct_tls.server_port
+        cluster_map.entries[peers.worker] = about
+        cluster_map.start(about)
+        if config.run_dir is not None:  # the node's other standbys claim later while it owns more (Candidacy)
+            with open(os.path.join(config.run_dir, f"owns-{peers.worker}"), "w", encoding="utf-8") as f:
+                f.write(str(os.getpid()))
+
     def handle_link(self, sock: socket.socket, address: object) -> None:
         """Another worker's link: its first line says which worker it is."""
         assert self.peers is not None
@@ -418,6 +497,12 @@ class Server:
             data += chunk
         line, _, rest = data.partition(b"\n")
         parts = line.split()
+        if self.cluster_map is not None and self.tokens is not None:  # links cross hosts: as a client, a token
+            if len(parts) != 4 or not self.tokens.check(parts[3]):
+                log.warning("closing a link from %s: no valid token", address)
+                sock.close()
+                return
+            parts = parts[:3]
         if parts[:2] != [b"-", b"_link"] or len(parts) != 3 or not parts[2].isdigit():
             log.warning("closing the link socket's peer: it sent %r", line[:80])
             sock.close()
@@ -479,6 +564,10 @@ class Server:
         self.stopping = True
         log.info("stopping: no new connections, draining %d clients for up to %g s", len(self.connections),
                  self.config.drain_seconds)
+        stream_log = self.stream_log
+        if (self.cluster_map is not None and stream_log is not None and stream_log.fenced_by is None
+                and stream_log.handoff_to is None):
+            stream_log.handoff_to = "*"  # a planned stop: any standby may take over at once, not after the lease
         for listener in listeners:
             listener.close()
         for listener in self.direct_listeners:

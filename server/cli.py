@@ -111,6 +111,19 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--takeover", action="store_true", default=d.takeover,
                         help="with --log: take the stream over from a broker that still runs it; that broker's "
                              "next write is refused and it stops")
+    parser.add_argument("--cluster", default=d.cluster, metavar="NAME",
+                        help="with --log: run as one node of cluster NAME: every slot group has an owner node and "
+                             "standbys, and a standby takes a group over when its owner stops writing "
+                             "(docs/cluster.md)")
+    parser.add_argument("--node", default=d.node, metavar="ID", help="with --cluster: this node's name")
+    parser.add_argument("--advertise", default=d.advertise, metavar="HOST",
+                        help="with --cluster: the host other nodes and clients reach this node at "
+                             "(default: --host)")
+    parser.add_argument("--groups", type=int, default=d.groups, metavar="N",
+                        help="with --cluster: slot groups (the same on every node; default: %(default)s)")
+    parser.add_argument("--lease", type=float, default=d.lease_seconds, dest="lease_seconds", metavar="SECONDS",
+                        help="with --cluster: a standby takes a group over after this long without a frame from "
+                             "its owner; more than a NATS election (default: %(default)s)")
     parser.add_argument("--log-segment-bytes", type=int, default=d.log_segment_bytes, metavar="N",
                         help="with --data-dir: size of one log file (default: %(default)s)")
     parser.add_argument("--compact-min-bytes", type=int, default=d.compact_min_bytes, metavar="N",
@@ -151,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                  ("--max-output-bytes", args.max_output_bytes, 4096),
                                  ("--log-segment-bytes", args.log_segment_bytes, 1),
                                  ("--log-replicas", args.log_replicas, 1), ("--log-timeout", args.log_timeout, 1),
+                                 ("--groups", args.groups, 1), ("--lease", args.lease_seconds, 3),
                                  ("--compact-min-bytes", args.compact_min_bytes, 0),
                                  ("--metrics-port", args.metrics_port, 1),
                                  ("--metrics-max-queues", args.metrics_max_queues, 0),
@@ -173,13 +187,36 @@ def check_log_args(parser: Parser, args: argparse.Namespace) -> None:
     if args.log is None:
         if args.takeover:
             parser.error("--takeover needs --log")
+        if args.cluster is not None:
+            parser.error("--cluster needs --log nats://...: the groups' logs are streams on NATS")
         return
+    check_cluster_args(parser, args)
+    if not args.log.replace(",", "").strip():
+        parser.error("--log needs the NATS servers' URLs: nats://host:4222,host:4223,...")
     if args.data_dir is not None:
         parser.error("--log and --data-dir are two places for the same log: give one")
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.log_stream):
         parser.error(f"--log-stream must be letters, digits, '-' or '_', not {args.log_stream!r}")
     if importlib.util.find_spec("nats") is None:
         parser.error("--log needs the cluster extra: pip install 'mqks[cluster]' (it brings nats-py)")
+
+
+def check_cluster_args(parser: Parser, args: argparse.Namespace) -> None:
+    """A node of a cluster runs one process per slot group; its streams are named after the cluster."""
+    if args.cluster is None:
+        if args.node is not None or args.advertise is not None:
+            parser.error("--node and --advertise need --cluster")
+        return
+    if args.node is None or not re.fullmatch(r"[A-Za-z0-9_-]+", args.node):
+        parser.error("--cluster needs --node ID (letters, digits, '-' or '_'), unique in the cluster")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", args.cluster):
+        parser.error(f"--cluster must be letters, digits, '-' or '_', not {args.cluster!r}")
+    if args.takeover:
+        parser.error("--takeover has no meaning with --cluster: standbys take groups over by themselves")
+    if args.workers != 1:
+        parser.error("--workers has no meaning with --cluster: a node runs one process per slot group (--groups)")
+    args.workers = args.groups
+    args.log_stream = args.cluster
 
 
 def check_tls_args(parser: Parser, args: argparse.Namespace) -> None:
@@ -205,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     worker = "" if config.worker_index is None else f" worker-{config.worker_index}"
     logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s{worker}: %(message)s")
-    if config.workers > 1 and config.worker_index is None:
+    if (config.workers > 1 or config.cluster) and config.worker_index is None:
         from .node.supervisor import Supervisor
 
         sys.exit(Supervisor(config, sys.argv[1:] if argv is None else argv).run())

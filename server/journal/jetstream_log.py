@@ -37,7 +37,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import gevent
@@ -50,6 +50,8 @@ EPOCH = "Mqks-Epoch"
 FRAME = "Mqks-Frame"
 MORE = "Mqks-More"
 OWNER = "Mqks-Owner"
+HANDOFF = "Mqks-Handoff"  # on an owner's last frame: the node it hands its group to (mqks cluster move)
+SNAPSHOT = "Mqks-Snapshot"  # on a snapshot's first frame: a reader that missed the frames before it may start there
 MSG_ID = "Nats-Msg-Id"
 EXPECTED = "Nats-Expected-Last-Sequence"
 WRONG_LAST_SEQUENCE = 10071
@@ -64,6 +66,43 @@ REPLAY_BATCH = 256
 OWNER_PING_SECONDS = 1.5
 PUBACK_SAMPLES = 1024
 REPLICAS_FALLBACK_ERRORS = (10074, 10005)  # insufficient resources, R>1 on a single server
+STANDBY_REPORT_SECONDS = 2.0  # a standby tells `mqks cluster status` how far it has read this often
+STEP_DOWN_MARGIN_SECONDS = 2.0  # an owner that stored nothing for lease minus this stops confirming
+CLAIM_DELAY_PER_GROUP_SECONDS = 0.7  # a claim waits this long per group its node owns already
+CLAIM_DELAY_CAP_SECONDS = 3.0
+
+
+class Candidacy:
+    """A cluster node's claim on one slot group's stream: it follows the stream as a warm standby and takes it
+    over when its owner has appended nothing for `lease_seconds` (the owner appends a heartbeat when idle)."""
+
+    __slots__ = ("cluster", "node", "group", "lease_seconds", "spread_seconds", "owned_here")
+
+    def __init__(self, cluster: str, node: str, group: int, lease_seconds: float, spread_seconds: float = 3.0,
+                 owned_here: Callable[[], int] = lambda: 0) -> None:
+        self.owned_here = owned_here  # groups this node owns now (its processes tell each other in its run dir)
+        self.cluster = cluster
+        self.node = node
+        self.group = group
+        self.lease_seconds = lease_seconds
+        self.spread_seconds = spread_seconds
+
+    @property
+    def bucket(self) -> str:
+        """The cluster's key-value bucket: who owns each group (for clients and links), how far standbys are."""
+        return f"mqks-{self.cluster}"
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        return self.lease_seconds / 4
+
+    @property
+    def first_claim_delay(self) -> float:
+        """A group nobody owns goes to the node whose delay is shortest: spread by a stable hash, so nodes started
+        together share the groups instead of the first one taking all."""
+        import zlib
+
+        return zlib.crc32(f"{self.group}:{self.node}".encode()) % 1000 / 1000 * self.spread_seconds
 
 
 class LogOwned(Exception):
@@ -80,7 +119,7 @@ class _Frame:
     """One message of the stream as the writer tracks it until it is stored."""
 
     __slots__ = ("k", "payload", "more", "commit", "snapshot_starts", "snapshot_ends", "seq", "sent_at",
-                 "token")
+                 "token", "handoff")
 
     def __init__(self, k: int, payload: bytes, more: bool, commit: int, snapshot_starts: bool,
                  snapshot_ends: bool) -> None:
@@ -93,6 +132,7 @@ class _Frame:
         self.seq = 0  # its stream sequence, once stored
         self.sent_at = 0.0
         self.token = 0  # the send it waits on (its PubAck's reply subject)
+        self.handoff = ""  # the owner's last frame: the node it hands the group to
 
 
 class Replayer:
@@ -106,6 +146,7 @@ class Replayer:
         self.owner = ""
         self.frames = 0
         self.ignored = 0
+        self.handoff: str | None = None  # the last frame read hands the group to this node
 
     def feed(self, headers: dict[str, str] | None, data: bytes) -> list[bytes]:
         """The records this message completes (none while a frame's parts or an earlier frame are missing)."""
@@ -114,11 +155,16 @@ class Replayer:
         if epoch < self.epoch:
             self.ignored += 1  # a writer taken over: nothing of it after the takeover was confirmed
             return []
-        if epoch > self.epoch:
-            # a new writer: its takeover (k 0), or its first frame left by a purge
+        if epoch > self.epoch or (k > self.next_k and SNAPSHOT in headers and not self.parts):
+            # a new writer: its takeover (k 0), or its first frame left by a purge; or a snapshot this reader
+            # reached across frames a purge removed before it read them (the snapshot stands for them)
+            if epoch > self.epoch:
+                self.owner = headers.get(OWNER, self.owner)
+                self.pending.clear()
+            else:  # frames after the snapshot that came before it stay
+                self.pending = {later: frame for later, frame in self.pending.items() if later > k}
             self.epoch, self.next_k, self.parts = epoch, k, []
-            self.pending.clear()
-            self.owner = headers.get(OWNER, self.owner)
+        self.handoff = headers.get(HANDOFF)
         if k < self.next_k:
             return []  # a frame sent again and stored twice (after the duplicate window)
         self.pending[k] = (data, MORE in headers)
@@ -131,7 +177,8 @@ class Replayer:
                 frame = b"".join(self.parts)
                 self.parts = []
                 self.frames += 1
-                lines += frame.split(b"\n")
+                if frame:  # an empty frame is an idle owner's heartbeat
+                    lines += frame.split(b"\n")
         return lines
 
 
@@ -144,7 +191,7 @@ class JetStreamLog:
 
     def __init__(self, servers: list[str], stream: str, owner: str, replicas: int = 3, takeover: bool = False,
                  timeout_seconds: float = 15.0, wake: Callable[[], None] = lambda: None,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, candidacy: Candidacy | None = None) -> None:
         self.servers = servers
         self.stream = stream
         self.subject = f"mqks.log.{stream}"
@@ -152,7 +199,13 @@ class JetStreamLog:
         self.owner = owner
         self.replicas = replicas
         self.takeover = takeover
+        self.candidacy = candidacy
+        if candidacy is not None:  # stop confirming before a standby may take over
+            timeout_seconds = min(timeout_seconds, candidacy.lease_seconds - STEP_DOWN_MARGIN_SECONDS)
         self.timeout_seconds = timeout_seconds
+        self.move_to: str | None = None  # `mqks cluster move` asked this owner to hand its group to that node
+        self.handoff_to: str | None = None  # set by the hub before close(): the last frame names that node
+        self._handoff_k = 0
         self.wake = wake
         self.bridge = NatsBridge(servers, connect_timeout)
         # hub side
@@ -195,6 +248,8 @@ class JetStreamLog:
         self._writer_done = False
         self._inbox = ""
         self._wake_event: asyncio.Event | None = None
+        self._last_sent_at = 0.0
+        self._read_seq = 0  # a standby: the last sequence read
         # figures
         self._puback_ms: deque[float] = deque(maxlen=PUBACK_SAMPLES)
         self._stream_bytes = 0
@@ -233,7 +288,9 @@ class JetStreamLog:
                     lines = replayer.feed(headers, data)
                     self._replayed_records += len(lines)
                     yield from lines
-            if not self.takeover:
+            if self.candidacy is not None:
+                last_seq = read = yield from self._stand_by(replayer, read)
+            elif not self.takeover:
                 owner = run(self._ask_owner, timeout=30)
                 if owner is not None:
                     raise LogOwned(f"stream {self.stream} is owned by {owner}, which is running: stop it first, "
@@ -243,6 +300,8 @@ class JetStreamLog:
             answer = run(functools.partial(self._append_takeover, record=record, last_seq=last_seq), timeout=60)
             if answer.error_code == WRONG_LAST_SEQUENCE:  # someone appended after what was read: read on
                 last_seq = run(self._last_seq, timeout=60)
+                if self.candidacy is not None:
+                    log.info("stream %s: another node took it over first; standing by again", self.stream)
                 continue
             if answer.error:
                 raise BridgeError(f"stream {self.stream}: the takeover was refused: {answer.error}")
@@ -250,6 +309,8 @@ class JetStreamLog:
         if replayer.epoch:
             log.info("stream %s: taken over from %s (epoch %d -> %d)", self.stream, replayer.owner or "?",
                      replayer.epoch, self.epoch)
+        elif self.candidacy is not None:
+            log.info("stream %s: taken (epoch %d)", self.stream, self.epoch)
         self._ignored_frames = replayer.ignored
         self._tail_seq = self._stored_seq = answer.seq
         self._k = 0
@@ -258,6 +319,81 @@ class JetStreamLog:
         self._recovery_seconds = time.perf_counter() - started
         self.bridge.spawn(self._write)
         yield record
+
+    def _stand_by(self, replayer: Replayer, read: int) -> Generator[bytes, None, int]:
+        """A cluster node's standby: follow the stream, applying every frame as the owner stores it, until the owner
+        has appended nothing for the lease (or handed the group to this node); the last sequence read."""
+        candidacy = self.candidacy
+        assert candidacy is not None
+        run = self.bridge.run
+        lease = candidacy.lease_seconds
+        try:
+            owner = run(functools.partial(self._ask_owner, silent_is_owner=True), timeout=30)
+        except BridgeError:
+            owner = "?"
+        now = time.monotonic()
+        if owner is None:  # nobody answers for it: a new cluster, or its owner is gone
+            expires = now + candidacy.first_claim_delay
+            log.info("stream %s: no owner answers; claiming it in %.1f s unless another node does first",
+                     self.stream, expires - now)
+        else:
+            expires = now + lease
+            log.info("stream %s: owned by %s; standing by (lease %g s)", self.stream, owner, lease)
+        reported = claimed_at = 0.0
+        while True:
+            if replayer.handoff in (candidacy.node, "*"):
+                log.info("stream %s: handed to this node by %s", self.stream, replayer.owner)
+                return read
+            now = time.monotonic()
+            if now >= expires:
+                if not claimed_at:
+                    # the node that owns fewer groups claims first: nodes started together share the groups,
+                    # and the groups of a lost node spread over the others
+                    claimed_at = now
+                    owned = candidacy.owned_here()
+                    expires = now + min(CLAIM_DELAY_CAP_SECONDS, owned * CLAIM_DELAY_PER_GROUP_SECONDS)
+                    if expires > now:
+                        continue
+                if owner is not None:
+                    log.warning("stream %s: nothing from its owner %s for %g s: taking it over", self.stream,
+                                replayer.owner or "?", lease)
+                return read
+            if now - reported >= STANDBY_REPORT_SECONDS:
+                reported = now
+                self._read_seq = read
+                self.bridge.spawn(self._report_standby)
+            try:
+                batch = run(functools.partial(self._read_batch, timeout=min(1.0, max(0.05, expires - now))),
+                            timeout=30)
+                if not batch:
+                    last = run(self._last_seq, timeout=30)
+                    if last > read:  # frames the reader does not bring (its NATS node went): read anew after them
+                        run(functools.partial(self._open_reader, start_seq=read + 1), timeout=30)
+                        expires = time.monotonic() + lease
+            except (BridgeError, gevent.Timeout, Exception) as e:  # NATS unreachable: this node could not take over
+                log.warning("stream %s: following it failed (%r); again", self.stream, e)
+                gevent.sleep(RETRY_SECONDS)
+                continue
+            for seq, headers, data in batch:
+                read = seq
+                lines = replayer.feed(headers, data)
+                self._replayed_records += len(lines)
+                yield from lines
+            if batch:
+                owner = replayer.owner or owner
+                expires = time.monotonic() + lease
+                claimed_at = 0.0
+
+    async def _report_standby(self, nc: Any) -> None:
+        candidacy = self.candidacy
+        assert candidacy is not None
+        try:
+            kv = await nc.jetstream(timeout=5).key_value(candidacy.bucket)
+            await kv.put(f"standby.{candidacy.group}.{candidacy.node}", json.dumps(
+                {"node": candidacy.node, "group": candidacy.group, "seq": self._read_seq, "pid": os.getpid(),
+                 "at": time.time()}).encode())
+        except Exception as e:
+            log.debug("stream %s: standby report failed: %s", self.stream, e)
 
     def commit(self, new_segment: bool = False, completes: bool | None = None) -> int | None:
         """Close the open batch into one commit for the writer; its number, or None when empty.
@@ -341,6 +477,12 @@ class JetStreamLog:
         if self._durable < self._commits and self.fenced_by is None:
             log.error("closing stream %s: %d bytes of unconfirmed records are not stored (%s); stopping without "
                       "them", self.stream, self.unsynced_bytes, self.blocked or "NATS does not answer")
+        elif self.handoff_to is not None and self.fenced_by is None and not self._writer_done:
+            self.bridge.call_soon(self._add_handoff)
+            while self._handoff_k != -1 and not self._writer_done and time.monotonic() < deadline:
+                gevent.sleep(0.01)
+            log.info("stream %s: handed over to node %s%s", self.stream, self.handoff_to,
+                     "" if self._handoff_k == -1 else " (its frame is not stored: it takes over after the lease)")
         self._stopping = True
         if not self._writer_done:
             try:
@@ -401,22 +543,25 @@ class JetStreamLog:
         self._note_info(info)
         return int(info.state.last_seq)
 
-    async def _open_reader(self, nc: Any) -> int:
+    async def _open_reader(self, nc: Any, start_seq: int = 0) -> int:
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         last_seq = await self._last_seq(nc)
+        if getattr(self, "_reader", None) is not None:
+            await self._close_reader(nc)
+        policy = dict(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq) if start_seq else dict(
+            deliver_policy=DeliverPolicy.ALL)
         self._reader = await nc.jetstream(timeout=10).pull_subscribe(
             self.subject, durable=None, stream=self.stream,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, mem_storage=True,
-                                  inactive_threshold=60.0))
+            config=ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=60.0, **policy))
         return last_seq
 
-    async def _read_batch(self, nc: Any) -> list[tuple[int, dict[str, str] | None, bytes]]:
+    async def _read_batch(self, nc: Any, timeout: float = 5.0) -> list[tuple[int, dict[str, str] | None, bytes]]:
         from nats.errors import TimeoutError as NatsTimeout
 
         try:
-            msgs = await self._reader.fetch(REPLAY_BATCH, timeout=5)
-        except NatsTimeout:
+            msgs = await self._reader.fetch(REPLAY_BATCH, timeout=timeout)
+        except (NatsTimeout, TimeoutError):  # nats-py raises either, by where the wait ended
             return []
         return [(msg.metadata.sequence.stream, msg.headers, msg.data) for msg in msgs]
 
@@ -427,15 +572,18 @@ class JetStreamLog:
             pass
         self._reader = None
 
-    async def _ask_owner(self, nc: Any) -> str | None:
-        """The running owner's description, or None when no broker answers for the stream."""
+    async def _ask_owner(self, nc: Any, silent_is_owner: bool = False) -> str | None:
+        """The running owner's description, or None when no broker answers for the stream (with `silent_is_owner`,
+        only when none listens: one that listens and does not answer may be paused, not gone)."""
         from nats.errors import NoRespondersError
         from nats.errors import TimeoutError as NatsTimeout
 
         try:
             answer = await nc.request(self.owner_subject, b"", timeout=OWNER_PING_SECONDS)
-        except (NoRespondersError, NatsTimeout):
+        except NoRespondersError:
             return None
+        except NatsTimeout:
+            return "an owner that does not answer" if silent_is_owner else None
         try:
             about = json.loads(answer.data)
             return f"{about['owner']} (epoch {about['epoch']})"
@@ -481,8 +629,11 @@ class JetStreamLog:
         self._inbox = nc.new_inbox()
         await nc.subscribe(self._inbox + ".*", cb=self._on_puback)
         await nc.subscribe(self.owner_subject, cb=self._on_owner_ping)
+        candidacy = self.candidacy
+        if candidacy is not None:
+            await nc.subscribe(f"mqks.move.{self.stream}", cb=self._on_move)
         wake.set()  # commits handed during the replay's end
-        last_check = time.monotonic()
+        last_check = self._last_sent_at = time.monotonic()
         while not self._stopping and self.fenced_by is None:
             try:
                 await asyncio.wait_for(wake.wait(), TAIL_CHECK_SECONDS)
@@ -500,6 +651,9 @@ class JetStreamLog:
             if self._trouble is not None:
                 await self._read_tail(nc)
                 continue
+            if (candidacy is not None and not self._unsent and not self._in_flight
+                    and now - self._last_sent_at >= candidacy.heartbeat_seconds):
+                self._add_frame(b"", False, 0, False, False)  # the lease: standbys take over after silence
             await self._send(nc)
             if now - last_check >= TAIL_CHECK_SECONDS:
                 last_check = now
@@ -548,7 +702,7 @@ class JetStreamLog:
         while unsent and self._in_flight < MAX_IN_FLIGHT and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES:
             frame = unsent.popleft()
             frame.token = token = next(self._tokens)
-            frame.sent_at = time.monotonic()
+            frame.sent_at = self._last_sent_at = time.monotonic()
             self._by_token[token] = frame
             self._in_flight += 1
             self._in_flight_bytes += len(frame.payload)
@@ -556,6 +710,10 @@ class JetStreamLog:
                        EXPECTED: str(self._tail_seq)}
             if frame.more:
                 headers[MORE] = "1"
+            if frame.snapshot_starts:
+                headers[SNAPSHOT] = "1"
+            if frame.handoff:
+                headers[HANDOFF] = frame.handoff
             self._tail_seq += 1
             try:
                 await publish(subject, frame.payload, reply=f"{inbox}.{token}", headers=headers)
@@ -615,6 +773,8 @@ class JetStreamLog:
                 purge, self._snapshot_seq = self._snapshot_seq, 0
             if head.commit:
                 durable = head.commit
+            if head.k == self._handoff_k:
+                self._handoff_k = -1  # stored: close() may go
         if durable != self._durable:
             self._durable_bytes = durable_bytes
             self.unsynced_bytes = self._handed_bytes - durable_bytes
@@ -657,7 +817,7 @@ class JetStreamLog:
             while self._in_flight and time.monotonic() - started < ACK_SECONDS:
                 await asyncio.sleep(0.05)
         js = nc.jetstream(timeout=3)
-        while not self._stopping:
+        while not self._stopping and self.fenced_by is None:
             try:
                 last = await self._last_seq(nc)
                 base = self._stored_seq
@@ -683,6 +843,8 @@ class JetStreamLog:
                     self._stall_too_long(f"the replicated log has not answered for {self.timeout_seconds:g} s "
                                          f"({type(e).__name__}: {e})")
                 await asyncio.sleep(RETRY_SECONDS)
+        if self.fenced_by is not None:
+            return
         # everything not stored goes again, in order, after the tail as it is now
         self._by_token.clear()
         self._in_flight = self._in_flight_bytes = 0
@@ -699,7 +861,14 @@ class JetStreamLog:
         self._poke()
 
     def _stall_too_long(self, reason: str) -> None:
-        """Confirmed publishes are refused, and the commits waiting longer than the timeout are failed."""
+        """Confirmed publishes are refused, and the commits waiting longer than the timeout are failed.
+
+        A cluster node's owner steps down instead: a standby may take the group over once the lease is out, and
+        its clients must move there."""
+        if self.candidacy is not None:
+            log.error("stream %s: %s: this node steps down as its owner", self.stream, reason)
+            self._stop_with(f"{reason}: this node stepped down as the owner of stream {self.stream}")
+            return
         if self.blocked is None:
             log.error("stream %s: %s: confirmed publishes are refused until it answers", self.stream, reason)
             self.blocked = "the replicated log does not answer"
@@ -726,5 +895,25 @@ class JetStreamLog:
 
     async def _on_owner_ping(self, msg: Any) -> None:
         if msg.reply:
+            node = self.candidacy.node if self.candidacy is not None else None
             await self.bridge.nc.publish(msg.reply, json.dumps(
-                {"owner": self.owner, "epoch": self.epoch, "pid": os.getpid()}).encode())
+                {"owner": self.owner, "epoch": self.epoch, "pid": os.getpid(), "node": node}).encode())
+
+    async def _on_move(self, msg: Any) -> None:
+        """`mqks cluster move`: hand the group to the node named, once every client is drained (the hub stops)."""
+        node = msg.data.decode(errors="replace").strip()
+        if self.move_to is None and node != (self.candidacy.node if self.candidacy is not None else None):
+            log.warning("stream %s: asked to hand the group over to node %s", self.stream, node)
+            self.move_to = node
+            self.wake()
+        if msg.reply:
+            await self.bridge.nc.publish(msg.reply, json.dumps({"ok": True, "from": self.owner, "to": node}).encode())
+
+    def _add_handoff(self) -> None:
+        """The owner's last frame: after everything it wrote, it names the node that takes the group over."""
+        assert self.handoff_to is not None
+        self._add_frame(b"", False, 0, False, False)
+        frame = self._frames[self._k]
+        frame.handoff = self.handoff_to
+        self._handoff_k = frame.k
+        self._poke()

@@ -133,6 +133,15 @@ class NatsBridge:
                     waiter.set(value)
             elif item == "started":
                 self.started.set()
+            else:
+                item()  # to_hub's callback
+
+    def to_hub(self, callback: Callable[[], Any]) -> None:
+        """From the asyncio thread: run `callback` in the hub soon (several coalesce into one wake)."""
+        self.results.append(callback)
+        watcher = self.watcher
+        if watcher is not None:
+            watcher.send()
 
     def close(self, timeout: float = 10.0) -> None:
         """Drain the connection (what is in flight is answered first) and end the thread."""

@@ -29,6 +29,11 @@ class Config:
     log_replicas: int = 3  # with log: a quorum of these fsyncs a frame before its confirms are answered
     log_timeout: float = 15.0  # with log: a confirm waits this long (> a NATS election), then gets an error
     takeover: bool = False  # with log: fence off a running owner of the stream instead of refusing to start
+    cluster: str | None = None  # with log: this node is one of a cluster of that name (slot groups over nodes)
+    node: str | None = None  # with cluster: this node's name, unique in the cluster
+    advertise: str | None = None  # with cluster: the host other nodes and clients dial (default: --host)
+    groups: int = 16  # with cluster: slot groups, each with its own stream, owner and standbys
+    lease_seconds: float = 10.0  # with cluster: a standby takes a group over after this long without a frame
     log_segment_bytes: int = 64 << 20
     compact_min_bytes: int = 128 << 20  # never rewrite the live state for less churn than this
     metrics_port: int | None = None  # None: no HTTP endpoint (/metrics, /healthz)

@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-from .config import CANNOT_START_EXIT_CODE, Config
+from .config import CANNOT_START_EXIT_CODE, FENCED_EXIT_CODE, Config
 
 log = logging.getLogger("mqks.supervisor")
 
@@ -120,8 +120,12 @@ class Supervisor:
                 if self.stopping:  # a SIGTERM during the starts: the rest are not started at all
                     break
                 self.start(worker)
-            log.info("mqksd supervising %d workers on %s:%d (run dir %s)", self.count, self.config.host,
-                     self.config.port, self.run_dir)
+            if self.config.cluster:
+                log.info("mqksd node %s of cluster %s: a process for each of %d slot groups, on %s:%d",
+                         self.config.node, self.config.cluster, self.count, self.config.host, self.config.port)
+            else:
+                log.info("mqksd supervising %d workers on %s:%d (run dir %s)", self.count, self.config.host,
+                         self.config.port, self.run_dir)
             return self.watch()
         finally:
             for child in self.children.values():
@@ -137,6 +141,10 @@ class Supervisor:
                 code = child.poll()
                 if code is None:
                     continue
+                try:  # a cluster's group owner marks itself there: it owns nothing now
+                    os.unlink(os.path.join(self.run_dir, f"owns-{worker}"))
+                except FileNotFoundError:
+                    pass
                 if code == CANNOT_START_EXIT_CODE and not self.stopping:
                     log.error("worker %d cannot start because of its data (its error is above); stopping the "
                               "broker rather than restarting it for ever", worker)
@@ -160,6 +168,13 @@ class Supervisor:
             time.sleep(0.05)  # the parent has nothing else to do: a poll every 50 ms costs nothing
 
     def restart(self, worker: int, code: int) -> None:
+        if code == FENCED_EXIT_CODE and self.config.cluster:
+            # an owner that stepped down, was taken over or handed its group on: a standby for it from now on
+            log.info("group %d (pid %d) is no longer owned here; standing by for it again", worker,
+                     self.children[worker].pid)
+            self.quick_deaths[worker] = 0
+            self.start(worker)
+            return
         ran = time.monotonic() - self.started_at[worker]
         deaths = self.quick_deaths.get(worker, 0) + 1 if ran < QUICK_DEATH_SECONDS else 1
         self.quick_deaths[worker] = deaths

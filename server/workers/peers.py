@@ -645,6 +645,12 @@ class Peers:
         self.count = count = process.worker_count
         self.run_dir = run_dir
         self.links: list[PeerLink | None] = [None] * count
+        # how a link is opened: a Unix socket in run_dir here; a cluster's node dials the group's owner over TCP
+        self.dial: Callable[[int], socket.socket] = self.dial_unix
+        self.link_hello = b"- _link %d\n" % self.worker
+        self.dialled: dict[int, Any] = {}  # the address each link was opened to (a cluster's owner may move)
+        self.address_of: Callable[[int], Any] = self.socket_path
+        self.connect_retry_seconds = CONNECT_RETRY_SECONDS
         self.incoming: set[IncomingLink] = set()
         self.targets: dict[bytes, Any] = {}  # session key -> the client connection or gather it answers
         self.fanins: dict[bytes, FanIn] = {}
@@ -763,18 +769,41 @@ class Peers:
         del greenlets
         return True
 
+    def dial_unix(self, worker: int) -> socket.socket:
+        sock = gevent.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.socket_path(worker))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def readdress(self, worker: int) -> None:
+        """`worker`'s address changed (a cluster group's new owner): a link to the old one goes, and is made anew."""
+        link = self.links[worker]
+        if link is not None and self.dialled.get(worker) != self.address_of(worker):
+            link.lost("its owner moved")
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def keep_linked(self, worker: int) -> None:
         """Connect to `worker`, and again whenever the link is lost (the peer restarts)."""
-        path = self.socket_path(worker)
         while True:
-            sock = gevent.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address = self.address_of(worker)
             try:
-                sock.connect(path)
-                sock.sendall(b"- _link %d\n" % self.worker)
+                sock = self.dial(worker)
+            except OSError:
+                gevent.sleep(self.connect_retry_seconds)
+                continue
+            try:
+                sock.sendall(self.link_hello)
             except OSError:
                 sock.close()
-                gevent.sleep(CONNECT_RETRY_SECONDS)
+                gevent.sleep(self.connect_retry_seconds)
                 continue
+            self.dialled[worker] = address
             link = PeerLink(sock, self, worker)
             self.links[worker] = link
             log.info("linked to worker %d", worker)
@@ -787,7 +816,7 @@ class Peers:
             link.read_loop()
             writer.kill(block=False)
             sock.close()
-            gevent.sleep(CONNECT_RETRY_SECONDS)
+            gevent.sleep(self.connect_retry_seconds)
 
     def link_lost(self, link: PeerLink, reason: str) -> None:
         if self.links[link.worker] is link:

@@ -1,0 +1,134 @@
+"""A node of a cluster (`mqksd --cluster NAME --node ID`): where each slot group's owner listens.
+
+Who owns a group is decided in its stream alone: a takeover is a conditional append
+(server/journal/jetstream_log.py), and a stale owner is fenced by the stream. This map only tells
+clients (through `hello`) and the other groups' links where the owner of each group listens. Each
+owner puts its entry in the cluster's key-value bucket once it listens; every owner watches the
+bucket. An entry can be stale for as long as a takeover takes: a link or client that dials it
+fails and dials again once the entry changes, and an entry of a lower epoch never replaces a
+higher one here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from ..journal.jetstream_log import Candidacy
+from ..journal.nats_bridge import NatsBridge
+
+log = logging.getLogger("mqks.cluster")
+
+WATCH_RENEW_SECONDS = 20.0  # a watch that brought nothing this long is made again (its NATS node may have gone)
+RETRY_SECONDS = 1.0
+
+
+async def open_bucket(nc: Any, candidacy: Candidacy, replicas: int) -> Any:
+    """The cluster's bucket, made by the first node that needs it."""
+    from nats.js.api import KeyValueConfig, StorageType
+    from nats.js.errors import BucketNotFoundError
+
+    js = nc.jetstream(timeout=5)
+    try:
+        return await js.key_value(candidacy.bucket)
+    except BucketNotFoundError:
+        pass
+    for tries in range(replicas, 0, -1):
+        try:
+            return await js.create_key_value(KeyValueConfig(bucket=candidacy.bucket, history=1, replicas=tries,
+                                                            storage=StorageType.FILE))
+        except Exception as e:  # fewer NATS servers than replicas; or made by another node meanwhile
+            try:
+                return await js.key_value(candidacy.bucket)
+            except BucketNotFoundError:
+                if tries == 1:
+                    raise
+                log.warning("bucket %s: %s; trying %d replicas", candidacy.bucket, e, tries - 1)
+    raise AssertionError("unreachable")
+
+
+class ClusterMap:
+    """Each group's owner as its entry in the bucket says: node, epoch, and the addresses it listens on."""
+
+    def __init__(self, bridge: NatsBridge, candidacy: Candidacy, replicas: int,
+                 on_change: Callable[[int], None]) -> None:
+        self.bridge = bridge
+        self.candidacy = candidacy
+        self.replicas = replicas
+        self.on_change = on_change  # called in the hub with the group whose entry changed
+        self.entries: dict[int, dict[str, Any]] = {}  # written in the hub only
+
+    def start(self, about: dict[str, Any]) -> None:
+        """Put this owner's entry, then follow every group's."""
+        self.bridge.spawn(lambda nc: self._put_and_watch(nc, about))
+
+    def address(self, group: int) -> tuple[str, int] | None:
+        """Where the owner of `group` takes links; None while no owner is known."""
+        entry = self.entries.get(group)
+        if entry is None or not entry.get("link_port"):
+            return None
+        return entry["host"], entry["link_port"]
+
+    def dial(self, group: int) -> socket.socket:
+        """A connected link socket to the owner of `group` (gevent's); OSError when none is known or it refuses."""
+        import gevent.socket
+
+        address = self.address(group)
+        if address is None:
+            raise OSError(f"no owner of group {group} is known yet")
+        sock = gevent.socket.create_connection(address, timeout=5)
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _learn(self, group: int, entry: dict[str, Any]) -> None:
+        """In the hub: a newer entry for `group` replaces what was known."""
+        known = self.entries.get(group)
+        if known is not None and known.get("epoch", 0) > entry.get("epoch", 0):
+            return
+        if known != entry:
+            self.entries[group] = entry
+            log.info("group %d: owned by node %s (epoch %s) at %s:%s", group, entry.get("node"), entry.get("epoch"),
+                     entry.get("host"), entry.get("port"))
+            self.on_change(group)
+
+    async def _put_and_watch(self, nc: Any, about: dict[str, Any]) -> None:
+        candidacy = self.candidacy
+        while True:
+            try:
+                kv = await open_bucket(nc, candidacy, self.replicas)
+                await kv.put(f"owner.{candidacy.group}", json.dumps(about).encode())
+                break
+            except Exception as e:
+                log.warning("cluster map: cannot publish this owner's entry (%s); again", e)
+                await asyncio.sleep(RETRY_SECONDS)
+        while True:
+            watcher = None
+            try:
+                watcher = await kv.watch("owner.*")
+                while True:
+                    entry = await watcher.updates(timeout=WATCH_RENEW_SECONDS)
+                    if entry is None or not entry.value:
+                        continue
+                    try:
+                        group = int(entry.key.rpartition(".")[2])
+                        value = json.loads(entry.value)
+                    except ValueError:
+                        continue
+                    self.bridge.to_hub(functools.partial(self._learn, group, value))
+            except Exception as e:  # a timeout: renew; anything else: NATS went away, try again
+                if type(e).__name__ != "TimeoutError":
+                    log.debug("cluster map: watch ended (%s); again", e)
+                    await asyncio.sleep(RETRY_SECONDS)
+            finally:
+                if watcher is not None:
+                    try:
+                        await watcher.stop()
+                    except Exception:
+                        pass
