@@ -26,7 +26,7 @@ import ujson
 from . import wire
 from .connection import Connection, Link
 from .consumers import Consumer, Consumers, Message, MessageCallback
-from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError
+from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError, is_transient
 from .placement import Placement, Route
 from .tls import tls_setting, token_setting
 
@@ -37,6 +37,7 @@ log = logging.getLogger("mqks.client")
 REQUEST_TIMEOUT_SECONDS = 30.0  # the broker's own default for `request`
 REPLY_PREFIX = b"--reply "
 NO_REPLY_REASON = "no reply within"  # the broker's reason when a request times out
+TRANSIENT_RETRY_SECONDS = 0.5  # a consume refused while its queue's owner fails over goes again after this
 PLACING_POLL_SECONDS = 0.005  # how often a held publish looks again whether every consumer is back
 
 
@@ -410,6 +411,10 @@ class Client:
             except MqksConnectionError:
                 pass  # that link's reconnect replays it
             except MqksError as e:
+                if is_transient(e):  # its owner fails over: again in a moment
+                    consumer.conn = None
+                    gevent.sleep(TRANSIENT_RETRY_SECONDS)
+                    continue
                 log.error("mqks %s: consumer %s on queue %s refused on its new worker, dropped: %s",
                           session.where, consumer.reported_id, consumer.queue, e)
                 session.forget(consumer)

@@ -22,7 +22,7 @@ import ujson
 from gevent.event import AsyncResult, Event
 
 from . import wire
-from .errors import MqksConnectionError, MqksError
+from .errors import MqksConnectionError, MqksError, is_transient
 
 if TYPE_CHECKING:
     from .connection import Connection, Link
@@ -338,6 +338,8 @@ class Consumers:
                 except MqksConnectionError:
                     raise
                 except MqksError as e:
+                    if is_transient(e):  # its queue's owner fails over: connect again (with back-off) and replay
+                        raise MqksConnectionError(f"consumer replay on queue {consumer.queue}: {e.reason}") from None
                     # the broker refused this consumer on the new connection: it cannot come back
                     log.error("mqks %s: replay of consumer %s on queue %s failed, consumer dropped: %s",
                               self.where, consumer.reported_id, consumer.queue, e)

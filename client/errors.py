@@ -18,6 +18,11 @@ class MqksError(Exception):
         self.rid = rid
 
 
+def is_transient(error: MqksError) -> bool:
+    """True for a refusal that will pass by itself: the owner of the queue is restarting or failing over."""
+    return error.reason.endswith("try again") or "is restarting" in error.reason
+
+
 class MqksTimeoutError(MqksError, TimeoutError):
     """No answer in time: the request may or may not have been done."""
 

@@ -340,6 +340,7 @@ class JetStreamLog:
             expires = now + lease
             log.info("stream %s: owned by %s; standing by (lease %g s)", self.stream, owner, lease)
         reported = claimed_at = 0.0
+        replayer.handoff = None  # a hand-off read before this node stood by was meant for the standbys of then
         while True:
             if replayer.handoff in (candidacy.node, "*"):
                 log.info("stream %s: handed to this node by %s", self.stream, replayer.owner)
