@@ -42,7 +42,7 @@ EXIT_FEATURE_OFF = 3
 EXIT_NO_REPLY = 4
 EXIT_INTERRUPTED = stats.EXIT_INTERRUPTED
 COMMANDS = frozenset({"publish", "consume", "ping", "stats", "queues", "top", "eval", "request", "schedule",
-                      "unschedule", "schedules", "nats"})
+                      "unschedule", "schedules", "nats", "cluster"})
 NATS_DIR = "nats-local"  # `mqks nats`'s files, under the current directory (.gitignore has it)
 JSON_COMMANDS = frozenset({"stats", "queues", "schedules"})  # with --json, stdout holds JSON only, errors included
 TOP_HINT = 'mqks top needs rich, which the broker does not: pip install "mqks[top]"'
@@ -381,7 +381,53 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
         action.add_argument("--dir", default=NATS_DIR, help="where the configs, data and logs are (default: "
                                                             "%(default)s)")
     nats.set_defaults(run=None)
+
+    cluster = commands.add_parser("cluster", help="(cluster extra) a cluster's groups, owners and standbys; move one")
+    cluster_actions = cluster.add_subparsers(dest="cluster_action", required=True, metavar="ACTION",
+                                             parser_class=stats.Parser)
+    cluster_status = cluster_actions.add_parser("status", help="each group: owner, epoch, NATS leader, standbys' lag")
+    cluster_status.add_argument("--json", action="store_true", help="one JSON array instead of a table")
+    cluster_move = cluster_actions.add_parser("move", help="hand a group to a node that stands by for it")
+    cluster_move.add_argument("group", type=int)
+    cluster_move.add_argument("node")
+    for action in (cluster_status, cluster_move):
+        action.add_argument("--log", required=True, metavar="NATS_URLS", help="the cluster's NATS servers, as mqksd's")
+        action.add_argument("--cluster", required=True, metavar="NAME", help="the cluster's name, as mqksd's")
+    cluster.set_defaults(run=None)
     return parser
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """`mqks cluster status|move`: read from NATS (the groups' streams and the cluster's bucket), not from a broker."""
+    import asyncio
+
+    from mqks.server.journal.jetstream_log import log_urls
+    from mqks.server.node.cluster import move_group, read_cluster
+
+    urls = log_urls(args.log)
+    try:
+        if args.cluster_action == "move":
+            row = asyncio.run(move_group(urls, args.cluster, args.group, args.node))
+            print(f"group {row['group']}: owned by node {row['owner']} (epoch {row['epoch']}) at {row['address']}")
+            return EXIT_OK
+        rows = asyncio.run(read_cluster(urls, args.cluster))
+    except (ValueError, TimeoutError, OSError) as e:
+        print(f"mqks cluster {args.cluster_action}: {e}", file=sys.stderr)
+        return EXIT_BROKER
+    except Exception as e:  # nats-py's own errors: no servers, no JetStream
+        print(f"mqks cluster {args.cluster_action}: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_BROKER
+    if args.json:
+        print(json.dumps(rows))
+        return EXIT_OK
+    table = [("GROUP", "OWNER", "EPOCH", "ADDRESS", "ANSWERS", "NATS LEADER", "LAST SEQ", "STANDBYS (LAG)")]
+    for row in rows:
+        standbys = ", ".join(f"{s['node']} ({s['lag']})" for s in row["standbys"]) or "-"
+        table.append((str(row["group"]), str(row["owner"] or "-"), str(row["epoch"] or "-"), str(row["address"] or "-"),
+                      "yes" if row["answering"] == row["owner"] and row["owner"] else "NO", str(row["leader"] or "-"),
+                      str(row["last_seq"]), standbys))
+    print(render_table(table, (0, 2, 6), "no groups"))
+    return EXIT_OK
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
@@ -420,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "nats":
             return cmd_nats(args)
+        if args.command == "cluster":
+            return cmd_cluster(args)
         if args.run is None:
             return stats.run(args)
         return run_command(args)

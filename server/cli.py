@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from .app import Server
 from .dispatch.process import VERSION
-from .node.config import CANNOT_START_EXIT_CODE, DEFAULTS, Config
+from .node.config import CANNOT_START_EXIT_CODE, DEFAULTS, FENCED_EXIT_CODE, Config
 from .node.listeners import CannotListen
 from .node.sessions import AUTH_TOKEN_ENV, tls_server_context
 
@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         server = Server(config)
     except (OSError, ValueError) as e:  # the data dir, the token file: a restart would fail the same way
         log.error("cannot start: %s", e)
+        if config.cluster and config.worker_index is not None:  # NATS out of reach: the node tries again
+            sys.exit(FENCED_EXIT_CODE)
         sys.exit(1 if config.worker_index is None else CANNOT_START_EXIT_CODE)
     try:
         server.serve_forever()

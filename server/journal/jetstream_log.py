@@ -200,7 +200,7 @@ class JetStreamLog:
         self.replicas = replicas
         self.takeover = takeover
         self.candidacy = candidacy
-        if candidacy is not None:  # stop confirming before a standby may take over
+        if candidacy is not None:  # stop confirming before a standby may take over; step down after the lease
             timeout_seconds = min(timeout_seconds, candidacy.lease_seconds - STEP_DOWN_MARGIN_SECONDS)
         self.timeout_seconds = timeout_seconds
         self.move_to: str | None = None  # `mqks cluster move` asked this owner to hand its group to that node
@@ -864,11 +864,14 @@ class JetStreamLog:
     def _stall_too_long(self, reason: str) -> None:
         """Confirmed publishes are refused, and the commits waiting longer than the timeout are failed.
 
-        A cluster node's owner steps down instead: a standby may take the group over once the lease is out, and
-        its clients must move there."""
-        if self.candidacy is not None:
+        A cluster node's owner that has stored nothing for the whole lease steps down: a standby that can reach
+        NATS takes the group over now, and this owner's clients must move there."""
+        candidacy = self.candidacy
+        if (candidacy is not None and self._stalled_since is not None
+                and time.monotonic() - self._stalled_since > candidacy.lease_seconds):
             log.error("stream %s: %s: this node steps down as its owner", self.stream, reason)
-            self._stop_with(f"{reason}: this node stepped down as the owner of stream {self.stream}")
+            self._stop_with(f"the replicated log has stored nothing for {candidacy.lease_seconds:g} s: this node "
+                            f"stepped down as the owner of stream {self.stream}")
             return
         if self.blocked is None:
             log.error("stream %s: %s: confirmed publishes are refused until it answers", self.stream, reason)

@@ -132,3 +132,97 @@ class ClusterMap:
                         await watcher.stop()
                     except Exception:
                         pass
+
+
+# -- the operator's view: `mqks cluster status|move` (client/cli.py) --------------------------------------------
+
+
+async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
+    """One row per slot group: its stream, the NATS leader, the owner the map names and the one that answers its
+    ping, and each standby's lag behind the stream's last sequence."""
+    import time
+
+    import nats
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js.errors import BucketNotFoundError
+
+    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
+    try:
+        js = nc.jetstream(timeout=5)
+        streams = {}
+        for info in await js.streams_info():
+            name = info.config.name or ""
+            prefix, _, size = name.rpartition("-of-")
+            if prefix.startswith(f"{cluster}-") and size.isdigit():
+                streams[int(prefix.rpartition("-")[2])] = info
+        entries: dict[str, dict[str, Any]] = {}
+        try:
+            kv = await js.key_value(f"mqks-{cluster}")
+            for key in await kv.keys():
+                entry = await kv.get(key)
+                try:
+                    entries[key] = json.loads(entry.value or b"{}")
+                except ValueError:
+                    continue
+        except (BucketNotFoundError, Exception) as e:  # no keys yet: NoKeysError
+            if isinstance(e, BucketNotFoundError) and not streams:
+                raise ValueError(f"no cluster {cluster!r} on NATS at {','.join(urls)}") from None
+        rows = []
+        for group, info in sorted(streams.items()):
+            try:
+                answer = await nc.request(f"mqks.owner.{info.config.name}", b"", timeout=1.0)
+                answering = json.loads(answer.data)
+            except (NoRespondersError, NatsTimeout, ValueError):
+                answering = None
+            last_seq = int(info.state.last_seq)
+            standbys = sorted(({"node": value.get("node"), "lag": max(0, last_seq - int(value.get("seq", 0))),
+                                "seen_seconds_ago": round(time.time() - float(value.get("at", 0)), 1)}
+                               for key, value in entries.items() if key.startswith(f"standby.{group}.")),
+                              key=lambda standby: str(standby["node"]))
+            owner = entries.get(f"owner.{group}", {})
+            rows.append({"group": group, "stream": info.config.name,
+                         "leader": (info.cluster.leader if info.cluster is not None else None),
+                         "last_seq": last_seq, "messages": info.state.messages, "bytes": info.state.bytes,
+                         "owner": owner.get("node"), "epoch": owner.get("epoch"),
+                         "address": f"{owner.get('host')}:{owner.get('port')}" if owner else None,
+                         "answering": (answering or {}).get("node"),
+                         "standbys": [s for s in standbys if s["node"] != (answering or owner).get("node")]})
+        return rows
+    finally:
+        await nc.close()
+
+
+async def move_group(urls: list[str], cluster: str, group: int, node: str, timeout: float = 60.0) -> dict[str, Any]:
+    """Ask the owner of `group` to hand it to `node` (a standby of it), and wait until the map names that node."""
+    import time
+
+    import nats
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+
+    rows = {row["group"]: row for row in await read_cluster(urls, cluster)}
+    row = rows.get(group)
+    if row is None:
+        raise ValueError(f"cluster {cluster!r} has no group {group} (groups: {sorted(rows)})")
+    if row["answering"] == node:
+        return row
+    if node not in {standby["node"] for standby in row["standbys"]}:
+        raise ValueError(f"node {node!r} does not stand by for group {group} (standbys: "
+                         f"{', '.join(str(s['node']) for s in row['standbys']) or 'none'})")
+    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
+    try:
+        try:
+            await nc.request(f"mqks.move.{row['stream']}", node.encode(), timeout=5)
+        except (NoRespondersError, NatsTimeout):
+            raise ValueError(f"group {group} has no owner that answers: a standby takes it over after the lease") \
+                from None
+    finally:
+        await nc.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        row = {r["group"]: r for r in await read_cluster(urls, cluster)}[group]
+        if row["answering"] == node and row["owner"] == node:
+            return row
+    raise TimeoutError(f"group {group} is not owned by node {node} after {timeout:g} s")

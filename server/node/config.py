@@ -33,7 +33,7 @@ class Config:
     node: str | None = None  # with cluster: this node's name, unique in the cluster
     advertise: str | None = None  # with cluster: the host other nodes and clients dial (default: --host)
     groups: int = 16  # with cluster: slot groups, each with its own stream, owner and standbys
-    lease_seconds: float = 10.0  # with cluster: a standby takes a group over after this long without a frame
+    lease_seconds: float = 12.0  # with cluster: a standby takes a group over after this long without a frame
     log_segment_bytes: int = 64 << 20
     compact_min_bytes: int = 128 << 20  # never rewrite the live state for less churn than this
     metrics_port: int | None = None  # None: no HTTP endpoint (/metrics, /healthz)

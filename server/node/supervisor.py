@@ -168,19 +168,18 @@ class Supervisor:
             time.sleep(0.05)  # the parent has nothing else to do: a poll every 50 ms costs nothing
 
     def restart(self, worker: int, code: int) -> None:
-        if code == FENCED_EXIT_CODE and self.config.cluster:
-            # an owner that stepped down, was taken over or handed its group on: a standby for it from now on
-            log.info("group %d (pid %d) is no longer owned here; standing by for it again", worker,
-                     self.children[worker].pid)
-            self.quick_deaths[worker] = 0
-            self.start(worker)
-            return
         ran = time.monotonic() - self.started_at[worker]
         deaths = self.quick_deaths.get(worker, 0) + 1 if ran < QUICK_DEATH_SECONDS else 1
         self.quick_deaths[worker] = deaths
         wait = RESTART_BACKOFF_SECONDS[min(deaths - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
-        log.error("worker %d (pid %d) died (%s) after %.1f s; restarting it%s", worker, self.children[worker].pid,
-                  f"signal {-code}" if code < 0 else f"exit {code}", ran, f" in {wait:g} s" if wait else "")
+        if code == FENCED_EXIT_CODE and self.config.cluster:
+            # an owner that stepped down, was taken over or handed its group on (or a standby that lost NATS):
+            # a standby for the group from now on; backed off only if it keeps ending at once
+            log.info("group %d (pid %d) is not owned here now; standing by for it again%s", worker,
+                     self.children[worker].pid, f" in {wait:g} s" if wait else "")
+        else:
+            log.error("worker %d (pid %d) died (%s) after %.1f s; restarting it%s", worker, self.children[worker].pid,
+                      f"signal {-code}" if code < 0 else f"exit {code}", ran, f" in {wait:g} s" if wait else "")
         if wait:
             time.sleep(wait)
         if not self.stopping:

@@ -1,0 +1,186 @@
+"""Real clusters on loopback for the tests: three NATS nodes (conftest's nats_cluster), MQKS nodes on their own
+ports, a history of what clients were told, and the checker that judges it.
+
+A node's port answers only while it owns a group (its owners share it); `Cluster.owners()` reads the map from
+any node that answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from conftest import READY_TIMEOUT_SECONDS, BrokerProcess, child_pids
+from helpers import free_port, wait_for
+
+from mqks.server.dispatch.slots import owner_of
+
+
+class ClusterNode(BrokerProcess):
+    """`mqksd --cluster ... --node NAME`: started without waiting for a ping (it may own nothing yet)."""
+
+    def __init__(self, name: str, *args: str, port: int | None = None) -> None:
+        self.name = name
+        super().__init__(*args, port=port)
+
+    def start(self) -> None:
+        self.piped_log.clear()
+        with open(self.log_file.name, "w"):
+            pass  # a restart's log starts empty: assertions read this run of the node
+        cmd = [sys.executable, "-m", "mqks.server", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log_file)
+        wait_for(lambda: "a process for each of" in self.log() or self.exited(), "the node's supervisor to start",
+                 READY_TIMEOUT_SECONDS)
+        assert not self.exited(), self.log()
+
+    def exited(self) -> bool:
+        assert self.proc is not None
+        return self.proc.poll() is not None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def group_pids(self) -> list[int]:
+        assert self.proc is not None
+        return child_pids(self.proc.pid)
+
+
+def ask(port: int, *lines: bytes, timeout: float = 3.0) -> list[bytes]:
+    """Send `lines`, read one answer per line (None-free: raises OSError when the port does not answer)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(b"".join(line + b"\n" for line in lines))
+        data = b""
+        while data.count(b"\n") < len(lines):
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    return data.split(b"\n")[: len(lines)]
+
+
+class Cluster:
+    """Three (or more) MQKS nodes of one cluster on one NATS cluster."""
+
+    def __init__(self, name: str, urls: list[str], nodes: tuple[str, ...] = ("A", "B", "C"), groups: int = 4,
+                 lease: float = 6.0, extra: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.urls = urls
+        self.groups = groups
+        self.args = ("--cluster", name, "--log", ",".join(urls), "--groups", str(groups), "--lease", str(lease),
+                     "--eval", *extra)
+        self.nodes: dict[str, ClusterNode] = {}
+        for node in nodes:  # started together, as an operator's three hosts would be
+            self.nodes[node] = ClusterNode(node, *self.args, "--node", node, port=free_port())
+
+    def ports(self, alive_only: bool = True) -> list[int]:
+        return [node.port for node in self.nodes.values() if node.alive() or not alive_only]
+
+    def hello(self) -> dict[str, Any] | None:
+        for port in self.ports():
+            try:
+                line = ask(port, b"h hello")[0]
+            except OSError:
+                continue
+            if b" ok " in line:
+                return json.loads(line.partition(b" ok ")[2])
+        return None
+
+    def owners(self) -> dict[int, str]:
+        """Group -> node, for the groups whose owner answers on its own port."""
+        info = self.hello()
+        owners: dict[int, str] = {}
+        for entry in (info or {}).get("direct", []):
+            node = self.nodes.get(entry.get("node") or "")
+            if node is None or not node.alive() or not entry.get("port"):
+                continue
+            try:
+                if ask(entry["port"], b"p ping")[0].startswith(b"p ok"):
+                    owners[entry["worker"]] = node.name
+            except OSError:
+                continue
+        return owners
+
+    def wait_owned(self, without: tuple[str, ...] = (), timeout: float = 60.0) -> dict[int, str]:
+        """Every group owned by a live node (none of `without`), as the map says; the map."""
+        def owned() -> dict[int, str] | None:
+            owners = self.owners()
+            if len(owners) == self.groups and not set(owners.values()) & set(without):
+                return owners
+            return None
+        return wait_for(owned, f"every group of cluster {self.name} to be owned", timeout, interval=0.2)
+
+    def kill(self, node: str) -> float:
+        """kill -9 the node's supervisor and every process of it (a lost host); the monotonic time of the kill."""
+        victim = self.nodes[node]
+        assert victim.proc is not None
+        pids = [victim.proc.pid, *victim.group_pids()]
+        at = time.monotonic()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        victim.proc.wait()
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}/fd") for pid in pids), "the node's processes to go",
+                 READY_TIMEOUT_SECONDS)
+        return at
+
+    def queue_of(self, group: int, prefix: str) -> str:
+        """A queue name whose slot is in `group`."""
+        return next(f"{prefix}-{n}" for n in range(100000) if owner_of(f"{prefix}-{n}".encode(), self.groups) == group)
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            if node.alive():
+                node.kill()
+
+
+@dataclass
+class History:
+    """What clients were told: confirmed publishes, deliveries, confirmed acks; judged by `check`."""
+
+    confirmed: dict[str, str] = field(default_factory=dict)  # body -> queue
+    delivered: list[tuple[str, str, float]] = field(default_factory=list)  # (queue, body, when)
+    acked: set[str] = field(default_factory=set)  # bodies whose ack was confirmed
+    ack_confirmed_at: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def deliver(self, queue: str, body: str) -> None:
+        with self.lock:
+            self.delivered.append((queue, body, time.monotonic()))
+
+    def ack(self, body: str) -> None:
+        with self.lock:
+            self.acked.add(body)
+            self.ack_confirmed_at[body] = time.monotonic()
+
+    def missing(self) -> set[str]:
+        """Confirmed publishes never delivered (an acked one was delivered, by definition)."""
+        seen = {body for _, body, _ in self.delivered}
+        return set(self.confirmed) - seen
+
+    def check(self) -> dict[str, int]:
+        """The verdict: every confirmed publish delivered at least once; none delivered again after its ack was
+        confirmed; duplicates counted (at-least-once allows them)."""
+        counts = Counter(body for _, body, _ in self.delivered)
+        redelivered_after_ack = [body for _, body, when in self.delivered
+                                 if body in self.ack_confirmed_at and when > self.ack_confirmed_at[body]]
+        lost = self.missing()
+        assert not lost, f"{len(lost)} confirmed publishes never delivered: {sorted(lost)[:10]}"
+        assert not redelivered_after_ack, f"delivered again after a confirmed ack: {redelivered_after_ack[:10]}"
+        return {"confirmed": len(self.confirmed), "delivered": len(self.delivered), "distinct": len(counts),
+                "duplicates": sum(n - 1 for n in counts.values() if n > 1), "acked": len(self.acked)}
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))] if ordered else 0.0
