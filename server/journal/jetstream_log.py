@@ -70,17 +70,19 @@ STANDBY_REPORT_SECONDS = 2.0  # a standby tells `mqks cluster status` how far it
 STEP_DOWN_MARGIN_SECONDS = 2.0  # an owner that stored nothing for lease minus this stops confirming
 CLAIM_DELAY_PER_GROUP_SECONDS = 0.7  # a claim waits this long per group its node owns already
 CLAIM_DELAY_CAP_SECONDS = 3.0
+BALANCE_SECONDS = 5.0  # a caught-up standby looks this often whether its node should own this group instead
 
 
 class Candidacy:
     """A cluster node's claim on one slot group's stream: it follows the stream as a warm standby and takes it
     over when its owner has appended nothing for `lease_seconds` (the owner appends a heartbeat when idle)."""
 
-    __slots__ = ("cluster", "node", "group", "lease_seconds", "spread_seconds", "owned_here")
+    __slots__ = ("cluster", "node", "group", "lease_seconds", "spread_seconds", "owned_here", "may_pull")
 
     def __init__(self, cluster: str, node: str, group: int, lease_seconds: float, spread_seconds: float = 3.0,
-                 owned_here: Callable[[], int] = lambda: 0) -> None:
+                 owned_here: Callable[[], int] = lambda: 0, may_pull: Callable[[], bool] = lambda: False) -> None:
         self.owned_here = owned_here  # groups this node owns now (its processes tell each other in its run dir)
+        self.may_pull = may_pull  # True once per node at a time: this standby may ask for its group (balance)
         self.cluster = cluster
         self.node = node
         self.group = group
@@ -340,6 +342,7 @@ class JetStreamLog:
             expires = now + lease
             log.info("stream %s: owned by %s; standing by (lease %g s)", self.stream, owner, lease)
         reported = claimed_at = 0.0
+        balanced_at = time.monotonic()
         replayer.handoff = None  # a hand-off read before this node stood by was meant for the standbys of then
         while True:
             if replayer.handoff in (candidacy.node, "*"):
@@ -384,6 +387,53 @@ class JetStreamLog:
                 owner = replayer.owner or owner
                 expires = time.monotonic() + lease
                 claimed_at = 0.0
+            elif now - balanced_at >= BALANCE_SECONDS:
+                balanced_at = now
+                self._balance()
+
+    def _balance(self) -> None:
+        """A node that owns at least two groups fewer than this group's owner node asks for this group (one request
+        at a time per node, so two of its standbys never both pull): nodes that restarted get work back."""
+        candidacy = self.candidacy
+        assert candidacy is not None
+        try:
+            counts, owner = self.bridge.run(self._owners_by_node, timeout=10)
+        except Exception:  # NATS out of reach: nothing to balance now
+            return
+        if owner is None or owner == candidacy.node or counts.get(owner, 0) - candidacy.owned_here() < 2:
+            return
+        if not candidacy.may_pull():
+            return
+        log.info("stream %s: node %s owns %d groups, this node %d: asking for this one", self.stream, owner,
+                 counts[owner], candidacy.owned_here())
+        try:
+            self.bridge.run(lambda nc: nc.request(f"mqks.move.{self.stream}", candidacy.node.encode(), timeout=5),
+                            timeout=10)
+        except Exception as e:
+            log.info("stream %s: its owner did not take the request (%s)", self.stream, e)
+
+    async def _owners_by_node(self, nc: Any) -> tuple[dict[str, int], str | None]:
+        """How many groups each node owns, as the cluster map says; and the node that owns this group."""
+        from ..node.cluster import open_bucket
+
+        candidacy = self.candidacy
+        assert candidacy is not None
+        kv = await open_bucket(nc, candidacy, self.replicas)
+        counts: dict[str, int] = {}
+        this_owner = None
+        try:
+            keys = [key for key in await kv.keys() if key.startswith("owner.")]
+        except Exception:  # NoKeysError: nobody owns anything yet
+            return counts, None
+        for key in keys:
+            try:
+                node = json.loads((await kv.get(key)).value or b"{}").get("node")
+            except ValueError:
+                continue
+            counts[node] = counts.get(node, 0) + 1
+            if key == f"owner.{candidacy.group}":
+                this_owner = node
+        return counts, this_owner
 
     async def _report_standby(self, nc: Any) -> None:
         candidacy = self.candidacy
