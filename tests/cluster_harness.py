@@ -10,19 +10,23 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import gevent
+import gevent.socket
 from conftest import READY_TIMEOUT_SECONDS, BrokerProcess, child_pids
-from helpers import free_port, wait_for
+from helpers import free_port
 
 from mqks.server.dispatch.slots import owner_of
+
+T = TypeVar("T")
 
 
 class ClusterNode(BrokerProcess):
@@ -54,9 +58,22 @@ class ClusterNode(BrokerProcess):
         return child_pids(self.proc.pid)
 
 
+def wait_for(condition: Callable[[], T], what: str, timeout: float, interval: float = 0.05) -> T:
+    """helpers.wait_for that lets the test's gevent clients run while it waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        gevent.sleep(interval)
+
+
 def ask(port: int, *lines: bytes, timeout: float = 3.0) -> list[bytes]:
-    """Send `lines`, read one answer per line (None-free: raises OSError when the port does not answer)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+    """Send `lines`, read one answer per line (raises OSError when the port does not answer). Cooperative: the
+    test's gevent clients run while it waits."""
+    with gevent.socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(b"".join(line + b"\n" for line in lines))
         data = b""
         while data.count(b"\n") < len(lines):

@@ -355,6 +355,36 @@ def test_frames_of_a_fenced_writer_and_its_unfinished_snapshot_are_ignored(nats_
     third.close(10)
 
 
+def test_two_takeovers_at_once_make_one_owner_per_epoch(nats_cluster):
+    """Two brokers taking a stream over at the same moment: JetStream answers a Msg-Id it has seen before it checks
+    the fence, so takeover Msg-Ids must differ per writer; otherwise both are told they own the same epoch."""
+    _, urls = nats_cluster
+    stream = unique("s").replace("-", "_")
+    first, _ = open_log(urls, stream, "first")
+    commit_and_wait(first, records.queue(b"q", None, [b"e"], None, None))
+    first.close(10)
+    rivals = [JetStreamLog(urls, stream, name, takeover=True, timeout_seconds=5) for name in ("left", "right")]
+    for rival in rivals:
+        rival.open()
+    # both read the stream to its end before either appends its takeover: the append is what decides
+    readers = [rival.replay() for rival in rivals]
+    for reader in readers:
+        next(reader)
+    greenlets = [gevent.spawn(list, reader) for reader in readers]
+    gevent.joinall(greenlets, timeout=60, raise_error=True)
+    assert sorted(rival.epoch for rival in rivals) == [2, 3]  # the loser read on and took it over after the winner
+    for rival in rivals:
+        rival.append(published(b"q", rival.epoch, rival.owner.encode()))
+        rival.commit()
+    older = min(rivals, key=lambda rival: rival.epoch)
+    newer = max(rivals, key=lambda rival: rival.epoch)
+    wait_greenlet(lambda: older.fenced_by is not None, "the older owner to be fenced")
+    wait_greenlet(lambda: newer.poll()[0] >= 1, "the newer owner's commit")
+    assert newer.fenced_by is None
+    for rival in rivals:
+        rival.close(5)
+
+
 def test_the_replicated_log_figures_in_stats_metrics_and_top(make_broker, nats_cluster):
     from mqks.client.top import log_line  # rich: the top extra
 

@@ -6,7 +6,10 @@ max_payload is split in parts, `Mqks-More` on all but the last). Headers on ever
 
     Mqks-Epoch: E                      the writer's epoch; a takeover message raises it by one
     Mqks-Frame: k                      the writer's counter within its epoch (0: the takeover message)
-    Nats-Msg-Id: {stream}.{E}.{k}      so a frame sent again after a timeout is stored once
+    Nats-Msg-Id: {stream}.{E}.{w}.{k}  so a frame sent again after a timeout is stored once; `w` is random per
+                                       writer: JetStream answers a Msg-Id it has seen with the first one's
+                                       sequence before checking the fence, so two brokers taking the stream over
+                                       at once with one Msg-Id would both be told they won
     Nats-Expected-Last-Sequence: N     the fence: JetStream refuses the append if anything else came after N
 
 One writer per stream. The writer sends many frames in flight, each expecting the sequence the one before
@@ -228,6 +231,7 @@ class JetStreamLog:
         self.fenced_by: str | None = None  # the owner that took the stream over: this broker must stop
         # the writer's own
         self.epoch = 0
+        self.writer_id = os.urandom(4).hex()
         self.max_payload = FRAME_BYTES
         self._k = 0
         self._frames: dict[int, _Frame] = {}  # by k: built and not yet stored in order
@@ -645,8 +649,8 @@ class JetStreamLog:
         from nats.errors import NoRespondersError
         from nats.errors import TimeoutError as NatsTimeout
 
-        headers = {EPOCH: str(self.epoch), FRAME: "0", OWNER: self.owner, MSG_ID: f"{self.stream}.{self.epoch}.0",
-                   EXPECTED: str(last_seq)}
+        headers = {EPOCH: str(self.epoch), FRAME: "0", OWNER: self.owner,
+                   MSG_ID: f"{self.stream}.{self.epoch}.{self.writer_id}.0", EXPECTED: str(last_seq)}
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -749,7 +753,7 @@ class JetStreamLog:
     async def _send(self, nc: Any) -> None:
         unsent = self._unsent
         publish, subject, inbox = nc.publish, self.subject, self._inbox
-        epoch, prefix = str(self.epoch), f"{self.stream}.{self.epoch}."
+        epoch, prefix = str(self.epoch), f"{self.stream}.{self.epoch}.{self.writer_id}."
         while unsent and self._in_flight < MAX_IN_FLIGHT and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES:
             frame = unsent.popleft()
             frame.token = token = next(self._tokens)

@@ -202,6 +202,13 @@ class NatsBridge:
         self.results.append("started")
         self.watcher.send()
         await self.stopped.wait()
+        # what still runs (the writer's last moments, a map watch) ends before the loop closes under it
+        others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        if others:
+            _, pending = await asyncio.wait(others, timeout=1.0)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         try:
             await asyncio.wait_for(self.nc.drain(), timeout=5)
         except Exception as e:

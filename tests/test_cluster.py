@@ -1,0 +1,298 @@
+"""Nodes of a cluster (`mqksd --cluster NAME --node ID --log nats://...`) on loopback: three NATS nodes, three MQKS
+nodes on their own ports, real kill -9s, SIGSTOPs and a cut to NATS.
+
+A history of what clients were told (confirmed publishes, deliveries, confirmed acks) is judged at the end of
+every scenario (cluster_harness.History.check): every confirmed publish is delivered at least once, nothing is
+delivered again after its ack was confirmed, duplicates are counted and printed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import gevent
+import pytest
+from cluster_harness import Cluster, History, ask, percentile, wait_for
+from helpers import MQKS, unique
+
+pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
+
+from mqks.client import Client, MqksError
+from mqks.server.journal.jetstream_log import EPOCH, Replayer
+
+pytestmark = pytest.mark.timeout(300)
+
+LEASE = 6.0  # short, so a failover test takes seconds; the default (12) is for elections of slow networks
+
+
+@pytest.fixture
+def cluster(nats_cluster):
+    _, urls = nats_cluster
+    made = Cluster(unique("c").replace("-", "_"), urls, lease=LEASE)
+    made.wait_owned()
+    yield made
+    made.stop()
+
+
+def mqks_cluster(*args: str) -> subprocess.CompletedProcess:
+    """`mqks cluster ARGS` to the end."""
+    return subprocess.run([str(MQKS), "cluster", *args], capture_output=True, text=True, timeout=120)
+
+
+def client_for(cluster: Cluster, first: str | None = None) -> Client:
+    """A client with every node as a seed: the first one, then the others when it cannot be reached."""
+    ports = [cluster.nodes[first].port] if first else []
+    ports += [port for port in cluster.ports(alive_only=False) if port not in ports]
+    return Client("127.0.0.1", ports[0], fallbacks=[("127.0.0.1", port) for port in ports[1:]], timeout_seconds=60,
+                  reconnect_max_seconds=0.5, ping_seconds=2).connect(timeout=30)
+
+
+class Workload:
+    """Pipelined confirmed publishes to a queue of every group, and a consumer per queue acking each message
+    with a confirmed ack (one ack line per message, as msg.ack() sends)."""
+
+    def __init__(self, cluster: Cluster, history: History, publishers: int = 6) -> None:
+        self.cluster = cluster
+        self.history = history
+        self.queues = [cluster.queue_of(group, unique("q")) for group in range(cluster.groups)]
+        self.consumer = client_for(cluster)
+        self.producer = client_for(cluster)
+        self.counter = itertools.count()
+        self.errors = 0
+        self.stopped = False
+        for queue in self.queues:
+            self.consumer.consume(queue, [f"{queue}.e"], self.on_message(queue), manual_ack=True)
+        self.greenlets = [gevent.spawn(self.publish_loop, n) for n in range(publishers)]
+
+    def on_message(self, queue: str):
+        def handle(msg) -> None:
+            self.history.deliver(queue, msg.data)
+            try:
+                msg.ack(confirm=True)
+            except MqksError:
+                return  # not acked: it comes back, which the checker allows
+            self.history.ack(msg.data)
+        return handle
+
+    def publish_loop(self, n: int) -> None:
+        while not self.stopped:
+            i = next(self.counter)
+            queue = self.queues[i % len(self.queues)]
+            body = f"{queue}:{i}"
+            while not self.stopped:  # a refused publish goes again: it counts once it is confirmed
+                try:
+                    self.producer.publish(f"{queue}.e", body, confirm=True, timeout=30)
+                except MqksError:
+                    self.errors += 1
+                    gevent.sleep(0.05)
+                    continue
+                with self.history.lock:
+                    self.history.confirmed[body] = queue
+                break
+
+    def stop(self) -> None:
+        self.stopped = True
+        gevent.joinall(self.greenlets, timeout=60)
+
+    def settle(self, timeout: float = 90.0) -> None:
+        """Wait until every confirmed publish was delivered (bounded), then close the clients."""
+        deadline = time.monotonic() + timeout
+        while self.history.missing() and time.monotonic() < deadline:
+            gevent.sleep(0.2)
+        self.consumer.close()
+        self.producer.close()
+
+    def first_delivery_after(self, queue: str, published_after: int, since: float, timeout: float = 60.0) -> float:
+        """Seconds from `since` to the first delivery on `queue` of a message numbered past `published_after`."""
+        def found() -> float | None:
+            with self.history.lock:
+                for q, body, when in self.history.delivered:
+                    if q == queue and int(body.rpartition(":")[2]) > published_after:
+                        return when - since
+            return None
+        return wait_for(found, f"a delivery on {queue} from its new owner", timeout, interval=0.05)
+
+
+def test_kill_9_of_an_owner_node_loses_no_confirmed_message(cluster):
+    """Three rounds: kill -9 the node owning the most groups under pipelined confirmed publishes and per-message
+    confirmed acks; a standby takes each of its groups over; the node comes back as a standby."""
+    history = History()
+    work = Workload(cluster, history)
+    recoveries = []
+    try:
+        for _ in range(3):
+            owners = cluster.wait_owned()
+            wait_for(lambda: len(history.confirmed) > 300 + len(recoveries) * 200, "confirmed publishes", 60)
+            victim = max(sorted(cluster.nodes), key=lambda node: list(owners.values()).count(node))
+            groups = [group for group, node in owners.items() if node == victim]
+            mark = next(work.counter)
+            killed_at = cluster.kill(victim)
+            for group in groups:
+                recoveries.append(work.first_delivery_after(work.queues[group], mark, killed_at))
+            after = cluster.wait_owned(without=(victim,))
+            assert not {group for group, node in after.items() if node == victim}
+            cluster.nodes[victim].start()  # back, as a standby of every group
+    finally:
+        work.stop()
+        work.settle()
+    verdict = history.check()
+    print(f"kill -9 of an owner node, 3 rounds: {verdict}, {work.errors} refused publishes sent again; recovery "
+          f"(kill to first delivery from the new owner) p50 {percentile(recoveries, 0.5):.1f} s, "
+          f"p99 {percentile(recoveries, 0.99):.1f} s over {len(recoveries)} groups (lease {LEASE:g} s)")
+    assert verdict["confirmed"] > 600
+    assert_no_old_epoch_applied(cluster)
+
+
+def assert_no_old_epoch_applied(cluster: Cluster) -> None:
+    """In every group's stream, no frame of an old epoch follows a takeover, or replay ignores each one."""
+    import asyncio
+
+    import nats
+
+    async def read_all() -> dict[str, list[dict[str, str]]]:
+        nc = await nats.connect(servers=cluster.urls)
+        js = nc.jetstream()
+        streams = {}
+        for group in range(cluster.groups):
+            name = f"{cluster.name}-{group}-of-{cluster.groups}"
+            info = await js.stream_info(name)
+            headers = []
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                try:
+                    msg = await js.get_msg(name, seq)
+                except Exception:
+                    continue
+                headers.append(dict(msg.headers or {}))
+            streams[name] = headers
+        await nc.close()
+        return streams
+
+    for name, frames in asyncio.run(read_all()).items():
+        highest = 0
+        late = 0
+        replayer = Replayer()
+        for headers in frames:
+            epoch = int(headers.get(EPOCH, 0))
+            late += epoch < highest
+            highest = max(highest, epoch)
+            replayer.feed(headers, b"")
+        assert replayer.ignored == late, (name, late, replayer.ignored)
+
+
+def owner_pid(cluster: Cluster, group: int) -> tuple[str, int]:
+    """The node and process that own `group` now."""
+    info = cluster.hello()
+    assert info is not None
+    entry = next(entry for entry in info["direct"] if entry["worker"] == group)
+    node = cluster.nodes[entry["node"]]
+    for pid in node.group_pids():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+        if b"--worker-index" in args and args[args.index(b"--worker-index") + 1] == str(group).encode():
+            return node.name, pid
+    raise AssertionError(f"no process of node {node.name} for group {group}")
+
+
+def test_a_stopped_owner_is_taken_over_and_confirms_nothing_after(cluster):
+    """SIGSTOP a group's owner for longer than the lease: a standby takes the group over. Lines its clients sent
+    meanwhile are answered after SIGCONT with errors naming the new owner, none with ok; it exits and stands by."""
+    group = 1
+    queue = cluster.queue_of(group, unique("q"))
+    event = f"{queue}.e".encode()
+    node, pid = owner_pid(cluster, group)
+    info = cluster.hello()
+    assert info is not None
+    port = next(entry["port"] for entry in info["direct"] if entry["worker"] == group)
+    assert ask(port, b"r rebind --confirm %b %b" % (queue.encode(), event))[0] == b"r ok "
+    for i, line in enumerate(ask(port, *(b"m%d publish --confirm %b before-%d" % (i, event, i) for i in range(20)))):
+        assert line == b"m%d ok " % i, line
+    zombie_client = socket.create_connection(("127.0.0.1", port), timeout=60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        # the lease runs out: a standby of another node takes the group over
+        def new_owner() -> str | None:
+            owners = cluster.owners()
+            return owners.get(group) if owners.get(group) not in (None, node) else None
+        taker = wait_for(new_owner, "a standby to take the stopped owner's group over", 60, interval=0.2)
+        took = time.monotonic() - stopped_at
+        zombie_client.sendall(b"".join(b"z%d publish --confirm %b zombie-%d\n" % (i, event, i) for i in range(10)))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    answers = b""
+    try:
+        while answers.count(b"\n") < 10:
+            chunk = zombie_client.recv(65536)
+            if not chunk:
+                break
+            answers += chunk
+    except OSError:
+        pass
+    lines = [line for line in answers.split(b"\n") if line]
+    assert not [line for line in lines if b" ok" in line], lines
+    assert all(b"taken over by node " + taker.encode() in line for line in lines), lines
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}/cmdline") or process_state(pid) == "Z",
+             "the fenced owner to exit", 30)
+    drained = drain(cluster, queue)
+    assert drained == [f"before-{i}" for i in range(20)], drained  # nothing of the zombie's
+    print(f"SIGSTOP of an owner: group {group} taken over by node {taker} {took:.1f} s after the stop (lease "
+          f"{LEASE:g} s); the stopped owner answered {len(lines)} lines with errors after SIGCONT")
+
+
+def drain(cluster: Cluster, queue: str) -> list[str]:
+    """Every message body `queue` holds, through a client that follows the map."""
+    client = client_for(cluster)
+    bodies: list[str] = []
+    try:
+        client.consume(queue, None, lambda msg: bodies.append(msg.data))
+        quiet_since = time.monotonic()
+        count = 0
+        while time.monotonic() - quiet_since < 1.5:
+            gevent.sleep(0.1)
+            if len(bodies) != count:
+                count, quiet_since = len(bodies), time.monotonic()
+    finally:
+        client.close()
+    return bodies
+
+
+def test_cluster_move_under_load_loses_nothing(cluster, nats_cluster):
+    """`mqks cluster move GROUP NODE` while producers and consumers run: the group changes owner with no loss,
+    and `mqks cluster status` shows it."""
+    _, urls = nats_cluster
+    history = History()
+    work = Workload(cluster, history)
+    moves = []
+    try:
+        for _ in range(3):
+            owners = cluster.wait_owned()
+            wait_for(lambda: len(history.confirmed) > 200 + len(moves) * 200, "confirmed publishes", 60)
+            group = 0
+            target = next(node for node in sorted(cluster.nodes) if node != owners[group])
+            started = time.monotonic()
+            done = mqks_cluster("move", str(group), target, "--log", ",".join(urls), "--cluster", cluster.name)
+            assert done.returncode == 0, done.stderr
+            moves.append(time.monotonic() - started)
+            assert f"group {group}: owned by node {target}" in done.stdout
+    finally:
+        work.stop()
+        work.settle()
+    verdict = history.check()
+    status = mqks_cluster("status", "--json", "--log", ",".join(urls), "--cluster", cluster.name)
+    rows = json.loads(status.stdout)
+    assert [row["group"] for row in rows] == list(range(cluster.groups))
+    assert all(row["owner"] == row["answering"] for row in rows), rows
+    print(f"mqks cluster move under load, 3 moves: {verdict}; each move took {', '.join(f'{s:.1f}' for s in moves)} s")
+    assert verdict["confirmed"] > 400
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (Z: exited, not yet reaped)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
