@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import gevent
+import gevent.server
 import gevent.socket
 from conftest import READY_TIMEOUT_SECONDS, BrokerProcess, child_pids
 from helpers import free_port
@@ -88,15 +89,16 @@ class Cluster:
     """Three (or more) MQKS nodes of one cluster on one NATS cluster."""
 
     def __init__(self, name: str, urls: list[str], nodes: tuple[str, ...] = ("A", "B", "C"), groups: int = 4,
-                 lease: float = 6.0, extra: tuple[str, ...] = ()) -> None:
+                 lease: float = 6.0, node_urls: dict[str, list[str]] | None = None) -> None:
         self.name = name
         self.urls = urls
         self.groups = groups
-        self.args = ("--cluster", name, "--log", ",".join(urls), "--groups", str(groups), "--lease", str(lease),
-                     "--eval", *extra)
+        self.lease = lease
+        self.args = ("--cluster", name, "--groups", str(groups), "--lease", str(lease), "--eval")
         self.nodes: dict[str, ClusterNode] = {}
         for node in nodes:  # started together, as an operator's three hosts would be
-            self.nodes[node] = ClusterNode(node, *self.args, "--node", node, port=free_port())
+            log = ",".join((node_urls or {}).get(node, urls))  # a node may reach NATS its own way (a proxy)
+            self.nodes[node] = ClusterNode(node, *self.args, "--log", log, "--node", node, port=free_port())
 
     def ports(self, alive_only: bool = True) -> list[int]:
         return [node.port for node in self.nodes.values() if node.alive() or not alive_only]
@@ -201,3 +203,54 @@ class History:
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))] if ordered else 0.0
+
+
+class Proxy:
+    """A TCP proxy on loopback that can be cut (every connection closed, new ones refused) and healed, on one port:
+    a node's way to one NATS server, so the node alone loses NATS while its clients still reach it."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.pairs: set[Any] = set()
+        self.server: gevent.server.StreamServer | None = None  # type: ignore[name-defined]
+        self.heal()
+
+    def heal(self) -> None:
+        self.server = gevent.server.StreamServer(("127.0.0.1", self.port), self.handle)
+        self.server.init_socket()
+        self.server.start()
+
+    def cut(self) -> None:
+        assert self.server is not None
+        self.server.stop(timeout=0)
+        for sock in list(self.pairs):
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self.pairs.clear()
+
+    def handle(self, client: Any, address: Any) -> None:
+        try:
+            upstream = gevent.socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        self.pairs.update((client, upstream))
+
+        def pump(source: Any, sink: Any) -> None:
+            try:
+                while chunk := source.recv(1 << 16):
+                    sink.sendall(chunk)
+            except OSError:
+                pass
+            for sock in (source, sink):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+                self.pairs.discard(sock)
+
+        gevent.joinall([gevent.spawn(pump, client, upstream), gevent.spawn(pump, upstream, client)])

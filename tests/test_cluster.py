@@ -297,3 +297,108 @@ def process_state(pid: int) -> str:
     """The state letter of /proc/PID/stat (Z: exited, not yet reaped)."""
     with open(f"/proc/{pid}/stat", encoding="ascii") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def stream_leaders(cluster: Cluster) -> dict[str, str]:
+    """Stream name -> the NATS node leading it."""
+    import asyncio
+
+    import nats
+
+    async def read() -> dict[str, str]:
+        nc = await nats.connect(servers=cluster.urls)
+        js = nc.jetstream()
+        leaders = {}
+        for group in range(cluster.groups):
+            name = f"{cluster.name}-{group}-of-{cluster.groups}"
+            info = await js.stream_info(name)
+            leaders[name] = info.cluster.leader if info.cluster is not None else ""
+        await nc.close()
+        return leaders
+
+    return asyncio.run(read())
+
+
+def epochs(cluster: Cluster) -> dict[int, int]:
+    info = cluster.hello()
+    assert info is not None
+    return {entry["worker"]: entry["epoch"] for entry in info["direct"]}
+
+
+def test_a_nats_leader_kill_stalls_owners_but_fails_nothing_over(nats_cluster):
+    """kill -9 the NATS node leading the most groups' streams, with the default lease: an election inside NATS,
+    no takeover in MQKS (every group keeps its owner and epoch), nothing confirmed is lost."""
+    from mqks.server.journal.nats_local import load, restart
+
+    directory, urls = nats_cluster
+    cluster = Cluster(unique("c").replace("-", "_"), urls, lease=12.0)
+    try:
+        cluster.wait_owned()
+        history = History()
+        work = Workload(cluster, history)
+        try:
+            wait_for(lambda: len(history.confirmed) > 300, "confirmed publishes", 60)
+            before = epochs(cluster)
+            leaders = list(stream_leaders(cluster).values())
+            leader = max(sorted(set(leaders)), key=leaders.count)
+            node = next(node for node in load(str(directory)) if node.name == leader)
+            os.kill(node.pid, signal.SIGKILL)
+            killed_at, confirmed_then = time.monotonic(), len(history.confirmed)
+            wait_for(lambda: len(history.confirmed) > confirmed_then + 300, "confirms after the election", 60)
+            resumed = time.monotonic() - killed_at
+            restart(str(directory), node.name)
+        finally:
+            work.stop()
+            work.settle()
+        verdict = history.check()
+        assert epochs(cluster) == before, "a NATS election made MQKS fail a group over"
+        print(f"NATS leader kill (it led {leaders.count(leader)} of {cluster.groups} streams): confirms flowed again "
+              f"{resumed:.1f} s after; no group changed owner; {verdict}")
+    finally:
+        cluster.stop()
+
+
+def test_an_owner_cut_off_from_nats_steps_down_and_its_groups_move(nats_cluster):
+    """A node whose way to NATS is cut (its clients still reach it) stops confirming, steps down after the
+    lease, and standbys on the other nodes take its groups over; after the heal it stands by again."""
+    from cluster_harness import Proxy
+
+    _, urls = nats_cluster
+    proxies = [Proxy(int(url.rpartition(":")[2])) for url in urls]
+    cluster = Cluster(unique("c").replace("-", "_"), urls,
+                      node_urls={"A": [f"nats://127.0.0.1:{proxy.port}" for proxy in proxies]})
+    try:
+        owners = cluster.wait_owned()
+        if "A" not in owners.values():  # A must own something to lose it: hand it a group
+            _, done = None, mqks_cluster("move", "0", "A", "--log", ",".join(urls), "--cluster", cluster.name)
+            assert done.returncode == 0, done.stderr
+            owners = cluster.wait_owned()
+        cut_groups = [group for group, node in owners.items() if node == "A"]
+        history = History()
+        work = Workload(cluster, history)
+        try:
+            wait_for(lambda: len(history.confirmed) > 300, "confirmed publishes", 60)
+            for proxy in proxies:
+                proxy.cut()
+            cut_at = time.monotonic()
+            after = cluster.wait_owned(without=("A",), timeout=90)
+            moved = time.monotonic() - cut_at
+            assert all(after[group] != "A" for group in cut_groups)
+            wait_for(lambda: "steps down as its owner" in cluster.nodes["A"].log(), "A's owners to step down", 30)
+            for proxy in proxies:
+                proxy.heal()
+            wait_for(lambda: "standing by" in cluster.nodes["A"].log().rpartition("steps down")[2],
+                     "A to stand by again after the heal", 60)
+            confirmed_then = len(history.confirmed)
+            wait_for(lambda: len(history.confirmed) > confirmed_then + 200, "confirms after the heal", 60)
+        finally:
+            work.stop()
+            work.settle()
+        verdict = history.check()
+        print(f"owner cut off from NATS: its {len(cut_groups)} groups owned elsewhere {moved:.1f} s after the cut "
+              f"(lease {cluster.lease:g} s); {verdict}")
+        assert_no_old_epoch_applied(cluster)
+    finally:
+        cluster.stop()
+        for proxy in proxies:
+            proxy.cut()

@@ -256,6 +256,8 @@ class JetStreamLog:
         self._wake_event: asyncio.Event | None = None
         self._last_sent_at = 0.0
         self._read_seq = 0  # a standby: the last sequence read
+        self._reader: Any = None  # replay's pull consumer
+        self._next_seq = 1  # the next sequence it reads
         # figures
         self._puback_ms: deque[float] = deque(maxlen=PUBACK_SAMPLES)
         self._stream_bytes = 0
@@ -599,33 +601,51 @@ class JetStreamLog:
         return int(info.state.last_seq)
 
     async def _open_reader(self, nc: Any, start_seq: int = 0) -> int:
+        """A reader from `start_seq` (the start: 0); the stream's last sequence. A reader that cannot be made now
+        (an election) is made by the next read."""
+        last_seq = await self._last_seq(nc)
+        if self._reader is not None:
+            await self._close_reader(nc)
+        self._next_seq = max(1, start_seq)
+        await self._make_reader(nc)
+        return last_seq
+
+    async def _make_reader(self, nc: Any) -> None:
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-        last_seq = await self._last_seq(nc)
-        if getattr(self, "_reader", None) is not None:
-            await self._close_reader(nc)
-        policy = dict(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq) if start_seq else dict(
+        start = self._next_seq
+        policy = dict(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start) if start > 1 else dict(
             deliver_policy=DeliverPolicy.ALL)
         self._reader = await nc.jetstream(timeout=10).pull_subscribe(
             self.subject, durable=None, stream=self.stream,
             config=ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=60.0, **policy))
-        return last_seq
 
     async def _read_batch(self, nc: Any, timeout: float = 5.0) -> list[tuple[int, dict[str, str] | None, bytes]]:
+        """The next messages in order ([] when none came within `timeout`); after a failure the next call reads on
+        from where this one stopped, on a new reader (its NATS node may have gone)."""
         from nats.errors import TimeoutError as NatsTimeout
 
+        if self._reader is None:
+            await self._make_reader(nc)
         try:
             msgs = await self._reader.fetch(REPLAY_BATCH, timeout=timeout)
         except (NatsTimeout, TimeoutError):  # nats-py raises either, by where the wait ended
             return []
-        return [(msg.metadata.sequence.stream, msg.headers, msg.data) for msg in msgs]
+        except Exception:
+            await self._close_reader(nc)
+            raise
+        batch = [(msg.metadata.sequence.stream, msg.headers, msg.data) for msg in msgs]
+        if batch:
+            self._next_seq = batch[-1][0] + 1
+        return batch
 
     async def _close_reader(self, nc: Any) -> None:
-        try:
-            await self._reader.unsubscribe()
-        except Exception:
-            pass
-        self._reader = None
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            try:
+                await reader.unsubscribe()
+            except Exception:
+                pass
 
     async def _ask_owner(self, nc: Any, silent_is_owner: bool = False) -> str | None:
         """The running owner's description, or None when no broker answers for the stream (with `silent_is_owner`,
@@ -689,6 +709,7 @@ class JetStreamLog:
             await nc.subscribe(f"mqks.move.{self.stream}", cb=self._on_move)
         wake.set()  # commits handed during the replay's end
         last_check = self._last_sent_at = time.monotonic()
+        checking: asyncio.Future[None] | None = None
         while not self._stopping and self.fenced_by is None:
             try:
                 await asyncio.wait_for(wake.wait(), TAIL_CHECK_SECONDS)
@@ -710,9 +731,9 @@ class JetStreamLog:
                     and now - self._last_sent_at >= candidacy.heartbeat_seconds):
                 self._add_frame(b"", False, 0, False, False)  # the lease: standbys take over after silence
             await self._send(nc)
-            if now - last_check >= TAIL_CHECK_SECONDS:
+            if now - last_check >= TAIL_CHECK_SECONDS and (checking is None or checking.done()):
                 last_check = now
-                await self._check_tail(nc)
+                checking = asyncio.ensure_future(self._check_tail(nc))
 
     def _take_handed(self) -> None:
         """The hub's commits into frames: merged up to the frame size, split over max_payload."""
@@ -850,14 +871,19 @@ class JetStreamLog:
             log.warning("stream %s: purge below %d failed: %s", self.stream, below, e)
 
     async def _check_tail(self, nc: Any) -> None:
-        """Each second: the stream's figures; and when idle, a stream that grew behind this writer's back means a
-        rival (or a late frame): read its tail."""
+        """Each second, as a task of its own (a slow JetStream API call must not hold the writer): the stream's
+        figures; and a stream that grew past this writer's last frame while it had nothing in flight means a rival
+        (or a late frame): read its tail. A read that overlapped a send is stale, not a rival."""
+        expected = self._tail_seq
+        idle = not self._in_flight and not self._unsent
         try:
             last = await self._last_seq(nc)
         except Exception:
             return
-        if last != self._tail_seq and not self._in_flight and not self._unsent:
-            self._in_trouble(f"the stream's last sequence is {last}, not {self._tail_seq}")
+        if (last > expected and idle and expected == self._tail_seq and not self._in_flight and not self._unsent
+                and self._trouble is None):
+            self._in_trouble(f"the stream's last sequence is {last}, past this writer's {expected}")
+            self._poke()
 
     async def _read_tail(self, nc: Any) -> None:
         """After a refusal, an error or a timeout: settle every frame from the stream itself, then go on."""

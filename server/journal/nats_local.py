@@ -108,7 +108,9 @@ def node_config(node: Node, nodes: list[Node], cluster: str) -> str:
             # an MQKS frame is a batch of records; the replicated log splits one past the payload limit
             "max_payload: 8MB\n"
             f"jetstream {{\n  store_dir: {json.dumps(node.store_dir)}\n  sync_interval: always\n}}\n"
-            f"cluster {{\n  name: {cluster}\n  listen: 127.0.0.1:{node.cluster_port}\n  routes: [{routes}]\n}}\n")
+            # no_advertise: a client reconnects only to the servers it was given (--log), never around a proxy
+            f"cluster {{\n  name: {cluster}\n  listen: 127.0.0.1:{node.cluster_port}\n  routes: [{routes}]\n"
+            "  no_advertise: true\n}\n")
 
 
 def up(directory: str, nodes: int = 3, cluster: str = "mqks", base_port: int | None = None) -> list[Node]:
