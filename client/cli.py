@@ -387,10 +387,13 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
                                              parser_class=stats.Parser)
     cluster_status = cluster_actions.add_parser("status", help="each group: owner, epoch, NATS leader, standbys' lag")
     cluster_status.add_argument("--json", action="store_true", help="one JSON array instead of a table")
-    cluster_move = cluster_actions.add_parser("move", help="hand a group to a node that stands by for it")
+    cluster_move = cluster_actions.add_parser("move", help="hand a group to a node that stands by for it, and pin it "
+                                                           "there (the nodes' balancing leaves it alone)")
     cluster_move.add_argument("group", type=int)
     cluster_move.add_argument("node")
-    for action in (cluster_status, cluster_move):
+    cluster_unpin = cluster_actions.add_parser("unpin", help="let the nodes balance pinned groups again")
+    cluster_unpin.add_argument("groups", type=int, nargs="*", help="(default: every pinned group)")
+    for action in (cluster_status, cluster_move, cluster_unpin):
         action.add_argument("--log", required=True, metavar="NATS_URLS", help="the cluster's NATS servers, as mqksd's")
         action.add_argument("--cluster", required=True, metavar="NAME", help="the cluster's name, as mqksd's")
     cluster.set_defaults(run=None)
@@ -402,10 +405,14 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     import asyncio
 
     from mqks.server.journal.jetstream_log import log_urls
-    from mqks.server.node.cluster import move_group, read_cluster
+    from mqks.server.node.cluster import move_group, read_cluster, unpin_groups
 
     urls = log_urls(args.log)
     try:
+        if args.cluster_action == "unpin":
+            unpinned = asyncio.run(unpin_groups(urls, args.cluster, args.groups))
+            print(f"unpinned groups: {', '.join(map(str, unpinned))}" if unpinned else "no group was pinned")
+            return EXIT_OK
         if args.cluster_action == "move":
             row = asyncio.run(move_group(urls, args.cluster, args.group, args.node))
             print(f"group {row['group']}: owned by node {row['owner']} (epoch {row['epoch']}) at {row['address']}")
@@ -420,13 +427,13 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return EXIT_OK
-    table = [("GROUP", "OWNER", "EPOCH", "ADDRESS", "ANSWERS", "NATS LEADER", "LAST SEQ", "STANDBYS (LAG)")]
+    table = [("GROUP", "OWNER", "EPOCH", "ADDRESS", "ANSWERS", "PINNED", "NATS LEADER", "LAST SEQ", "STANDBYS (LAG)")]
     for row in rows:
         standbys = ", ".join(f"{s['node']} ({s['lag']})" for s in row["standbys"]) or "-"
         table.append((str(row["group"]), str(row["owner"] or "-"), str(row["epoch"] or "-"), str(row["address"] or "-"),
-                      "yes" if row["answering"] == row["owner"] and row["owner"] else "NO", str(row["leader"] or "-"),
-                      str(row["last_seq"]), standbys))
-    print(render_table(table, (0, 2, 6), "no groups"))
+                      "yes" if row["answering"] == row["owner"] and row["owner"] else "NO", row["pinned"] or "-",
+                      str(row["leader"] or "-"), str(row["last_seq"]), standbys))
+    print(render_table(table, (0, 2, 7), "no groups"))
     return EXIT_OK
 
 

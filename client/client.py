@@ -304,9 +304,13 @@ class Client:
             self._retire(route.worker)
         session = Consumers(f"{route.host}:{route.port}", self._new_rid, self._consumers.by_any_id, route.worker,
                             self._on_connect)
-        # the public address as a fallback: a direct port a firewall hides still leaves a working (relayed) route
+        # the public addresses as fallbacks, the one in use first: a direct port a firewall hides still leaves a
+        # working (relayed) route, and when the owner is gone (a cluster's failover) the hello of any live seed
+        # tells the new map
+        public = self._link.addresses
+        start = self._link.address_index
         session.link = Link(route.host, route.port, session, self._new_rid, unix=route.unix,
-                            tls_hostname=self._link.host, fallbacks=[(self._link.host, self._link.port)],
+                            tls_hostname=self._link.host, fallbacks=public[start:] + public[:start],
                             **self._link_options)
         self._direct[route.worker] = (route, session)
         session.link.start(0.0)

@@ -137,6 +137,20 @@ class Cluster:
             return None
         return wait_for(owned, f"every group of cluster {self.name} to be owned", timeout, interval=0.2)
 
+    def wait_balanced(self, timeout: float = 90.0) -> dict[int, str]:
+        """Every group owned, and every live node owning its share (the nodes balance by themselves)."""
+        share = self.groups // len([node for node in self.nodes.values() if node.alive()])
+
+        def balanced() -> dict[int, str] | None:
+            owners = self.owners()
+            counts = [list(owners.values()).count(name) for name, node in self.nodes.items() if node.alive()]
+            return owners if len(owners) == self.groups and min(counts) >= share else None
+        return wait_for(balanced, f"the groups of cluster {self.name} to spread over its nodes", timeout, interval=0.5)
+
+    def lease_takeovers(self) -> int:
+        """Takeovers after an owner's silence (not moves, not first claims), as the nodes logged them."""
+        return sum(node.log().count("taking it over") for node in self.nodes.values())
+
     def kill(self, node: str) -> float:
         """kill -9 the node's supervisor and every process of it (a lost host); the monotonic time of the kill."""
         victim = self.nodes[node]

@@ -398,40 +398,54 @@ class JetStreamLog:
                 self._balance()
 
     def _balance(self) -> None:
-        """A node that owns at least two groups fewer than this group's owner node asks for this group (one request
-        at a time per node, so two of its standbys never both pull): nodes that restarted get work back."""
+        """Ask for this group when it is pinned here (`mqks cluster move` put it on this node, and a failover took it
+        away), or when it is not pinned and this node owns at least two groups fewer than its owner's node: nodes
+        that restarted or joined get work back. One request at a time per node, so two of its standbys never both
+        pull; a pinned group is never pulled elsewhere, so an operator's moves (draining a node) stay."""
         candidacy = self.candidacy
         assert candidacy is not None
         try:
-            counts, owner = self.bridge.run(self._owners_by_node, timeout=10)
+            counts, owner, pin = self.bridge.run(self._owners_by_node, timeout=10)
         except Exception:  # NATS out of reach: nothing to balance now
             return
-        if owner is None or owner == candidacy.node or counts.get(owner, 0) - candidacy.owned_here() < 2:
+        if owner is None or owner == candidacy.node:
+            return
+        if pin is not None:
+            if pin != candidacy.node:
+                return
+            why = f"it is pinned to this node (mqks cluster move) and node {owner} has it"
+        elif counts.get(owner, 0) - candidacy.owned_here() >= 2:
+            why = f"node {owner} owns {counts[owner]} groups, this node {candidacy.owned_here()}"
+        else:
             return
         if not candidacy.may_pull():
             return
-        log.info("stream %s: node %s owns %d groups, this node %d: asking for this one", self.stream, owner,
-                 counts[owner], candidacy.owned_here())
+        log.info("stream %s: %s: asking for it", self.stream, why)
         try:
             self.bridge.run(lambda nc: nc.request(f"mqks.move.{self.stream}", candidacy.node.encode(), timeout=5),
                             timeout=10)
         except Exception as e:
             log.info("stream %s: its owner did not take the request (%s)", self.stream, e)
 
-    async def _owners_by_node(self, nc: Any) -> tuple[dict[str, int], str | None]:
-        """How many groups each node owns, as the cluster map says; and the node that owns this group."""
+    async def _owners_by_node(self, nc: Any) -> tuple[dict[str, int], str | None, str | None]:
+        """How many groups each node owns, as the cluster map says; the node that owns this group, and the one it is
+        pinned to (None: not pinned)."""
         from ..node.cluster import open_bucket
 
         candidacy = self.candidacy
         assert candidacy is not None
         kv = await open_bucket(nc, candidacy, self.replicas)
         counts: dict[str, int] = {}
-        this_owner = None
+        this_owner = pin = None
         try:
-            keys = [key for key in await kv.keys() if key.startswith("owner.")]
+            keys = await kv.keys()
         except Exception:  # NoKeysError: nobody owns anything yet
-            return counts, None
+            return counts, None, None
+        if f"pin.{candidacy.group}" in keys:
+            pin = ((await kv.get(f"pin.{candidacy.group}")).value or b"").decode() or None
         for key in keys:
+            if not key.startswith("owner."):
+                continue
             try:
                 node = json.loads((await kv.get(key)).value or b"{}").get("node")
             except ValueError:
@@ -439,7 +453,7 @@ class JetStreamLog:
             counts[node] = counts.get(node, 0) + 1
             if key == f"owner.{candidacy.group}":
                 this_owner = node
-        return counts, this_owner
+        return counts, this_owner, pin
 
     async def _report_standby(self, nc: Any) -> None:
         candidacy = self.candidacy

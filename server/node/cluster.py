@@ -157,10 +157,14 @@ async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
             if prefix.startswith(f"{cluster}-") and size.isdigit():
                 streams[int(prefix.rpartition("-")[2])] = info
         entries: dict[str, dict[str, Any]] = {}
+        pins: dict[int, str] = {}
         try:
             kv = await js.key_value(f"mqks-{cluster}")
             for key in await kv.keys():
                 entry = await kv.get(key)
+                if key.startswith("pin."):
+                    pins[int(key.partition(".")[2])] = (entry.value or b"").decode()
+                    continue
                 try:
                     entries[key] = json.loads(entry.value or b"{}")
                 except ValueError:
@@ -186,15 +190,35 @@ async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
                          "last_seq": last_seq, "messages": info.state.messages, "bytes": info.state.bytes,
                          "owner": owner.get("node"), "epoch": owner.get("epoch"),
                          "address": f"{owner.get('host')}:{owner.get('port')}" if owner else None,
-                         "answering": (answering or {}).get("node"),
+                         "answering": (answering or {}).get("node"), "pinned": pins.get(group),
                          "standbys": [s for s in standbys if s["node"] != (answering or owner).get("node")]})
         return rows
     finally:
         await nc.close()
 
 
+async def unpin_groups(urls: list[str], cluster: str, groups: list[int]) -> list[int]:
+    """Let the nodes balance `groups` (every pinned group when empty) again; the groups that were pinned."""
+    import nats
+
+    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
+    try:
+        kv = await nc.jetstream(timeout=5).key_value(f"mqks-{cluster}")
+        try:
+            pinned = [int(key.partition(".")[2]) for key in await kv.keys() if key.startswith("pin.")]
+        except Exception:  # NoKeysError
+            pinned = []
+        unpinned = [group for group in pinned if not groups or group in groups]
+        for group in unpinned:
+            await kv.delete(f"pin.{group}")
+        return sorted(unpinned)
+    finally:
+        await nc.close()
+
+
 async def move_group(urls: list[str], cluster: str, group: int, node: str, timeout: float = 60.0) -> dict[str, Any]:
-    """Ask the owner of `group` to hand it to `node` (a standby of it), and wait until the map names that node."""
+    """Pin `group` to `node` (a standby of it), ask its owner to hand it over, and wait until the map names that
+    node."""
     import time
 
     import nats
@@ -212,6 +236,9 @@ async def move_group(urls: list[str], cluster: str, group: int, node: str, timeo
                          f"{', '.join(str(s['node']) for s in row['standbys']) or 'none'})")
     nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
     try:
+        # pinned: no node's balancing pulls it elsewhere, and it comes back here after a failover
+        kv = await nc.jetstream(timeout=5).key_value(f"mqks-{cluster}")
+        await kv.put(f"pin.{group}", node.encode())
         try:
             await nc.request(f"mqks.move.{row['stream']}", node.encode(), timeout=5)
         except (NoRespondersError, NatsTimeout):
