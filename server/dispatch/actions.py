@@ -164,9 +164,12 @@ def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -
         raise ProtocolError(journal.refusal())
     process = session.process
     # a line another worker forwarded (its session publishes to this worker's broker only) is never sent on
-    if session.publisher is not process.broker and process.forwarder.routes_elsewhere(event):
-        process.forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'
-        return
+    if session.publisher is not process.broker:
+        if process.peers.unlinked:
+            raise ProtocolError(process.peers.unlinked_reason())
+        if process.forwarder.routes_elsewhere(event):
+            process.forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'
+            return
     full = session.publisher.full_queues(event)
     session.publisher.publish(rid, event, tail)
     if full:

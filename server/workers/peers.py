@@ -645,6 +645,9 @@ class Peers:
         self.count = count = process.worker_count
         self.run_dir = run_dir
         self.links: list[PeerLink | None] = [None] * count
+        # other workers with no link from here: their binding changes may be unknown here, so a confirmed
+        # publish cannot promise it reached every bound queue (actions.publish_confirmed refuses it)
+        self.unlinked = count - 1
         # how a link is opened: a Unix socket in run_dir here; a cluster's node dials the group's owner over TCP
         self.dial: Callable[[int], socket.socket] = self.dial_unix
         self.link_hello = b"- _link %d\n" % self.worker
@@ -669,6 +672,12 @@ class Peers:
         local = process.broker
         local.bindings_changed = self.broadcast_bindings
         local.broker_for = self.broker_for
+
+    def unlinked_reason(self) -> str:
+        missing = ", ".join(str(worker) for worker, link in enumerate(self.links)
+                            if link is None and worker != self.worker)
+        return (f"worker {missing} is not linked here (restarting, or its group failing over): the queues it binds are "
+                "unknown, so the message was not published; try again")
 
     def socket_path(self, worker: int) -> str:
         return os.path.join(self.run_dir, f"link-{worker}.sock")
@@ -759,10 +768,14 @@ class Peers:
         link.serve(first_bytes)
 
     def connect_all(self, timeout: float, give_up: Callable[[], bool]) -> bool:
-        """Open a link to every peer, retrying until `timeout` or `give_up()`; True if all are up."""
+        """Open a link to every peer and wait for every peer's link here, until `timeout` or `give_up()`; True if all
+        are up."""
         greenlets = [gevent.spawn(self.keep_linked, worker) for worker in range(self.count) if worker != self.worker]
         deadline = gevent.get_hub().loop.now() + timeout
-        while any(self.links[w] is None for w in range(self.count) if w != self.worker):
+        # both ways: a worker that has not linked here yet would miss this one's binding changes (the barrier
+        # waits only for the links that exist), and confirm publishes to queues it does not know are bound
+        while (any(self.links[w] is None for w in range(self.count) if w != self.worker)
+               or len({link.worker for link in self.incoming if not link.closed}) < self.count - 1):
             if gevent.get_hub().loop.now() > deadline or give_up():
                 return False
             gevent.sleep(CONNECT_RETRY_SECONDS)
@@ -806,6 +819,7 @@ class Peers:
             self.dialled[worker] = address
             link = PeerLink(sock, self, worker)
             self.links[worker] = link
+            self.unlinked -= 1
             log.info("linked to worker %d", worker)
             waiting = self.dead_waiting.pop(worker, [])
             for transfer in waiting:
@@ -821,6 +835,7 @@ class Peers:
     def link_lost(self, link: PeerLink, reason: str) -> None:
         if self.links[link.worker] is link:
             self.links[link.worker] = None
+            self.unlinked += 1
         log.warning("link to worker %d lost (%s): its clients here are closed; reconnecting", link.worker, reason)
         for fanin_id, fanin in list(self.fanins.items()):
             if link.worker in fanin.owners:
