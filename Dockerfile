@@ -19,9 +19,12 @@ RUN python -c "import runpy, sys, types; sys.modules['setuptools'] = types.Simpl
     && pip install --no-cache-dir -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
-# then the code (root-owned, read-only to the broker), without resolving dependencies again
+# then the code (root-owned, read-only to the broker), without resolving dependencies again;
+# `--build-arg EXTRAS=cluster` adds the replicated log's client (deploy/compose.cluster.yml)
+ARG EXTRAS=""
 COPY . .
-RUN pip install --no-cache-dir --no-deps .
+RUN pip install --no-cache-dir --no-deps . \
+    && if [ -n "$EXTRAS" ]; then pip install --no-cache-dir ".[$EXTRAS]"; fi
 
 # declared after the chown: a new named volume starts with the directory's owner
 VOLUME /var/lib/mqks
