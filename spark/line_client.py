@@ -189,3 +189,16 @@ def _json(data: bytes) -> Any:
         return json.loads(data)
     except ValueError:
         return None
+
+
+def connect_any(addresses: list[tuple[str, int]], security: Security | None = None, **options: Any) -> LineClient:
+    """A connection to the first of `addresses` that takes one (a cluster's nodes, in turn); else the last error."""
+    error: OSError | None = None
+    for host, port in addresses:
+        try:
+            return LineClient(host, port, security=security, **options)
+        except OSError as e:  # MqksConnectionError is one too
+            error = e
+    assert error is not None, "no address to connect to"
+    raise error
+

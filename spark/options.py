@@ -76,6 +76,19 @@ def port_option(options: Mapping[str, str]) -> int:
     return int_option(options, "port", 25000, 1, 65535)
 
 
+def seeds_option(options: Mapping[str, str]) -> tuple[tuple[str, int], ...]:
+    """`seeds=host:port,host:port`: more nodes of a cluster (or brokers behind one name) to connect to when
+    `host`:`port` cannot be reached; each is tried in turn."""
+    text = text_option(options, "seeds") or ""
+    seeds = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        host, colon, port = item.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
+            raise ValueError(f"mqks option seeds={text!r}: {item!r} is not host:port")
+        seeds.append((host, int(port)))
+    return tuple(seeds)
+
+
 def token_option(options: Mapping[str, str], name: str) -> str | None:
     value = text_option(options, name)
     if value is not None:
@@ -97,3 +110,7 @@ class Endpoint:
     port: int
     reconnect_seconds: float
     security: Security = field(default_factory=Security)
+    seeds: tuple[tuple[str, int], ...] = ()  # tried in turn after host:port
+
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(self.host, self.port), *(seed for seed in self.seeds if seed != (self.host, self.port))]

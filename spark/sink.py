@@ -23,8 +23,17 @@ from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, Wri
 from pyspark.sql.types import StructType
 
 from mqks.client.wire import answer_error, encode_token, split_answer
-from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, Security
-from mqks.spark.options import check_known, host_option, int_option, lowered, port_option, security_option, text_option
+from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, Security, connect_any
+from mqks.spark.options import (
+    check_known,
+    host_option,
+    int_option,
+    lowered,
+    port_option,
+    security_option,
+    seeds_option,
+    text_option,
+)
 
 try:
     import ujson as _json  # the server's own dependency; escapes newlines as json does
@@ -37,7 +46,7 @@ CONFIRM_TIMEOUT_SECONDS = 60.0
 SEND_EVERY_ROWS = 256  # one sendall per this many publishes
 
 
-SINK_OPTIONS = ("host", "port", "tls", "tlsCa", "token", "confirmWindow", "confirmWindowBytes", "msgIdPrefix")
+SINK_OPTIONS = ("host", "port", "seeds", "tls", "tlsCa", "token", "confirmWindow", "confirmWindowBytes", "msgIdPrefix")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +59,10 @@ class SinkOptions:
     confirm_window: int
     confirm_window_bytes: int
     msg_id_prefix: str | None
+    seeds: tuple[tuple[str, int], ...] = ()  # tried in turn after host:port (a cluster's other nodes)
+
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(self.host, self.port), *(seed for seed in self.seeds if seed != (self.host, self.port))]
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SinkOptions:
@@ -61,6 +74,7 @@ class SinkOptions:
         return cls(
             host=host_option(options),
             port=port_option(options),
+            seeds=seeds_option(options),
             security=security_option(options),
             confirm_window=int_option(options, "confirmWindow", 1000, 1, 1_000_000),
             confirm_window_bytes=int_option(options, "confirmWindowBytes", 8 << 20, 1024, 1 << 34),
@@ -176,7 +190,7 @@ class _Publisher:
                 full = unconfirmed >= window or unconfirmed_bytes >= window_bytes
                 if len(lines) >= SEND_EVERY_ROWS or full:
                     if client is None:
-                        client = LineClient(self.options.host, self.options.port, security=self.options.security)
+                        client = connect_any(self.options.addresses(), self.options.security)
                     client.send(lines)
                     lines = []
                     if full:
@@ -191,7 +205,7 @@ class _Publisher:
                             unconfirmed_bytes -= sizes.popleft()
             if lines or unconfirmed:
                 if client is None:
-                    client = LineClient(self.options.host, self.options.port, security=self.options.security)
+                    client = connect_any(self.options.addresses(), self.options.security)
                 client.send(lines)
                 _read_confirms(client, unconfirmed)
         except MqksConnectionError:

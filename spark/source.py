@@ -36,7 +36,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from mqks.client.wire import encode_token, split_answer, split_header_fields
-from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError
+from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, connect_any
 from mqks.spark.options import (
     Endpoint,
     check_known,
@@ -46,6 +46,7 @@ from mqks.spark.options import (
     lowered,
     port_option,
     security_option,
+    seeds_option,
     text_option,
 )
 
@@ -56,7 +57,7 @@ SOURCE_SCHEMA = ("msg_id STRING, event STRING, data STRING, retry INT, queue STR
 SOURCE_FIELDS = [("msg_id", "string"), ("event", "string"), ("data", "string"), ("retry", "int"),
                  ("queue", "string"), ("received_at", "timestamp"), ("seq", "bigint")]
 SOURCE_OPTIONS = ("host", "port", "tls", "tlsCa", "token", "queue", "queues", "events", "maxRecordsPerBatch",
-                  "maxBytesPerBatch", "numPartitions", "leaseSeconds", "idleAckSeconds", "reconnectSeconds")
+                  "maxBytesPerBatch", "numPartitions", "leaseSeconds", "idleAckSeconds", "reconnectSeconds", "seeds")
 ANSWER_TIMEOUT_SECONDS = 60.0
 FETCH_ROWS = 20_000  # one fetch answer: bounded well below the broker's limit on unread output
 FETCH_BYTES = 8 << 20
@@ -109,7 +110,8 @@ class SourceOptions:
                              "stays leased until the next batch (or the idle tick) acks it")
         return cls(
             endpoint=Endpoint(host_option(options), port_option(options),
-                              float_option(options, "reconnectSeconds", 60.0, 0.0, 86_400.0), security_option(options)),
+                              float_option(options, "reconnectSeconds", 60.0, 0.0, 86_400.0), security_option(options),
+                              seeds_option(options)),
             queues=queues,
             events=events,
             max_records_per_batch=int_option(options, "maxRecordsPerBatch", 50_000, 1, 100_000_000),
@@ -205,7 +207,7 @@ class Control:
         while True:
             try:
                 if self.client is None:
-                    self.client = LineClient(endpoint.host, endpoint.port, security=endpoint.security)
+                    self.client = connect_any(endpoint.addresses(), endpoint.security)
                 return self._exchange(requests)
             except (OSError, MqksConnectionError) as e:
                 self.close()
@@ -399,8 +401,7 @@ def _client(endpoint: Endpoint, fresh: bool) -> LineClient:
         delay = 0.1
         while True:
             try:
-                client = _CLIENTS[key] = LineClient(endpoint.host, endpoint.port, security=endpoint.security,
-                                                    hello=True)
+                client = _CLIENTS[key] = connect_any(endpoint.addresses(), endpoint.security, hello=True)
                 break
             except OSError as e:
                 if time.monotonic() + delay > deadline:
