@@ -189,6 +189,8 @@ def check_log_args(parser: Parser, args: argparse.Namespace) -> None:
             parser.error("--takeover needs --log")
         if args.cluster is not None:
             parser.error("--cluster needs --log nats://...: the groups' logs are streams on NATS")
+        if args.node is not None or args.advertise is not None:
+            parser.error("--node and --advertise need --cluster")
         return
     check_cluster_args(parser, args)
     if not args.log.replace(",", "").strip():

@@ -108,11 +108,26 @@ def test_mqksd_defaults_are_safe():
     (["--max-memory", "lots"], "not a size in bytes: 'lots'"),
     (["--max-memory", "1K"], "--max-memory must be at least 1048576"),
     (["--max-link-backlog", "1K"], "--max-link-backlog must be at least 1048576"),
+    (["--cluster", "c"], "--cluster needs --log nats://"),
+    (["--log", ""], "--log needs the NATS servers' URLs"),
+    (["--cluster", "c", "--log", "nats://127.0.0.1:4222"], "--cluster needs --node ID"),
+    (["--cluster", "c", "--node", "a b", "--log", "nats://127.0.0.1:4222"], "--cluster needs --node ID"),
+    (["--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:4222", "--workers", "2"],
+     "--workers has no meaning with --cluster"),
+    (["--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:4222", "--takeover"],
+     "--takeover has no meaning with --cluster"),
+    (["--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:4222", "--lease", "1"], "--lease must be at least 3"),
+    (["--node", "a"], "--node and --advertise need --cluster"),
 ])
 def test_bad_flag_value_exits_with_usage_error(flags, reason):
     result = subprocess.run([sys.executable, "-m", "mqks.server", *flags], capture_output=True,
                             text=True, timeout=30)
     assert result.returncode == 2 and reason in result.stderr
+
+
+def test_a_cluster_node_runs_a_process_per_group_named_after_the_cluster():
+    config = parse_args(["--cluster", "prod", "--node", "a", "--log", "nats://n1:4222,nats://n2:4222", "--groups", "8"])
+    assert (config.workers, config.log_stream, config.node, config.lease_seconds) == (8, "prod", "a", 12.0)
 
 
 def test_max_memory_reads_sizes_with_units():

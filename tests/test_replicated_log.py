@@ -417,3 +417,24 @@ def test_nats_out_of_reach_at_start_is_one_clear_line_and_exit_1():
     assert done.returncode == 1
     assert f"cannot start: cannot reach NATS at nats://127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_replay_starts_at_a_snapshot_past_frames_a_purge_removed():
+    """A standby that fell behind may find the frames before a snapshot purged: the snapshot stands for them.
+    Frames after it that arrived first are kept; an idle owner's empty heartbeat frames hold no record."""
+    from mqks.server.journal.jetstream_log import EPOCH, FRAME, HANDOFF, SNAPSHOT, Replayer
+
+    replayer = Replayer()
+    feed = replayer.feed
+    assert feed({EPOCH: "1", FRAME: "0"}, b"W 1 a") == [b"W 1 a"]
+    assert feed({EPOCH: "1", FRAME: "1"}, b"r1") == [b"r1"]
+    assert feed({EPOCH: "1", FRAME: "2"}, b"") == []  # a heartbeat
+    # frames 3..5 were purged before this reader saw them; 7 came before 6 (sent again after an election)
+    assert feed({EPOCH: "1", FRAME: "7"}, b"after") == []
+    assert feed({EPOCH: "1", FRAME: "6", SNAPSHOT: "1"}, b"SB\nsnap") == [b"SB", b"snap", b"after"]
+    assert replayer.handoff is None
+    assert feed({EPOCH: "1", FRAME: "8", HANDOFF: "b"}, b"") == []
+    assert replayer.handoff == "b"
+    # a gap without a snapshot waits for the missing frame
+    assert feed({EPOCH: "1", FRAME: "10"}, b"r10") == []
+    assert feed({EPOCH: "1", FRAME: "9"}, b"r9") == [b"r9", b"r10"]
