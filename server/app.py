@@ -59,25 +59,6 @@ LINK_WAIT_SECONDS = 10.0  # at start: how long a worker waits for the others bef
 CLUSTER_DIAL_RETRY_SECONDS = 0.2  # a group's owner unknown or unreachable: dial again after this
 
 
-PULL_TURN = "pulling"  # in a cluster node's run dir while one of its standbys has asked for its group
-PULL_TURN_SECONDS = 30.0  # a turn whose group never came (its owner refused or died) ends after this
-
-
-def take_pull_turn(run_dir: str) -> bool:
-    """True if no other standby of this node is pulling a group now (one balance move at a time per node)."""
-    path = os.path.join(run_dir, PULL_TURN)
-    try:
-        if time.time() - os.stat(path).st_mtime > PULL_TURN_SECONDS:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
-
-
 class ErrorIds:
     """24-character error ids, unique over the server's life and sortable by time, as the original's.
 
@@ -259,10 +240,11 @@ class Server:
         if config.cluster is not None:
             assert config.node is not None
             owner = f"node {config.node} ({config.advertise or config.host}:{config.port} pid {os.getpid()})"
-            run_dir = config.run_dir or "."
+            from .node.cluster import NodeDir
+
+            node_dir = NodeDir(config.run_dir or ".")
             candidacy = Candidacy(config.cluster, config.node, config.worker_index or 0, config.lease_seconds,
-                                  owned_here=lambda: sum(name.startswith("owns-") for name in os.listdir(run_dir)),
-                                  may_pull=lambda: take_pull_turn(run_dir))
+                                  owned_here=node_dir.owned, may_pull=node_dir.take_pull_turn)
         assert config.log is not None
         log_ = JetStreamLog(log_urls(config.log), stream, owner, replicas=config.log_replicas,
                             takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
@@ -501,13 +483,10 @@ class Server:
             about["tls_port"] = direct_tls.server_port
         cluster_map.entries[peers.worker] = about
         cluster_map.start(about)
-        if config.run_dir is not None:  # the node's other standbys claim later while it owns more (Candidacy)
-            with open(os.path.join(config.run_dir, f"owns-{peers.worker}"), "w", encoding="utf-8") as f:
-                f.write(str(os.getpid()))
-            try:  # the group this node pulled (if it was this one) is here: another may be asked for
-                os.unlink(os.path.join(config.run_dir, PULL_TURN))
-            except FileNotFoundError:
-                pass
+        if config.run_dir is not None:
+            from .node.cluster import NodeDir
+
+            NodeDir(config.run_dir).owner_of(peers.worker)
 
     def handle_link(self, sock: socket.socket, address: object) -> None:
         """Another worker's link: its first line says which worker it is."""

@@ -15,7 +15,9 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,8 @@ from ..journal.nats_bridge import NatsBridge
 
 log = logging.getLogger("mqks.cluster")
 
+PULL_TURN = "pulling"  # in a node's run dir while one of its standbys has asked for its group
+PULL_TURN_SECONDS = 30.0  # a turn whose group never came (its owner refused or died) ends after this
 WATCH_RENEW_SECONDS = 20.0  # a watch that brought nothing this long is made again (its NATS node may have gone)
 RETRY_SECONDS = 1.0
 
@@ -50,6 +54,41 @@ async def open_bucket(nc: Any, candidacy: Candidacy, replicas: int) -> Any:
                     raise
                 log.warning("bucket %s: %s; trying %d replicas", candidacy.bucket, e, tries - 1)
     raise AssertionError("unreachable")
+
+
+class NodeDir:
+    """What a node's processes tell each other through its run dir: which groups they own (`owns-g`, removed by
+    the node's supervisor when the process ends), and whether one of them is pulling a group now."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def owned(self) -> int:
+        """Groups this node owns now."""
+        return sum(name.startswith("owns-") for name in os.listdir(self.path))
+
+    def owner_of(self, group: int) -> None:
+        """This process owns `group`; the pull that brought it here (if one did) is over."""
+        with open(os.path.join(self.path, f"owns-{group}"), "w", encoding="utf-8") as f:
+            f.write(str(os.getpid()))
+        try:
+            os.unlink(os.path.join(self.path, PULL_TURN))
+        except FileNotFoundError:
+            pass
+
+    def take_pull_turn(self) -> bool:
+        """True if no other standby of this node is pulling a group now (one balance move at a time per node)."""
+        path = os.path.join(self.path, PULL_TURN)
+        try:
+            if time.time() - os.stat(path).st_mtime > PULL_TURN_SECONDS:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
 
 
 class ClusterMap:
@@ -140,8 +179,6 @@ class ClusterMap:
 async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
     """One row per slot group: its stream, the NATS leader, the owner the map names and the one that answers its
     ping, and each standby's lag behind the stream's last sequence."""
-    import time
-
     import nats
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
@@ -219,8 +256,6 @@ async def unpin_groups(urls: list[str], cluster: str, groups: list[int]) -> list
 async def move_group(urls: list[str], cluster: str, group: int, node: str, timeout: float = 60.0) -> dict[str, Any]:
     """Pin `group` to `node` (a standby of it), ask its owner to hand it over, and wait until the map names that
     node."""
-    import time
-
     import nats
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
