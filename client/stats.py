@@ -167,6 +167,8 @@ def add_connection_arguments(parser: argparse.ArgumentParser, defaults: bool = T
 
     parser.add_argument("--host", default=default("127.0.0.1"), help="broker host (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=default(25000), help="broker port (default 25000)")
+    parser.add_argument("--seeds", default=default(None), metavar="HOST:PORT,...",
+                        help="more brokers to try when --host:--port cannot be reached (a cluster's other nodes)")
     parser.add_argument("--timeout", type=float, default=default(10.0), metavar="SECONDS",
                         help="connect and answer timeout (default 10)")
     parser.add_argument("--tls", action="store_true", default=default(False),
@@ -190,7 +192,18 @@ def connection_settings(args: argparse.Namespace) -> dict[str, Any]:
         except OSError as e:  # a missing file, or one that is not PEM (ssl.SSLError)
             raise ValueError(f"cannot load the TLS CA, certificate or key: {e}") from None
     token_setting(args.token)  # a token with whitespace: ValueError now, not from inside Client
-    return {"tls": tls, "token": args.token}
+    return {"tls": tls, "token": args.token, "fallbacks": seeds_setting(getattr(args, "seeds", None))}
+
+
+def seeds_setting(text: str | None) -> list[tuple[str, int]]:
+    """`--seeds host:port,host:port` as the client's fallbacks; ValueError for an item that is not host:port."""
+    seeds = []
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        host, colon, port = item.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--seeds: {item!r} is not host:port")
+        seeds.append((host, int(port)))
+    return seeds
 
 
 def run(args: argparse.Namespace) -> int:

@@ -563,3 +563,14 @@ def test_mqks_top_without_rich_says_how_to_install_it(broker: BrokerProcess) -> 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
     assert done.returncode == 3
     assert 'pip install "mqks[top]"' in done.stderr
+
+
+def test_mqks_tries_the_seeds_when_its_broker_is_away(broker: BrokerProcess) -> None:
+    """`--seeds`: a cluster's other nodes, tried in turn when --host:--port cannot be reached."""
+    gone = free_port()
+    done = subprocess.run([str(MQKS), "ping", "--port", str(gone), "--seeds", f"127.0.0.1:{broker.port}"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
+    assert (done.returncode, done.stdout) == (0, "pong\n"), done.stderr
+    done = subprocess.run([str(MQKS), "ping", "--seeds", "127.0.0.1"], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_SECONDS)
+    assert done.returncode == 2 and "--seeds: '127.0.0.1' is not host:port" in done.stderr
