@@ -529,7 +529,8 @@ def test_source_options_are_checked_with_their_names(options, message):
     ({"port": "abc"}, "port='abc' is not a whole number; expected 1..65535"),
     ({"port": "70000"}, "port=70000 is out of range"),
     ({"confirmwindow": "0"}, "confirmWindow=0 is out of range; expected 1..1000000"),
-    ({"msgidprefx": "p"}, "unknown option(s) msgidprefx; known options: host, port, tls, tlsCa, token, confirmWindow"),
+    ({"msgidprefx": "p"},
+     "unknown option(s) msgidprefx; known options: host, port, seeds, tls, tlsCa, token, confirmWindow"),
 ])
 def test_sink_options_are_checked_with_their_names(options, message):
     from mqks.spark.sink import SinkOptions

@@ -393,7 +393,7 @@ class JetStreamLog:
                 owner = replayer.owner or owner
                 expires = time.monotonic() + lease
                 claimed_at = 0.0
-            elif now - balanced_at >= BALANCE_SECONDS:
+            elif now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
                 balanced_at = now
                 self._balance()
 

@@ -26,6 +26,7 @@ from ..journal.nats_bridge import NatsBridge
 
 log = logging.getLogger("mqks.cluster")
 
+STANDBY_WAIT_SECONDS = 20.0  # `mqks cluster move` waits this long for the target node's standby to report
 PULL_TURN = "pulling"  # in a node's run dir while one of its standbys has asked for its group
 PULL_TURN_SECONDS = 30.0  # a turn whose group never came (its owner refused or died) ends after this
 WATCH_RENEW_SECONDS = 20.0  # a watch that brought nothing this long is made again (its NATS node may have gone)
@@ -260,15 +261,20 @@ async def move_group(urls: list[str], cluster: str, group: int, node: str, timeo
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
-    rows = {row["group"]: row for row in await read_cluster(urls, cluster)}
-    row = rows.get(group)
-    if row is None:
-        raise ValueError(f"cluster {cluster!r} has no group {group} (groups: {sorted(rows)})")
-    if row["answering"] == node:
-        return row
-    if node not in {standby["node"] for standby in row["standbys"]}:
-        raise ValueError(f"node {node!r} does not stand by for group {group} (standbys: "
-                         f"{', '.join(str(s['node']) for s in row['standbys']) or 'none'})")
+    deadline = time.monotonic() + STANDBY_WAIT_SECONDS
+    while True:  # a node's process that just gave the group up stands by again within seconds
+        rows = {row["group"]: row for row in await read_cluster(urls, cluster)}
+        row = rows.get(group)
+        if row is None:
+            raise ValueError(f"cluster {cluster!r} has no group {group} (groups: {sorted(rows)})")
+        if row["answering"] == node:
+            return row
+        if node in {standby["node"] for standby in row["standbys"]}:
+            break
+        if time.monotonic() > deadline:
+            raise ValueError(f"node {node!r} does not stand by for group {group} (standbys: "
+                             f"{', '.join(str(s['node']) for s in row['standbys']) or 'none'})")
+        await asyncio.sleep(0.5)
     nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
     try:
         # pinned: no node's balancing pulls it elsewhere, and it comes back here after a failover
