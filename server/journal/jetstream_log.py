@@ -66,6 +66,7 @@ ACK_SECONDS = 2.0  # a frame with no answer after this: read the tail (an electi
 TAIL_CHECK_SECONDS = 1.0  # idle: look at the stream's last sequence this often (a rival, the figures)
 RETRY_SECONDS = 0.5  # NATS has no answer: read the tail again after this
 REPLAY_BATCH = 256
+REPLAY_RETRY_SECONDS = 30.0  # replay: a read that keeps failing this long (NATS away) ends the start
 OWNER_PING_SECONDS = 1.5
 PUBACK_SAMPLES = 1024
 REPLICAS_FALLBACK_ERRORS = (10074, 10005)  # insufficient resources, R>1 on a single server
@@ -287,8 +288,21 @@ class JetStreamLog:
         last_seq = run(self._open_reader, timeout=60)
         read = 0
         while True:
+            failing_since = 0.0
             while read < last_seq:
-                batch = run(self._read_batch, timeout=60)
+                try:
+                    batch = run(self._read_batch, timeout=60)
+                except (BridgeError, gevent.Timeout):
+                    raise
+                except Exception as e:  # 503 while a new reader or the stream's leader settles: read on from `read`
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if now - failing_since > REPLAY_RETRY_SECONDS:
+                        raise
+                    log.warning("stream %s: reading it failed (%r); again", self.stream, e)
+                    gevent.sleep(RETRY_SECONDS)
+                    continue
+                failing_since = 0.0
                 if not batch:
                     raise BridgeError(f"stream {self.stream}: no message after sequence {read} of {last_seq}")
                 for seq, headers, data in batch:
