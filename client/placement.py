@@ -131,3 +131,15 @@ def _direct(item: Any) -> Direct | None:
     host, unix = item.get("host"), item.get("unix")
     return Direct(item["worker"], host if isinstance(host, str) else "", _port(item.get("port")),
                   _port(item.get("tls_port")), unix if isinstance(unix, str) and unix else None)
+
+
+def parse_seeds(text: str | None, what: str) -> list[tuple[str, int]]:
+    """`host:port,host:port` (a cluster's nodes) as (host, port) pairs; ValueError naming `what` for a bad item."""
+    seeds = []
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        host, colon, port = item.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
+            raise ValueError(f"{what}: {item!r} is not host:port")
+        seeds.append((host, int(port)))
+    return seeds
+

@@ -26,6 +26,7 @@ from mqks.server.dispatch.figures import TOP_QUEUES
 
 from .client import Client
 from .errors import MqksError
+from .placement import parse_seeds
 from .tls import client_context, token_setting
 
 EXIT_INTERRUPTED = 130  # a one-shot command interrupted by Ctrl-C (a --watch ends with 0, as `mqks consume`)
@@ -197,13 +198,7 @@ def connection_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def seeds_setting(text: str | None) -> list[tuple[str, int]]:
     """`--seeds host:port,host:port` as the client's fallbacks; ValueError for an item that is not host:port."""
-    seeds = []
-    for item in filter(None, (part.strip() for part in (text or "").split(","))):
-        host, colon, port = item.rpartition(":")
-        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"--seeds: {item!r} is not host:port")
-        seeds.append((host, int(port)))
-    return seeds
+    return parse_seeds(text, "--seeds")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from mqks.client.placement import parse_seeds
 from mqks.client.wire import encode_token
 from mqks.spark.line_client import Security
 
@@ -79,14 +80,8 @@ def port_option(options: Mapping[str, str]) -> int:
 def seeds_option(options: Mapping[str, str]) -> tuple[tuple[str, int], ...]:
     """`seeds=host:port,host:port`: more nodes of a cluster (or brokers behind one name) to connect to when
     `host`:`port` cannot be reached; each is tried in turn."""
-    text = text_option(options, "seeds") or ""
-    seeds = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        host, colon, port = item.rpartition(":")
-        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
-            raise ValueError(f"mqks option seeds={text!r}: {item!r} is not host:port")
-        seeds.append((host, int(port)))
-    return tuple(seeds)
+    text = text_option(options, "seeds")
+    return tuple(parse_seeds(text, f"mqks option seeds={text!r}"))
 
 
 def token_option(options: Mapping[str, str], name: str) -> str | None:
