@@ -88,8 +88,11 @@ def ask(port: int, *lines: bytes, timeout: float = 3.0) -> list[bytes]:
 class Cluster:
     """Three (or more) MQKS nodes of one cluster on one NATS cluster."""
 
+    made: list[Cluster] = []  # this test's clusters, whose logs are printed when it fails
+
     def __init__(self, name: str, urls: list[str], nodes: tuple[str, ...] = ("A", "B", "C"), groups: int = 4,
                  lease: float = 6.0, node_urls: dict[str, list[str]] | None = None) -> None:
+        Cluster.made.append(self)
         self.name = name
         self.urls = urls
         self.groups = groups
@@ -170,6 +173,11 @@ class Cluster:
     def queue_of(self, group: int, prefix: str) -> str:
         """A queue name whose slot is in `group`."""
         return next(f"{prefix}-{n}" for n in range(100000) if owner_of(f"{prefix}-{n}".encode(), self.groups) == group)
+
+    def log_tails(self, lines: int = 60) -> str:
+        """The end of every node's log: what a failed test's reader needs first."""
+        return "\n".join(f"--- node {name} of {self.name}, last {lines} log lines ---\n"
+                         + "\n".join(node.log().splitlines()[-lines:]) for name, node in self.nodes.items())
 
     def stop(self) -> None:
         for node in self.nodes.values():

@@ -202,6 +202,18 @@ class BrokerProcess:
         return [self.proc.pid, *child_pids(self.proc.pid)]
 
 
+CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[pytest.TestReport]:
+    """Remember whether a test's body failed, for fixtures that explain a failure in their teardown."""
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+    return report
+
+
 @pytest.fixture
 def nats_cluster(tmp_path) -> Iterator[tuple[Path, list[str]]]:
     """Three NATS JetStream nodes on loopback through `mqks nats up` (the cluster extra): (their dir, URLs).

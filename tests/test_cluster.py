@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import time
+from collections import Counter
 
 import gevent
 import pytest
 from cluster_harness import Cluster, History, ask, percentile, wait_for
+from conftest import CALL_FAILED
 from helpers import MQKS, unique
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
@@ -29,6 +32,16 @@ from mqks.server.journal.jetstream_log import EPOCH, Replayer
 pytestmark = pytest.mark.timeout(300)
 
 LEASE = 6.0  # short, so a failover test takes seconds; the default (12) is for elections of slow networks
+
+
+@pytest.fixture(autouse=True)
+def node_logs_on_failure(request):
+    """A failed scenario prints the end of each node's log (CI keeps nothing else of them)."""
+    Cluster.made.clear()
+    yield
+    if request.node.stash.get(CALL_FAILED, False):
+        for made in Cluster.made:
+            print(made.log_tails())
 
 
 @pytest.fixture
@@ -65,6 +78,7 @@ class Workload:
         self.producer = client_for(cluster)
         self.counter = itertools.count()
         self.errors = 0
+        self.refusals: Counter[str] = Counter()
         self.stopped = False
         for queue in self.queues:
             self.consumer.consume(queue, [f"{queue}.e"], self.on_message(queue), manual_ack=True)
@@ -88,8 +102,12 @@ class Workload:
             while not self.stopped:  # a refused publish goes again: it counts once it is confirmed
                 try:
                     self.producer.publish(f"{queue}.e", body, confirm=True, timeout=30)
-                except MqksError:
+                except MqksError as e:
                     self.errors += 1
+                    reason = str(e)[:160]
+                    if reason not in self.refusals:  # each new reason once, in the failed test's captured log
+                        logging.getLogger("cluster-test").warning("publish refused, sent again: %s", reason)
+                    self.refusals[reason] += 1
                     gevent.sleep(0.05)
                     continue
                 with self.history.lock:
