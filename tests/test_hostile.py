@@ -13,7 +13,7 @@ from conftest import READY_TIMEOUT_SECONDS, Wire, free_port
 from helpers import eval_on, queue_row_on, rss_bytes, stats_on, wait_for
 from helpers import unique_bytes as unique
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.core]
 
 def hold_a_retry_lookalike_and_a_secret(broker):
     """Client A holds m1 (event `x,retry=z`) un-acked on queue pq and consumes secretq as `victim`."""
@@ -74,9 +74,11 @@ def test_disconnect_holding_an_event_with_retry_text_loses_nothing_and_leaks_not
 
 def test_clean_up_detaches_every_consumer_even_when_one_fails(broker):
     a, publisher, pq, secretq, secret_event = hold_a_retry_lookalike_and_a_secret(broker)
-    # break c1's bookkeeping so that its clean-up raises; victim's must still run
-    assert eval_on(publisher, b"--owner=%b setattr(state.queues[%r].consumers[0], 'unacked', 0)" % (pq, pq)) \
-        == b"None"
+    # break c1's bookkeeping so that its clean-up raises; victim's must still run. Still a dict (the compiled
+    # build checks an attribute's type when it is set), one whose items() fails
+    broken = b"type('Broken', (dict,), {'items': lambda self: 1 / 0})()"
+    assert eval_on(publisher, b"--owner=%b setattr(state.queues[%r].consumers[0], 'unacked', %b)"
+                   % (pq, pq, broken)) == b"None"
     a.close()
     assert_newcomers_never_see_the_secret(broker, publisher, secret_event)
     for queue in (pq, secretq):  # the clean-up comes once what `a` was owed is written or refused

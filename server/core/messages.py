@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
+from mypy_extensions import mypyc_attr
+
 from ..journal import records
 from ..wire.protocol import with_field
 
@@ -27,6 +29,7 @@ PACK_MIN_DEPTH = 4096  # shallower queues are left alone: they drain soon anyway
 NEWLINE = b"\n"
 
 
+@mypyc_attr(native_class=False)  # the compiled build (setup.py) cannot make a bytes subclass a native class
 class Packed(bytes):
     """Tails joined by newlines: one queue item standing for several messages."""
 

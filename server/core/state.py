@@ -44,6 +44,7 @@ class Consumer:
     __slots__ = ("consumer_id", "line_overhead", "queue", "outbox", "manual_ack", "wants_seq", "prefetch", "unacked",
                  "seq_by_msg_id", "later_seqs_by_msg_id", "delete_when_unused_seconds")
 
+    shows_seq = False  # SeqConsumer's deliveries show it
     relayed = False  # a stand-in for a consumer another worker process holds (server/workers/relay.py) says True
 
     def __init__(self, consumer_id: bytes, queue: Queue, outbox: Outbox, manual_ack: bool = False,
@@ -53,7 +54,7 @@ class Consumer:
         self.queue = queue
         self.outbox = outbox
         self.manual_ack = manual_ack
-        self.wants_seq = manual_ack  # held messages are keyed by seq; SeqConsumer shows it too
+        self.wants_seq = manual_ack or self.shows_seq  # held messages are keyed by seq; SeqConsumer shows it
         self.prefetch = prefetch  # 0: no limit
         self.unacked: dict[int, Item] = {}  # seq -> message, in delivery order
         self.seq_by_msg_id: dict[bytes, int] = {}  # the oldest un-acked seq of each msg_id
@@ -160,9 +161,10 @@ class TimedConsumer(Consumer):
 
     __slots__ = ("ack_timeout_seconds", "deadline_by_seq", "clock", "arm", "cancel_timer")
 
-    def __init__(self, *args: Any, ack_timeout_seconds: float, clock: Callable[[], float] = time.monotonic,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, consumer_id: bytes, queue: Queue, outbox: Outbox, manual_ack: bool = False,
+                 prefetch: int = 0, delete_when_unused_seconds: float | None = None, *, ack_timeout_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(consumer_id, queue, outbox, manual_ack, prefetch, delete_when_unused_seconds)
         self.ack_timeout_seconds = ack_timeout_seconds
         self.deadline_by_seq: dict[int, float] = {}  # seq -> monotonic deadline, earliest first
         self.clock = clock
@@ -229,22 +231,31 @@ class SeqConsumer(Consumer):
     """
 
     __slots__ = ()
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.wants_seq = True
+    shows_seq = True
 
     def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Item | None = None) -> None:
-        super().deliver(with_field(tail, b",seq=%d" % seq), seq, msg_id, tail if held is None else held)
+        super().deliver(with_seq(tail, seq), seq, msg_id, tail if held is None else held)
 
     def flags(self) -> list[bytes]:
         return [*super().flags(), b"--seq"]
 
 
-class TimedSeqConsumer(SeqConsumer, TimedConsumer):
-    """`--seq` and `--ack-timeout` together."""
+class TimedSeqConsumer(TimedConsumer):
+    """`--seq` and `--ack-timeout` together (SeqConsumer's two methods again: the compiled build takes no
+    multiple inheritance)."""
 
     __slots__ = ()
+    shows_seq = True
+
+    def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Item | None = None) -> None:
+        super().deliver(with_seq(tail, seq), seq, msg_id, tail if held is None else held)
+
+    def flags(self) -> list[bytes]:
+        return [*super().flags(), b"--seq"]
+
+
+def with_seq(tail: bytes, seq: int) -> bytes:
+    return with_field(tail, b",seq=%d" % seq)
 
 
 def update_line(consumer: Consumer) -> bytes:
