@@ -1,6 +1,7 @@
 """CPU time per message of the broker's hot path, in process: dispatcher, actions, state, outbox.
 
     .venv/bin/python -m bench.hot_path [--messages 500000] [--reps 5]
+    MQKS_PURE=1 .venv/bin/python -m bench.hot_path    # the plain sources where the install compiled them
 
 No sockets and no second process: the lines a client would send go through `run_lines`
 exactly as the connection hands them over, and the deliveries pile up in an outbox that is
@@ -16,6 +17,7 @@ import argparse
 import time
 from collections import deque
 
+from mqks.server import build
 from mqks.server.dispatch.actions import actions_for, handlers_for, run_lines
 from mqks.server.dispatch.process import Process
 from mqks.server.wire.outbox import Outbox
@@ -59,7 +61,7 @@ def run(workload: str, messages: int) -> float:
     if workload == "queued":
         run_lines(session, [b"r1 rebind q1 e1"], rejected)
     else:
-        flags = b" --manual-ack" if workload == "manual-ack" else b""
+        flags = b" --manual-ack" if workload in ("manual-ack", "ack-each") else b""
         run_lines(session, [b"c1 consume q1 e1" + flags], rejected)
     body = b"x" * 64
     batches = []
@@ -67,6 +69,8 @@ def run(workload: str, messages: int) -> float:
         lines = [b"m%d publish e1 %b" % (i, body) for i in range(start, min(messages, start + BATCH_LINES))]
         if workload == "manual-ack":
             lines.append(b"a ack c1 " + b" ".join(b"m%d" % i for i in range(start, min(messages, start + BATCH_LINES))))
+        elif workload == "ack-each":  # what msg.ack() and nc users send: one ack line per message
+            lines += [b"a ack c1 m%d" % i for i in range(start, min(messages, start + BATCH_LINES))]
         batches.append(lines)
     outbox = session.outbox
     pending = process.pending
@@ -85,7 +89,8 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=500_000)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    for workload in ("auto-ack", "manual-ack", "queued"):
+    print(f"hot path: {build.kind}")
+    for workload in ("auto-ack", "manual-ack", "ack-each", "queued"):
         best = min(run(workload, args.messages) for _ in range(args.reps))
         print(f"{workload:>10}: {best:7.1f} ns/msg (best of {args.reps})")
 

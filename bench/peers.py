@@ -198,7 +198,8 @@ def seconds_until_answer(server: Server, probe: bytes, expect: bytes, timeout: f
     raise RuntimeError(f"{server.kind} did not answer in {timeout:.0f}s: {last}; {server.log_tail()}")
 
 
-def _spawn(kind: str, cmd: list[str], port: int, core: int | None, log_dir: str) -> Server:
+def _spawn(kind: str, cmd: list[str], port: int, core: int | None, log_dir: str,
+           env: dict[str, str] | None = None) -> Server:
     os.makedirs(log_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix=f"bench-{kind}-")
     log_path = os.path.join(log_dir, f"{kind}-{port}.log")
@@ -206,7 +207,7 @@ def _spawn(kind: str, cmd: list[str], port: int, core: int | None, log_dir: str)
     # no pipe: a pipe nobody reads fills up and would freeze the server
     started = time.monotonic()
     proc = subprocess.Popen(_pin(core) + cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
     log.close()
     return Server(kind=kind, port=port, proc=proc, workdir=workdir, log_path=log_path, started=started)
 
@@ -231,15 +232,16 @@ BEANSTALKD_PROBE = (b"stats\r\n", b"OK ")
 
 def start_mqks(core: int | None, log_dir: str, python: str = sys.executable,
                extra_args: tuple[str, ...] = (), profile_path: str | None = None,
-               data_dir: str | None = None, fsync: str = "everysec", wait: bool = True) -> Server:
+               data_dir: str | None = None, fsync: str = "everysec", wait: bool = True, pure: bool = False) -> Server:
     """mqksd on a free port, with --eval so the benchmark can check its stats; with `data_dir`,
-    durable (`--data-dir data_dir --fsync fsync`, logging at info for its recovery line)."""
+    durable (`--data-dir data_dir --fsync fsync`, logging at info for its recovery line); with `pure`, the
+    hot path's plain sources even where the install compiled them (MQKS_PURE=1)."""
     port = free_port()
     prof = ["-m", "cProfile", "-o", profile_path] if profile_path else []
     durable = ["--data-dir", data_dir, "--fsync", fsync, "--log-level", "info"] if data_dir else []
     cmd = [python, *prof, "-m", "mqks.server", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", "--eval", *durable, *extra_args]
-    server = _spawn("mqks", cmd, port, core, log_dir)
+    server = _spawn("mqks", cmd, port, core, log_dir, env={"MQKS_PURE": "1" if pure else ""})
     if wait:
         _wait_ready(server, *MQKS_PROBE)
     return server

@@ -177,7 +177,7 @@ class Servers:
         return self._tls_files
 
     def start(self, kind: str, core: int | None, data_dir: str | None = None, persist: str = "",
-              wait: bool = True, tls_port: int | None = None) -> peers.Server:
+              wait: bool = True, tls_port: int | None = None, pure: bool = False) -> peers.Server:
         """A fresh server; with `data_dir` (w5) its persistence on there, `persist` being MQKS's --fsync,
         Redis's appendfsync or beanstalkd's -f milliseconds; with `tls_port`, MQKS listens for TLS there too."""
         if tls_port is not None:
@@ -196,7 +196,7 @@ class Servers:
                                               wait=wait)
             raise ValueError(f"no persistence for {kind}")
         if kind == "mqks":
-            return peers.start_mqks(core, LOG_DIR, python=self.mqks_python)
+            return peers.start_mqks(core, LOG_DIR, python=self.mqks_python, pure=pure)
         path = self.finder.paths[PEER_BINARIES[kind]]
         return {"redis": peers.start_redis, "nats": peers.start_nats,
                 "beanstalkd": peers.start_beanstalkd}[kind](path, core, LOG_DIR)
@@ -213,9 +213,9 @@ def _version(path: str) -> str:
 
 def _mqks_version(python: str) -> str:
     try:
-        out = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('mqks'))"],
-                             capture_output=True, timeout=10, cwd="/tmp")
-        return "mqks " + out.stdout.decode().strip()
+        out = subprocess.run([python, "-m", "mqks.server", "--version"], capture_output=True, timeout=30, cwd="/tmp",
+                             env={**os.environ, "MQKS_PURE": ""})
+        return out.stdout.decode().strip().replace("mqksd", "mqks", 1)  # and which hot path runs
     except (OSError, subprocess.TimeoutExpired):
         return "mqks ?"
 
@@ -277,6 +277,7 @@ class Cell:
     persist: str = ""
     recovery: str = ""
     tls: bool = False  # MQKS only: every connection of the flow over TLS
+    pure: bool = False  # MQKS only: the hot path's plain sources (MQKS_PURE=1) beside the compiled build
 
     @property
     def key(self) -> str:
@@ -293,6 +294,9 @@ def cells_for(workload: str, cfg: Config) -> list[Cell]:
                  manual_ack=True),
             Cell("w1", "mqks", "auto-ack over TLS", lambda: Mqks(), tls=True),
             Cell("w1", "mqks", "manual-ack over TLS", lambda: Mqks(manual_ack=True), manual_ack=True, tls=True),
+            Cell("w1", "mqks", f"auto-ack, {PLAIN}", lambda: Mqks(), pure=True),
+            Cell("w1", "mqks", f"manual-ack, an ack line per message, {PLAIN}",
+                 lambda: Mqks(manual_ack=True, ack_each=True), manual_ack=True, pure=True),
             Cell("w1", "redis", "pubsub", lambda: RedisPubSub()),
             Cell("w1", "redis", "streams", lambda: RedisStreams(ack=False)),
             Cell("w1", "redis", "streams+xack", lambda: RedisStreams(ack=True)),
@@ -303,6 +307,7 @@ def cells_for(workload: str, cfg: Config) -> list[Cell]:
     if workload == "w2":
         return [
             Cell("w2", "mqks", "10 exact + 10 mask queues", lambda: Mqks(), fanout=20),
+            Cell("w2", "mqks", f"10 exact + 10 mask queues, {PLAIN}", lambda: Mqks(), fanout=20, pure=True),
             Cell("w2", "redis", "10 SUBSCRIBE + 10 PSUBSCRIBE", lambda: RedisPubSub(), fanout=20),
             Cell("w2", "nats", "10 exact + 10 * subs", lambda: Nats(), fanout=20),
         ]
@@ -374,7 +379,7 @@ def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
     data_dir = tempfile.mkdtemp(prefix=f"bench-{cell.server}-data-") if cell.persist else None  # fresh per run
     tls_port = peers.free_port() if cell.tls else None
     try:
-        server = servers.start(cell.server, server_core, data_dir, cell.persist, tls_port=tls_port)
+        server = servers.start(cell.server, server_core, data_dir, cell.persist, tls_port=tls_port, pure=cell.pure)
     except BaseException:
         if data_dir:
             shutil.rmtree(data_dir, ignore_errors=True)
@@ -694,15 +699,25 @@ def measure_ceiling(cfg: Config, pinned: bool) -> dict:
 # Ratios
 
 
+PLAIN = "plain Python"  # the variant suffix of MQKS cells run with MQKS_PURE=1
+
 RATIOS = [
     # label, numerator key, denominator key, target, higher_is_better
     ("w1 auto-ack: MQKS / Redis Streams (no ack)", "w1 mqks auto-ack", "w1 redis streams", 1.0, True),
     ("w1 manual-ack: MQKS / Redis Streams + XACK", "w1 mqks manual-ack", "w1 redis streams+xack", 1.0, True),
     ("w1 manual-ack, an ack per message: MQKS / Redis Streams + one XACK per message",
-     "w1 mqks manual-ack, an ack line per message", "w1 redis streams+xack per message", 1.4, True),
+     "w1 mqks manual-ack, an ack line per message", "w1 redis streams+xack per message", 1.5, True),
+    ("w1 auto-ack: MQKS / Redis pub/sub", "w1 mqks auto-ack", "w1 redis pubsub", 1.0, True),
     ("w2: MQKS / Redis pub/sub (PSUBSCRIBE)", "w2 mqks 10 exact + 10 mask queues",
-     "w2 redis 10 SUBSCRIBE + 10 PSUBSCRIBE", 0.3, True),
-    ("w4 bytes/msg: MQKS / Redis Streams", "w4 mqks 1 queue, no consumer", "w4 redis streams XADD", 1.5, False),
+     "w2 redis 10 SUBSCRIBE + 10 PSUBSCRIBE", 0.8, True),
+    ("w4 bytes/msg: MQKS / Redis Streams", "w4 mqks 1 queue, no consumer", "w4 redis streams XADD", 0.9, False),
+    # the compiled hot path (setup.py, server/build.py) against its own plain sources, same run
+    ("w1 auto-ack: MQKS compiled / MQKS plain Python", "w1 mqks auto-ack", f"w1 mqks auto-ack, {PLAIN}", None, True),
+    ("w1 an ack per message: MQKS compiled / MQKS plain Python", "w1 mqks manual-ack, an ack line per message",
+     f"w1 mqks manual-ack, an ack line per message, {PLAIN}", None, True),
+    ("w2: MQKS compiled / MQKS plain Python", "w2 mqks 10 exact + 10 mask queues",
+     f"w2 mqks 10 exact + 10 mask queues, {PLAIN}", None, True),
+    ("w1 auto-ack, plain Python: MQKS / Redis pub/sub", f"w1 mqks auto-ack, {PLAIN}", "w1 redis pubsub", None, True),
     ("w1 auto-ack: MQKS / beanstalkd", "w1 mqks auto-ack", "w1 beanstalkd put/reserve/delete", 1.0, True),
     ("w1 manual-ack: MQKS / beanstalkd", "w1 mqks manual-ack", "w1 beanstalkd put/reserve/delete", 1.0, True),
     ("w3@5k p99: MQKS / beanstalkd", "w3@5k mqks auto-ack", "w3@5k beanstalkd put/reserve/delete", 1.0, False),
@@ -712,7 +727,6 @@ RATIOS = [
     # ratio (both parsed in Python) is the like-for-like cost of TLS
     ("w1 manual-ack: MQKS over TLS / MQKS plain", "w1 mqks manual-ack over TLS", "w1 mqks manual-ack", None, True),
     ("w1 auto-ack: MQKS over TLS / MQKS plain", "w1 mqks auto-ack over TLS", "w1 mqks auto-ack", None, True),
-    ("w1 auto-ack: MQKS / Redis pub/sub", "w1 mqks auto-ack", "w1 redis pubsub", None, True),
     ("w1 auto-ack: MQKS / NATS core", "w1 mqks auto-ack", "w1 nats core", None, True),
     ("w2: MQKS / NATS", "w2 mqks 10 exact + 10 mask queues", "w2 nats 10 exact + 10 * subs", None, True),
     ("w5 confirmed+ack, always: MQKS / Redis Streams", f"w5 mqks {W5_MQKS_ALWAYS}", f"w5 redis {W5_REDIS_ALWAYS}",

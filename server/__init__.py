@@ -6,3 +6,7 @@ and the links between worker processes) -> dispatch/ (the declared actions, the 
 context) -> core/ (one broker's state) -> journal/ (the write-ahead log) -> wire/ (lines and
 bytes). docs/internals.md follows one line through them.
 """
+
+from . import build
+
+build.choose()  # before any module of the hot path is imported: compiled, or its plain sources (build.py)

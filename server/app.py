@@ -26,6 +26,7 @@ import gevent
 import gevent.socket
 from gevent.event import Event
 
+from . import build
 from .core.restore import rebuild
 from .core.timers import Timers
 from .dispatch.actions import ONE_PROCESS, HandlerTables
@@ -532,11 +533,11 @@ class Server:
                  for listener in (self.stream_server, self.tls_server) if listener is not None]
         if self.peers is not None:
             ports.append(f"{config.host}:{self.direct_listeners[0].server_port} (this worker's own)")
-        log.info("mqksd listening on %s (workers=%d, eval=%s, auth=%s, %s)", ", ".join(ports), config.workers,
+        log.info("mqksd listening on %s (workers=%d, eval=%s, auth=%s, %s, %s)", ", ".join(ports), config.workers,
                  "refused: token auth beyond loopback" if self.eval_refusal else "on" if config.eval_enabled else "off",
                  f"{len(self.tokens.tokens)} tokens" if self.tokens is not None else "off",
                  f"data dir {config.data_dir}, fsync {config.fsync}" if config.data_dir else
-                 f"replicated log {config.log}" if config.log else "in memory")
+                 f"replicated log {config.log}" if config.log else "in memory", build.kind)
         if self.peers is not None:
             for listener in (self.link_listener, *self.direct_listeners):
                 assert listener is not None

@@ -16,6 +16,7 @@ import re
 import sys
 from typing import NoReturn
 
+from . import build
 from .app import Server
 from .dispatch.process import VERSION
 from .node.config import CANNOT_START_EXIT_CODE, DEFAULTS, FENCED_EXIT_CODE, Config
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     """The command line as a Config; defaults and their help text come from `config.DEFAULTS`."""
     d = DEFAULTS
     parser = Parser(prog="mqksd", description="MQKS broker: Message Queue Kept Simple.")
-    parser.add_argument("--version", action="version", version=f"mqksd {VERSION}")
+    parser.add_argument("--version", action="version", version=f"mqksd {VERSION}, hot path {build.kind}")
     parser.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
     parser.add_argument("--workers", type=worker_count, default=d.workers,

@@ -12,7 +12,7 @@ import pytest
 from conftest import BrokerProcess
 from helpers import rss_bytes, server_stats, unique
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.core]
 
 MAX_LINE_BYTES = 1024
 MAX_OUTPUT_BYTES = 1 << 20

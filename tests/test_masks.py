@@ -9,7 +9,7 @@ from helpers import unique_bytes as unique
 
 from mqks.server.core.state import Broker
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.core]
 
 
 @pytest.mark.parametrize(

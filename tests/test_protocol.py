@@ -10,7 +10,7 @@ from mqks.server.wire.protocol import (
     rid_of,
 )
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = [pytest.mark.timeout(10), pytest.mark.core]
 
 
 def test_lines_split_across_reads_are_joined():

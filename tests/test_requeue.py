@@ -23,7 +23,7 @@ from helpers import wait_for
 from mqks.client import Client
 from mqks.server.core.messages import PACK_MIN_DEPTH, PACK_TAILS
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.core]
 
 HELD = 4000  # under PACK_MIN_DEPTH: delivered, never packed, then requeued
 BIG = b"." * 4096  # 4,000 of these fill any socket buffer: a consumer that stops reading is paused

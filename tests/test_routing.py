@@ -12,7 +12,8 @@ import pytest
 
 from mqks.server.core.routing import MAX_CACHED_EVENTS, Routing, is_mask
 
-pytestmark = [pytest.mark.timeout(10), pytest.mark.parametrize("cache", [True, False], ids=["cache", "nocache"])]
+pytestmark = [pytest.mark.timeout(10), pytest.mark.core,
+              pytest.mark.parametrize("cache", [True, False], ids=["cache", "nocache"])]
 
 
 @pytest.fixture

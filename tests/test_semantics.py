@@ -8,7 +8,7 @@ import pytest
 from helpers import read_a_while, rss_bytes, wait_for
 from helpers import unique_bytes as unique
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.core]
 
 
 @pytest.fixture(scope="module")

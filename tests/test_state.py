@@ -7,7 +7,7 @@ from mqks.server.core.state import Broker, Consumer, TimedConsumer, update_line
 from mqks.server.core.timers import Timers
 from mqks.server.wire.outbox import Outbox
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = [pytest.mark.timeout(10), pytest.mark.core]
 
 
 class FakeClock:

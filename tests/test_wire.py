@@ -6,7 +6,7 @@ import pytest
 from helpers import queue_row_on, wait_for
 from helpers import unique_bytes as unique
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.core]
 
 def test_spec_hello_world(broker):
     alice, bob, charlie, dave = (broker.wire() for _ in range(4))

@@ -1,0 +1,76 @@
+"""The compiled hot path (setup.py's mypyc build) and its plain-Python fallback (server/build.py): which one runs
+is reported, MQKS_PURE=1 forces the plain sources, and a compiled build older than its source is never run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mqks.server import build
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.core]
+
+WHICH = ("import mqks.server.core.state as state, mqks.server.build as build; "
+         "print(build.kind); print(state.__file__)")
+
+
+def which_runs(env: dict[str, str] | None = None, pythonpath: Path | None = None) -> tuple[str, str]:
+    """(build.kind, the file mqks.server.core.state came from) in a fresh interpreter."""
+    environment = {**os.environ, **(env or {})}
+    if pythonpath is not None:
+        environment["PYTHONPATH"] = str(pythonpath)
+    done = subprocess.run([sys.executable, "-c", WHICH], capture_output=True, text=True, timeout=60, env=environment,
+                          cwd="/")
+    assert done.returncode == 0, done.stderr
+    kind, module_file = done.stdout.splitlines()
+    return kind, module_file
+
+
+def compiled_at_install() -> bool:
+    return all(build.compiled_of(name)[1] is not None for name in build.HOT_PATH)
+
+
+def test_version_says_which_hot_path_runs():
+    done = subprocess.run([sys.executable, "-m", "mqks.server", "--version"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "MQKS_PURE": "1"})
+    assert done.stdout.strip().endswith("hot path pure Python (MQKS_PURE=1)"), done.stdout
+    kind, _ = which_runs({"MQKS_PURE": ""})
+    done = subprocess.run([sys.executable, "-m", "mqks.server", "--version"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "MQKS_PURE": ""})
+    assert done.stdout.strip().endswith(f"hot path {kind}"), done.stdout
+
+
+def test_mqks_pure_runs_the_plain_sources():
+    kind, module_file = which_runs({"MQKS_PURE": "1"})
+    assert kind == "pure Python (MQKS_PURE=1)"
+    assert module_file.endswith("state.py")
+
+
+@pytest.mark.skipif(not compiled_at_install(), reason="this install compiled nothing (no C compiler, MQKS_COMPILE=0)")
+def test_the_compiled_build_runs_when_it_is_current():
+    kind, module_file = which_runs({"MQKS_PURE": ""})
+    assert kind == "compiled (mypyc)"
+    assert not module_file.endswith(".py"), module_file
+
+
+@pytest.mark.skipif(not compiled_at_install(), reason="this install compiled nothing (no C compiler, MQKS_COMPILE=0)")
+def test_a_source_edited_after_the_build_runs_as_plain_python(tmp_path):
+    """A copy of the installed package whose state.py is newer than its compiled module: all of the hot path
+    runs from the sources (a compiled module beside a plain one would not work), and the kind says why."""
+    installed = Path(build.__file__).resolve().parent
+    copy = tmp_path / "mqks" / "server"
+    shutil.copytree(installed, copy, symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
+    for link in Path(build.__file__).parent.rglob("*.so"):  # the link farm's modules may be links into the checkout
+        target = copy / link.relative_to(Path(build.__file__).parent)
+        shutil.copy2(link.resolve(), target)
+    later = time.time() + 60
+    os.utime(copy / "core" / "state.py", (later, later))
+    kind, module_file = which_runs({"MQKS_PURE": ""}, pythonpath=tmp_path)
+    assert module_file == str(copy / "core" / "state.py")
+    assert "older than core.state.py" in kind, kind
