@@ -416,15 +416,18 @@ def run_cell(cell: Cell, cfg: Config, servers: Servers, pinned: bool) -> dict:
         # the server's CPU per message: w5, and MQKS's w1 (plain beside TLS, steadier than msg/s on a busy machine)
         measure_cpu = cell.workload == "w5" or (cell.workload == "w1" and cell.server == "mqks")
         cpu0 = process_cpu_seconds(server.pid) if measure_cpu else 0.0
+        kernel0 = process_cpu_seconds(server.pid, kernel_only=True) if measure_cpu else 0.0
         r = loadgen.run_flow(flow, latency=cell.workload == "w3", check=check)
         cpu = process_cpu_seconds(server.pid) - cpu0 if measure_cpu else 0.0
+        kernel = process_cpu_seconds(server.pid, kernel_only=True) - kernel0 if measure_cpu else 0.0
         if not server.alive():
             r.note = (r.note + "; " if r.note else "") + f"server died: {server.log_tail(300)}"
             r.ok = False
         sample = {"ok": r.ok and not r.errors, "value": r.rate, "got": r.got, "target": r.target,
                   "seconds": r.seconds, "send_rate": r.send_rate, "note": r.note}
         if measure_cpu:  # where the time went: the server's CPU (all its threads) per message
-            sample.update(server_cpu_seconds=cpu, server_cpu_us_per_msg=1e6 * cpu / max(1, n))
+            sample.update(server_cpu_seconds=cpu, server_cpu_us_per_msg=1e6 * cpu / max(1, n),
+                          server_kernel_us_per_msg=1e6 * kernel / max(1, n))
         if cell.workload == "w3":
             lat = sorted(r.latencies_ns)
             sample.update(value=percentile(lat, 0.5) / 1e6, p50_ms=percentile(lat, 0.5) / 1e6,
@@ -566,14 +569,15 @@ def idle_percent(seconds: float = 0.5) -> float:
     return 100.0 * (idle1 - idle0) / max(1, total1 - total0)
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, all its threads, from /proc (0.0 once it is gone)."""
+def process_cpu_seconds(pid: int, kernel_only: bool = False) -> float:
+    """utime + stime of a process, all its threads, from /proc (0.0 once it is gone); stime alone with
+    `kernel_only`."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[12]) + (0 if kernel_only else int(fields[11]))) / os.sysconf("SC_CLK_TCK")
 
 
 def busy_seconds() -> tuple[float, float]:
@@ -654,7 +658,8 @@ def _sample_text(cell: Cell, s: dict) -> str:
     else:
         text = f"{s['value']:>12,.0f} {unit_of(cell)}  (producer wrote {s['send_rate']:,.0f} msg/s)"
         if "server_cpu_us_per_msg" in s:
-            text += f"  server CPU {s['server_cpu_us_per_msg']:.2f} us/msg"
+            text += (f"  server CPU {s['server_cpu_us_per_msg']:.2f} us/msg "
+                     f"({s.get('server_kernel_us_per_msg', 0):.2f} in the kernel)")
     if s.get("note"):
         text += f"  [{s['note'][:200]}]"
     return text

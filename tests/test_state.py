@@ -344,6 +344,26 @@ def test_ack_timeout_expires_in_delivery_order_and_touch_moves_one_to_the_end(ou
     assert consumer.deadline_by_seq == {} and consumer.cancel_timer is None
 
 
+def test_ack_one_forgets_the_copy_and_its_deadline_and_refuses_what_is_not_in_flight(outbox):
+    """The one-id ack (an ack line per message) keeps the same books as `ack`: the oldest copy of a repeated id
+    first, its ack-timeout deadline gone with it, and False (nothing changed) for an id not in flight."""
+    clock = FakeClock()
+    broker = Broker(schedule=clock.schedule, clock=lambda: clock.now)
+    queue = broker.queue(b"q1")
+    consumer = TimedConsumer(b"c1", queue, outbox, manual_ack=True, ack_timeout_seconds=10, clock=lambda: clock.now)
+    broker.consume(consumer, [b"e1"], None)
+    for msg_id in (b"m0", b"m1", b"m0"):
+        publish(broker, msg_id, b"e1")
+    assert len(delivered(outbox)) == 3
+    assert broker.ack_one(consumer, b"m0") and broker.ack_one(consumer, b"m1")
+    assert list(consumer.unacked) == list(consumer.deadline_by_seq) == [2]  # the younger m0 is still held
+    assert not broker.ack_one(consumer, b"m1") and not broker.ack_one(consumer, b"nope")
+    assert broker.ack_one(consumer, b"m0") and not broker.ack_one(consumer, b"m0")
+    assert (consumer.unacked, consumer.deadline_by_seq, consumer.seq_by_msg_id, broker.acked) == ({}, {}, {}, 3)
+    clock.advance(11)
+    assert delivered(outbox) == [] and broker.ack_timeouts == 0
+
+
 @pytest.mark.parametrize("held", [PACK_TAILS - 1, PACK_TAILS, 4000, PACK_MIN_DEPTH - 1, PACK_MIN_DEPTH,
                                   PACK_MIN_DEPTH + PACK_TAILS + 7])
 @pytest.mark.parametrize("requeue", ["remove_consumer", "reject_all"])

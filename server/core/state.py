@@ -134,6 +134,16 @@ class Consumer:
                 seqs.append(seq)
         return seqs
 
+    def take_acked_one(self, msg_id: bytes) -> int:
+        """take_acked of one id, with no lists: its seq, or -1 if it is not in flight."""
+        if self.later_seqs_by_msg_id:
+            found = self.take_unacked(msg_id)
+            return -1 if found is None else found[0]
+        seq = self.seq_by_msg_id.pop(msg_id, -1)
+        if seq >= 0:
+            del self.unacked[seq]
+        return seq
+
     def take_all_unacked(self) -> list[tuple[int, Item]]:
         """Remove every un-acked message, oldest delivery first."""
         taken = list(self.unacked.items())
@@ -193,6 +203,12 @@ class TimedConsumer(Consumer):
         for seq in seqs:
             pop(seq, None)
         return seqs
+
+    def take_acked_one(self, msg_id: bytes) -> int:
+        seq = super().take_acked_one(msg_id)
+        if seq >= 0:
+            self.deadline_by_seq.pop(seq, None)
+        return seq
 
     def take_all_unacked(self) -> list[tuple[int, Item]]:
         self.deadline_by_seq.clear()
@@ -646,6 +662,18 @@ class Broker:
         if consumer.prefetch:
             self.pump(consumer.queue)
         return unknown
+
+    def ack_one(self, consumer: Consumer, msg_id: bytes) -> bool:
+        """`ack` of one id, the line msg.ack() and nc users send; False if it is not in flight."""
+        seq = consumer.take_acked_one(msg_id)
+        if seq < 0:
+            return False
+        if self.record is not None:
+            self.record(records.gone(consumer.queue.name, [seq]))
+        self.acked += 1
+        if consumer.prefetch:
+            self.pump(consumer.queue)
+        return True
 
     def ack_all(self, consumer: Consumer) -> None:
         taken = consumer.take_all_unacked()

@@ -408,6 +408,15 @@ def parse_ack(session: Session, action: str, args: bytes) -> tuple[Consumer, lis
 
 
 def handle_ack(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    # `{consumer_id} {msg_id}`, one id in flight: straight to the broker, with no token list (an ack line per
+    # message is what msg.ack() and nc users send); anything else, errors included, takes settle's way
+    space = args.find(b" ")
+    if space > 0 and args.find(b" ", space + 1) < 0 and args[space + 1 : space + 2] != b"-":
+        consumer = session.consumers_by_id.get(args[:space])
+        if consumer is not None and session.process.broker.ack_one(consumer, args[space + 1 :]):
+            if confirm:
+                session.ok(rid)
+            return
     settle(session, rid, args, confirm, "ack")
 
 
