@@ -35,6 +35,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from mqks.client.errors import is_transient
 from mqks.client.wire import encode_token, split_answer, split_header_fields
 from mqks.spark.line_client import LineClient, MqksConnectionError, MqksError, connect_any
 from mqks.spark.options import (
@@ -199,7 +200,8 @@ class Control:
         """Send `(action, args)` requests pipelined; their answers' data by rid. Retries whole on a lost link.
 
         Every request the source makes is idempotent (queues, rebind --add, settle by lease id:
-        a repeated settle finds the lease gone and answers 0), so resending after a reconnect is safe.
+        a repeated settle finds the lease gone and answers 0), so resending after a reconnect is safe;
+        so is resending after a refusal that passes by itself (a worker restarting, a group failing over).
         """
         endpoint = self.endpoint
         deadline = time.monotonic() + endpoint.reconnect_seconds
@@ -209,8 +211,10 @@ class Control:
                 if self.client is None:
                     self.client = connect_any(endpoint.addresses(), endpoint.security)
                 return self._exchange(requests)
-            except (OSError, MqksConnectionError) as e:
-                self.close()
+            except (OSError, MqksError) as e:
+                if isinstance(e, MqksError) and not isinstance(e, MqksConnectionError) and not is_transient(e):
+                    raise
+                self.close()  # after a refusal too: a fresh hello routes by the new owners
                 if time.monotonic() + delay > deadline:
                     raise MqksConnectionError(
                         f"mqks source: broker {endpoint.host}:{endpoint.port} unreachable for "
@@ -524,15 +528,23 @@ def _fetch_chunks(options: SourceOptions, partition: MqksPartition, queue_name: 
         return line, chunk_rows, chunk_bytes
 
     line, chunk_rows, chunk_bytes = fetch_line(add=False)
-    # nothing yielded yet: a dead cached connection is replaced and the fetch sent again
-    # (same lease, not --add: what a lost attempt took is released first)
-    try:
-        client = _fetch_client(options.endpoint, queue_name, fresh=False)
-        lines, size = _fetch(client, rid, line)
-    except MqksConnectionError:
-        # a restart, maybe with another worker count: a fresh hello routes by the new slot map
-        client = _fetch_client(options.endpoint, queue_name, fresh=True)
-        lines, size = _fetch(client, rid, line)
+    # nothing yielded yet: a dead cached connection is replaced and the fetch sent again (same lease, not
+    # --add: what a lost attempt took is released first), and so is a fetch refused while the queue's owner
+    # restarts or fails over, until the endpoint's reconnectSeconds
+    deadline = time.monotonic() + options.endpoint.reconnect_seconds
+    fresh, delay = False, 0.0
+    while True:
+        try:
+            client = _fetch_client(options.endpoint, queue_name, fresh=fresh)
+            lines, size = _fetch(client, rid, line)
+            break
+        except MqksError as e:
+            if not (isinstance(e, MqksConnectionError) or is_transient(e)) or time.monotonic() + delay > deadline:
+                raise
+            log.warning("mqks source: fetch of %s: %s; again in %.1fs", partition.queue, e, delay)
+            time.sleep(delay)
+            # a restart (maybe with another worker count) or a new owner: a fresh hello routes by the new map
+            fresh, delay = True, min(2.0, max(0.1, delay * 2))
     while True:
         rows_left -= len(lines)
         if bytes_left:

@@ -729,6 +729,39 @@ def test_a_broker_away_longer_than_reconnect_seconds_fails_with_the_option_named
         reader.latestOffset(reader.initialOffset(), ReadMaxRows(10))
 
 
+def test_the_driver_asks_again_while_a_worker_restarts_instead_of_failing_the_query(make_broker, caplog):
+    """A settle (every worker) refused with "worker N is restarting" is sent again once it is back, as after a
+    lost connection (CI: a commit failed the query during a cluster failover)."""
+    from conftest import child_pids
+
+    from mqks.spark.options import Endpoint
+    from mqks.spark.source import Control
+
+    server = make_broker("--workers", "2")
+    victim = max(child_pids(server.proc.pid))
+    os.kill(victim, signal.SIGKILL)
+
+    def refused_meanwhile() -> bool:
+        try:  # a fresh connection each time: one accepted by the killed worker is reset
+            wire = server.wire()
+            try:
+                wire.send(b"s settle nothing-held --ack")
+                answer = wire.recv_line()
+            finally:
+                wire.close()
+        except OSError:
+            return False
+        assert answer == b"s ok 0" or b"is restarting" in answer, answer
+        return b"is restarting" in answer
+    wait_for(refused_meanwhile, "a settle refused while the worker restarts", 10)
+    control = Control(Endpoint("127.0.0.1", server.port, reconnect_seconds=30))
+    with caplog.at_level("WARNING", logger="mqks.spark"):
+        answers = control.call([("settle", "nothing-held --ack")])
+    control.close()
+    assert [data for data in answers.values()] == [[b"0"]]
+    assert "is restarting" in caplog.text  # it was refused first, and asked again
+
+
 def test_sink_and_source_over_tls_with_a_token(spark, make_broker, tmp_path):
     from helpers import free_port, unique
     from tls_certs import make_certs
