@@ -23,6 +23,7 @@ WORKDIR /opt/mqks
 # Dependencies first, in a layer of their own: a code change does not reinstall them.
 # install_requires is read from setup.py itself (setup() stubbed out), so it is listed once.
 COPY setup.py README.md ./
+COPY server/build.py server/build.py
 RUN python -c "import runpy, sys, types; sys.modules['setuptools'] = types.SimpleNamespace(setup=lambda **kw: print(*kw['install_requires'], sep='\n')); runpy.run_path('setup.py')" > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt

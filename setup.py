@@ -7,6 +7,7 @@ code when a command runs from inside it.
 """
 
 import os
+import runpy
 import shutil
 import sys
 from pathlib import Path
@@ -15,9 +16,10 @@ from setuptools import setup
 
 # The hot path (one delivered message goes through each of these), compiled by mypyc when the build has it and a
 # C compiler: about 1.5x less CPU per message in process (bench/hot_path.py). The same files run as plain Python
-# where no compiler is at hand, with MQKS_COMPILE=0 at install time, or with MQKS_PURE=1 at run time.
-COMPILED = ["server/wire/protocol.py", "server/wire/outbox.py", "server/core/messages.py", "server/core/routing.py",
-            "server/core/state.py", "server/dispatch/actions.py"]
+# where no compiler is at hand, with MQKS_COMPILE=0 at install time, or with MQKS_PURE=1 at run time. The list is
+# server/build.py's, which picks at run time between the compiled modules and their sources.
+HOT_PATH = runpy.run_path(str(Path(__file__).resolve().parent / "server" / "build.py"))["HOT_PATH"]
+COMPILED = [f"server/{name.replace('.', '/')}.py" for name in HOT_PATH]
 
 
 def compiled_extensions() -> list:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-# setup.py's COMPILED, as module names under mqks.server
+# the modules setup.py compiles (it reads this list), as names under mqks.server
 HOT_PATH = ("wire.protocol", "wire.outbox", "core.messages", "core.routing", "core.state", "dispatch.actions")
 STALE_AFTER_SECONDS = 2.0  # an install writes a module's .py and .so within this; an edit comes later
 PACKAGE = __name__.rpartition(".")[0]
