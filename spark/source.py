@@ -183,6 +183,11 @@ def plan_parts(depths: dict[str, int], rows: int, max_bytes: int, partitions: in
     return parts
 
 
+def worth_asking_again(error: MqksError) -> bool:
+    """A lost connection, or a refusal that passes by itself (a worker restarting, a group failing over)."""
+    return isinstance(error, MqksConnectionError) or is_transient(error)
+
+
 class Control:
     """The driver's one connection: queue depths, bindings and settles; reconnects for `reconnect_seconds`."""
 
@@ -212,7 +217,7 @@ class Control:
                     self.client = connect_any(endpoint.addresses(), endpoint.security)
                 return self._exchange(requests)
             except (OSError, MqksError) as e:
-                if isinstance(e, MqksError) and not isinstance(e, MqksConnectionError) and not is_transient(e):
+                if isinstance(e, MqksError) and not worth_asking_again(e):
                     raise
                 self.close()  # after a refusal too: a fresh hello routes by the new owners
                 if time.monotonic() + delay > deadline:
@@ -539,7 +544,7 @@ def _fetch_chunks(options: SourceOptions, partition: MqksPartition, queue_name: 
             lines, size = _fetch(client, rid, line)
             break
         except MqksError as e:
-            if not (isinstance(e, MqksConnectionError) or is_transient(e)) or time.monotonic() + delay > deadline:
+            if not worth_asking_again(e) or time.monotonic() + delay > deadline:
                 raise
             log.warning("mqks source: fetch of %s: %s; again in %.1fs", partition.queue, e, delay)
             time.sleep(delay)
