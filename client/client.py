@@ -12,7 +12,6 @@ when it changed (a restart with another --workers), each consumer is re-created 
 
 from __future__ import annotations
 
-import json as jsonlib
 import logging
 import ssl
 import time
@@ -21,13 +20,12 @@ from datetime import datetime
 from typing import Any
 
 import gevent
-import ujson
 
 from . import wire
 from .connection import Connection, Link
 from .consumers import Consumer, Consumers, Message, MessageCallback
 from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError, is_transient
-from .placement import Placement, Route
+from .placement import Homes, Route
 from .tls import tls_setting, token_setting
 
 __all__ = ["Client", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError", "MqksTimeoutError"]
@@ -35,8 +33,6 @@ __all__ = ["Client", "Message", "MqksConnectionError", "MqksError", "MqksProtoco
 log = logging.getLogger("mqks.client")
 
 REQUEST_TIMEOUT_SECONDS = 30.0  # the broker's own default for `request`
-REPLY_PREFIX = b"--reply "
-NO_REPLY_REASON = "no reply within"  # the broker's reason when a request times out
 TRANSIENT_RETRY_SECONDS = 0.5  # a consume refused while its queue's owner fails over goes again after this
 PLACING_POLL_SECONDS = 0.005  # how often a held publish looks again whether every consumer is back
 
@@ -83,8 +79,9 @@ class Client:
             ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds, anonymous=anonymous)
         self._link = Link(host, port, self._consumers, self._new_rid, fallbacks=fallbacks, **self._link_options)
         self._consumers.link = self._link
-        self._placement: Placement | None = None  # the slot map the last hello told; None: one link for all
-        self._direct: dict[int, tuple[Route, Consumers]] = {}  # by worker: the direct link's route and session
+        # the links consumers live on: the public one, one per owning worker under the last hello's slot map
+        self._homes = Homes(self._consumers, lambda: (self._link.host, self._link.tls is not None))
+        self._direct = self._homes.direct  # tests inspect it
         self._homeless: list[Consumer] = []  # consumers taken off a link, waiting for _rehome to place them
         self._rehoming: gevent.Greenlet | None = None
         self._rehome_again = False
@@ -133,7 +130,7 @@ class Client:
             if cause is None:
                 raise MqksConnectionError(f"cannot connect to {where} within {timeout:g}s")
             within = f" within {timeout:g}s" if retry else ""
-            raise MqksConnectionError(f"cannot connect to {where}{within}: {_why(cause)}") from cause
+            raise MqksConnectionError(f"cannot connect to {where}{within}: {wire.connect_failure(cause)}") from cause
         return self
 
     def close(self, timeout: float | None = None, *, flush: bool = True) -> None:
@@ -200,12 +197,10 @@ class Client:
         cut off by a lost connection is sent again after the reconnect: at least once, until `timeout`.
         `delay` (seconds) or `at` (unix seconds or a datetime) hold the copies back until then (extension).
         """
-        flags = wire.publish_flags(delay, at)
-        event_bytes = wire.encode_token(event, "event")
-        body = wire.encode_data(ujson.dumps(data) if json else data)
+        args = wire.publish_args(event, data, json, delay, at)
         if not self._consumers_placed():
             self._wait_until_consumers_placed(self._deadline(timeout))
-        return self._request(b"publish", [*flags, event_bytes, body], confirm, timeout, retry=True).decode()
+        return self._request(b"publish", args, confirm, timeout, retry=True).decode()
 
     def _consumers_placed(self) -> bool:
         """True unless a consumer is still on its way back to its worker's link (a reconnect, a new map)."""
@@ -284,23 +279,19 @@ class Client:
                 return session, conn
 
     def _sessions(self) -> list[Consumers]:
-        return [self._consumers, *(session for _, session in self._direct.values())]
+        return self._homes.sessions()
 
     def _route(self, queue: bytes) -> Route | None:
-        """The direct address for a consume of `queue` under the current slot map; None: the public link."""
-        placement = self._placement
-        if placement is None:
-            return None
-        return placement.route(queue, self._link.host, self._link.tls is not None)
+        return self._homes.route(queue)
 
     def _session_for(self, route: Route | None) -> Consumers:
         """The session of the link for `route`, opened (lazily, connecting in the background) on first need."""
         if route is None:
             return self._consumers
-        found = self._direct.get(route.worker)
+        found = self._homes.found(route)
         if found is not None:
-            if found[0] == route:
-                return found[1]
+            return found
+        if route.worker in self._direct:
             self._retire(route.worker)
         session = Consumers(f"{route.host}:{route.port}", self._new_rid, self._consumers.by_any_id, route.worker,
                             self._on_connect)
@@ -328,10 +319,7 @@ class Client:
 
     def _belongs(self, consumer: Consumer, session: Consumers) -> bool:
         """True when the current slot map puts `consumer` on `session`'s link."""
-        route = self._route(consumer.queue.encode())
-        if route is None or session.worker is None:
-            return route is None and session.worker is None
-        return self._direct.get(route.worker) == (route, session)
+        return self._homes.belongs(consumer.queue.encode(), session)
 
     def _on_connect(self, session: Consumers) -> None:
         """A link's hello is in: learn the slot map from it, and take off this link what it now places elsewhere.
@@ -339,12 +327,11 @@ class Client:
         Runs inside the link's handshake, before its replay: it never blocks; moving is _rehome's job.
         """
         assert session.link is not None
-        placement = Placement.from_hello(session.link.server_info)
-        changed = placement != self._placement
+        changed = self._homes.learn(session.link.server_info)
+        placement = self._homes.placement
         if changed:
             log.info("mqks %s:%s: %s", self.host, self.port, "no slot map: one connection for all" if placement is None
                      else f"{placement.workers} workers: consumes go to their queue's owner")
-            self._placement = placement
         for consumer in list(session.by_id.values()):
             if not self._belongs(consumer, session):
                 session.release(consumer)
@@ -366,12 +353,8 @@ class Client:
 
     def _rehome(self) -> None:
         """Put every consumer on the link the current slot map names; a moved one comes back as after a reconnect."""
-        placement = self._placement
-        for worker, (route, _) in list(self._direct.items()):
-            now = None if placement is None else placement.worker_route(worker, self._link.host,
-                                                                          self._link.tls is not None)
-            if now != route:
-                self._retire(worker)
+        for worker in self._homes.stale():
+            self._retire(worker)
         for session in self._sessions():
             link = session.link
             for consumer in list(session.by_id.values()):
@@ -432,8 +415,7 @@ class Client:
     def reject(self, consumer_id: str, *msg_ids: str, all: bool = False, confirm: bool = False,
                timeout: float | None = None, delay: float | None = None) -> None:
         """Return messages (or all=True) to the front of their queue with retry + 1; after `delay` seconds (ext)."""
-        flags = () if delay is None else (b"--delay=" + wire.seconds_token(delay, "delay", zero_ok=True),)
-        self._settle(b"reject", consumer_id, msg_ids, all, confirm, timeout, flags)
+        self._settle(b"reject", consumer_id, msg_ids, all, confirm, timeout, wire.reject_flags(delay))
 
     def touch(self, consumer_id: str, *msg_ids: str, all: bool = False, confirm: bool = False,
               timeout: float | None = None) -> None:
@@ -443,29 +425,19 @@ class Client:
     def _settle(self, action: bytes, consumer_id: str, msg_ids: tuple[str, ...], all: bool, confirm: bool,
                 timeout: float | None = None, flags: tuple[bytes, ...] = ()) -> None:
         """Ack, reject or touch; messages delivered on an earlier connection are skipped: the broker requeued them."""
-        if not msg_ids and not all:
-            raise ValueError(f"{action.decode()} needs msg ids or all=True")
+        wire.settle_args(action, consumer_id, msg_ids, all)  # a bad call fails before anything is taken
         consumer = self._consumers.find(consumer_id)
         link = None
         if consumer is not None:
             link = consumer.home.link if consumer.home is not None else None
             if link is None or not link.connected:
                 return  # moving or disconnected: the broker requeued what it held
-            if action == b"touch":
-                # still in flight afterwards: only checked, not taken
-                msg_ids = tuple(msg_id for msg_id in msg_ids if msg_id in consumer.unacked)
-                if not msg_ids and not all:
-                    return
-            elif all:
-                consumer.unacked.clear()
-            else:
-                msg_ids = tuple(msg_id for msg_id in msg_ids if consumer.take_unacked(msg_id))
-                if not msg_ids:
-                    return
-            consumer_id = consumer.id
-        args = [wire.encode_token(consumer_id, "consumer id")]
-        args += [b"--all"] if all else wire.encode_tokens(list(msg_ids), "msg id")
-        self._request(action, [*args, *flags], confirm, timeout, retry=False, link=link)
+            to_send = consumer.settling(action, msg_ids, all)
+            if to_send is None:
+                return
+            msg_ids, consumer_id = to_send, consumer.id
+        self._request(action, wire.settle_args(action, consumer_id, msg_ids, all, flags), confirm, timeout,
+                      retry=False, link=link)
 
     def rebind(self, queue: str, events: list[str] | None = None, remove: list[str] | tuple[str, ...] = (),
                remove_mask: list[str] | tuple[str, ...] = (), add: list[str] | tuple[str, ...] = (),
@@ -475,12 +447,7 @@ class Client:
 
         `max_retries` and `max_length` (extension) set the queue's settings as in `consume`.
         """
-        args = [wire.encode_token(queue, "queue"), *wire.encode_tokens(events, "event")]
-        for flag, values, kind in ((b"--remove", remove, "event"), (b"--remove-mask", remove_mask, "mask"),
-                                   (b"--add", add, "event")):
-            if values:
-                args += [flag, *wire.encode_tokens(values, kind)]
-        args += wire.queue_setting_flags(max_retries, max_length)
+        args = wire.rebind_args(queue, events, remove, remove_mask, add, max_retries, max_length)
         self._request(b"rebind", args, confirm, timeout, retry=True)
 
     def delete_consumer(self, consumer_id: str, confirm: bool = True, timeout: float | None = None) -> None:
@@ -523,9 +490,8 @@ class Client:
         messages_unacked, clients, events, top_queues, workers, version, uptime_seconds, connections,
         bytes_in, bytes_out, errors, and `log` when the broker has a data dir.
         """
-        args = b"" if worker is None else b"--worker=%d" % _worker_number(worker)
-        _, answer = self._link.call(b"stats", args, self._deadline(timeout), retry=True)
-        return _json_object(answer, "stats")
+        _, answer = self._link.call(b"stats", wire.stats_args(worker), self._deadline(timeout), retry=True)
+        return wire.json_object(answer, "stats")
 
     def queues(self, mask: str | None = None, timeout: float | None = None) -> list[dict[str, Any]]:
         """Every queue (or those whose name `mask` matches), one dict each (the `queues` action).
@@ -535,12 +501,11 @@ class Client:
         args = b"" if mask is None else wire.encode_token(mask, "mask")
         lines: list[bytes] = []
         self._link.call(b"queues", args, self._deadline(timeout), retry=True, lines=lines)
-        return [_json_object(line, "queues") for line in lines]
+        return [wire.json_object(line, "queues") for line in lines]
 
     def eval(self, code: str, worker: int | None = None, timeout: float | None = None) -> str:
         """The repr of a Python expression evaluated in the broker (needs mqksd --eval)."""
-        prefix = b"" if worker is None else b"--worker=%d " % int(worker)
-        _, result = self._link.call(b"_eval", prefix + wire.encode_data(code, "code"), self._deadline(timeout))
+        _, result = self._link.call(b"_eval", wire.eval_args(code, worker), self._deadline(timeout))
         return result.decode()
 
     def request(self, event: str, data: Any = "", timeout: float = REQUEST_TIMEOUT_SECONDS, json: bool = False) -> Any:
@@ -550,28 +515,23 @@ class Client:
         is bound to `event`, and MqksConnectionError when the connection drops first: the broker forgets
         the requests of a client that went away, so a request is never sent twice.
         """
-        args = [b"--timeout=" + wire.seconds_token(timeout, "timeout", zero_ok=False),
-                wire.encode_token(event, "event"), wire.encode_data(ujson.dumps(data) if json else data)]
+        args = wire.request_args(event, data, timeout, json)
         # the broker answers by `timeout`; the client's own timeout covers the way there and back
         deadline = self._deadline(None) + float(timeout)
         self._wait_until_consumers_placed(deadline)
         try:
             _, answer = self._link.call(b"request", b" ".join(args), deadline)
         except MqksError as e:
-            # only the broker's answer has an error id: a lost connection or our own timeout pass as they are
-            if e.error_id and e.reason.startswith(NO_REPLY_REASON):
-                raise MqksTimeoutError(e.reason, e.error_id, e.rid) from None
-            raise
-        if not answer.startswith(REPLY_PREFIX):
-            raise MqksError(f"unexpected answer to request: {answer[:200]!r}")
-        reply = answer[len(REPLY_PREFIX):].decode()
-        return ujson.loads(reply) if json else reply
+            failure = wire.request_failure(e)
+            if failure is e:
+                raise
+            raise failure from None
+        return wire.reply_data(answer, json)
 
     def _reply(self, token: str, data: Any, json: bool = False, confirm: bool = False,
                timeout: float | None = None) -> None:
         """Send `reply {token} {data}`; with `confirm`, MqksError when the broker no longer knows the token."""
-        args = [wire.encode_token(token, "reply token"), wire.encode_data(ujson.dumps(data) if json else data)]
-        self._request(b"reply", args, confirm, timeout, retry=False)
+        self._request(b"reply", wire.reply_args(token, data, json), confirm, timeout, retry=False)
 
     def schedule(self, name: str, event: str, data: Any = "", *, every: float | None = None,
                  cron: str | list[str] | None = None, count: int | None = None, nohaste: bool = False,
@@ -582,8 +542,8 @@ class Client:
         msg id `{name}.{n}`. `count` stops it after that many firings; `nohaste` waits one interval
         before the first (else it fires at once).
         """
-        body = wire.encode_data(ujson.dumps(data) if json else data)
-        args = wire.schedule_args(name, event, body, every=every, cron=cron, count=count, nohaste=nohaste)
+        args = wire.schedule_args(name, event, wire.body(data, json), every=every, cron=cron, count=count,
+                                  nohaste=nohaste)
         self._request(b"schedule", args, confirm, timeout, retry=True)
 
     def unschedule(self, name: str, confirm: bool = True, timeout: float | None = None) -> None:
@@ -599,7 +559,7 @@ class Client:
         """
         lines: list[bytes] = []
         self._link.call(b"schedules", b"", self._deadline(timeout), retry=True, lines=lines)
-        return [_json_object(line, "schedules") for line in lines]
+        return [wire.json_object(line, "schedules") for line in lines]
 
     def consumer_events(self, consumer_id: str) -> list[str]:
         """The client's current view of the events of this consumer's queue (kept by --update)."""
@@ -607,28 +567,3 @@ class Client:
         if consumer is None:
             raise KeyError(consumer_id)
         return list(consumer.events)
-
-
-def _worker_number(worker: int) -> int:
-    """`worker` as a worker number, or ValueError."""
-    if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
-        raise ValueError(f"worker must be an int >= 0, not {worker!r}")
-    return worker
-
-
-def _json_object(answer: bytes, action: str) -> dict[str, Any]:
-    """The JSON object of one answer line, or MqksError naming what came instead."""
-    try:
-        value = jsonlib.loads(answer)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise MqksError(f"unexpected answer to {action}: {answer[:200]!r}")
-    return value
-
-
-def _why(error: BaseException) -> str:
-    """The reason of a failed connect, as a person reads it: `Connection refused`, not `[Errno 111] ...`."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return str(error) or type(error).__name__

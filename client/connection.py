@@ -22,11 +22,11 @@ from typing import Any, Protocol
 import gevent
 import gevent.socket
 import gevent.ssl
-import ujson
 from gevent.event import AsyncResult, Event
 from gevent.lock import Semaphore
 
 from . import wire
+from .answers import DRAINING, Answers, Deliveries
 from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError
 
 log = logging.getLogger("mqks.client")
@@ -36,28 +36,15 @@ RECV_BYTES = 65536
 # still reaches the socket, and back-pressure from a full socket reaches the caller
 HIGH_WATER_BYTES = 256 * 1024
 KILL_TIMEOUT_SECONDS = 1.0
-END_OF_LINES = b"--end"  # the last `ok` of an answer in several lines
-PEER_TEXT_CHARS = 80  # of a non-MQKS answer, quoted in the error
-TLS_PORT_REASON = "this port speaks TLS"  # the broker's reason to a plain client on its TLS port
-DRAINING = b"--draining"  # `{consumer_id} ok --draining`: the broker is stopping
 DRAIN_POLL_SECONDS = 0.02
 DRAIN_WAIT_SECONDS = 60.0  # the broker closes at its own --drain-seconds anyway; this only bounds our wait
 
 
-class Session(Protocol):
+class Session(Deliveries, Protocol):
     """What runs on top of the link: replayed on every new connection, told of lines and of the loss."""
 
     def replay(self, conn: Connection) -> Callable[[float], None]:
         """Queue the requests a new connection needs first; returns what checks their answers by a deadline."""
-
-    def deliver(self, rid: bytes, data: bytes) -> bool:
-        """Take an `ok` line with data whose rid is the session's (a delivery); False leaves it to the futures."""
-
-    def answered(self, rid: bytes) -> None:
-        """An `ok` answer to request `rid` is about to wake its caller."""
-
-    def refused(self, rid: bytes, error: MqksError) -> bool:
-        """Take an error answer nobody waits for; False when `rid` is not the session's (then it is logged)."""
 
     def disconnected(self, notify: bool, closed: bool) -> None:
         """The connection is gone; `notify` is False while handshaking or closing, `closed` when closing."""
@@ -69,10 +56,10 @@ class Session(Protocol):
 class Connection:
     """One TCP connection: its output batch, its pending answers, its greenlets."""
 
-    __slots__ = ("sock", "where", "on_error", "out", "out_bytes", "wakeup", "send_lock", "futures", "lines_by_rid",
-                 "lost", "reason", "ready", "greenlets", "draining")
+    __slots__ = ("sock", "where", "on_error", "out", "out_bytes", "wakeup", "send_lock", "answers", "lost", "reason",
+                 "ready", "greenlets", "draining")
 
-    def __init__(self, sock: socket.socket, where: str, on_error: Callable[[str], None]) -> None:
+    def __init__(self, sock: socket.socket, where: str, on_error: Callable[[str], None], session: Session) -> None:
         self.sock = sock
         self.where = where  # host:port, for error texts
         self.on_error = on_error  # marks this connection lost
@@ -80,8 +67,7 @@ class Connection:
         self.out_bytes = 0
         self.wakeup = Event()
         self.send_lock = Semaphore()
-        self.futures: dict[bytes, AsyncResult] = {}
-        self.lines_by_rid: dict[bytes, list[bytes]] = {}  # answers in several lines, until `ok --end`
+        self.answers: Answers[AsyncResult] = Answers(session, where, AsyncResult.set, AsyncResult.set_exception)
         self.lost = Event()
         self.reason = ""
         self.ready = False  # handshaken: before that, a line that is not MQKS means a wrong peer
@@ -107,9 +93,7 @@ class Connection:
         and the future is set (with b"") by the closing `ok --end`.
         """
         future = AsyncResult()
-        self.futures[rid] = future
-        if lines is not None:
-            self.lines_by_rid[rid] = lines
+        self.answers.add(rid, future, lines)
         self.write(line)
         return future
 
@@ -123,8 +107,7 @@ class Connection:
             future.wait(max(0.0, deadline - time.monotonic()))
         finally:
             if not future.ready():
-                self.futures.pop(rid, None)
-                self.lines_by_rid.pop(rid, None)
+                self.answers.discard(rid)
         if not future.ready():
             raise MqksTimeoutError(f"no answer to {what} from {self.where} in time")
         return future.get()
@@ -257,12 +240,7 @@ class Link:
         if not self.closed and conn.ready:
             # a connection lost during its handshake is reported by the connect attempt that made it
             log.warning("mqks %s:%s: connection lost: %s", self.host, self.port, reason)
-        futures, conn.futures = conn.futures, {}
-        conn.lines_by_rid = {}
-        if error is None:
-            error = MqksConnectionError(f"connection lost: {reason}")
-        for future in futures.values():
-            future.set_exception(error)
+        conn.answers.fail_all(error or MqksConnectionError(f"connection lost: {reason}"))
         conn.lost.set()
 
     def _run(self) -> None:
@@ -327,7 +305,7 @@ class Link:
         if self.tls is not None:
             sock = self._wrap_tls(sock)  # the handshake runs under the connect timeout
         sock.settimeout(None)
-        conn = Connection(sock, f"{self.host}:{self.port}", lambda reason: self.lose(conn, reason))
+        conn = Connection(sock, f"{self.host}:{self.port}", lambda reason: self.lose(conn, reason), self.session)
         self.conn = conn
         conn.greenlets = [gevent.spawn(self._read_loop, conn), gevent.spawn(self._write_loop, conn)]
         try:
@@ -385,34 +363,27 @@ class Link:
         auth_rid = self.new_rid()
         auth = conn.request(auth_rid, auth_rid + b" auth " + self.token + b"\n") if self.token else None
         hello_rid = self.new_rid()
-        ttl = b" --ttl=%g" % self.ttl_seconds if self.ttl_seconds else b""
-        hello = conn.request(hello_rid, hello_rid + b" hello" + ttl + b"\n")
+        hello = conn.request(hello_rid, wire.hello_line(hello_rid, self.ttl_seconds))
         if auth is not None:
             try:
                 conn.wait(auth_rid, auth, deadline, "auth")
             except MqksConnectionError:
                 raise
             except MqksError as e:
-                if "takes no token" not in str(e) and "unknown action" not in str(e):
-                    raise MqksError(f"the broker refused the token: {e}") from None
+                refusal = wire.auth_refusal(e)
+                if refusal is not None:
+                    raise refusal from None
                 # a broker without auth (or older than it) serves anyone: the token protects it, not us
                 log.info("mqks %s: the broker takes no token; connected without one", conn.where)
         try:
-            info = conn.wait(hello_rid, hello, deadline, "hello")
+            self.server_info = wire.hello_info(conn.wait(hello_rid, hello, deadline, "hello"))
         except MqksConnectionError:
             raise
         except MqksError as e:
-            if "authentication required" in str(e):
-                if self.anonymous and not self.token:
-                    self.server_info = None  # only what needs no token (ping) will work
-                    return
-                raise MqksError("the broker requires a token: pass token= (mqks --token) or set "
-                               "MQKS_AUTH_TOKEN") from None
-            self.server_info = None  # a broker that predates hello; no TTL agreed either
-            return
-        try:
-            self.server_info = ujson.loads(info)
-        except ValueError:
+            refusal = wire.hello_refusal(e, self.token is not None, self.anonymous)
+            if refusal is not None:
+                raise refusal from None
+            # a broker that predates hello (no TTL agreed either), or an anonymous client: only ping will work
             self.server_info = None
 
     def _on_draining(self, conn: Connection) -> None:
@@ -477,48 +448,11 @@ class Link:
 
     def _handle_line(self, conn: Connection, line: bytes) -> None:
         """Route one answer line: to the session, its waiting future, or the log."""
-        rid, status, data = wire.split_answer(line.rstrip(b"\r"))
-        if status == b"ok":
-            if data == DRAINING:
-                self._on_draining(conn)
-                return
-            if data and self.session.deliver(rid, data):
-                return
-            if conn.lines_by_rid:
-                lines = conn.lines_by_rid.get(rid)
-                if lines is not None:
-                    if data != END_OF_LINES:
-                        lines.append(data)
-                        return
-                    del conn.lines_by_rid[rid]
-                    data = b""
-            future = conn.futures.pop(rid, None)
-            if future is not None:
-                self.session.answered(rid)
-                future.set(data)
-            return
-        if status == b"error":
-            error = wire.answer_error(rid, data)
-            if rid == b"-" and not conn.ready and TLS_PORT_REASON in error.reason:
-                # a plain connection to a TLS port: the broker says so once, then closes
-                reason = f"{conn.where} speaks TLS: pass --tls (tls=True from Python)"
-                self.lose(conn, reason, MqksProtocolError(reason))
-                return
-            conn.lines_by_rid.pop(rid, None)
-            future = conn.futures.pop(rid, None)
-            if future is not None:
-                future.set_exception(error)
-            elif not self.session.refused(rid, error):
-                log.warning("mqks %s:%s: request %s failed: %s", self.host, self.port, error.rid, error)
-            return
-        if not conn.ready:
-            # not even the handshake is through: this peer is something else (an HTTP server, say);
-            # one clear error instead of a warning per line of its answer
-            text = line.rstrip(b"\r")[:PEER_TEXT_CHARS].decode("utf-8", errors="replace")
-            reason = f"{conn.where} does not speak MQKS (it answered {text!r})"
-            self.lose(conn, reason, MqksProtocolError(reason))
-            return
-        log.warning("mqks %s:%s: unexpected line %r", self.host, self.port, line[:200])
+        outcome = conn.answers.take(line, conn.ready)
+        if outcome is DRAINING:
+            self._on_draining(conn)
+        elif isinstance(outcome, MqksProtocolError):
+            self.lose(conn, outcome.reason, outcome)
 
     def _write_loop(self, conn: Connection) -> None:
         """Send each batch the callers queued, once they yield."""

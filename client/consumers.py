@@ -22,6 +22,7 @@ import ujson
 from gevent.event import AsyncResult, Event
 
 from . import wire
+from .consuming import ConsumerState, Delivery, Registry
 from .errors import MqksConnectionError, MqksError, is_transient
 
 if TYPE_CHECKING:
@@ -35,29 +36,14 @@ Settle: TypeAlias = Callable[[bytes, str, tuple[str, ...], bool, bool, float | N
 Answer: TypeAlias = Callable[[str, Any, bool, bool], None]
 
 
-class Message:
+class Message(Delivery):
     """One delivery. `ack`/`reject`/`touch` matter only for a `manual_ack` consumer.
 
     `reply_token` is set when the message came from a `request` (extension): `reply(data)` answers it.
     """
 
-    __slots__ = ("id", "event", "data", "retry", "consumer_id", "_consumer", "_settled", "_reply_token")
-
-    def __init__(self, msg_id: str, event: str, data: Any, retry: int, consumer_id: str,
-                 consumer: Consumer | None = None, reply_token: bytes = b"") -> None:
-        self.id = msg_id
-        self.event = event
-        self.data = data
-        self.retry = retry
-        self.consumer_id = consumer_id
-        self._consumer = consumer
-        self._settled = False
-        self._reply_token = reply_token  # as delivered: decoded only when asked for, off the hot path
-
-    @property
-    def reply_token(self) -> str | None:
-        """The broker's token of the `request` this message came from; None for a plain publish."""
-        return self._reply_token.decode() if self._reply_token else None
+    __slots__ = ()
+    _consumer: Consumer | None
 
     def ack(self, confirm: bool = False) -> None:
         """Ack once; a no-op for an auto-ack consumer (the broker acked on delivery) or when already settled."""
@@ -68,10 +54,8 @@ class Message:
 
         `delay` (extension) requeues it after that many seconds instead of at once.
         """
-        if self._consumer is not None and not self._consumer.manual_ack:
-            raise MqksError("reject needs a consumer with manual_ack=True")
-        flags = () if delay is None else (b"--delay=" + wire.seconds_token(delay, "delay", zero_ok=True),)
-        self._settle(b"reject", confirm, flags)
+        self._check_manual_ack("reject")
+        self._settle(b"reject", confirm, wire.reject_flags(delay))
 
     def touch(self, confirm: bool = False) -> None:
         """Restart the consumer's ack-timeout clock for this message (extension); a no-op once settled."""
@@ -88,39 +72,24 @@ class Message:
         message came from a plain publish; with `confirm`, also when the broker no longer knows the token
         (the request timed out, or its requester disconnected).
         """
-        consumer = self._consumer
-        token = self.reply_token
-        if token is None or consumer is None:
-            raise MqksError(f"message {self.id} came from a publish, not a request: there is nothing to reply to")
-        consumer.answer(token, data, consumer.json if json is None else json, confirm)
+        token = self._reply_to()
+        assert self._consumer is not None
+        self._consumer.answer(token, data, self._consumer.json if json is None else json, confirm)
 
     def _settle(self, action: bytes, confirm: bool, flags: tuple[bytes, ...] = ()) -> None:
-        consumer = self._consumer
-        if self._settled or consumer is None or not consumer.manual_ack:
-            return
-        self._settled = True
-        if self.consumer_id != consumer.id:
-            # delivered on an earlier connection: the broker already requeued it, and the same
-            # msg id may be in flight again under the new consumer id
-            return
-        consumer.settle(action, self.consumer_id, (self.id,), False, confirm, None, flags)
-
-    def __repr__(self) -> str:
-        reply = "" if self.reply_token is None else f", reply_token={self.reply_token!r}"
-        return (f"Message(id={self.id!r}, event={self.event!r}, data={self.data!r}, "
-                f"retry={self.retry}, consumer_id={self.consumer_id!r}{reply})")
+        if self._claim():
+            assert self._consumer is not None
+            self._consumer.settle(action, self.consumer_id, (self.id,), False, confirm, None, flags)
 
 
 MessageCallback: TypeAlias = Callable[[Message], Any]
 
 
-class Consumer:
-    """What the client needs to replay a consumer: queue, its current events, flags, callbacks."""
+class Consumer(ConsumerState):
+    """A consumer of the gevent client: its wire state (consuming.py), callbacks, and the greenlet that runs them."""
 
-    __slots__ = ("settle", "answer", "id", "first_id", "aliases", "reported_id", "queue", "events", "events_known",
-                 "manual_ack", "delete_queue_when_unused", "prefetch", "ack_timeout", "max_retries", "max_length",
-                 "callback", "json", "on_disconnect", "on_reconnect", "pending", "wakeup", "greenlet", "unacked",
-                 "replaying", "active", "home", "conn")
+    __slots__ = ("settle", "answer", "callback", "on_disconnect", "on_reconnect", "pending", "wakeup", "greenlet",
+                 "home", "conn")
 
     def __init__(self, settle: Settle, consumer_id: str, queue: str, events: list[str], add: bool,
                  callback: MessageCallback, manual_ack: bool, delete_queue_when_unused: float | bool | None,
@@ -128,78 +97,30 @@ class Consumer:
                  on_reconnect: Callable[[str, str], Any] | None, *, answer: Answer | None = None,
                  ack_timeout: float | None = None, max_retries: wire.QueueSetting = None,
                  max_length: wire.QueueSetting = None) -> None:
+        super().__init__(consumer_id, queue, events, add, manual_ack, delete_queue_when_unused, prefetch, json,
+                         ack_timeout=ack_timeout, max_retries=max_retries, max_length=max_length)
         self.settle = settle
         self.answer = answer or _no_answer
-        self.id = consumer_id
-        self.first_id = consumer_id  # what consume() returned: valid for good
-        self.aliases = [consumer_id]  # the ids `Consumers.by_any_id` knows it by
-        self.reported_id = consumer_id  # the id the caller last heard of
-        self.queue = queue
-        self.events = list(events)
-        # with --add and no --update back, the queue's other events are unknown: replay adds only ours
-        self.events_known = not add
-        self.manual_ack = manual_ack
-        self.delete_queue_when_unused = delete_queue_when_unused
-        self.prefetch = prefetch
-        self.ack_timeout = ack_timeout  # the consumer's own
-        # the queue's settings as this client last heard them (`--update`): a replay must not undo a rebind
-        self.max_retries = max_retries
-        self.max_length = max_length
         self.callback = callback
-        self.json = json
         self.on_disconnect = on_disconnect
         self.on_reconnect = on_reconnect
         self.pending: deque[Message | Callable[[], Any]] = deque()
         self.wakeup = Event()
         self.greenlet: gevent.Greenlet | None = None
-        # msg id -> deliveries on the current connection not yet settled; a count, not a set,
-        # because msg ids are the publishers' and two publishers may both send "m1"
-        self.unacked: dict[str, int] = {}
-        self.replaying = False
-        self.active = True
         self.home: Consumers | None = None  # the link's session it lives on
         self.conn: Connection | None = None  # the connection its last consume line went on
 
-    def take_unacked(self, msg_id: str) -> bool:
-        """Settle one delivery of `msg_id`; False when none is pending on this connection."""
-        count = self.unacked.get(msg_id, 0)
-        if count <= 1:
-            return self.unacked.pop(msg_id, None) is not None
-        self.unacked[msg_id] = count - 1
-        return True
-
-    def consume_line(self, confirm: bool) -> bytes:
-        """The consume request that (re)creates this consumer with the queue's current events."""
-        events = [event.encode() for event in self.events]
-        return wire.consume_line(self.id.encode(), self.queue.encode(), events, add=not self.events_known,
-                                 confirm=confirm, manual_ack=self.manual_ack,
-                                 delete_queue_when_unused=self.delete_queue_when_unused, prefetch=self.prefetch,
-                                 ack_timeout=self.ack_timeout, max_retries=self.max_retries,
-                                 max_length=self.max_length) + b"\n"
-
-    def on_update(self, data: bytes) -> None:
-        """Keep this view of the queue's events and settings, so a replay never undoes a rebind."""
-        _, events = wire.split_update(data)
-        self.events = events
-        self.events_known = True
-        self.max_retries, self.max_length = wire.update_queue_settings(data)
-
     def on_delivery(self, data: bytes) -> None:
         """Queue a delivery for this consumer's greenlet; data stays bytes until that greenlet decodes it."""
-        msg_id, event, retry, reply_token, body = wire.split_delivery_reply(data)
-        message = Message(msg_id.decode(), event.decode(), body, retry, self.id, self, reply_token)
-        if self.manual_ack:
-            self.unacked[message.id] = self.unacked.get(message.id, 0) + 1
-        self.pending.append(message)
+        msg_id, event, retry, reply_token, body = self.delivered(data)
+        self.pending.append(Message(msg_id, event, body, retry, self.id, self, reply_token))
         self.wakeup.set()
 
-    def on_replayed(self) -> None:
-        """The broker confirmed this replayed consumer: queue on_reconnect before its first delivery."""
-        self.replaying = False
-        old_id, self.reported_id = self.reported_id, self.id
-        if self.on_reconnect is not None:
-            self.pending.append(_notice(self.on_reconnect, old_id, self.id))
-            self.wakeup.set()
+    def stop(self) -> None:
+        """No more callbacks: drop what is queued and let the greenlet see `active` and end."""
+        self.active = False
+        self.pending.clear()
+        self.wakeup.set()
 
     def disconnected(self, notify: bool) -> None:
         """The connection is gone: forget its un-acked deliveries; `notify` queues on_disconnect."""
@@ -242,18 +163,14 @@ class Consumer:
                     log.warning("mqks consumer %s: cannot reject message %s: %s", message.consumer_id, message.id, e)
 
 
-class Consumers:
-    """Every live consumer of one client, by id; the `Session` its link runs (see connection.py)."""
+class Consumers(Registry[Consumer]):
+    """Every live consumer of one link, by id; the `Session` its link runs (see connection.py)."""
 
-    __slots__ = ("where", "new_rid", "by_id", "by_any_id", "worker", "link", "on_connect")
+    __slots__ = ("worker", "link", "on_connect")
 
     def __init__(self, where: str, new_rid: Callable[[], bytes], by_any_id: dict[str, Consumer] | None = None,
                  worker: int | None = None, on_connect: Callable[[Consumers], None] | None = None) -> None:
-        self.where = where  # host:port, for the log
-        self.new_rid = new_rid
-        self.by_id: dict[str, Consumer] = {}  # current ids only
-        # current and recent ids (see _keep_recent_aliases), shared by every session of one client
-        self.by_any_id: dict[str, Consumer] = {} if by_any_id is None else by_any_id
+        super().__init__(where, new_rid, by_any_id)
         self.worker = worker  # the worker whose direct link this is; None: the public link
         self.link: Link | None = None  # set by the client once the link exists
         # runs first on every new connection, its hello read: the client learns the slot map there
@@ -263,8 +180,7 @@ class Consumers:
         """Know `consumer` by its id and start its greenlet."""
         consumer.greenlet = gevent.spawn(consumer.run)
         consumer.home = self
-        self.by_id[consumer.id] = consumer
-        self.by_any_id[consumer.id] = consumer
+        self.add(consumer)
 
     def release(self, consumer: Consumer) -> None:
         """Stop routing this link's lines to `consumer`, which moves to another link (its ids stay known)."""
@@ -274,32 +190,9 @@ class Consumers:
 
     def adopt(self, consumer: Consumer) -> None:
         """Take over a consumer from another link under a new id; it is sent as a replay (on_reconnect runs)."""
-        consumer.id = self.new_rid().decode()
-        self._keep_recent_aliases(consumer)
-        consumer.unacked.clear()
-        consumer.replaying = True
+        self.renew(consumer)
         consumer.home = self
         consumer.conn = None
-        self.by_id[consumer.id] = consumer
-        self.by_any_id[consumer.id] = consumer
-
-    def find(self, consumer_id: str) -> Consumer | None:
-        """The consumer known by `consumer_id`: its current, first, reported or a recent id."""
-        return self.by_any_id.get(consumer_id)
-
-    def forget(self, consumer: Consumer) -> None:
-        """Drop a consumer locally: no more callbacks, no replay."""
-        consumer.active = False
-        consumer.pending.clear()
-        consumer.wakeup.set()  # let its greenlet see `active` and end
-        self.by_id.pop(consumer.id, None)
-        for consumer_id in consumer.aliases:
-            self.by_any_id.pop(consumer_id, None)
-
-    def forget_queue(self, queue: str) -> None:
-        """Drop every consumer of `queue`: the broker removes them with it; replaying them would bring it back."""
-        for consumer in [c for c in self.by_id.values() if c.queue == queue]:
-            self.forget(consumer)
 
     def stop(self) -> list[gevent.Greenlet]:
         """Stop every consumer for good; returns their greenlets (but the caller's) for the client to kill."""
@@ -320,14 +213,8 @@ class Consumers:
             self.on_connect(self)
         replays: list[tuple[Consumer, bytes, AsyncResult]] = []
         for consumer in list(self.by_id.values()):
-            del self.by_id[consumer.id]
-            consumer.id = self.new_rid().decode()
-            self._keep_recent_aliases(consumer)
-            consumer.unacked.clear()
-            consumer.replaying = True
+            self.renew(consumer)
             consumer.conn = conn
-            self.by_id[consumer.id] = consumer
-            self.by_any_id[consumer.id] = consumer
             rid = consumer.id.encode()
             replays.append((consumer, rid, conn.request(rid, consumer.consume_line(confirm=True))))
 
@@ -347,49 +234,13 @@ class Consumers:
 
         return confirm
 
-    def _keep_recent_aliases(self, consumer: Consumer) -> None:
-        """Know the consumer by its new id, its first, its reported and its last few ids only.
-
-        An alias kept per reconnect would pile up over months of a flapping network.
-        """
-        consumer.aliases.append(consumer.id)
-        keep = {consumer.first_id, consumer.reported_id, *consumer.aliases[-3:]}
-        for consumer_id in consumer.aliases:
-            if consumer_id not in keep:
-                self.by_any_id.pop(consumer_id, None)
-        consumer.aliases = [consumer_id for consumer_id in consumer.aliases if consumer_id in keep]
-
-    def deliver(self, rid: bytes, data: bytes) -> bool:
-        """Take an `ok` line with data for a consumer (a delivery or `--update`); False when `rid` names none."""
-        consumer = self.by_id.get(rid.decode())
-        if consumer is None:
-            return False
-        if wire.is_update(data):
-            consumer.on_update(data)
-        else:
-            consumer.on_delivery(data)
-        return True
-
-    def answered(self, rid: bytes) -> None:
-        """An `ok` answer to request `rid` is about to wake its caller: a replayed consume's marks it back."""
-        consumer = self.by_id.get(rid.decode())
-        if consumer is not None and consumer.replaying:
-            consumer.on_replayed()
-
-    def refused(self, rid: bytes, error: MqksError) -> bool:
-        """Take an error answer nobody waits for; False when `rid` names no consumer."""
-        consumer = self.by_id.get(rid.decode(errors="replace"))
-        if consumer is None:
-            return False
-        # only a consume line uses the consumer id as rid: the broker refused that consumer
-        log.error("mqks %s: consumer %s on queue %s refused: %s", self.where, consumer.reported_id, consumer.queue,
-                  error)
-        self.forget(consumer)
-        return True
-
-    def holds_unacked(self) -> bool:
-        """True while a manual-ack consumer holds a delivery of this connection not yet acked or rejected."""
-        return any(consumer.unacked for consumer in self.by_id.values())
+    def replayed(self, consumer: Consumer) -> None:
+        """The broker confirmed this replayed consumer: queue on_reconnect before its first delivery."""
+        old_id = consumer.reported_id
+        super().replayed(consumer)
+        if consumer.on_reconnect is not None:
+            consumer.pending.append(_notice(consumer.on_reconnect, old_id, consumer.id))
+            consumer.wakeup.set()
 
     def disconnected(self, notify: bool, closed: bool) -> None:
         """The connection is gone; `notify` runs every on_disconnect hook, `closed` says the client ended."""

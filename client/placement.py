@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import bisect
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 SLOTS = 16384  # server/dispatch/slots.py SLOTS; the broker's hello names its own in "slots"
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # a bind address, not one to dial
@@ -143,3 +143,60 @@ def parse_seeds(text: str | None, what: str) -> list[tuple[str, int]]:
         seeds.append((host, int(port)))
     return seeds
 
+
+
+S = TypeVar("S")  # a client's session of one link (its consumers there)
+
+
+class Homes(Generic[S]):
+    """Where a client's consumers live: the public link's session, plus one direct session per owning worker.
+
+    Both clients (gevent and asyncio) keep their links in one of these and ask it the same questions;
+    opening, closing and moving are theirs. `public` tells the public link's host and whether it speaks TLS
+    (a direct address on a wildcard host is dialled at that host, with TLS only at a `tls_port`).
+    """
+
+    __slots__ = ("public_session", "public", "placement", "direct")
+
+    def __init__(self, public_session: S, public: Callable[[], tuple[str, bool]]) -> None:
+        self.public_session = public_session
+        self.public = public
+        self.placement: Placement | None = None  # the slot map the last hello told; None: one link for all
+        self.direct: dict[int, tuple[Route, S]] = {}  # by worker: the direct link's route and session
+
+    def sessions(self) -> list[S]:
+        return [self.public_session, *(session for _, session in self.direct.values())]
+
+    def learn(self, info: Mapping[str, Any] | None) -> bool:
+        """Take the slot map of a `hello` answer; True when it differs from the one known."""
+        placement = Placement.from_hello(info)
+        if placement == self.placement:
+            return False
+        self.placement = placement
+        return True
+
+    def route(self, queue: bytes) -> Route | None:
+        """The direct address for a consume of `queue` under the current slot map; None: the public link."""
+        if self.placement is None:
+            return None
+        host, tls = self.public()
+        return self.placement.route(queue, host, tls)
+
+    def stale(self) -> list[int]:
+        """The workers whose direct link no longer matches the current map (moved, or gone)."""
+        host, tls = self.public()
+        placement = self.placement
+        return [worker for worker, (route, _) in self.direct.items()
+                if placement is None or placement.worker_route(worker, host, tls) != route]
+
+    def belongs(self, queue: bytes, session: S) -> bool:
+        """True when the current slot map puts a consumer of `queue` on `session`'s link."""
+        route = self.route(queue)
+        if route is None:
+            return session is self.public_session
+        return self.direct.get(route.worker) == (route, session)
+
+    def found(self, route: Route) -> S | None:
+        """The session of the direct link for `route`, when one is open to exactly that address."""
+        found = self.direct.get(route.worker)
+        return found[1] if found is not None and found[0] == route else None

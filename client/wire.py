@@ -9,6 +9,7 @@ or tab, so one request is always exactly one line. No gevent: Spark workers impo
 from __future__ import annotations
 
 import itertools
+import json as stdjson
 import math
 import re
 import secrets
@@ -16,7 +17,9 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeAlias
 
-from .errors import MqksError
+import ujson
+
+from .errors import MqksError, MqksTimeoutError
 
 # whitespace would split a token; a leading "--" would make the server read it as a flag
 _BAD_TOKEN = re.compile(r"\s|^--")
@@ -292,3 +295,139 @@ def schedule_args(name: str, event: str, data: bytes, *, every: float | None, cr
     if nohaste:
         args.append(b"--nohaste")
     return [*args, encode_token(event, "event"), data]
+
+
+# --- requests as both clients build them (the gevent `Client` and `mqks.aio.Client`): one encoder per action ---
+
+REPLY_PREFIX = b"--reply "  # the answer to a `request`: `{rid} ok --reply {data}`
+NO_REPLY_REASON = "no reply within"  # the broker's reason when a request times out
+AUTH_FREE_REASONS = ("takes no token", "unknown action")  # an `auth` refusal that only means "no tokens here"
+TOKEN_WANTED_REASON = "authentication required"  # a hello refused until `auth`
+
+
+def body(data: Any, json: bool, kind: str = "data") -> bytes:
+    """A publish's, request's or reply's data as the tail of its line; JSON-encoded with `json`."""
+    return encode_data(ujson.dumps(data) if json else data, kind)
+
+
+def publish_args(event: str, data: Any, json: bool, delay: float | None, at: float | datetime | None) -> list[bytes]:
+    """The arguments of `publish [--delay=S|--at=T] {event} {data}`; ValueError/TypeError before anything is sent."""
+    return [*publish_flags(delay, at), encode_token(event, "event"), body(data, json)]
+
+
+def settle_args(action: bytes, consumer_id: str, msg_ids: tuple[str, ...] | list[str], all: bool,
+                flags: tuple[bytes, ...] = ()) -> list[bytes]:
+    """The arguments of `ack|reject|touch {consumer_id} {msg_ids...}|--all [flags]`."""
+    if not msg_ids and not all:
+        raise ValueError(f"{action.decode()} needs msg ids or all=True")
+    args = [encode_token(consumer_id, "consumer id")]
+    args += [b"--all"] if all else encode_tokens(list(msg_ids), "msg id")
+    return [*args, *flags]
+
+
+def reject_flags(delay: float | None) -> tuple[bytes, ...]:
+    """`--delay=S` of a reject (extension): requeue after that many seconds."""
+    return () if delay is None else (b"--delay=" + seconds_token(delay, "delay", zero_ok=True),)
+
+
+def rebind_args(queue: str, events: list[str] | None, remove: list[str] | tuple[str, ...],
+                remove_mask: list[str] | tuple[str, ...], add: list[str] | tuple[str, ...],
+                max_retries: QueueSetting, max_length: QueueSetting) -> list[bytes]:
+    """The arguments of `rebind {queue} [events] [--remove ...] [--remove-mask ...] [--add ...] [settings]`."""
+    args = [encode_token(queue, "queue"), *encode_tokens(events, "event")]
+    for flag, values, kind in ((b"--remove", remove, "event"), (b"--remove-mask", remove_mask, "mask"),
+                               (b"--add", add, "event")):
+        if values:
+            args += [flag, *encode_tokens(values, kind)]
+    return args + queue_setting_flags(max_retries, max_length)
+
+
+def request_args(event: str, data: Any, timeout: float, json: bool) -> list[bytes]:
+    """The arguments of `request --timeout=S {event} {data}` (extension)."""
+    return [b"--timeout=" + seconds_token(timeout, "timeout", zero_ok=False), encode_token(event, "event"),
+            body(data, json)]
+
+
+def request_failure(error: MqksError) -> MqksError:
+    """The exception a failed `request` raises: the broker's "no reply" becomes a timeout, the rest as they are."""
+    # only the broker's answer has an error id: a lost connection or the client's own timeout pass as they are
+    if error.error_id and error.reason.startswith(NO_REPLY_REASON):
+        return MqksTimeoutError(error.reason, error.error_id, error.rid)
+    return error
+
+
+def reply_data(answer: bytes, json: bool) -> Any:
+    """The reply inside a `request`'s answer (`--reply {data}`): str, or decoded with `json`."""
+    if not answer.startswith(REPLY_PREFIX):
+        raise MqksError(f"unexpected answer to request: {answer[:200]!r}")
+    reply = answer[len(REPLY_PREFIX):].decode()
+    return ujson.loads(reply) if json else reply
+
+
+def reply_args(token: str, data: Any, json: bool) -> list[bytes]:
+    """The arguments of `reply {token} {data}` (extension)."""
+    return [encode_token(token, "reply token"), body(data, json)]
+
+
+def worker_number(worker: Any) -> int:
+    """`worker` as a worker number, or ValueError."""
+    if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
+        raise ValueError(f"worker must be an int >= 0, not {worker!r}")
+    return worker
+
+
+def stats_args(worker: int | None) -> bytes:
+    """The arguments of `stats [--worker=N]`."""
+    return b"" if worker is None else b"--worker=%d" % worker_number(worker)
+
+
+def eval_args(code: str, worker: int | None) -> bytes:
+    """The arguments of `_eval [--worker=N] {code}`."""
+    prefix = b"" if worker is None else b"--worker=%d " % int(worker)
+    return prefix + encode_data(code, "code")
+
+
+def json_object(answer: bytes, action: str) -> dict[str, Any]:
+    """The JSON object of one answer line (stats, queues, schedules), or MqksError naming what came instead."""
+    try:
+        value = stdjson.loads(answer)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise MqksError(f"unexpected answer to {action}: {answer[:200]!r}")
+    return value
+
+
+def hello_info(answer: bytes) -> dict[str, Any] | None:
+    """A `hello` answer's JSON object; None when it is not one (then there is no slot map to follow)."""
+    try:
+        info = stdjson.loads(answer)
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def hello_line(rid: bytes, ttl_seconds: float | None) -> bytes:
+    """`{rid} hello [--ttl=S]` with its newline: the broker drops a client silent for 2x that TTL."""
+    return rid + b" hello" + (b" --ttl=%g" % ttl_seconds if ttl_seconds else b"") + b"\n"
+
+
+def auth_refusal(error: MqksError) -> MqksError | None:
+    """The error to raise for a refused `auth`; None when the broker only takes no tokens (then it serves anyone)."""
+    if any(reason in error.reason for reason in AUTH_FREE_REASONS):
+        return None
+    return MqksError(f"the broker refused the token: {error}")
+
+
+def hello_refusal(error: MqksError, have_token: bool, anonymous: bool) -> MqksError | None:
+    """The error to raise for a refused `hello`; None when the broker predates hello or the client is anonymous."""
+    if TOKEN_WANTED_REASON in error.reason and (have_token or not anonymous):
+        return MqksError("the broker requires a token: pass token= (mqks --token) or set MQKS_AUTH_TOKEN")
+    return None
+
+
+def connect_failure(error: BaseException) -> str:
+    """The reason of a failed connect, as a person reads it: `Connection refused`, not `[Errno 111] ...`."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error) or type(error).__name__

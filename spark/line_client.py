@@ -9,7 +9,6 @@ at the same time, and a client that only writes could deadlock with a server tha
 
 from __future__ import annotations
 
-import json
 import select
 import socket
 import ssl
@@ -23,7 +22,7 @@ from typing import Any
 from mqks.client.errors import MqksConnectionError, MqksError
 from mqks.client.placement import Placement
 from mqks.client.tls import AUTH_TOKEN_ENV, client_context
-from mqks.client.wire import split_answer
+from mqks.client.wire import answer_error, auth_refusal, hello_info, split_answer
 
 __all__ = ["LineClient", "MqksConnectionError", "MqksError", "Security", "split_answer"]
 
@@ -105,10 +104,10 @@ class LineClient:
                     continue
                 waiting.remove(rid)
                 if rid == HELLO_RID:
-                    self.placement = Placement.from_hello(_json(rest)) if status == b"ok" else None
-                elif status != b"ok" and b"takes no token" not in rest:
+                    self.placement = Placement.from_hello(hello_info(rest)) if status == b"ok" else None
+                elif status != b"ok" and (refusal := auth_refusal(answer_error(rid, rest))) is not None:
                     self.close()
-                    raise MqksError(f"mqks {self.host}:{self.port} refused the token: {rest.decode(errors='replace')}")
+                    raise MqksError(f"mqks {self.host}:{self.port}: {refusal}")
                 if not waiting:
                     self.ready[:0] = lines[index + 1:]  # nothing else was sent yet, but keep whatever came
                     return
@@ -181,14 +180,6 @@ class LineClient:
             self.sock.close()
         except OSError:
             pass
-
-
-def _json(data: bytes) -> Any:
-    """A hello answer's JSON; None when it is not JSON (then there is no slot map to follow)."""
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None
 
 
 def connect_any(addresses: list[tuple[str, int]], security: Security | None = None, **options: Any) -> LineClient:

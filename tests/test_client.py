@@ -229,7 +229,7 @@ def test_fifty_greenlets_publish_with_confirm_each_confirmed_once(broker_per_wor
         greenlets = [gevent.spawn(publish, n) for n in range(50)]
         gevent.joinall(greenlets, raise_error=True)
         assert len(results) == 50 and len(set(results)) == 50
-        assert client._conn is not None and client._conn.futures == {}  # no answer left waiting
+        assert client._conn is not None and client._conn.answers.waiters == {}  # no answer left waiting
         messages = inbox.wait(50)
         assert sorted(message.data for message in messages) == sorted(f"message {n}" for n in range(50))
         assert {message.id for message in messages} == set(results)
@@ -502,7 +502,7 @@ def test_timeouts_leave_no_answer_waiting_and_no_stray_consumer(make_broker: Cal
                 client.consume(queue, [event], Inbox(), timeout=0.2)
             with pytest.raises(MqksTimeoutError):
                 client.ping("frozen", timeout=0.2)
-            assert client._conn.futures == {}
+            assert client._conn.answers.waiters == {}
         finally:
             server.signal(signal.SIGCONT)
         assert client.ping("thawed") == "thawed"

@@ -1,0 +1,254 @@
+"""What a client consumer is on the wire, whatever runs its callbacks: its consume line, ids, view of the queue.
+
+Step in the flow: a connection's `Answers` hands a consumer's line to its `Registry`, which finds the
+consumer by rid and keeps its view of the queue (`--update`) or passes the delivery on; how a delivery
+reaches user code is each client's own (a greenlet per consumer in the gevent `Client`, an async
+iterator in `mqks.aio`). Invariants: a consumer id lives for one connection only: a replay renews every
+consumer under a new id; the ids a caller may still hold (the first, the last reported, the last few)
+stay known client-wide in one shared `by_any_id`; a manual-ack delivery counts as un-acked until settled
+on the connection it came on. No I/O, no gevent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from . import wire
+from .errors import MqksError
+
+log = logging.getLogger("mqks.client")
+
+RECENT_IDS = 3  # besides its first and reported ids, the ids a consumer stays known by
+
+
+class Delivery:
+    """One delivered message; each client's `Message` adds the ack, reject, touch and reply it can await or call.
+
+    `reply_token` is set when the message came from a `request` (extension).
+    """
+
+    __slots__ = ("id", "event", "data", "retry", "consumer_id", "_consumer", "_settled", "_reply_token")
+
+    def __init__(self, msg_id: str, event: str, data: Any, retry: int, consumer_id: str,
+                 consumer: ConsumerState | None = None, reply_token: bytes = b"") -> None:
+        self.id = msg_id
+        self.event = event
+        self.data = data
+        self.retry = retry
+        self.consumer_id = consumer_id
+        self._consumer = consumer
+        self._settled = False
+        self._reply_token = reply_token  # as delivered: decoded only when asked for, off the hot path
+
+    @property
+    def reply_token(self) -> str | None:
+        """The broker's token of the `request` this message came from; None for a plain publish."""
+        return self._reply_token.decode() if self._reply_token else None
+
+    def _claim(self) -> bool:
+        """Mark this message settled; True when the broker must hear of it (a manual-ack delivery of this connection).
+
+        A no-op for an auto-ack consumer (the broker acked on delivery) or when already settled. A message
+        delivered on an earlier connection is claimed but not sent: the broker requeued it, and the same msg id
+        may be in flight again under the consumer's new id.
+        """
+        consumer = self._consumer
+        if self._settled or consumer is None or not consumer.manual_ack:
+            return False
+        self._settled = True
+        return self.consumer_id == consumer.id
+
+    def _check_manual_ack(self, action: str) -> None:
+        if self._consumer is not None and not self._consumer.manual_ack:
+            raise MqksError(f"{action} needs a consumer with manual_ack=True")
+
+    def _reply_to(self) -> str:
+        """The reply token, or MqksError for a message from a plain publish."""
+        token = self.reply_token
+        if token is None or self._consumer is None:
+            raise MqksError(f"message {self.id} came from a publish, not a request: there is nothing to reply to")
+        return token
+
+    def __repr__(self) -> str:
+        reply = "" if self.reply_token is None else f", reply_token={self.reply_token!r}"
+        return (f"Message(id={self.id!r}, event={self.event!r}, data={self.data!r}, "
+                f"retry={self.retry}, consumer_id={self.consumer_id!r}{reply})")
+
+
+class ConsumerState:
+    """A consumer's queue, its current events and flags, its ids, and its deliveries not yet settled."""
+
+    __slots__ = ("id", "first_id", "aliases", "reported_id", "queue", "events", "events_known", "manual_ack",
+                 "delete_queue_when_unused", "prefetch", "ack_timeout", "max_retries", "max_length", "json",
+                 "unacked", "replaying", "active")
+
+    def __init__(self, consumer_id: str, queue: str, events: list[str], add: bool, manual_ack: bool,
+                 delete_queue_when_unused: float | bool | None, prefetch: int, json: bool, *,
+                 ack_timeout: float | None = None, max_retries: wire.QueueSetting = None,
+                 max_length: wire.QueueSetting = None) -> None:
+        self.id = consumer_id
+        self.first_id = consumer_id  # what consume() returned: valid for good
+        self.aliases = [consumer_id]  # the ids `Registry.by_any_id` knows it by
+        self.reported_id = consumer_id  # the id the caller last heard of
+        self.queue = queue
+        self.events = list(events)
+        # with --add and no --update back, the queue's other events are unknown: replay adds only ours
+        self.events_known = not add
+        self.manual_ack = manual_ack
+        self.delete_queue_when_unused = delete_queue_when_unused
+        self.prefetch = prefetch
+        self.ack_timeout = ack_timeout  # the consumer's own
+        # the queue's settings as this client last heard them (`--update`): a replay must not undo a rebind
+        self.max_retries = max_retries
+        self.max_length = max_length
+        self.json = json
+        # msg id -> deliveries on the current connection not yet settled; a count, not a set,
+        # because msg ids are the publishers' and two publishers may both send "m1"
+        self.unacked: dict[str, int] = {}
+        self.replaying = False
+        self.active = True
+
+    def take_unacked(self, msg_id: str) -> bool:
+        """Settle one delivery of `msg_id`; False when none is pending on this connection."""
+        count = self.unacked.get(msg_id, 0)
+        if count <= 1:
+            return self.unacked.pop(msg_id, None) is not None
+        self.unacked[msg_id] = count - 1
+        return True
+
+    def settling(self, action: bytes, msg_ids: tuple[str, ...], all: bool) -> tuple[str, ...] | None:
+        """The msg ids of an ack, reject or touch to send for this consumer; None when nothing is left to send.
+
+        Deliveries of an earlier connection are skipped: the broker requeued them. A touch leaves them in flight.
+        """
+        if action == b"touch":
+            msg_ids = tuple(msg_id for msg_id in msg_ids if msg_id in self.unacked)
+            return msg_ids if msg_ids or all else None
+        if all:
+            self.unacked.clear()
+            return msg_ids
+        msg_ids = tuple(msg_id for msg_id in msg_ids if self.take_unacked(msg_id))
+        return msg_ids or None
+
+    def consume_line(self, confirm: bool) -> bytes:
+        """The consume request that (re)creates this consumer with the queue's current events."""
+        events = [event.encode() for event in self.events]
+        return wire.consume_line(self.id.encode(), self.queue.encode(), events, add=not self.events_known,
+                                 confirm=confirm, manual_ack=self.manual_ack,
+                                 delete_queue_when_unused=self.delete_queue_when_unused, prefetch=self.prefetch,
+                                 ack_timeout=self.ack_timeout, max_retries=self.max_retries,
+                                 max_length=self.max_length) + b"\n"
+
+    def on_update(self, data: bytes) -> None:
+        """Keep this view of the queue's events and settings, so a replay never undoes a rebind."""
+        _, events = wire.split_update(data)
+        self.events = events
+        self.events_known = True
+        self.max_retries, self.max_length = wire.update_queue_settings(data)
+
+    def delivered(self, data: bytes) -> tuple[str, str, int, bytes, bytes]:
+        """(msg id, event, retry, reply token, data) of a delivery to this consumer, counted un-acked if it must be."""
+        msg_id, event, retry, reply_token, body = wire.split_delivery_reply(data)
+        msg_id_text = msg_id.decode()
+        if self.manual_ack:
+            self.unacked[msg_id_text] = self.unacked.get(msg_id_text, 0) + 1
+        return msg_id_text, event.decode(), retry, reply_token, body
+
+    def on_delivery(self, data: bytes) -> None:
+        """Hand a delivery on to whatever runs this consumer's callbacks."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """No more deliveries to user code (the client's own consumers also drop what they hold)."""
+        self.active = False
+
+
+C = TypeVar("C", bound=ConsumerState)
+
+
+class Registry(Generic[C]):
+    """The live consumers on one link, by id; the router's `Deliveries` (see answers.py)."""
+
+    __slots__ = ("where", "new_rid", "by_id", "by_any_id")
+
+    def __init__(self, where: str, new_rid: Callable[[], bytes], by_any_id: dict[str, C] | None = None) -> None:
+        self.where = where  # host:port, for the log
+        self.new_rid = new_rid
+        self.by_id: dict[str, C] = {}  # current ids only
+        # current and recent ids, shared by every link of one client
+        self.by_any_id: dict[str, C] = {} if by_any_id is None else by_any_id
+
+    def add(self, consumer: C) -> None:
+        """Know `consumer` by its id here and client-wide."""
+        self.by_id[consumer.id] = consumer
+        self.by_any_id[consumer.id] = consumer
+
+    def renew(self, consumer: C) -> None:
+        """Give `consumer` a new id (a replay, a move to this link): known here by it, its deliveries so far void."""
+        self.by_id.pop(consumer.id, None)
+        consumer.id = self.new_rid().decode()
+        consumer.aliases.append(consumer.id)
+        # an alias kept per reconnect would pile up over months of a flapping network
+        keep = {consumer.first_id, consumer.reported_id, *consumer.aliases[-RECENT_IDS:]}
+        for consumer_id in consumer.aliases:
+            if consumer_id not in keep:
+                self.by_any_id.pop(consumer_id, None)
+        consumer.aliases = [consumer_id for consumer_id in consumer.aliases if consumer_id in keep]
+        consumer.unacked.clear()
+        consumer.replaying = True
+        self.add(consumer)
+
+    def find(self, consumer_id: str) -> C | None:
+        """The consumer known by `consumer_id`: its current, first, reported or a recent id."""
+        return self.by_any_id.get(consumer_id)
+
+    def forget(self, consumer: C) -> None:
+        """Drop a consumer locally: no more deliveries, no replay."""
+        consumer.stop()
+        self.by_id.pop(consumer.id, None)
+        for consumer_id in consumer.aliases:
+            self.by_any_id.pop(consumer_id, None)
+
+    def forget_queue(self, queue: str) -> None:
+        """Drop every consumer of `queue`: the broker removes them with it; replaying them would bring it back."""
+        for consumer in [c for c in self.by_id.values() if c.queue == queue]:
+            self.forget(consumer)
+
+    def deliver(self, rid: bytes, data: bytes) -> bool:
+        """Take an `ok` line with data for a consumer (a delivery or `--update`); False when `rid` names none."""
+        consumer = self.by_id.get(rid.decode())
+        if consumer is None:
+            return False
+        if wire.is_update(data):
+            consumer.on_update(data)
+        else:
+            consumer.on_delivery(data)
+        return True
+
+    def answered(self, rid: bytes) -> None:
+        """An `ok` answer to request `rid` is about to wake its caller: a replayed consume's marks it back."""
+        consumer = self.by_id.get(rid.decode())
+        if consumer is not None and consumer.replaying:
+            self.replayed(consumer)
+
+    def replayed(self, consumer: C) -> None:
+        """The broker confirmed a replayed consumer under its new id."""
+        consumer.replaying = False
+        consumer.reported_id = consumer.id
+
+    def refused(self, rid: bytes, error: MqksError) -> bool:
+        """Take an error answer nobody waits for; False when `rid` names no consumer."""
+        consumer = self.by_id.get(rid.decode(errors="replace"))
+        if consumer is None:
+            return False
+        # only a consume line uses the consumer id as rid: the broker refused that consumer
+        log.error("mqks %s: consumer %s on queue %s refused: %s", self.where, consumer.reported_id, consumer.queue,
+                  error)
+        self.forget(consumer)
+        return True
+
+    def holds_unacked(self) -> bool:
+        """True while a manual-ack consumer holds a delivery of this connection not yet acked or rejected."""
+        return any(consumer.unacked for consumer in self.by_id.values())
