@@ -56,17 +56,20 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=["mqks.server", "mqks.server.wire", "mqks.server.journal", "mqks.server.core", "mqks.server.dispatch",
-              "mqks.server.workers", "mqks.server.node", "mqks.client", "mqks.spark"],
+              "mqks.server.workers", "mqks.server.node", "mqks.client", "mqks.aio", "mqks.spark"],
     package_dir={
         "mqks.server": "server",  # its subpackages follow the folders: server/wire is mqks.server.wire
         "mqks.client": "client",
+        "mqks.aio": "client/aio",  # the asyncio client: `from mqks import aio`
         "mqks.spark": "spark",
     },
-    package_data={"mqks.server": ["py.typed"], "mqks.client": ["py.typed"], "mqks.spark": ["py.typed"]},
+    package_data={"mqks.server": ["py.typed"], "mqks.client": ["py.typed"], "mqks.aio": ["py.typed"],
+                  "mqks.spark": ["py.typed"]},
     ext_modules=compiled_extensions(),
     install_requires=["gevent>=24.2", "mypy_extensions>=1.0", "ujson>=5.9", "prometheus_client>=0.20", "cronsim>=2.6"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # the asyncio client's tests run it inside a Starlette app under uvicorn (with httpx), and under uvloop
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "starlette>=0.40", "uvicorn>=0.30", "httpx>=0.27", "uvloop>=0.19"],
         "dev": ["mypy>=1.10", "ruff>=0.5"],
         "spark": ["pyspark>=4.2,<5", "pyarrow>=15"],
         "top": ["rich>=13"],  # `mqks top` only: the broker never imports it

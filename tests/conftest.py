@@ -128,13 +128,17 @@ class BrokerProcess:
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
         # a file, not a pipe: a pipe nobody reads fills up and would freeze the server
-        self.log_file = tempfile.NamedTemporaryFile(prefix="mqksd-", suffix=".log", delete=False)  # noqa: SIM115
+        # a path, not an open file object: one left open to the end of the run warns (ResourceWarning), which the
+        # tests that turn warnings into errors would blame on themselves
+        with tempfile.NamedTemporaryFile(prefix="mqksd-", suffix=".log", delete=False) as log_file:
+            self.log_path = log_file.name
         self.start()
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "mqks.server", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE if self.log_to_pipe else self.log_file)
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE if self.log_to_pipe else log_file)
         if self.log_to_pipe:
             threading.Thread(target=self.piped_log.extend, args=(self.proc.stderr,), daemon=True).start()
         wait_for(self.answers_ping, "mqksd to answer ping", READY_TIMEOUT_SECONDS, interval=0.02)
@@ -159,7 +163,7 @@ class BrokerProcess:
 
     def log(self) -> str:
         """Everything the server has logged so far."""
-        with open(self.log_file.name, encoding="utf-8", errors="replace") as f:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read() + b"".join(self.piped_log).decode(errors="replace")
 
     def wire(self) -> Wire:

@@ -1,0 +1,527 @@
+"""The asyncio MQKS client's API: publish, consume, ack, reject, touch, request/reply, rebind, deletes, stats.
+
+Step in the flow: a call encodes its arguments with the same `wire` encoders as the gevent client, then
+goes out over a `Link` (connection.py); consumers live in `Consumers` (consumers.py). Invariants: a call
+waits at most its timeout, a reconnect included, then raises an MqksError; a confirmed call returns only
+after the broker's ok; a cancelled call leaves the client usable. With a broker of several workers or a
+cluster (its `hello` lists a slot map and direct addresses), a consume goes on a link to its queue's
+owner, and that consumer's acks follow it there; everything else uses the public link. Every link's hello
+re-reads the map: a consumer whose owner moved is re-created on its new owner, as after a reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Awaitable
+from datetime import datetime
+from typing import Any
+
+from mqks.client import wire
+from mqks.client.errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError, is_transient
+from mqks.client.placement import Homes, Route
+from mqks.client.tls import tls_setting, token_setting
+
+from .connection import Connection, Link
+from .consumers import DEFAULT_MAX_BUFFERED, Consumer, Consumers, Hook, MessageCallback
+
+log = logging.getLogger("mqks.aio")
+
+REQUEST_TIMEOUT_SECONDS = 30.0  # the broker's own default for `request`
+TRANSIENT_RETRY_SECONDS = 0.5  # a consume refused while its queue's owner fails over goes again after this
+PLACING_POLL_SECONDS = 0.005  # how often a held publish looks again whether every consumer is back
+CALLBACK_GRACE_SECONDS = 1.0  # close() lets a running callback finish this long, then cancels it
+
+
+class Client:
+    """An asyncio MQKS client: publish, consume as an async iterator or with a callback, confirms, reconnect.
+
+    Any number of tasks may share one client; it belongs to the event loop it was connected on. Calls
+    wait at most `timeout_seconds` (or their own `timeout`), a reconnect included, then raise
+    `MqksConnectionError` or `MqksTimeoutError`. The options are the gevent client's (`mqks.client.Client`):
+    `tls`, `token` (else MQKS_AUTH_TOKEN), `ttl_seconds`, `fallbacks`, pings and back-off.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, ping_seconds: float = 15.0,
+                 ping_timeout_seconds: float | None = None, reconnect_min_seconds: float = 0.05,
+                 reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
+                 connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
+                 ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = (),
+                 anonymous: bool = False) -> None:
+        if ttl_seconds and ping_seconds > ttl_seconds:
+            raise ValueError(f"ping_seconds ({ping_seconds:g}) must not exceed ttl_seconds ({ttl_seconds:g})")
+        self.host = host
+        self.port = port
+        self.timeout_seconds = timeout_seconds
+        self._new_rid = wire.rid_maker()
+        self._consumers = Consumers(f"{host}:{port}", self._new_rid, on_connect=self._on_connect)
+        self._link_options: dict[str, Any] = dict(
+            ping_seconds=ping_seconds,
+            ping_timeout_seconds=ping_seconds if ping_timeout_seconds is None else ping_timeout_seconds,
+            reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
+            timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds,
+            tls=tls_setting(tls), token=token_setting(token),
+            ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds, anonymous=anonymous)
+        self._link = Link(host, port, self._consumers, self._new_rid, fallbacks=fallbacks, **self._link_options)
+        self._consumers.link = self._link
+        self._homes = Homes(self._consumers, lambda: (self._link.host, self._link.tls is not None))
+        self._homeless: list[Consumer] = []  # consumers taken off a link, waiting for _rehome to place them
+        self._rehoming: asyncio.Task[None] | None = None
+        self._rehome_again = False
+        self._moving: set[asyncio.Task[None]] = set()  # moved consumers' consumes on their way to their new link
+        self._closing: list[Awaitable[None]] = []  # direct links being retired
+
+    @property
+    def server_info(self) -> dict[str, Any] | None:
+        """The broker's `hello` answer (version, extensions, workers, ttl), or None from one without it."""
+        return self._link.server_info
+
+    @property
+    def reconnects(self) -> int:
+        """How many connections were lost so far; each loss starts a reconnect."""
+        return self._link.reconnects
+
+    @property
+    def connected(self) -> bool:
+        """True while a live, handshaken connection exists."""
+        return self._link.connected
+
+    async def wait_connected(self, timeout: float | None = None) -> bool:
+        """Wait until connected (or `timeout` passes); returns whether connected."""
+        return await self._link.wait_connected(timeout)
+
+    async def connect(self, timeout: float | None = None, *, retry: bool = True) -> Client:
+        """Connect (retrying with backoff), or raise MqksConnectionError after `connect_timeout_seconds`.
+
+        `retry=False` raises at the first failed attempt (a refused connection; a peer that is not MQKS:
+        MqksProtocolError).
+        """
+        timeout = self._link.connect_timeout_seconds if timeout is None else timeout
+        if not await self._link.start(timeout, retry):
+            cause = self._link.last_error
+            await self.close()
+            where = f"{self.host}:{self.port}"
+            if isinstance(cause, MqksProtocolError):
+                raise MqksProtocolError(cause.reason) from cause
+            if cause is None:
+                raise MqksConnectionError(f"cannot connect to {where} within {timeout:g}s")
+            within = f" within {timeout:g}s" if retry else ""
+            raise MqksConnectionError(f"cannot connect to {where}{within}: {wire.connect_failure(cause)}") from cause
+        return self
+
+    async def close(self, timeout: float | None = None, *, flush: bool = True) -> None:
+        """Make sure the broker has read every line sent so far (ping barrier), then disconnect.
+
+        Every consumer's iterator ends and its callback task is awaited; nothing is left pending on the loop.
+        `flush=False` disconnects at once.
+        """
+        if self._link.closed:
+            return
+        deadline = self._deadline(timeout)
+        sessions = self._homes.sessions()
+        for session in sessions if flush else ():
+            link = session.link
+            if link is not None and link.connected:
+                try:
+                    await link.call(b"ping", b"close", deadline)
+                except MqksError as e:
+                    log.warning("mqks %s:%s: close could not flush: %s", link.host, link.port, e)
+        background = [task for task in (self._rehoming, *self._moving) if task is not None and not task.done()]
+        for task in background:
+            task.cancel()
+        callbacks: list[asyncio.Task[None]] = []
+        for consumer in self._homeless:
+            consumer.stop()
+            if consumer.task is not None:
+                callbacks.append(consumer.task)
+        self._homeless = []
+        for session in sessions:
+            callbacks += session.end_all()
+        # a callback's iterator has ended: its task ends with the message in hand, or is cancelled after a grace
+        current = asyncio.current_task()
+        callbacks = [task for task in callbacks if task is not current and not task.done()]
+        if callbacks:
+            _, late = await asyncio.wait(callbacks, timeout=CALLBACK_GRACE_SECONDS)
+            for task in late:
+                task.cancel()
+        await asyncio.gather(*background, *callbacks, return_exceptions=True)
+        for session in sessions:
+            if session.link is not None:
+                await session.link.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    async def __aenter__(self) -> Client:
+        return await self.connect()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _deadline(self, timeout: float | None) -> float:
+        return asyncio.get_running_loop().time() + (self.timeout_seconds if timeout is None else timeout)
+
+    async def _request(self, action: bytes, args: list[bytes], confirm: bool, timeout: float | None, retry: bool,
+                       link: Link | None = None) -> bytes:
+        """Send `{rid} {action} [--confirm] {args...}` and return its rid: at once, or with `confirm` after the ok."""
+        link = link or self._link
+        deadline = self._deadline(timeout)
+        if confirm:
+            rid, _ = await link.call(action, b" ".join([b"--confirm", *args]), deadline, retry)
+            return rid
+        rid = self._new_rid()
+        await link.send(b" ".join([rid, action, *args]) + b"\n", deadline)
+        return rid
+
+    async def publish(self, event: str, data: Any = "", confirm: bool = False, json: bool = False,
+                      timeout: float | None = None, *, delay: float | None = None,
+                      at: float | datetime | None = None) -> str:
+        """Publish and return the msg id; with confirm, only after the broker's ok.
+
+        Without confirm the line joins the batch the loop sends next (it awaits only while the socket is
+        full). With confirm, a publish cut off by a lost connection goes again after the reconnect (at least
+        once, until `timeout`); run many at once with `asyncio.gather` to pipeline them.
+        """
+        args = wire.publish_args(event, data, json, delay, at)
+        conn = self._link.conn
+        if not confirm and conn is not None and self._link.connected and self._consumers_placed():
+            rid = self._new_rid()  # the hot path: no deadline, no wait
+            conn.write(b" ".join([rid, b"publish", *args]) + b"\n")
+            if conn.write_paused is not None:
+                await conn.writable()
+            return rid.decode()
+        if not self._consumers_placed():
+            await self._wait_until_consumers_placed(self._deadline(timeout))
+        return (await self._request(b"publish", args, confirm, timeout, retry=True)).decode()
+
+    def _consumers_placed(self) -> bool:
+        """True unless a consumer is still on its way back to its worker's link (a reconnect, a new map)."""
+        if self._homeless or self._moving or (self._rehoming is not None and not self._rehoming.done()):
+            return False
+        return all(session.link is None or session.link.connected or not session.by_id
+                   for _, session in self._homes.direct.values())
+
+    async def _wait_until_consumers_placed(self, deadline: float) -> None:
+        """Hold a publish until every consumer is replayed on its worker's link, or until `deadline`.
+
+        To a restarted in-memory broker a publish sent before a direct link replayed its consumers reaches
+        queues that are not bound yet, and is lost. Past the deadline the publish goes anyway.
+        """
+        loop = asyncio.get_running_loop()
+        while not self._consumers_placed() and loop.time() < deadline and not self._link.closed:
+            await asyncio.sleep(PLACING_POLL_SECONDS)
+
+    async def consume(self, queue: str, events: list[str] | None, callback: MessageCallback | None = None,
+                      manual_ack: bool = False, delete_queue_when_unused: float | bool | None = None,
+                      add: bool = False, confirm: bool = True, on_disconnect: Hook | None = None,
+                      on_reconnect: Hook | None = None, *, json: bool = False, prefetch: int = 0,
+                      timeout: float | None = None, ack_timeout: float | None = None,
+                      max_retries: int | str | None = None, max_length: int | str | None = None,
+                      max_buffered: int = DEFAULT_MAX_BUFFERED) -> Consumer:
+        """Start a consumer: `async for message in consumer`, or `callback(message)` (plain or async) in its task.
+
+        `events` replace the queue's bindings, or are added with `add=True`. `max_buffered` deliveries wait
+        in the client at most; past that the connection stops reading until the consumer catches up (with
+        `manual_ack`, `prefetch` bounds what the broker sends). After a reconnect the consumer comes back
+        under a new broker id; `on_reconnect(old_id, new_id)` runs first, `on_disconnect(id)` at the loss.
+        The extensions are the gevent client's: `ack_timeout`, `max_retries`, `max_length`.
+        """
+        queue_bytes = wire.encode_token(queue, "queue")
+        events = [token.decode() for token in wire.encode_tokens(events, "event")]
+        wire.consume_flags(manual_ack, delete_queue_when_unused, prefetch, ack_timeout=ack_timeout,
+                           max_retries=max_retries, max_length=max_length)
+        deadline = self._deadline(timeout)
+        session, conn = await self._consumer_link(queue_bytes, deadline)
+        consumer = Consumer(self._settle, self._reply, self._delete, self._new_rid().decode(), queue_bytes.decode(),
+                            events, add, manual_ack, delete_queue_when_unused, prefetch, json,
+                            max_buffered=max_buffered, on_disconnect=on_disconnect, on_reconnect=on_reconnect,
+                            ack_timeout=ack_timeout, max_retries=max_retries, max_length=max_length)
+        session.start(consumer)
+        consumer.conn = conn
+        if callback is not None:
+            consumer.task = asyncio.get_running_loop().create_task(consumer.run(callback),
+                                                                   name=f"mqks consumer {consumer.id} of {queue}")
+        if not confirm:
+            conn.write(consumer.consume_line(confirm=False))
+            return consumer
+        rid = consumer.id.encode()
+        future = conn.request(rid, consumer.consume_line(confirm=True))
+        try:
+            await conn.wait(rid, future, deadline, "consume")
+        except MqksConnectionError:
+            return consumer  # still registered: the reconnect replays it and calls on_reconnect(id, new_id)
+        except BaseException as e:  # refused, timed out, or the caller cancelled us
+            session.forget(consumer)
+            if not isinstance(e, MqksError) or isinstance(e, MqksTimeoutError):
+                # the broker may yet start it: a consumer nobody listens to would swallow messages
+                conn.write(b"".join((self._new_rid(), b" delete_consumer ", rid, b"\n")))
+            raise
+        return consumer
+
+    async def _consumer_link(self, queue: bytes, deadline: float) -> tuple[Consumers, Connection]:
+        """The session and live connection for a consume of `queue`: its owner's direct link, else the public one."""
+        while True:
+            await self._link.live(deadline)  # its hello tells the slot map
+            session = self._session_for(self._homes.route(queue))
+            assert session.link is not None
+            conn = await session.link.live(deadline)
+            if self._session_for(self._homes.route(queue)) is session:  # a new map may have retired that link
+                return session, conn
+
+    def _session_for(self, route: Route | None) -> Consumers:
+        """The session of the link for `route`, opened (connecting in the background) on first need."""
+        if route is None:
+            return self._consumers
+        found = self._homes.found(route)
+        if found is not None:
+            return found
+        if route.worker in self._homes.direct:
+            self._retire(route.worker)
+        session = Consumers(f"{route.host}:{route.port}", self._new_rid, self._consumers.by_any_id, route.worker,
+                            self._on_connect)
+        # the public addresses as fallbacks, the one in use first: a direct port a firewall hides still leaves
+        # a working (relayed) route, and a dead owner's (a cluster's failover) hello of any live seed the new map
+        public = self._link.addresses
+        start = self._link.address_index
+        session.link = Link(route.host, route.port, session, self._new_rid, unix=route.unix,
+                            tls_hostname=self._link.host, fallbacks=public[start:] + public[:start],
+                            **self._link_options)
+        self._homes.direct[route.worker] = (route, session)
+        session.link.begin()
+        return session
+
+    def _track(self, awaitable: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(awaitable)
+        self._closing.append(task)
+        task.add_done_callback(lambda done: self._closing.remove(done) if done in self._closing else None)
+
+    def _retire(self, worker: int) -> None:
+        """Close the direct link to `worker` (its address changed or is gone); its consumers wait for _rehome."""
+        _, session = self._homes.direct.pop(worker)
+        for consumer in list(session.by_id.values()):
+            session.release(consumer)
+            self._homeless.append(consumer)
+        if session.link is not None:
+            self._track(session.link.close())
+        self._schedule_rehome()
+
+    def _on_connect(self, session: Consumers) -> None:
+        """A link's hello is in: learn the slot map, take off this link what it now places elsewhere (never blocks)."""
+        assert session.link is not None
+        changed = self._homes.learn(session.link.server_info)
+        if changed:
+            placement = self._homes.placement
+            log.info("mqks %s:%s: %s", self.host, self.port, "no slot map: one connection for all" if placement is None
+                     else f"{placement.workers} workers: consumes go to their queue's owner")
+        for consumer in list(session.by_id.values()):
+            if not self._homes.belongs(consumer.queue.encode(), session):
+                session.release(consumer)
+                self._homeless.append(consumer)
+        if changed or self._homeless:
+            self._schedule_rehome()
+
+    def _schedule_rehome(self) -> None:
+        if self._rehoming is not None and not self._rehoming.done():
+            self._rehome_again = True  # the running pass may have read the map before it changed
+            return
+        self._rehoming = asyncio.get_running_loop().create_task(self._rehome_loop(), name="mqks rehome")
+
+    async def _rehome_loop(self) -> None:
+        self._rehome_again = True
+        while self._rehome_again and not self._link.closed:
+            self._rehome_again = False
+            self._rehome()
+            await asyncio.sleep(0)
+
+    def _rehome(self) -> None:
+        """Put every consumer on the link the current slot map names; a moved one comes back as after a reconnect."""
+        for worker in self._homes.stale():
+            self._retire(worker)
+        for session in self._homes.sessions():
+            link = session.link
+            for consumer in list(session.by_id.values()):
+                if self._homes.belongs(consumer.queue.encode(), session):
+                    continue
+                old_id, old_conn = consumer.id, consumer.conn
+                session.release(consumer)
+                self._homeless.append(consumer)
+                if link is not None and link.connected and old_conn is link.conn and old_conn is not None:
+                    # still consuming there: it would take messages nobody handles
+                    old_conn.write(b"".join((self._new_rid(), b" delete_consumer ", old_id.encode(), b"\n")))
+        homeless, self._homeless = self._homeless, []
+        for consumer in homeless:
+            if consumer.active:
+                session = self._session_for(self._homes.route(consumer.queue.encode()))
+                session.adopt(consumer)
+                task = asyncio.get_running_loop().create_task(self._send_adopted(session, consumer))
+                self._moving.add(task)
+                task.add_done_callback(self._moving.discard)
+
+    async def _send_adopted(self, session: Consumers, consumer: Consumer) -> None:
+        """Send a moved consumer's consume once its new link is up, unless that link's handshake replayed it."""
+        link = session.link
+        assert link is not None
+        while not link.closed and consumer.active and session.by_id.get(consumer.id) is consumer:
+            if not await link.wait_connected(1.0):
+                continue
+            conn = link.conn
+            if conn is None or consumer.conn is conn:
+                return
+            consumer.conn = conn
+            rid = consumer.id.encode()
+            future = conn.request(rid, consumer.consume_line(confirm=True))
+            try:
+                await conn.wait(rid, future, asyncio.get_running_loop().time() + link.timeout_seconds, "consume")
+            except MqksConnectionError:
+                pass  # that link's reconnect replays it
+            except MqksError as e:
+                if is_transient(e):  # its owner fails over: again in a moment
+                    consumer.conn = None
+                    await asyncio.sleep(TRANSIENT_RETRY_SECONDS)
+                    continue
+                log.error("mqks %s: consumer %s on queue %s refused on its new worker, dropped: %s",
+                          session.where, consumer.reported_id, consumer.queue, e)
+                session.forget(consumer)
+            return
+
+    async def ack(self, consumer_id: str, *msg_ids: str, all: bool = False, confirm: bool = False,
+                  timeout: float | None = None) -> None:
+        """Ack messages (or all=True) of a consumer; several msg ids go in one line."""
+        await self._settle(b"ack", consumer_id, msg_ids, all, confirm, timeout)
+
+    async def reject(self, consumer_id: str, *msg_ids: str, all: bool = False, confirm: bool = False,
+                     timeout: float | None = None, delay: float | None = None) -> None:
+        """Return messages (or all=True) to the front of their queue with retry + 1; after `delay` seconds (ext)."""
+        await self._settle(b"reject", consumer_id, msg_ids, all, confirm, timeout, wire.reject_flags(delay))
+
+    async def touch(self, consumer_id: str, *msg_ids: str, all: bool = False, confirm: bool = False,
+                    timeout: float | None = None) -> None:
+        """Restart the ack-timeout clock of messages (or all=True) in flight to a consumer (extension)."""
+        await self._settle(b"touch", consumer_id, msg_ids, all, confirm, timeout)
+
+    async def _settle(self, action: bytes, consumer_id: str, msg_ids: tuple[str, ...], all: bool, confirm: bool,
+                      timeout: float | None = None, flags: tuple[bytes, ...] = ()) -> None:
+        """Ack, reject or touch on the consumer's own link; deliveries of an earlier connection are skipped."""
+        wire.settle_args(action, consumer_id, msg_ids, all)  # a bad call fails before anything is taken
+        consumer = self._consumers.find(consumer_id)
+        link = None
+        if consumer is not None:
+            link = consumer.home.link if consumer.home is not None else None
+            if link is None or not link.connected:
+                return  # moving or disconnected: the broker requeued what it held
+            to_send = consumer.settling(action, msg_ids, all)
+            if to_send is None:
+                return
+            msg_ids, consumer_id = to_send, consumer.id
+            conn = link.conn
+            if not confirm and conn is not None:  # the hot path of `await msg.ack()`
+                conn.write(b" ".join([self._new_rid(), action, *wire.settle_args(action, consumer_id, msg_ids, all,
+                                                                                   flags)]) + b"\n")
+                return
+        await self._request(action, wire.settle_args(action, consumer_id, msg_ids, all, flags), confirm, timeout,
+                            retry=False, link=link)
+
+    async def rebind(self, queue: str, events: list[str] | None = None, remove: list[str] | tuple[str, ...] = (),
+                     remove_mask: list[str] | tuple[str, ...] = (), add: list[str] | tuple[str, ...] = (),
+                     confirm: bool = True, timeout: float | None = None, *, max_retries: int | str | None = None,
+                     max_length: int | str | None = None) -> None:
+        """Replace the queue's events (if `events`), then remove, remove by mask, and add; creates the queue."""
+        args = wire.rebind_args(queue, events, remove, remove_mask, add, max_retries, max_length)
+        await self._request(b"rebind", args, confirm, timeout, retry=True)
+
+    async def delete_consumer(self, consumer: Consumer | str, confirm: bool = True,
+                              timeout: float | None = None) -> None:
+        """Stop a consumer: its iterator ends, no replay; its un-acked messages go back to the queue."""
+        found = self._consumers.find(consumer) if isinstance(consumer, str) else consumer
+        consumer_id = consumer if isinstance(consumer, str) else consumer.id
+        link = None
+        if found is not None:
+            home = found.home
+            (home or self._consumers).forget(found)
+            link = home.link if home is not None else None
+            if link is None or not link.connected:
+                return  # the broker dropped it with the connection
+            consumer_id = found.id
+        try:
+            await self._request(b"delete_consumer", [wire.encode_token(consumer_id, "consumer id")], confirm, timeout,
+                                retry=False, link=link)
+        except MqksConnectionError:
+            if found is None:
+                raise
+
+    async def _delete(self, consumer: Consumer) -> None:
+        await self.delete_consumer(consumer)
+
+    async def delete_queue(self, queue: str, confirm: bool = True, timeout: float | None = None) -> None:
+        """Drop the queue with its bindings and messages; this client's consumers of it end too."""
+        queue_bytes = wire.encode_token(queue, "queue")
+        for session in self._homes.sessions():
+            session.forget_queue(queue)
+        for consumer in [consumer for consumer in self._homeless if consumer.queue == queue]:
+            self._homeless.remove(consumer)
+            self._consumers.forget(consumer)
+        await self._request(b"delete_queue", [queue_bytes], confirm, timeout, retry=True)
+
+    async def ping(self, data: str = "", timeout: float | None = None) -> str:
+        """Round trip to the broker; returns `data`."""
+        _, pong = await self._link.call(b"ping", wire.encode_data(data), self._deadline(timeout))
+        return pong.decode()
+
+    async def stats(self, worker: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """The broker's figures (the `stats` action), as the gevent client's `stats`."""
+        _, answer = await self._link.call(b"stats", wire.stats_args(worker), self._deadline(timeout), retry=True)
+        return wire.json_object(answer, "stats")
+
+    async def queues(self, mask: str | None = None, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Every queue (or those whose name `mask` matches), one dict each (the `queues` action)."""
+        args = b"" if mask is None else wire.encode_token(mask, "mask")
+        lines: list[bytes] = []
+        await self._link.call(b"queues", args, self._deadline(timeout), retry=True, lines=lines)
+        return [wire.json_object(line, "queues") for line in lines]
+
+    async def eval(self, code: str, worker: int | None = None, timeout: float | None = None) -> str:
+        """The repr of a Python expression evaluated in the broker (needs mqksd --eval)."""
+        _, result = await self._link.call(b"_eval", wire.eval_args(code, worker), self._deadline(timeout))
+        return result.decode()
+
+    async def request(self, event: str, data: Any = "", timeout: float = REQUEST_TIMEOUT_SECONDS,
+                      json: bool = False) -> Any:
+        """Publish `data` as a request and return the first reply (extension; str, or decoded with `json`).
+
+        MqksTimeoutError when no worker replies within `timeout` seconds, MqksError when no queue is bound
+        to `event`, MqksConnectionError when the connection drops first (a request is never sent twice).
+        """
+        args = wire.request_args(event, data, timeout, json)
+        deadline = self._deadline(None) + float(timeout)
+        await self._wait_until_consumers_placed(deadline)
+        try:
+            _, answer = await self._link.call(b"request", b" ".join(args), deadline)
+        except MqksError as e:
+            failure = wire.request_failure(e)
+            if failure is e:
+                raise
+            raise failure from None
+        return wire.reply_data(answer, json)
+
+    async def _reply(self, token: str, data: Any, json: bool = False, confirm: bool = False,
+                     timeout: float | None = None) -> None:
+        """Send `reply {token} {data}`; with `confirm`, MqksError when the broker no longer knows the token."""
+        await self._request(b"reply", wire.reply_args(token, data, json), confirm, timeout, retry=False)
+
+    async def schedule(self, name: str, event: str, data: Any = "", *, every: float | None = None,
+                       cron: str | list[str] | None = None, count: int | None = None, nohaste: bool = False,
+                       json: bool = False, confirm: bool = True, timeout: float | None = None) -> None:
+        """Publish `event` `data` every `every` seconds or on a `cron` rule (extension); replaces one of that name."""
+        args = wire.schedule_args(name, event, wire.body(data, json), every=every, cron=cron, count=count,
+                                  nohaste=nohaste)
+        await self._request(b"schedule", args, confirm, timeout, retry=True)
+
+    async def unschedule(self, name: str, confirm: bool = True, timeout: float | None = None) -> None:
+        """Remove the schedule `name` (extension); MqksError when there is none (with `confirm`)."""
+        await self._request(b"unschedule", [wire.encode_token(name, "schedule name")], confirm, timeout, retry=False)
+
+    async def schedules(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Every schedule, sorted by name, one dict each (extension), as the gevent client's `schedules`."""
+        lines: list[bytes] = []
+        await self._link.call(b"schedules", b"", self._deadline(timeout), retry=True, lines=lines)
+        return [wire.json_object(line, "schedules") for line in lines]
+

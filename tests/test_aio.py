@@ -1,0 +1,526 @@
+"""The asyncio client (`mqks.aio`) against a real broker over TCP: one worker and two, a data dir, TLS and a token,
+kill -9 and restart, cancellation, flow control, and inside a real ASGI app served by uvicorn.
+
+Every test runs its coroutine through `run`, which fails it for any task left pending after `close()`, any error
+the loop reported (a task destroyed while pending, an exception nobody retrieved), and, with the module's
+warnings-as-errors, any warning (a coroutine never awaited, a transport left open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from conftest import BrokerProcess
+from helpers import WAIT_SECONDS, free_port, queue_owned_by, unique
+
+from mqks import aio
+from mqks.client.errors import MqksConnectionError, MqksError, MqksTimeoutError
+
+pytestmark = pytest.mark.filterwarnings("error")
+
+T = TypeVar("T")
+TOKEN = "aio-s3cret-0123456789"
+POLL_SECONDS = 0.01
+
+
+def run(main: Callable[[], Awaitable[T]], loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> T:
+    """`main()` on a fresh loop; fails on a task left pending or an error the loop reported."""
+    reported: list[dict[str, Any]] = []
+
+    async def checked() -> T:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: reported.append(context))
+        result = await main()
+        left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        assert not left, f"tasks left pending: {left}"
+        return result
+
+    if loop_factory is None:
+        result = asyncio.run(checked())
+    else:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            result = runner.run(checked())
+    gc.collect()
+    assert not reported, f"the loop reported: {reported}"
+    return result
+
+
+def client_of(server: BrokerProcess | int, **options: Any) -> aio.Client:
+    """An unconnected client with the tests' timeouts: frequent pings, a generous pong timeout."""
+    settings: dict[str, Any] = {"ping_seconds": 0.5, "ping_timeout_seconds": 5.0, "timeout_seconds": 5.0,
+                                "reconnect_max_seconds": 0.2}
+    settings.update(options)
+    port = server if isinstance(server, int) else server.port
+    return aio.Client("127.0.0.1", port, **settings)
+
+
+async def until(predicate: Callable[[], object], what: str, timeout: float = WAIT_SECONDS) -> None:
+    """Poll `predicate` on the loop until true, or fail after `timeout`."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await asyncio.sleep(POLL_SECONDS)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+
+
+async def take(consumer: aio.Consumer, count: int) -> list[aio.Message]:
+    """The next `count` messages of `consumer`, or fail after the tests' wait."""
+    messages = []
+    async with asyncio.timeout(WAIT_SECONDS):
+        async for message in consumer:
+            messages.append(message)
+            if len(messages) == count:
+                break
+    return messages
+
+
+async def queue_row(client: aio.Client, queue: str) -> dict[str, Any]:
+    [row] = [row for row in await client.queues() if row["queue"] == queue]
+    return row
+
+
+def test_publish_consume_and_ack_as_an_async_iterator(broker: BrokerProcess) -> None:
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> list[Any]:
+        async with client_of(broker) as client:
+            consumer = await client.consume(queue, [event], manual_ack=True, prefetch=10, json=True)
+            for n in range(3):
+                await client.publish(event, {"n": n}, confirm=True, json=True)
+            messages = await take(consumer, 3)
+            for message in messages:
+                await message.ack(confirm=True)
+            row = await queue_row(client, queue)
+            assert (row["depth"], row["unacked"], row["consumers"]) == (0, 0, 1)
+            return [(message.event, message.data, message.retry) for message in messages]
+
+    assert run(main) == [(event, {"n": 0}, 0), (event, {"n": 1}, 0), (event, {"n": 2}, 0)]
+
+
+def test_a_callback_consumer_runs_plain_and_async_callbacks_in_order(broker: BrokerProcess) -> None:
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> tuple[list[str], list[str]]:
+        plain: list[str] = []
+        awaited: list[str] = []
+
+        async def slow(message: aio.Message) -> None:
+            await asyncio.sleep(0)
+            awaited.append(message.data)
+            await message.ack()
+
+        async with client_of(broker) as client:
+            await client.consume(queue, [event], lambda message: plain.append(message.data))
+            await client.consume(unique("q"), [event], slow, manual_ack=True)
+            for n in range(20):
+                await client.publish(event, str(n))
+            await until(lambda: len(plain) == 20 and len(awaited) == 20, "both consumers' 20 messages")
+        return plain, awaited
+
+    plain, awaited = run(main)
+    assert plain == awaited == [str(n) for n in range(20)]
+
+
+def test_a_failing_callback_rejects_its_message_and_it_comes_back_with_a_retry(broker: BrokerProcess) -> None:
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> list[int]:
+        retries: list[int] = []
+
+        def handle(message: aio.Message) -> None:
+            retries.append(message.retry)
+            if message.retry == 0:
+                raise RuntimeError("first try fails")
+
+        async with client_of(broker) as client:
+            await client.consume(queue, [event], handle, manual_ack=True)
+            await client.publish(event, "x", confirm=True)
+            await until(lambda: len(retries) == 2, "the redelivery")
+        return retries
+
+    assert run(main) == [0, 1]
+
+
+def test_work_queue_extensions_reject_with_delay_touch_and_dead_letters(broker: BrokerProcess) -> None:
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> None:
+        async with client_of(broker) as client:
+            consumer = await client.consume(queue, [event], manual_ack=True, ack_timeout=30, max_retries=1)
+            dead_letters = await client.consume(f"{queue}.dead", None, manual_ack=True)
+            await client.publish(event, "late", delay=0.2, confirm=True)
+            [message] = await take(consumer, 1)
+            await message.touch(confirm=True)
+            await message.reject(confirm=True, delay=0.1)
+            [again] = await take(consumer, 1)
+            assert (again.data, again.retry) == ("late", 1)
+            await again.reject(confirm=True)  # past max_retries: a dead letter
+            [letter] = await take(dead_letters, 1)
+            assert (letter.event, letter.data, letter.retry) == (event, "late", 2)
+            await letter.ack(confirm=True)
+            auto = await client.consume(unique("q"), [event])
+            await client.publish(event, "auto", confirm=True)
+            [auto_message] = await take(auto, 1)
+            with pytest.raises(MqksError, match="manual_ack"):
+                await auto_message.reject()
+
+    run(main)
+
+
+def test_a_schedule_fires_its_count_and_is_gone(broker: BrokerProcess) -> None:
+    schedule_run(broker)
+
+
+def schedule_run(broker: BrokerProcess) -> None:
+    queue, event, name = unique("q"), unique("e"), unique("s")
+
+    async def main() -> list[str]:
+        async with client_of(broker) as client:
+            consumer = await client.consume(queue, [event])
+            await client.schedule(name, event, "tick", every=0.05, count=2)
+            assert name in [row["name"] for row in await client.schedules()]
+            ticks = await take(consumer, 2)
+            with pytest.raises(MqksError):
+                await client.unschedule(name)  # done after its count: gone
+            return [tick.id for tick in ticks]
+
+    assert run(main) == [f"{name}.1", f"{name}.2"]
+
+
+def test_request_and_reply_and_their_refusals(broker: BrokerProcess) -> None:
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> Any:
+        async with client_of(broker) as server, client_of(broker) as caller:
+            async def answer(message: aio.Message) -> None:
+                await message.reply({"echo": message.data}, json=True)
+
+            await server.consume(queue, [event], answer, json=True)
+            reply = await caller.request(event, {"q": 1}, json=True, timeout=5)
+            with pytest.raises(MqksError, match="no queue"):
+                await caller.request(unique("nobody"), "x", timeout=1)
+            silent = unique("silent")
+            await server.consume(unique("q"), [silent])  # takes it, never replies
+            with pytest.raises(MqksTimeoutError):
+                await caller.request(silent, "x", timeout=0.3)
+            return reply
+
+    assert run(main) == {"echo": {"q": 1}}
+
+
+def test_bad_arguments_fail_before_anything_is_sent(broker: BrokerProcess) -> None:
+    async def main() -> None:
+        async with client_of(broker) as client:
+            with pytest.raises(ValueError, match="forbids"):
+                await client.publish("e", "two\nlines")
+            with pytest.raises(ValueError, match="whitespace"):
+                await client.publish("an event", "x")
+            with pytest.raises(ValueError, match="prefetch"):
+                await client.consume(unique("q"), ["e"], prefetch=5)
+            with pytest.raises(ValueError, match="msg ids or all"):
+                await client.ack("c1")
+            assert await client.ping("still here") == "still here"
+
+    run(main)
+
+
+def test_a_full_buffer_stops_reading_until_the_iterator_catches_up(broker: BrokerProcess) -> None:
+    queue, event = unique("q"), unique("e")
+    count, max_buffered, line = 20_000, 50, "x" * 100
+
+    async def main() -> None:
+        async with client_of(broker) as publisher, client_of(broker) as reader:
+            consumer = await reader.consume(queue, [event], max_buffered=max_buffered)
+            for _ in range(count):
+                await publisher.publish(event, line)
+            await publisher.ping()
+            # the broker holds what the paused reader does not take: the client's buffer stays near its bound
+            await until(lambda: len(consumer.buffer) >= max_buffered, "the buffer to fill")
+            # on the queue owner's link: the public one, or with two workers a direct one
+            await until(lambda: consumer.conn is not None and consumer.conn.held_back_by, "reading to pause")
+            stats = await publisher.stats()
+            assert stats["published"] >= count
+            held = len(consumer.buffer)
+            # one read's worth past the bound at most (asyncio reads up to 256 KiB at a time)
+            assert held < max_buffered + (256 * 1024) // len(line) + 1 < count
+            got = await take(consumer, count)
+            assert [message.data for message in got] == [line] * count
+            assert consumer.conn is not None and not consumer.conn.held_back_by
+
+    run(main)
+
+
+def test_prefetch_bounds_what_a_manual_ack_consumer_holds(broker: BrokerProcess) -> None:
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> None:
+        async with client_of(broker) as client:
+            consumer = await client.consume(queue, [event], manual_ack=True, prefetch=5)
+            for n in range(50):
+                await client.publish(event, str(n), confirm=n == 49)
+            await until(lambda: len(consumer.buffer) == 5, "five deliveries")
+            await client.ping()
+            assert len(consumer.buffer) == 5 and (await queue_row(client, queue))["unacked"] == 5
+            seen = []
+            async with asyncio.timeout(WAIT_SECONDS):
+                async for message in consumer:
+                    seen.append(message.data)
+                    await message.ack()
+                    assert len(consumer.unacked) <= 5
+                    if len(seen) == 50:
+                        break
+            assert seen == [str(n) for n in range(50)]
+
+    run(main)
+
+
+def test_cancelled_waits_leave_the_client_usable(broker: BrokerProcess) -> None:
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> None:
+        async with client_of(broker) as client:
+            confirm = asyncio.create_task(client.publish(event, "x", confirm=True))
+            await asyncio.sleep(0)  # it has sent its line and awaits the ok
+            confirm.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await confirm
+            consumer = await client.consume(queue, [event], manual_ack=True)
+
+            async def read_one() -> None:
+                async for _ in consumer:
+                    pass
+
+            reader = asyncio.create_task(read_one())
+            await asyncio.sleep(0)
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            consuming = asyncio.create_task(client.consume(unique("q"), [event]))
+            await asyncio.sleep(0)
+            consuming.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await consuming
+            await client.publish(event, "y", confirm=True)
+            [message] = await take(consumer, 1)  # the same consumer, still iterable after the cancelled read
+            assert message.data == "y"
+            await message.ack(confirm=True)
+            await client.ping()
+            assert client._link.conn is not None and client._link.conn.answers.waiters == {}
+            # the cancelled consume was taken back on the broker: only our consumer is left on that event's queues
+            assert (await queue_row(client, queue))["consumers"] == 1
+
+    run(main)
+
+
+def test_close_ends_every_iterator_and_callback_task(broker: BrokerProcess) -> None:
+    async def main() -> list[str]:
+        ended: list[str] = []
+        client = await client_of(broker).connect()
+        consumer = await client.consume(unique("q"), [unique("e")])
+
+        async def read() -> None:
+            async for _ in consumer:
+                pass
+            ended.append("iterator")
+
+        reader = asyncio.create_task(read())
+        await client.consume(unique("q"), [unique("e")], lambda message: None)
+        await asyncio.sleep(0)
+        await client.close()
+        await asyncio.wait_for(reader, WAIT_SECONDS)
+        with pytest.raises(MqksConnectionError, match="closed"):
+            await client.publish("e", "after close")
+        return ended
+
+    assert run(main) == ["iterator"]
+
+
+@pytest.mark.parametrize("flags", [(), ("--data-dir",)], ids=["in-memory", "data-dir"])
+def test_kill_9_and_restart_replays_every_consumer(make_broker: Callable[..., BrokerProcess], tmp_path: Path,
+                                                   flags: tuple[str, ...]) -> None:
+    args = ["--data-dir", str(tmp_path / "data")] if flags else []
+    server = make_broker(*args)
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> None:
+        hooks: list[str] = []
+        async with client_of(server) as client:
+            consumer = await client.consume(queue, [event], manual_ack=True,
+                                            on_disconnect=lambda old: hooks.append("disconnect"),
+                                            on_reconnect=lambda old, new: hooks.append("reconnect"))
+            first_id = consumer.id
+            await client.publish(event, "before", confirm=True)
+            [before] = await take(consumer, 1)
+            await before.ack(confirm=True)
+            if flags:
+                await client.publish(event, "kept", confirm=True)  # confirmed before the kill: survives it
+            await asyncio.to_thread(server.kill)
+            await until(lambda: not client.connected, "the client to notice the kill")
+            late = asyncio.create_task(client.publish(event, "sent while down", confirm=True, timeout=WAIT_SECONDS))
+            await asyncio.to_thread(make_broker, *args, port=server.port)
+            await late
+            expected = ["kept", "sent while down"] if flags else ["sent while down"]
+            got = await take(consumer, len(expected))
+            assert sorted(message.data for message in got) == expected
+            assert consumer.id != first_id and {message.consumer_id for message in got} == {consumer.id}
+            for message in got:
+                await message.ack(confirm=True)
+            await client.ack(first_id, "unknown-msg")  # the first id still names the consumer: a no-op here
+            assert hooks[:2] == ["disconnect", "reconnect"]
+            assert client.reconnects >= 1
+
+    run(main)
+
+
+def test_with_two_workers_consumes_and_acks_go_to_the_owners_link(make_broker: Callable[..., BrokerProcess]) -> None:
+    server = make_broker("--workers", "2", "--eval")
+    queues = [queue_owned_by(worker, 2) for worker in (0, 1)]
+    event = unique("e")
+
+    async def main() -> None:
+        async with client_of(server) as client:
+            consumers = [await client.consume(queue, [event], manual_ack=True) for queue in queues]
+            assert client._homes.placement is not None and client._homes.placement.workers == 2
+            assert [consumer.home.worker for consumer in consumers if consumer.home] == [0, 1]
+            for n in range(10):
+                await client.publish(event, str(n))
+            for consumer in consumers:
+                got = await take(consumer, 10)
+                assert [message.data for message in got] == [str(n) for n in range(10)]
+                for message in got:
+                    await message.ack()
+            await client.ping()
+            for queue in queues:
+                row = await queue_row(client, queue)
+                assert (row["depth"], row["unacked"]) == (0, 0)
+
+    run(main)
+
+
+def test_tls_with_a_token_and_the_refusals_without_one(make_broker: Callable[..., BrokerProcess], certs: Any,
+                                                       tmp_path: Path) -> None:
+    (tmp_path / "tokens").write_text(TOKEN + "\n")
+    tls_port = free_port()
+    server = make_broker(*certs.server_args(tls_port), "--auth-token-file", str(tmp_path / "tokens"))
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> None:
+        async with client_of(tls_port, tls=certs.client_context(), token=TOKEN) as client:
+            consumer = await client.consume(queue, [event])
+            await client.publish(event, "secret", confirm=True)
+            [message] = await take(consumer, 1)
+            assert message.data == "secret"
+        with pytest.raises(MqksConnectionError, match="refused the token"):
+            await client_of(tls_port, tls=certs.client_context(), token="wrong").connect(retry=False)
+        with pytest.raises(MqksConnectionError, match="requires a token"):
+            await client_of(server, token=None).connect(retry=False)
+        with pytest.raises(MqksConnectionError, match="speaks TLS"):
+            await client_of(tls_port, token=TOKEN).connect(retry=False)
+
+    run(main)
+
+
+def test_keepalive_notices_a_frozen_broker_and_reconnects_after(make_broker: Callable[..., BrokerProcess]) -> None:
+    server = make_broker()
+
+    async def main() -> None:
+        async with client_of(server, ping_seconds=0.1, ping_timeout_seconds=0.5) as client:
+            server.signal(signal.SIGSTOP)
+            try:
+                await until(lambda: not client.connected, "the missing pong to drop the connection")
+            finally:
+                server.signal(signal.SIGCONT)
+            await until(lambda: client.connected, "the reconnect")
+            assert await client.ping("back") == "back"
+
+    run(main)
+
+
+def test_a_peer_that_is_not_mqks_is_refused_with_a_clear_error() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    async def main() -> None:
+        async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(http, sock=listener)
+        async with server:
+            with pytest.raises(aio.MqksProtocolError, match="does not speak MQKS"):
+                await client_of(port).connect(retry=False)
+
+    run(main)
+
+
+def test_under_uvloop(broker: BrokerProcess) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> list[str]:
+        async with client_of(broker) as client:
+            consumer = await client.consume(queue, [event], manual_ack=True)
+            for n in range(100):
+                await client.publish(event, str(n))
+            got = await take(consumer, 100)
+            for message in got:
+                await message.ack()
+            return [message.data for message in got]
+
+    assert run(main, loop_factory=uvloop.new_event_loop) == [str(n) for n in range(100)]
+
+
+def test_inside_an_asgi_app_a_request_handler_publishes(make_broker: Callable[..., BrokerProcess]) -> None:
+    starlette = pytest.importorskip("starlette.applications")
+    uvicorn = pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from contextlib import asynccontextmanager
+
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    server = make_broker()
+    queue, event = unique("q"), unique("e")
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        async with client_of(server) as client:
+            app.state.mqks = client
+            yield
+
+    async def order(request: Request) -> JSONResponse:
+        body = await request.json()
+        msg_id = await request.app.state.mqks.publish(event, body, json=True, confirm=True)
+        return JSONResponse({"msg_id": msg_id}, status_code=202)
+
+    app = starlette.Starlette(routes=[Route("/orders", order, methods=["POST"])], lifespan=lifespan)
+    http_port = free_port()
+
+    async def main() -> list[Any]:
+        web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=http_port, log_level="warning",
+                                            lifespan="on"))
+        serving = asyncio.create_task(web.serve())
+        try:
+            await until(lambda: web.started, "uvicorn to start")
+            async with client_of(server) as reader:
+                consumer = await reader.consume(queue, [event], json=True)
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}") as http:
+                    answers = [await http.post("/orders", json={"item": n}) for n in range(3)]
+                assert [answer.status_code for answer in answers] == [202] * 3
+                got = await take(consumer, 3)
+                assert [message.id for message in got] == [answer.json()["msg_id"] for answer in answers]
+                return [message.data for message in got]
+        finally:
+            web.should_exit = True
+            await serving
+
+    assert run(main) == [{"item": 0}, {"item": 1}, {"item": 2}]
