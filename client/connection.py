@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
-import ssl
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -28,6 +26,7 @@ from gevent.lock import Semaphore
 from . import wire
 from .answers import DRAINING, Answers, Deliveries
 from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError
+from .linking import LinkBase
 
 log = logging.getLogger("mqks.client")
 
@@ -129,57 +128,24 @@ class Connection:
                 raise
 
 
-class Link:
+class Link(LinkBase):
     """Keeps one live, handshaken connection to host:port: connects, keeps alive, reconnects with backoff.
 
     A send or call made while disconnected waits for the reconnect until its deadline, then raises
     MqksConnectionError. Plain publishes that never reached a lost socket go out again on the next one.
+    Its settings and bookkeeping are `LinkBase`'s (client/linking.py), shared with the asyncio client.
     """
 
-    def __init__(self, host: str, port: int, session: Session, new_rid: Callable[[], bytes], *, ping_seconds: float,
-                 ping_timeout_seconds: float, reconnect_min_seconds: float, reconnect_max_seconds: float,
-                 timeout_seconds: float, connect_timeout_seconds: float, tls: ssl.SSLContext | None = None,
-                 token: bytes | None = None, ttl_seconds: float | None = None,
-                 fallbacks: list[tuple[str, int]] | tuple[()] = (), unix: str | None = None,
-                 tls_hostname: str | None = None, anonymous: bool = False) -> None:
-        self.host = host  # the address connected to, or tried next
-        self.port = port
-        # a Unix socket of the same broker, preferred to host:port (the first address) while it exists
-        self.unix = unix
-        # the name the broker's certificate is checked against: a direct address is still the public broker
-        self.tls_hostname = tls_hostname
-        # tried in turn when one cannot be reached, and left for the next when its broker drains
-        self.addresses = [(host, port), *fallbacks]
-        self.address_index = 0
-        self.tls = tls
-        self.token = token
-        self.ttl_seconds = ttl_seconds  # sent as `hello --ttl`: the broker drops us after 2x that in silence
-        # connect to a broker that wants a token without one, for what needs none (ping): its hello is refused
-        self.anonymous = anonymous
-        self.server_info: dict[str, Any] | None = None  # the last `hello` answer; None from a broker without hello
-        self.session = session
-        self.new_rid = new_rid
-        self.ping_seconds = ping_seconds
-        self.ping_timeout_seconds = ping_timeout_seconds
-        self.reconnect_min_seconds = reconnect_min_seconds
-        self.reconnect_max_seconds = reconnect_max_seconds
-        self.timeout_seconds = timeout_seconds
-        self.connect_timeout_seconds = connect_timeout_seconds
-        self._random = random.Random()
+    _connected: Event
+
+    def __init__(self, host: str, port: int, session: Session, new_rid: Callable[[], bytes], **settings: Any) -> None:
+        super().__init__(host, port, session, new_rid, **settings)
+        self.session: Session = session
         self.conn: Connection | None = None
         self._connected = Event()
-        self.closed = False
         self._closing = Event()  # wakes callers waiting for a reconnect that will never come
         self._manager: gevent.Greenlet | None = None
-        self._unsent_publishes: list[bytes] = []
-        self.reconnects = 0
-        self.last_error: OSError | MqksError | None = None  # why the last connect attempt failed
         self._failed = Event()  # a connect attempt failed (for start(retry=False))
-
-    @property
-    def connected(self) -> bool:
-        """True while a live, handshaken connection exists."""
-        return self._connected.is_set()
 
     def wait_connected(self, timeout: float | None = None) -> bool:
         """Block until connected (or `timeout` passes); returns whether connected."""
@@ -232,16 +198,7 @@ class Link:
 
     def lose(self, conn: Connection, reason: str, error: MqksError | None = None) -> None:
         """Mark `conn` dead once: fail its pending answers (with `error`, if given) and wake the manager."""
-        if conn.lost.is_set():
-            return
-        conn.reason = reason
-        if conn is self.conn:
-            self._connected.clear()
-        if not self.closed and conn.ready:
-            # a connection lost during its handshake is reported by the connect attempt that made it
-            log.warning("mqks %s:%s: connection lost: %s", self.host, self.port, reason)
-        conn.answers.fail_all(error or MqksConnectionError(f"connection lost: {reason}"))
-        conn.lost.set()
+        self._mark_lost(conn, reason, error, conn is self.conn)
 
     def _run(self) -> None:
         """Keep one live connection: connect, handshake, wait until lost, back off, again."""
@@ -251,14 +208,9 @@ class Link:
             try:
                 conn = self._open()
             except (OSError, MqksError) as e:
-                self.last_error = e
-                tried += 1
-                failed_at = f"{self.host}:{self.port}"
-                self._next_address()
-                if tried < len(self.addresses):
-                    log.info("mqks %s: connect failed (%s); trying %s:%s", failed_at, e, self.host, self.port)
+                tried = self._attempt_failed(e, tried)
+                if tried:
                     continue  # another address to try before backing off
-                tried = 0
                 self._failed.set()
                 delay = self._backoff_seconds(attempt)
                 attempt += 1
@@ -287,15 +239,6 @@ class Link:
                 gevent.sleep(self._backoff_seconds(attempt))
                 attempt += 1
 
-    def _next_address(self) -> None:
-        self.address_index = (self.address_index + 1) % len(self.addresses)
-        self.host, self.port = self.addresses[self.address_index]
-
-    def _backoff_seconds(self, attempt: int) -> float:
-        """Exponential backoff capped at reconnect_max_seconds, with jitter so clients do not stampede."""
-        delay = min(self.reconnect_max_seconds, self.reconnect_min_seconds * (2 ** min(attempt, 30)))
-        return self._random.uniform(delay / 2, delay)
-
     def _open(self) -> Connection:
         """A new connection with the session replayed and a pong back; raises on failure."""
         sock = self._connect_unix()
@@ -323,10 +266,7 @@ class Link:
             self._teardown(conn, notify=False)
             raise
         conn.ready = True
-        # publishes that never reached the old socket go after the replay, before any new line
-        for line in self._unsent_publishes:
-            conn.write(line)
-        self._unsent_publishes = []
+        self._send_unsent(conn)
         conn.greenlets.append(gevent.spawn(self._ping_loop, conn))
         return conn
 
@@ -415,9 +355,7 @@ class Link:
             conn.sock.close()
         except OSError:
             pass
-        if not self.closed:
-            self._unsent_publishes.extend(line for line in conn.out if wire.is_fire_and_forget_publish(line))
-        conn.out = []
+        self._keep_unsent(conn)
         self.session.disconnected(notify, self.closed)
 
     def _read_loop(self, conn: Connection) -> None:

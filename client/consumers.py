@@ -13,17 +13,16 @@ id as a replay does; ids stay known client-wide in one shared `by_any_id`.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import gevent
 import ujson
-from gevent.event import AsyncResult, Event
+from gevent.event import Event
 
 from . import wire
 from .consuming import ConsumerState, Delivery, Registry
-from .errors import MqksConnectionError, MqksError, is_transient
+from .errors import MqksConnectionError, MqksError
 
 if TYPE_CHECKING:
     from .connection import Connection, Link
@@ -88,8 +87,9 @@ MessageCallback: TypeAlias = Callable[[Message], Any]
 class Consumer(ConsumerState):
     """A consumer of the gevent client: its wire state (consuming.py), callbacks, and the greenlet that runs them."""
 
-    __slots__ = ("settle", "answer", "callback", "on_disconnect", "on_reconnect", "pending", "wakeup", "greenlet",
-                 "home", "conn")
+    __slots__ = ("settle", "answer", "callback", "wakeup", "greenlet")
+    home: Consumers | None  # the link's session it lives on
+    conn: Connection | None  # the connection its last consume line went on
 
     def __init__(self, settle: Settle, consumer_id: str, queue: str, events: list[str], add: bool,
                  callback: MessageCallback, manual_ack: bool, delete_queue_when_unused: float | bool | None,
@@ -98,17 +98,13 @@ class Consumer(ConsumerState):
                  ack_timeout: float | None = None, max_retries: wire.QueueSetting = None,
                  max_length: wire.QueueSetting = None) -> None:
         super().__init__(consumer_id, queue, events, add, manual_ack, delete_queue_when_unused, prefetch, json,
-                         ack_timeout=ack_timeout, max_retries=max_retries, max_length=max_length)
+                         ack_timeout=ack_timeout, max_retries=max_retries, max_length=max_length,
+                         on_disconnect=on_disconnect, on_reconnect=on_reconnect)
         self.settle = settle
         self.answer = answer or _no_answer
         self.callback = callback
-        self.on_disconnect = on_disconnect
-        self.on_reconnect = on_reconnect
-        self.pending: deque[Message | Callable[[], Any]] = deque()
         self.wakeup = Event()
         self.greenlet: gevent.Greenlet | None = None
-        self.home: Consumers | None = None  # the link's session it lives on
-        self.conn: Connection | None = None  # the connection its last consume line went on
 
     def on_delivery(self, data: bytes) -> None:
         """Queue a delivery for this consumer's greenlet; data stays bytes until that greenlet decodes it."""
@@ -116,23 +112,12 @@ class Consumer(ConsumerState):
         self.pending.append(Message(msg_id, event, body, retry, self.id, self, reply_token))
         self.wakeup.set()
 
-    def stop(self) -> None:
-        """No more callbacks: drop what is queued and let the greenlet see `active` and end."""
-        self.active = False
-        self.pending.clear()
+    def notice(self, hook: Callable[..., Any], *args: Any) -> None:
+        self.pending.append(_notice(hook, *args))
         self.wakeup.set()
 
-    def disconnected(self, notify: bool) -> None:
-        """The connection is gone: forget its un-acked deliveries; `notify` queues on_disconnect."""
-        self.unacked.clear()
-        if self.manual_ack:
-            # the broker put these back in the queue: running callbacks for them would double-process
-            kept = [item for item in self.pending if not isinstance(item, Message)]
-            self.pending.clear()
-            self.pending.extend(kept)
-        if notify and self.on_disconnect is not None:
-            self.pending.append(_notice(self.on_disconnect, self.reported_id))
-            self.wakeup.set()
+    def wake(self) -> None:
+        self.wakeup.set()
 
     def run(self) -> None:
         """Run this consumer's callbacks one by one, in delivery order (its greenlet's body)."""
@@ -143,7 +128,7 @@ class Consumer(ConsumerState):
                 item = self.pending.popleft()
                 if isinstance(item, Message):
                     self._dispatch(item)
-                else:
+                elif callable(item):
                     item()
 
     def _dispatch(self, message: Message) -> None:
@@ -179,20 +164,7 @@ class Consumers(Registry[Consumer]):
     def start(self, consumer: Consumer) -> None:
         """Know `consumer` by its id and start its greenlet."""
         consumer.greenlet = gevent.spawn(consumer.run)
-        consumer.home = self
-        self.add(consumer)
-
-    def release(self, consumer: Consumer) -> None:
-        """Stop routing this link's lines to `consumer`, which moves to another link (its ids stay known)."""
-        self.by_id.pop(consumer.id, None)
-        consumer.home = None
-        consumer.unacked.clear()  # the broker requeues what it held here once the old consumer goes
-
-    def adopt(self, consumer: Consumer) -> None:
-        """Take over a consumer from another link under a new id; it is sent as a replay (on_reconnect runs)."""
-        self.renew(consumer)
-        consumer.home = self
-        consumer.conn = None
+        super().start(consumer)
 
     def stop(self) -> list[gevent.Greenlet]:
         """Stop every consumer for good; returns their greenlets (but the caller's) for the client to kill."""
@@ -211,12 +183,7 @@ class Consumers(Registry[Consumer]):
         """
         if self.on_connect is not None:
             self.on_connect(self)
-        replays: list[tuple[Consumer, bytes, AsyncResult]] = []
-        for consumer in list(self.by_id.values()):
-            self.renew(consumer)
-            consumer.conn = conn
-            rid = consumer.id.encode()
-            replays.append((consumer, rid, conn.request(rid, consumer.consume_line(confirm=True))))
+        replays = self.replay_requests(conn)
 
         def confirm(deadline: float) -> None:
             for consumer, rid, future in replays:
@@ -225,30 +192,9 @@ class Consumers(Registry[Consumer]):
                 except MqksConnectionError:
                     raise
                 except MqksError as e:
-                    if is_transient(e):  # its queue's owner fails over: connect again (with back-off) and replay
-                        raise MqksConnectionError(f"consumer replay on queue {consumer.queue}: {e.reason}") from None
-                    # the broker refused this consumer on the new connection: it cannot come back
-                    log.error("mqks %s: replay of consumer %s on queue %s failed, consumer dropped: %s",
-                              self.where, consumer.reported_id, consumer.queue, e)
-                    self.forget(consumer)
+                    self.replay_refused(consumer, e)
 
         return confirm
-
-    def replayed(self, consumer: Consumer) -> None:
-        """The broker confirmed this replayed consumer: queue on_reconnect before its first delivery."""
-        old_id = consumer.reported_id
-        super().replayed(consumer)
-        if consumer.on_reconnect is not None:
-            consumer.pending.append(_notice(consumer.on_reconnect, old_id, consumer.id))
-            consumer.wakeup.set()
-
-    def disconnected(self, notify: bool, closed: bool) -> None:
-        """The connection is gone; `notify` runs every on_disconnect hook, `closed` says the client ended."""
-        for consumer in self.by_id.values():
-            # after a failed handshake, a consumer already confirmed (and announced by on_reconnect)
-            # on it hears about the loss too, so the hooks always alternate
-            confirmed_here = not closed and consumer.reported_id == consumer.id
-            consumer.disconnected(notify or confirmed_here)
 
 
 def _no_answer(token: str, data: Any, json: bool, confirm: bool) -> None:

@@ -12,11 +12,12 @@ on the connection it came on. No I/O, no gevent.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from . import wire
-from .errors import MqksError
+from .errors import MqksConnectionError, MqksError, is_transient
 
 log = logging.getLogger("mqks.client")
 
@@ -82,12 +83,13 @@ class ConsumerState:
 
     __slots__ = ("id", "first_id", "aliases", "reported_id", "queue", "events", "events_known", "manual_ack",
                  "delete_queue_when_unused", "prefetch", "ack_timeout", "max_retries", "max_length", "json",
-                 "unacked", "replaying", "active")
+                 "unacked", "replaying", "active", "pending", "on_disconnect", "on_reconnect", "home", "conn")
 
     def __init__(self, consumer_id: str, queue: str, events: list[str], add: bool, manual_ack: bool,
                  delete_queue_when_unused: float | bool | None, prefetch: int, json: bool, *,
                  ack_timeout: float | None = None, max_retries: wire.QueueSetting = None,
-                 max_length: wire.QueueSetting = None) -> None:
+                 max_length: wire.QueueSetting = None, on_disconnect: Callable[..., Any] | None = None,
+                 on_reconnect: Callable[..., Any] | None = None) -> None:
         self.id = consumer_id
         self.first_id = consumer_id  # what consume() returned: valid for good
         self.aliases = [consumer_id]  # the ids `Registry.by_any_id` knows it by
@@ -109,6 +111,12 @@ class ConsumerState:
         self.unacked: dict[str, int] = {}
         self.replaying = False
         self.active = True
+        # deliveries and queued hook calls, in order, for whatever runs this consumer's user code
+        self.pending: deque[Delivery | Callable[[], Any]] = deque()
+        self.on_disconnect = on_disconnect  # (id), when the connection is lost
+        self.on_reconnect = on_reconnect  # (old id, new id), before the first delivery under the new id
+        self.home: Any = None  # the session (one per link) it lives on
+        self.conn: Any = None  # the connection its last consume line went on
 
     def take_unacked(self, msg_id: str) -> bool:
         """Settle one delivery of `msg_id`; False when none is pending on this connection."""
@@ -160,9 +168,30 @@ class ConsumerState:
         """Hand a delivery on to whatever runs this consumer's callbacks."""
         raise NotImplementedError
 
+    def notice(self, hook: Callable[..., Any], *args: Any) -> None:
+        """Queue a call to a user hook in delivery order."""
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        """Let whatever runs this consumer's user code look at `pending` and `active` again."""
+        raise NotImplementedError
+
     def stop(self) -> None:
-        """No more deliveries to user code (the client's own consumers also drop what they hold)."""
+        """No more deliveries to user code: drop what is queued."""
         self.active = False
+        self.pending.clear()
+        self.wake()
+
+    def disconnected(self, notify: bool) -> None:
+        """The connection is gone: forget its un-acked deliveries; `notify` queues on_disconnect."""
+        self.unacked.clear()
+        if self.manual_ack:
+            # the broker put these back in the queue: handing them to user code would double-process
+            kept = [item for item in self.pending if not isinstance(item, Delivery)]
+            self.pending.clear()
+            self.pending.extend(kept)
+        if notify and self.on_disconnect is not None:
+            self.notice(self.on_disconnect, self.reported_id)
 
 
 C = TypeVar("C", bound=ConsumerState)
@@ -184,6 +213,49 @@ class Registry(Generic[C]):
         """Know `consumer` by its id here and client-wide."""
         self.by_id[consumer.id] = consumer
         self.by_any_id[consumer.id] = consumer
+
+    def start(self, consumer: C) -> None:
+        """A new consumer lives on this link."""
+        consumer.home = self
+        self.add(consumer)
+
+    def release(self, consumer: C) -> None:
+        """Stop routing this link's lines to `consumer`, which moves to another link (its ids stay known)."""
+        self.by_id.pop(consumer.id, None)
+        consumer.home = None
+        consumer.unacked.clear()  # the broker requeues what it held here once the old consumer goes
+
+    def adopt(self, consumer: C) -> None:
+        """Take over a consumer from another link under a new id; it is sent as a replay (on_reconnect runs)."""
+        self.renew(consumer)
+        consumer.home = self
+        consumer.conn = None
+
+    def replay_requests(self, conn: Any) -> list[tuple[C, bytes, Any]]:
+        """Send every live consumer's consume on the new connection `conn` under a new id: (consumer, rid, waiter)."""
+        replays = []
+        for consumer in list(self.by_id.values()):
+            self.renew(consumer)
+            consumer.conn = conn
+            rid = consumer.id.encode()
+            replays.append((consumer, rid, conn.request(rid, consumer.consume_line(confirm=True))))
+        return replays
+
+    def replay_refused(self, consumer: C, error: MqksError) -> None:
+        """The broker refused a replayed consume: a failover passes (reconnect and replay again), the rest drops it."""
+        if is_transient(error):
+            raise MqksConnectionError(f"consumer replay on queue {consumer.queue}: {error.reason}") from None
+        log.error("mqks %s: replay of consumer %s on queue %s failed, consumer dropped: %s",
+                  self.where, consumer.reported_id, consumer.queue, error)
+        self.forget(consumer)
+
+    def disconnected(self, notify: bool, closed: bool) -> None:
+        """The connection is gone; `notify` runs every on_disconnect hook, `closed` says the client ended."""
+        for consumer in self.by_id.values():
+            # after a failed handshake, a consumer already confirmed (and announced by on_reconnect)
+            # on it hears about the loss too, so the hooks always alternate
+            confirmed_here = not closed and consumer.reported_id == consumer.id
+            consumer.disconnected(notify or confirmed_here)
 
     def renew(self, consumer: C) -> None:
         """Give `consumer` a new id (a replay, a move to this link): known here by it, its deliveries so far void."""
@@ -234,9 +306,11 @@ class Registry(Generic[C]):
             self.replayed(consumer)
 
     def replayed(self, consumer: C) -> None:
-        """The broker confirmed a replayed consumer under its new id."""
+        """The broker confirmed a replayed consumer under its new id: on_reconnect comes before its first delivery."""
         consumer.replaying = False
-        consumer.reported_id = consumer.id
+        old_id, consumer.reported_id = consumer.reported_id, consumer.id
+        if consumer.on_reconnect is not None:
+            consumer.notice(consumer.on_reconnect, old_id, consumer.id)
 
     def refused(self, rid: bytes, error: MqksError) -> bool:
         """Take an error answer nobody waits for; False when `rid` names no consumer."""

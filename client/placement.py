@@ -12,10 +12,13 @@ The slot map comes from the broker, so only the slot function is copied from ser
 from __future__ import annotations
 
 import bisect
+import logging
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
+
+log = logging.getLogger("mqks.client")
 
 SLOTS = 16384  # server/dispatch/slots.py SLOTS; the broker's hello names its own in "slots"
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # a bind address, not one to dial
@@ -145,7 +148,16 @@ def parse_seeds(text: str | None, what: str) -> list[tuple[str, int]]:
 
 
 
-S = TypeVar("S")  # a client's session of one link (its consumers there)
+class HomeSession(Protocol):
+    """A client's session of one link, as `Homes` sees it (each client's `Consumers`)."""
+
+    by_id: dict[str, Any]  # its consumers by their current ids
+    link: Any  # its link: `connected`, `conn`
+
+    def release(self, consumer: Any) -> None: ...
+
+
+S = TypeVar("S", bound=HomeSession)
 
 
 class Homes(Generic[S]):
@@ -167,12 +179,14 @@ class Homes(Generic[S]):
     def sessions(self) -> list[S]:
         return [self.public_session, *(session for _, session in self.direct.values())]
 
-    def learn(self, info: Mapping[str, Any] | None) -> bool:
-        """Take the slot map of a `hello` answer; True when it differs from the one known."""
+    def learn(self, info: Mapping[str, Any] | None, where: str) -> bool:
+        """Take the slot map of a `hello` answer (from the broker at `where`); True when it differs from the last."""
         placement = Placement.from_hello(info)
         if placement == self.placement:
             return False
         self.placement = placement
+        log.info("mqks %s: %s", where, "no slot map: one connection for all" if placement is None
+                 else f"{placement.workers} workers: consumes go to their queue's owner")
         return True
 
     def route(self, queue: bytes) -> Route | None:
@@ -200,3 +214,26 @@ class Homes(Generic[S]):
         """The session of the direct link for `route`, when one is open to exactly that address."""
         found = self.direct.get(route.worker)
         return found[1] if found is not None and found[0] == route else None
+
+    def misplaced_on(self, session: S) -> list[Any]:
+        """Take off `session` the consumers the current map places on another link; they wait to be placed."""
+        moved = [consumer for consumer in list(session.by_id.values())
+                 if not self.belongs(consumer.queue.encode(), session)]
+        for consumer in moved:
+            session.release(consumer)
+        return moved
+
+    def evict_misplaced(self, new_rid: Callable[[], bytes]) -> list[Any]:
+        """Take every consumer off a link the current map no longer names for it; they wait to be placed.
+
+        One still consuming on a live connection is deleted there first: it would take messages nobody handles.
+        """
+        moved = []
+        for session in self.sessions():
+            link = session.link
+            for consumer in self.misplaced_on(session):
+                moved.append(consumer)
+                old_conn = consumer.conn
+                if link is not None and link.connected and old_conn is link.conn and old_conn is not None:
+                    old_conn.write(b"".join((new_rid(), b" delete_consumer ", consumer.id.encode(), b"\n")))
+        return moved

@@ -242,12 +242,12 @@ def test_a_full_buffer_stops_reading_until_the_iterator_catches_up(broker: Broke
                 await publisher.publish(event, line)
             await publisher.ping()
             # the broker holds what the paused reader does not take: the client's buffer stays near its bound
-            await until(lambda: len(consumer.buffer) >= max_buffered, "the buffer to fill")
+            await until(lambda: consumer.buffered >= max_buffered, "the buffer to fill")
             # on the queue owner's link: the public one, or with two workers a direct one
             await until(lambda: consumer.conn is not None and consumer.conn.held_back_by, "reading to pause")
             stats = await publisher.stats()
             assert stats["published"] >= count
-            held = len(consumer.buffer)
+            held = consumer.buffered
             # one read's worth past the bound at most (asyncio reads up to 256 KiB at a time)
             assert held < max_buffered + (256 * 1024) // len(line) + 1 < count
             got = await take(consumer, count)
@@ -265,9 +265,9 @@ def test_prefetch_bounds_what_a_manual_ack_consumer_holds(broker: BrokerProcess)
             consumer = await client.consume(queue, [event], manual_ack=True, prefetch=5)
             for n in range(50):
                 await client.publish(event, str(n), confirm=n == 49)
-            await until(lambda: len(consumer.buffer) == 5, "five deliveries")
+            await until(lambda: consumer.buffered == 5, "five deliveries")
             await client.ping()
-            assert len(consumer.buffer) == 5 and (await queue_row(client, queue))["unacked"] == 5
+            assert consumer.buffered == 5 and (await queue_row(client, queue))["unacked"] == 5
             seen = []
             async with asyncio.timeout(WAIT_SECONDS):
                 async for message in consumer:

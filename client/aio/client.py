@@ -19,9 +19,9 @@ from datetime import datetime
 from typing import Any
 
 from mqks.client import wire
-from mqks.client.errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError, is_transient
+from mqks.client.errors import MqksConnectionError, MqksError, MqksTimeoutError, is_transient
+from mqks.client.linking import connect_error, link_settings
 from mqks.client.placement import Homes, Route
-from mqks.client.tls import tls_setting, token_setting
 
 from .connection import Connection, Link
 from .consumers import DEFAULT_MAX_BUFFERED, Consumer, Consumers, Hook, MessageCallback
@@ -49,20 +49,16 @@ class Client:
                  connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
                  ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = (),
                  anonymous: bool = False) -> None:
-        if ttl_seconds and ping_seconds > ttl_seconds:
-            raise ValueError(f"ping_seconds ({ping_seconds:g}) must not exceed ttl_seconds ({ttl_seconds:g})")
+        self._link_options = link_settings(
+            ping_seconds=ping_seconds, ping_timeout_seconds=ping_timeout_seconds,
+            reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
+            timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds, tls=tls, token=token,
+            ttl_seconds=ttl_seconds, anonymous=anonymous)
         self.host = host
         self.port = port
         self.timeout_seconds = timeout_seconds
         self._new_rid = wire.rid_maker()
         self._consumers = Consumers(f"{host}:{port}", self._new_rid, on_connect=self._on_connect)
-        self._link_options: dict[str, Any] = dict(
-            ping_seconds=ping_seconds,
-            ping_timeout_seconds=ping_seconds if ping_timeout_seconds is None else ping_timeout_seconds,
-            reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
-            timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds,
-            tls=tls_setting(tls), token=token_setting(token),
-            ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds, anonymous=anonymous)
         self._link = Link(host, port, self._consumers, self._new_rid, fallbacks=fallbacks, **self._link_options)
         self._consumers.link = self._link
         self._homes = Homes(self._consumers, lambda: (self._link.host, self._link.tls is not None))
@@ -101,13 +97,7 @@ class Client:
         if not await self._link.start(timeout, retry):
             cause = self._link.last_error
             await self.close()
-            where = f"{self.host}:{self.port}"
-            if isinstance(cause, MqksProtocolError):
-                raise MqksProtocolError(cause.reason) from cause
-            if cause is None:
-                raise MqksConnectionError(f"cannot connect to {where} within {timeout:g}s")
-            within = f" within {timeout:g}s" if retry else ""
-            raise MqksConnectionError(f"cannot connect to {where}{within}: {wire.connect_failure(cause)}") from cause
+            raise connect_error(cause, f"{self.host}:{self.port}", timeout, retry) from cause
         return self
 
     async def close(self, timeout: float | None = None, *, flush: bool = True) -> None:
@@ -307,15 +297,8 @@ class Client:
     def _on_connect(self, session: Consumers) -> None:
         """A link's hello is in: learn the slot map, take off this link what it now places elsewhere (never blocks)."""
         assert session.link is not None
-        changed = self._homes.learn(session.link.server_info)
-        if changed:
-            placement = self._homes.placement
-            log.info("mqks %s:%s: %s", self.host, self.port, "no slot map: one connection for all" if placement is None
-                     else f"{placement.workers} workers: consumes go to their queue's owner")
-        for consumer in list(session.by_id.values()):
-            if not self._homes.belongs(consumer.queue.encode(), session):
-                session.release(consumer)
-                self._homeless.append(consumer)
+        changed = self._homes.learn(session.link.server_info, f"{self.host}:{self.port}")
+        self._homeless += self._homes.misplaced_on(session)
         if changed or self._homeless:
             self._schedule_rehome()
 
@@ -336,17 +319,7 @@ class Client:
         """Put every consumer on the link the current slot map names; a moved one comes back as after a reconnect."""
         for worker in self._homes.stale():
             self._retire(worker)
-        for session in self._homes.sessions():
-            link = session.link
-            for consumer in list(session.by_id.values()):
-                if self._homes.belongs(consumer.queue.encode(), session):
-                    continue
-                old_id, old_conn = consumer.id, consumer.conn
-                session.release(consumer)
-                self._homeless.append(consumer)
-                if link is not None and link.connected and old_conn is link.conn and old_conn is not None:
-                    # still consuming there: it would take messages nobody handles
-                    old_conn.write(b"".join((self._new_rid(), b" delete_consumer ", old_id.encode(), b"\n")))
+        self._homeless += self._homes.evict_misplaced(self._new_rid)
         homeless, self._homeless = self._homeless, []
         for consumer in homeless:
             if consumer.active:

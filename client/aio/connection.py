@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
-import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, cast
 
 from mqks.client import wire
 from mqks.client.answers import DRAINING, Answers, Deliveries
 from mqks.client.errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError
+from mqks.client.linking import LinkBase
 
 log = logging.getLogger("mqks.aio")
 
@@ -203,53 +202,25 @@ class Connection(asyncio.Protocol):
                 future.cancel()
 
 
-class Link:
+class Link(LinkBase):
     """Keeps one live, handshaken connection to host:port: connects, keeps alive, reconnects with backoff.
 
     A send or call made while disconnected waits for the reconnect until its deadline, then raises
     MqksConnectionError. Plain publishes that never reached a lost transport go out again on the next one.
+    Its settings and bookkeeping are `LinkBase`'s (client/linking.py), shared with the gevent client.
     """
 
-    def __init__(self, host: str, port: int, session: Session, new_rid: Callable[[], bytes], *, ping_seconds: float,
-                 ping_timeout_seconds: float, reconnect_min_seconds: float, reconnect_max_seconds: float,
-                 timeout_seconds: float, connect_timeout_seconds: float, tls: ssl.SSLContext | None = None,
-                 token: bytes | None = None, ttl_seconds: float | None = None,
-                 fallbacks: list[tuple[str, int]] | tuple[()] = (), unix: str | None = None,
-                 tls_hostname: str | None = None, anonymous: bool = False) -> None:
-        self.host = host  # the address connected to, or tried next
-        self.port = port
-        self.unix = unix  # a Unix socket of the same broker, preferred to host:port while it exists
-        self.tls_hostname = tls_hostname  # a direct address is still the public broker's certificate
-        self.addresses = [(host, port), *fallbacks]
-        self.address_index = 0
-        self.tls = tls
-        self.token = token
-        self.ttl_seconds = ttl_seconds
-        self.anonymous = anonymous
-        self.server_info: dict[str, Any] | None = None  # the last `hello` answer
-        self.session = session
-        self.new_rid = new_rid
-        self.ping_seconds = ping_seconds
-        self.ping_timeout_seconds = ping_timeout_seconds
-        self.reconnect_min_seconds = reconnect_min_seconds
-        self.reconnect_max_seconds = reconnect_max_seconds
-        self.timeout_seconds = timeout_seconds
-        self.connect_timeout_seconds = connect_timeout_seconds
-        self._random = random.Random()
+    log = log
+    _connected: asyncio.Event
+
+    def __init__(self, host: str, port: int, session: Session, new_rid: Callable[[], bytes], **settings: Any) -> None:
+        super().__init__(host, port, session, new_rid, **settings)
+        self.session: Session = session
         self.conn: Connection | None = None
         self._connected = asyncio.Event()
         self._settled = asyncio.Event()  # connected, or closed: what a waiting caller wakes for
         self._attempted = asyncio.Event()  # a connect attempt ended (for start(retry=False))
-        self.closed = False
         self._manager: asyncio.Task[None] | None = None
-        self._unsent_publishes: list[bytes] = []
-        self.reconnects = 0
-        self.last_error: OSError | MqksError | None = None  # why the last connect attempt failed
-
-    @property
-    def connected(self) -> bool:
-        """True while a live, handshaken connection exists."""
-        return self._connected.is_set()
 
     async def wait_connected(self, timeout: float | None = None) -> bool:
         """Wait until connected (or `timeout` passes); returns whether connected."""
@@ -326,17 +297,10 @@ class Link:
 
     def lose(self, conn: Connection, reason: str, error: MqksError | None = None) -> None:
         """Mark `conn` dead once: fail its pending answers (with `error`, if given) and wake the manager."""
-        if conn.lost.is_set():
+        if not self._mark_lost(conn, reason, error, conn is self.conn):
             return
-        conn.reason = reason
-        if conn is self.conn:
-            self._connected.clear()
-            if not self.closed:
-                self._settled.clear()
-        if not self.closed and conn.ready:
-            log.warning("mqks %s:%s: connection lost: %s", self.host, self.port, reason)
-        conn.lost.set()
-        conn.answers.fail_all(error or MqksConnectionError(f"connection lost: {reason}"))
+        if conn is self.conn and not self.closed:
+            self._settled.clear()
         if conn.transport is not None:
             if self.closed:
                 conn.transport.close()  # what is written goes out first
@@ -351,14 +315,9 @@ class Link:
             try:
                 conn = await self._open()
             except (OSError, MqksError) as e:
-                self.last_error = e
-                tried += 1
-                failed_at = f"{self.host}:{self.port}"
-                self._next_address()
-                if tried < len(self.addresses):
-                    log.info("mqks %s: connect failed (%s); trying %s:%s", failed_at, e, self.host, self.port)
-                    continue
-                tried = 0
+                tried = self._attempt_failed(e, tried)
+                if tried:
+                    continue  # another address to try before backing off
                 self._attempted.set()
                 delay = self._backoff_seconds(attempt)
                 attempt += 1
@@ -387,15 +346,6 @@ class Link:
                 # a broker that accepts, answers and drops us again must not get a reconnect storm
                 await asyncio.sleep(self._backoff_seconds(attempt))
                 attempt += 1
-
-    def _next_address(self) -> None:
-        self.address_index = (self.address_index + 1) % len(self.addresses)
-        self.host, self.port = self.addresses[self.address_index]
-
-    def _backoff_seconds(self, attempt: int) -> float:
-        """Exponential backoff capped at reconnect_max_seconds, with jitter so clients do not stampede."""
-        delay = min(self.reconnect_max_seconds, self.reconnect_min_seconds * (2 ** min(attempt, 30)))
-        return self._random.uniform(delay / 2, delay)
 
     async def _open(self) -> Connection:
         """A new connection with the session replayed and a pong back; raises on failure."""
@@ -430,10 +380,7 @@ class Link:
             await self._teardown(conn, notify=False)
             raise
         conn.ready = True
-        # publishes that never reached the old transport go after the replay, before any new line
-        for line in self._unsent_publishes:
-            conn.write(line)
-        self._unsent_publishes = []
+        self._send_unsent(conn)
         conn.tasks.append(loop.create_task(self._ping_loop(conn), name=f"mqks ping {conn.where}"))
         return conn
 
@@ -489,9 +436,7 @@ class Link:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if not self.closed:
-            self._unsent_publishes.extend(line for line in conn.out if wire.is_fire_and_forget_publish(line))
-        conn.out = []
+        self._keep_unsent(conn)
         conn.out_bytes = 0
         self.session.disconnected(notify, self.closed)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -22,7 +21,7 @@ import ujson
 
 from mqks.client import wire
 from mqks.client.consuming import ConsumerState, Delivery, Registry
-from mqks.client.errors import MqksConnectionError, MqksError, is_transient
+from mqks.client.errors import MqksConnectionError, MqksError
 
 if TYPE_CHECKING:
     from .connection import Connection, Link
@@ -84,8 +83,9 @@ class Consumer(ConsumerState):
     valid for `client.ack` and `delete_consumer` for good. `await consumer.cancel()` deletes it on the broker.
     """
 
-    __slots__ = ("settle", "answer", "delete", "buffer", "waiter", "max_buffered", "on_disconnect", "on_reconnect",
-                 "task", "home", "conn")
+    __slots__ = ("settle", "answer", "delete", "waiter", "max_buffered", "task")
+    home: Consumers | None  # the link's session it lives on
+    conn: Connection | None  # the connection its last consume line went on
 
     def __init__(self, settle: Settle, answer: Answer, delete: Callable[[Consumer], Awaitable[None]],
                  consumer_id: str, queue: str, events: list[str], add: bool, manual_ack: bool,
@@ -94,35 +94,36 @@ class Consumer(ConsumerState):
                  on_reconnect: Hook | None = None, ack_timeout: float | None = None,
                  max_retries: wire.QueueSetting = None, max_length: wire.QueueSetting = None) -> None:
         super().__init__(consumer_id, queue, events, add, manual_ack, delete_queue_when_unused, prefetch, json,
-                         ack_timeout=ack_timeout, max_retries=max_retries, max_length=max_length)
+                         ack_timeout=ack_timeout, max_retries=max_retries, max_length=max_length,
+                         on_disconnect=on_disconnect, on_reconnect=on_reconnect)
         if max_buffered < 1:
             raise ValueError(f"max_buffered must be >= 1, not {max_buffered!r}")
         self.settle = settle
         self.answer = answer
         self.delete = delete
-        self.buffer: deque[Message | Callable[[], Any]] = deque()
         self.waiter: asyncio.Future[None] | None = None  # the iterator waiting for a delivery
         self.max_buffered = max_buffered
-        self.on_disconnect = on_disconnect
-        self.on_reconnect = on_reconnect
         self.task: asyncio.Task[None] | None = None  # runs the callback, when consume() was given one
-        self.home: Consumers | None = None  # the link's session it lives on
-        self.conn: Connection | None = None  # the connection its last consume line went on
+
+    @property
+    def buffered(self) -> int:
+        """How many deliveries (and queued hook calls) wait in the client for the iterator."""
+        return len(self.pending)
 
     def on_delivery(self, data: bytes) -> None:
         """Buffer a delivery for the iterator; a full buffer stops the connection reading."""
         msg_id, event, retry, reply_token, body = self.delivered(data)
-        self.buffer.append(Message(msg_id, event, body, retry, self.id, self, reply_token))
-        if len(self.buffer) >= self.max_buffered and self.conn is not None:
+        self.pending.append(Message(msg_id, event, body, retry, self.id, self, reply_token))
+        if len(self.pending) >= self.max_buffered and self.conn is not None:
             self.conn.hold_back(self)
-        self._wake()
+        self.wake()
 
     def notice(self, hook: Hook, *args: Any) -> None:
-        """Queue a call to a user hook in delivery order (on_reconnect before the first delivery under a new id)."""
-        self.buffer.append(lambda: _call_hook(hook, args))
-        self._wake()
+        """Queue a call to a user hook (plain or async) in delivery order."""
+        self.pending.append(lambda: _call_hook(hook, args))
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         waiter = self.waiter
         if waiter is not None:
             self.waiter = None
@@ -131,22 +132,9 @@ class Consumer(ConsumerState):
 
     def stop(self) -> None:
         """No more deliveries: drop what is buffered and end the iterator."""
-        self.active = False
-        self.buffer.clear()
         if self.conn is not None:
             self.conn.release(self)
-        self._wake()
-
-    def disconnected(self, notify: bool) -> None:
-        """The connection is gone: forget its un-acked deliveries; `notify` queues on_disconnect."""
-        self.unacked.clear()
-        if self.manual_ack:
-            # the broker put these back in the queue: handing them out would double-process
-            kept = [item for item in self.buffer if not isinstance(item, Message)]
-            self.buffer.clear()
-            self.buffer.extend(kept)
-        if notify and self.on_disconnect is not None:
-            self.notice(self.on_disconnect, self.reported_id)
+        super().stop()
 
     def __aiter__(self) -> Consumer:
         return self
@@ -154,7 +142,7 @@ class Consumer(ConsumerState):
     async def __anext__(self) -> Message:
         """The next delivery, its data decoded (str, or JSON with `json=True`); ends when the consumer does."""
         while True:
-            while not self.buffer:
+            while not self.pending:
                 if not self.active:
                     raise StopAsyncIteration
                 self.waiter = asyncio.get_running_loop().create_future()
@@ -162,11 +150,12 @@ class Consumer(ConsumerState):
                     await self.waiter
                 finally:
                     self.waiter = None
-            item = self.buffer.popleft()
-            if self.conn is not None and len(self.buffer) <= self.max_buffered // 2:
+            item = self.pending.popleft()
+            if self.conn is not None and len(self.pending) <= self.max_buffered // 2:
                 self.conn.release(self)
             if not isinstance(item, Message):
-                await item()
+                if callable(item):
+                    await item()
                 continue
             try:
                 item.data = item.data.decode()
@@ -225,35 +214,17 @@ class Consumers(Registry[Consumer]):
         self.link: Link | None = None  # set by the client once the link exists
         self.on_connect = on_connect  # runs first on every new connection, its hello read
 
-    def start(self, consumer: Consumer) -> None:
-        """Know `consumer` by its id on this link."""
-        consumer.home = self
-        self.add(consumer)
-
     def release(self, consumer: Consumer) -> None:
-        """Stop routing this link's lines to `consumer`, which moves to another link (its ids stay known)."""
-        self.by_id.pop(consumer.id, None)
-        consumer.home = None
-        consumer.unacked.clear()  # the broker requeues what it held here once the old consumer goes
+        """Stop routing this link's lines to `consumer`; its buffer no longer holds this connection back."""
         if consumer.conn is not None:
             consumer.conn.release(consumer)
-
-    def adopt(self, consumer: Consumer) -> None:
-        """Take over a consumer from another link under a new id; it is sent as a replay (on_reconnect runs)."""
-        self.renew(consumer)
-        consumer.home = self
-        consumer.conn = None
+        super().release(consumer)
 
     def replay(self, conn: Connection) -> Callable[[float], Awaitable[None]]:
         """Recreate every live consumer on `conn` under a new id; returns what awaits their confirms."""
         if self.on_connect is not None:
             self.on_connect(self)
-        replays: list[tuple[Consumer, bytes, asyncio.Future[bytes]]] = []
-        for consumer in list(self.by_id.values()):
-            self.renew(consumer)
-            consumer.conn = conn
-            rid = consumer.id.encode()
-            replays.append((consumer, rid, conn.request(rid, consumer.consume_line(confirm=True))))
+        replays = self.replay_requests(conn)
 
         async def confirm(deadline: float) -> None:
             for consumer, rid, future in replays:
@@ -262,26 +233,9 @@ class Consumers(Registry[Consumer]):
                 except MqksConnectionError:
                     raise
                 except MqksError as e:
-                    if is_transient(e):  # its queue's owner fails over: connect again (with back-off) and replay
-                        raise MqksConnectionError(f"consumer replay on queue {consumer.queue}: {e.reason}") from None
-                    log.error("mqks %s: replay of consumer %s on queue %s failed, consumer dropped: %s",
-                              self.where, consumer.reported_id, consumer.queue, e)
-                    self.forget(consumer)
+                    self.replay_refused(consumer, e)
 
         return confirm
-
-    def replayed(self, consumer: Consumer) -> None:
-        """The broker confirmed this replayed consumer: queue on_reconnect before its first delivery."""
-        old_id = consumer.reported_id
-        super().replayed(consumer)
-        if consumer.on_reconnect is not None:
-            consumer.notice(consumer.on_reconnect, old_id, consumer.id)
-
-    def disconnected(self, notify: bool, closed: bool) -> None:
-        """The connection is gone; `notify` runs every on_disconnect hook, `closed` says the client ended."""
-        for consumer in self.by_id.values():
-            confirmed_here = not closed and consumer.reported_id == consumer.id
-            consumer.disconnected(notify or confirmed_here)
 
     def end_all(self) -> list[asyncio.Task[None]]:
         """Stop every consumer for good (their iterators end); returns their callback tasks."""

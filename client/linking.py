@@ -1,0 +1,166 @@
+"""What both clients' links share, whatever runs them: their settings, the addresses tried in turn, back-off,
+the bookkeeping of a lost connection and of its unsent publishes. No I/O.
+
+Step in the flow: a client builds its link settings here (`link_settings`), and its `Link` (client/connection.py
+on gevent, client/aio/connection.py on asyncio) subclasses `LinkBase`, adding the transport, the connection
+manager and the waits, which differ. Invariants: addresses rotate in one order (the first is the one given);
+a connection is marked lost once, and every request waiting on it fails then; only plain publishes that never
+reached a lost connection are kept for the next one (a confirmed one is retried by its caller).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from . import wire
+from .answers import Answers
+from .errors import MqksConnectionError, MqksError, MqksProtocolError
+from .tls import tls_setting, token_setting
+
+
+def link_settings(*, ping_seconds: float, ping_timeout_seconds: float | None, reconnect_min_seconds: float,
+                  reconnect_max_seconds: float, timeout_seconds: float, connect_timeout_seconds: float,
+                  tls: bool | ssl.SSLContext, token: str | None, ttl_seconds: float | None,
+                  anonymous: bool) -> dict[str, Any]:
+    """A client's options as the keyword arguments of each of its links (public and direct alike)."""
+    if ttl_seconds and ping_seconds > ttl_seconds:
+        # the broker drops a connection silent for 2x its TTL: an idle client must ping well within it
+        raise ValueError(f"ping_seconds ({ping_seconds:g}) must not exceed ttl_seconds ({ttl_seconds:g})")
+    return dict(ping_seconds=ping_seconds,
+                ping_timeout_seconds=ping_seconds if ping_timeout_seconds is None else ping_timeout_seconds,
+                reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
+                timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds,
+                tls=tls_setting(tls), token=token_setting(token),
+                ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds, anonymous=anonymous)
+
+
+def connect_error(cause: BaseException | None, where: str, timeout: float, retry: bool) -> MqksError:
+    """What `connect()` raises when no connection came: the last attempt's reason, as a person reads it."""
+    if isinstance(cause, MqksProtocolError):
+        return MqksProtocolError(cause.reason)
+    if cause is None:
+        return MqksConnectionError(f"cannot connect to {where} within {timeout:g}s")
+    within = f" within {timeout:g}s" if retry else ""
+    return MqksConnectionError(f"cannot connect to {where}{within}: {wire.connect_failure(cause)}")
+
+
+class Flag(Protocol):
+    """A gevent Event or an asyncio Event: what the shared bookkeeping sets, clears and reads."""
+
+    def is_set(self) -> bool: ...
+
+    def set(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+class LinkConnection(Protocol):
+    """A connection as the shared bookkeeping sees it (each client's `Connection`)."""
+
+    lost: Any  # a Flag; Any so each client's own Event type matches
+    reason: str
+    ready: bool
+    out: list[bytes]
+    answers: Answers[Any]
+
+    def write(self, line: bytes) -> None: ...
+
+
+class LinkBase:
+    """A link's settings and shared bookkeeping; each client's `Link` adds the transport and its waits."""
+
+    log = logging.getLogger("mqks.client")
+    _connected: Flag  # set while a live, handshaken connection exists (each client's own Event)
+
+    def __init__(self, host: str, port: int, session: Any, new_rid: Callable[[], bytes], *, ping_seconds: float,
+                 ping_timeout_seconds: float, reconnect_min_seconds: float, reconnect_max_seconds: float,
+                 timeout_seconds: float, connect_timeout_seconds: float, tls: ssl.SSLContext | None = None,
+                 token: bytes | None = None, ttl_seconds: float | None = None,
+                 fallbacks: list[tuple[str, int]] | tuple[()] = (), unix: str | None = None,
+                 tls_hostname: str | None = None, anonymous: bool = False) -> None:
+        self.host = host  # the address connected to, or tried next
+        self.port = port
+        # a Unix socket of the same broker, preferred to host:port (the first address) while it exists
+        self.unix = unix
+        # the name the broker's certificate is checked against: a direct address is still the public broker
+        self.tls_hostname = tls_hostname
+        # tried in turn when one cannot be reached, and left for the next when its broker drains
+        self.addresses = [(host, port), *fallbacks]
+        self.address_index = 0
+        self.tls = tls
+        self.token = token
+        self.ttl_seconds = ttl_seconds  # sent as `hello --ttl`: the broker drops us after 2x that in silence
+        # connect to a broker that wants a token without one, for what needs none (ping): its hello is refused
+        self.anonymous = anonymous
+        self.server_info: dict[str, Any] | None = None  # the last `hello` answer; None from a broker without hello
+        self.session = session
+        self.new_rid = new_rid
+        self.ping_seconds = ping_seconds
+        self.ping_timeout_seconds = ping_timeout_seconds
+        self.reconnect_min_seconds = reconnect_min_seconds
+        self.reconnect_max_seconds = reconnect_max_seconds
+        self.timeout_seconds = timeout_seconds
+        self.connect_timeout_seconds = connect_timeout_seconds
+        self._random = random.Random()
+        self.closed = False
+        self.reconnects = 0
+        self.last_error: OSError | MqksError | None = None  # why the last connect attempt failed
+        self._unsent_publishes: list[bytes] = []
+
+    @property
+    def connected(self) -> bool:
+        """True while a live, handshaken connection exists."""
+        return self._connected.is_set()
+
+    def _mark_lost(self, conn: LinkConnection, reason: str, error: MqksError | None, current: bool) -> bool:
+        """Mark `conn` dead once: fail its pending answers (with `error`, if given); False if it already was.
+
+        `current` says `conn` is the link's connection of the moment (then the link is no longer connected).
+        """
+        if conn.lost.is_set():
+            return False
+        conn.reason = reason
+        if current:
+            self._connected.clear()
+        if not self.closed and conn.ready:
+            # a connection lost during its handshake is reported by the connect attempt that made it
+            self.log.warning("mqks %s:%s: connection lost: %s", self.host, self.port, reason)
+        conn.answers.fail_all(error or MqksConnectionError(f"connection lost: {reason}"))
+        conn.lost.set()
+        return True
+
+    def _attempt_failed(self, error: OSError | MqksError, tried: int) -> int:
+        """Note a failed connect and move to the next address; returns how many failed in a row (0: a full round)."""
+        self.last_error = error
+        tried += 1
+        failed_at = f"{self.host}:{self.port}"
+        self._next_address()
+        if tried < len(self.addresses):
+            self.log.info("mqks %s: connect failed (%s); trying %s:%s", failed_at, error, self.host, self.port)
+            return tried  # another address to try before backing off
+        return 0
+
+    def _next_address(self) -> None:
+        self.address_index = (self.address_index + 1) % len(self.addresses)
+        self.host, self.port = self.addresses[self.address_index]
+
+    def _backoff_seconds(self, attempt: int) -> float:
+        """Exponential backoff capped at reconnect_max_seconds, with jitter so clients do not stampede."""
+        delay = min(self.reconnect_max_seconds, self.reconnect_min_seconds * (2 ** min(attempt, 30)))
+        return self._random.uniform(delay / 2, delay)
+
+    def _keep_unsent(self, conn: LinkConnection) -> None:
+        """A lost connection's lines never sent: its plain publishes go again on the next one, the rest are gone."""
+        if not self.closed:
+            self._unsent_publishes.extend(line for line in conn.out if wire.is_fire_and_forget_publish(line))
+        conn.out = []
+
+    def _send_unsent(self, conn: LinkConnection) -> None:
+        """Publishes that never reached the old connection go after the replay, before any new line."""
+        for line in self._unsent_publishes:
+            conn.write(line)
+        self._unsent_publishes = []
