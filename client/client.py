@@ -394,16 +394,10 @@ class Client:
                 timeout: float | None = None, flags: tuple[bytes, ...] = ()) -> None:
         """Ack, reject or touch; messages delivered on an earlier connection are skipped: the broker requeued them."""
         wire.settle_args(action, consumer_id, msg_ids, all)  # a bad call fails before anything is taken
-        consumer = self._consumers.find(consumer_id)
-        link = None
-        if consumer is not None:
-            link = consumer.home.link if consumer.home is not None else None
-            if link is None or not link.connected:
-                return  # moving or disconnected: the broker requeued what it held
-            to_send = consumer.settling(action, msg_ids, all)
-            if to_send is None:
-                return
-            msg_ids, consumer_id = to_send, consumer.id
+        plan = self._consumers.settle_plan(action, consumer_id, msg_ids, all)
+        if plan is None:
+            return
+        link, consumer_id, msg_ids = plan
         self._request(action, wire.settle_args(action, consumer_id, msg_ids, all, flags), confirm, timeout,
                       retry=False, link=link)
 

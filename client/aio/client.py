@@ -375,21 +375,14 @@ class Client:
                       timeout: float | None = None, flags: tuple[bytes, ...] = ()) -> None:
         """Ack, reject or touch on the consumer's own link; deliveries of an earlier connection are skipped."""
         wire.settle_args(action, consumer_id, msg_ids, all)  # a bad call fails before anything is taken
-        consumer = self._consumers.find(consumer_id)
-        link = None
-        if consumer is not None:
-            link = consumer.home.link if consumer.home is not None else None
-            if link is None or not link.connected:
-                return  # moving or disconnected: the broker requeued what it held
-            to_send = consumer.settling(action, msg_ids, all)
-            if to_send is None:
-                return
-            msg_ids, consumer_id = to_send, consumer.id
-            conn = link.conn
-            if not confirm and conn is not None:  # the hot path of `await msg.ack()`
-                conn.write(b" ".join([self._new_rid(), action, *wire.settle_args(action, consumer_id, msg_ids, all,
-                                                                                   flags)]) + b"\n")
-                return
+        plan = self._consumers.settle_plan(action, consumer_id, msg_ids, all)
+        if plan is None:
+            return
+        link, consumer_id, msg_ids = plan
+        if not confirm and link is not None and link.conn is not None:  # the hot path of `await msg.ack()`
+            link.conn.write(b" ".join([self._new_rid(), action, *wire.settle_args(action, consumer_id, msg_ids, all,
+                                                                                  flags)]) + b"\n")
+            return
         await self._request(action, wire.settle_args(action, consumer_id, msg_ids, all, flags), confirm, timeout,
                             retry=False, link=link)
 
