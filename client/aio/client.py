@@ -171,17 +171,23 @@ class Client:
         full). With confirm, a publish cut off by a lost connection goes again after the reconnect (at least
         once, until `timeout`); run many at once with `asyncio.gather` to pipeline them.
         """
-        args = wire.publish_args(event, data, json, delay, at)
-        conn = self._link.conn
-        if not confirm and conn is not None and self._link.connected and self._consumers_placed():
+        conn = self._link.live_conn
+        if conn is not None and not (confirm or json or delay is not None or at is not None) and self._placed():
             rid = self._new_rid()  # the hot path: no deadline, no wait
-            conn.write(b" ".join([rid, b"publish", *args]) + b"\n")
+            conn.write(wire.publish_line(rid, event, data))
             if conn.write_paused is not None:
                 await conn.writable()
             return rid.decode()
+        args = wire.publish_args(event, data, json, delay, at)
         if not self._consumers_placed():
             await self._wait_until_consumers_placed(self._deadline(timeout))
         return (await self._request(b"publish", args, confirm, timeout, retry=True)).decode()
+
+    def _placed(self) -> bool:
+        """`_consumers_placed`, at the cost of a few attribute reads when there is one link (the common case)."""
+        if self._homes.direct or self._homeless or self._moving:
+            return self._consumers_placed()
+        return self._rehoming is None or self._rehoming.done()
 
     def _consumers_placed(self) -> bool:
         """True unless a consumer is still on its way back to its worker's link (a reconnect, a new map)."""

@@ -217,6 +217,7 @@ class Link(LinkBase):
         super().__init__(host, port, session, new_rid, **settings)
         self.session: Session = session
         self.conn: Connection | None = None
+        self.live_conn: Connection | None = None  # `conn` while connected, else None: one check on the hot path
         self._connected = asyncio.Event()
         self._settled = asyncio.Event()  # connected, or closed: what a waiting caller wakes for
         self._attempted = asyncio.Event()  # a connect attempt ended (for start(retry=False))
@@ -259,6 +260,7 @@ class Link(LinkBase):
         if self.closed:
             return
         self.closed = True
+        self.live_conn = None
         self._connected.clear()
         self._settled.set()
         manager = self._manager
@@ -297,6 +299,8 @@ class Link(LinkBase):
 
     def lose(self, conn: Connection, reason: str, error: MqksError | None = None) -> None:
         """Mark `conn` dead once: fail its pending answers (with `error`, if given) and wake the manager."""
+        if conn is self.live_conn:
+            self.live_conn = None
         if not self._mark_lost(conn, reason, error, conn is self.conn):
             return
         if conn is self.conn and not self.closed:
@@ -329,6 +333,7 @@ class Link(LinkBase):
             if attempt or self.reconnects:
                 log.info("mqks %s:%s: connected", self.host, self.port)
             self.last_error = None
+            self.live_conn = conn
             self._connected.set()
             self._settled.set()
             self._attempted.set()
