@@ -22,6 +22,7 @@ from helpers import WAIT_SECONDS, free_port, queue_owned_by, unique
 
 from mqks import aio
 from mqks.client.errors import MqksConnectionError, MqksError, MqksTimeoutError
+from mqks.server.dispatch.slots import owner_of
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -400,6 +401,86 @@ def test_with_two_workers_consumes_and_acks_go_to_the_owners_link(make_broker: C
             for queue in queues:
                 row = await queue_row(client, queue)
                 assert (row["depth"], row["unacked"]) == (0, 0)
+
+    run(main)
+
+
+def test_consumers_follow_their_queues_through_restarts_with_one_then_three_workers(
+        make_broker: Callable[..., BrokerProcess]) -> None:
+    server = make_broker("--workers", "2")
+    port = server.port
+    event = unique("e")
+    queues = [queue_owned_by(0, 2), queue_owned_by(1, 2)]
+    queues += [q for q in (queue_owned_by(1, 2) for _ in range(40)) if owner_of(q.encode(), 3) == 2][:1]
+
+    async def main() -> None:
+        nonlocal server
+        async with client_of(port) as client:
+            consumers = {queue: await client.consume(queue, [event]) for queue in queues}
+            for workers in (1, 3):
+                await asyncio.to_thread(server.kill)
+                server = await asyncio.to_thread(make_broker, "--workers", str(workers), port=port)
+                sent = f"with {workers}"
+                for consumer in consumers.values():
+                    # in memory: the replay re-creates the queue and its binding; publish until it has
+                    async with asyncio.timeout(WAIT_SECONDS):
+                        while True:
+                            await client.publish(event, sent, confirm=True)
+                            got = [m async for m in _drain(consumer)]
+                            if sent in [message.data for message in got]:
+                                break
+                            await asyncio.sleep(0.1)
+                if workers == 3:
+                    placement = client._homes.placement
+                    assert placement is not None and placement.workers == 3
+                    for queue, consumer in consumers.items():
+                        assert consumer.home is not None and consumer.home.worker == owner_of(queue.encode(), 3)
+                else:
+                    assert client._homes.placement is None
+                    assert all(consumer.home is client._consumers for consumer in consumers.values())
+
+    run(main)
+
+
+async def _drain(consumer: aio.Consumer) -> AsyncIterator[aio.Message]:
+    """What `consumer` holds now, without waiting for more."""
+    while consumer.buffered:
+        async with asyncio.timeout(WAIT_SECONDS):
+            yield await anext(consumer)
+
+
+def test_a_publisher_waits_while_the_broker_reads_nothing_and_loses_nothing(
+        make_broker: Callable[..., BrokerProcess]) -> None:
+    server = make_broker("--eval")
+    count, line = 20_000, "x" * 10_000  # 200 MB: far past what the kernel's socket buffers hold
+
+    async def main() -> None:
+        async with client_of(server, ping_seconds=60) as client:
+            published_before = (await client.stats())["published"]
+            server.signal(signal.SIGSTOP)
+            try:
+                sent = 0
+
+                async def publish_all() -> None:
+                    nonlocal sent
+                    for _ in range(count):
+                        await client.publish("nobody-listens", line)
+                        sent += 1
+
+                publisher = asyncio.create_task(publish_all())
+                conn = client._link.conn
+                assert conn is not None
+                await until(lambda: conn.write_paused is not None, "the transport to push back")
+                paused_at = sent
+                await asyncio.sleep(0.2)  # a window for the publisher to run on, if it did not wait
+                assert sent == paused_at < count
+                transport = conn.transport
+                assert transport is not None and transport.get_write_buffer_size() < 2 * 1024 * 1024
+            finally:
+                server.signal(signal.SIGCONT)
+            await asyncio.wait_for(publisher, WAIT_SECONDS * 6)
+            await client.ping()
+            assert (await client.stats())["published"] - published_before == count
 
     run(main)
 
