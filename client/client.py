@@ -398,13 +398,11 @@ class Client:
     def _settle(self, action: bytes, consumer_id: str, msg_ids: tuple[str, ...], all: bool, confirm: bool,
                 timeout: float | None = None, flags: tuple[bytes, ...] = ()) -> None:
         """Ack, reject or touch; messages delivered on an earlier connection are skipped: the broker requeued them."""
-        wire.settle_args(action, consumer_id, msg_ids, all)  # a bad call fails before anything is taken
-        plan = self._consumers.settle_plan(action, consumer_id, msg_ids, all)
+        plan = self._consumers.settle_plan(action, consumer_id, msg_ids, all, flags)
         if plan is None:
             return
-        link, consumer_id, msg_ids = plan
-        self._request(action, wire.settle_args(action, consumer_id, msg_ids, all, flags), confirm, timeout,
-                      retry=False, link=link)
+        link, args = plan
+        self._request(action, args, confirm, timeout, retry=False, link=link)
 
     def rebind(self, queue: str, events: list[str] | None = None, remove: list[str] | tuple[str, ...] = (),
                remove_mask: list[str] | tuple[str, ...] = (), add: list[str] | tuple[str, ...] = (),

@@ -276,22 +276,27 @@ class Registry(Generic[C]):
         """The consumer known by `consumer_id`: its current, first, reported or a recent id."""
         return self.by_any_id.get(consumer_id)
 
-    def settle_plan(self, action: bytes, consumer_id: str, msg_ids: tuple[str, ...],
-                    all: bool) -> tuple[Any, str, tuple[str, ...]] | None:
-        """(link, consumer id, msg ids) an ack, reject or touch goes out with; None when nothing is to be sent.
+    def settle_plan(self, action: bytes, consumer_id: str, msg_ids: tuple[str, ...], all: bool,
+                    flags: tuple[bytes, ...] = ()) -> tuple[Any, list[bytes]] | None:
+        """(link, arguments) an ack, reject or touch goes out with; None when nothing is to be sent.
 
-        A consumer of this client's is settled on its own link (its worker's) under its current id; while
-        it moves or its link is down nothing is sent (the broker requeued what it held). An id this client
-        does not know goes as given, on the public link (link None).
+        A bad call raises before anything is taken. A consumer of this client's is settled on its own link
+        (its worker's) under its current id; while it moves or its link is down nothing is sent (the broker
+        requeued what it held). An id this client does not know goes as given, on the public link (None).
         """
+        args = wire.settle_args(action, consumer_id, msg_ids, all, flags)
         consumer = self.find(consumer_id)
         if consumer is None:
-            return None, consumer_id, msg_ids
+            return None, args
         link = consumer.home.link if consumer.home is not None else None
         if link is None or not link.connected:
             return None
         to_send = consumer.settling(action, msg_ids, all)
-        return None if to_send is None else (link, consumer.id, to_send)
+        if to_send is None:
+            return None
+        if consumer.id != consumer_id or to_send != msg_ids:
+            args = wire.settle_args(action, consumer.id, to_send, all, flags)
+        return link, args
 
     def forget(self, consumer: C) -> None:
         """Drop a consumer locally: no more deliveries, no replay."""

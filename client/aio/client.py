@@ -380,17 +380,14 @@ class Client:
     async def _settle(self, action: bytes, consumer_id: str, msg_ids: tuple[str, ...], all: bool, confirm: bool,
                       timeout: float | None = None, flags: tuple[bytes, ...] = ()) -> None:
         """Ack, reject or touch on the consumer's own link; deliveries of an earlier connection are skipped."""
-        wire.settle_args(action, consumer_id, msg_ids, all)  # a bad call fails before anything is taken
-        plan = self._consumers.settle_plan(action, consumer_id, msg_ids, all)
+        plan = self._consumers.settle_plan(action, consumer_id, msg_ids, all, flags)
         if plan is None:
             return
-        link, consumer_id, msg_ids = plan
+        link, args = plan
         if not confirm and link is not None and link.conn is not None:  # the hot path of `await msg.ack()`
-            link.conn.write(b" ".join([self._new_rid(), action, *wire.settle_args(action, consumer_id, msg_ids, all,
-                                                                                  flags)]) + b"\n")
+            link.conn.write(b" ".join([self._new_rid(), action, *args]) + b"\n")
             return
-        await self._request(action, wire.settle_args(action, consumer_id, msg_ids, all, flags), confirm, timeout,
-                            retry=False, link=link)
+        await self._request(action, args, confirm, timeout, retry=False, link=link)
 
     async def rebind(self, queue: str, events: list[str] | None = None, remove: list[str] | tuple[str, ...] = (),
                      remove_mask: list[str] | tuple[str, ...] = (), add: list[str] | tuple[str, ...] = (),
