@@ -39,10 +39,9 @@ class ClusterNode(BrokerProcess):
 
     def start(self) -> None:
         self.piped_log.clear()
-        with open(self.log_file.name, "w"):
-            pass  # a restart's log starts empty: assertions read this run of the node
         cmd = [sys.executable, "-m", "mqks.server", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log_file)
+        with open(self.log_path, "wb") as log_file:  # a restart's log starts empty: assertions read this run
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file)
         wait_for(lambda: "a process for each of" in self.log() or self.exited(), "the node's supervisor to start",
                  READY_TIMEOUT_SECONDS)
         assert not self.exited(), self.log()

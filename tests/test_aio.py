@@ -485,6 +485,47 @@ def test_a_publisher_waits_while_the_broker_reads_nothing_and_loses_nothing(
     run(main)
 
 
+def test_a_draining_broker_gets_what_the_consumer_holds_settled_then_the_client_moves_to_its_fallback(
+        make_broker: Callable[..., BrokerProcess], tmp_path: Path) -> None:
+    first = make_broker("--drain-seconds", "20", "--data-dir", str(tmp_path / "data"))
+    second = make_broker()
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> None:
+        hooks: list[str] = []
+        async with client_of(first, fallbacks=[(second.host, second.port)]) as client:
+            consumer = await client.consume(queue, [event], manual_ack=True,
+                                            on_reconnect=lambda old, new: hooks.append(new))
+            for n in range(3):
+                await client.publish(event, f"p{n}", confirm=True)
+            [held] = await take(consumer, 1)  # at work on the first message when the drain begins
+            first.signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            await held.ack()
+            rest = await take(consumer, 2)
+            for message in rest:
+                await message.ack()
+            # the broker exits once our acks are in, long before its 20 s are up; the client goes to the fallback
+            await until(lambda: first.proc is not None and first.proc.poll() is not None, "the drain to finish", 15)
+            assert first.proc is not None and first.proc.returncode == 0
+            await until(lambda: client.connected and client._link.port == second.port, "the move to the fallback")
+            await client.publish(event, "on the second", confirm=True)
+            [last] = await take(consumer, 1)  # the iteration runs on_reconnect first, in delivery order
+            assert (last.data, last.retry) == ("on the second", 0)
+            assert hooks == [last.consumer_id]
+            assert [(message.data, message.retry) for message in rest] == [("p1", 0), ("p2", 0)]
+
+    run(main)
+
+
+def test_the_asyncio_client_never_imports_gevent() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, mqks.aio; assert 'gevent' not in sys.modules, sorted(m for m in sys.modules if 'gevent' in m)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 def test_tls_with_a_token_and_the_refusals_without_one(make_broker: Callable[..., BrokerProcess], certs: Any,
                                                        tmp_path: Path) -> None:
     (tmp_path / "tokens").write_text(TOKEN + "\n")
