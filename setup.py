@@ -63,13 +63,15 @@ setup(
         "mqks.aio": "client/aio",  # the asyncio client: `from mqks import aio`
         "mqks.spark": "spark",
     },
-    package_data={"mqks.server": ["py.typed"], "mqks.client": ["py.typed"], "mqks.aio": ["py.typed"],
-                  "mqks.spark": ["py.typed"]},
+    package_data={"mqks.server": ["py.typed"], "mqks.server.node": ["console/*.html", "console/*.js", "console/*.css"],
+                  "mqks.client": ["py.typed"], "mqks.aio": ["py.typed"], "mqks.spark": ["py.typed"]},
     ext_modules=compiled_extensions(),
     install_requires=["gevent>=24.2", "mypy_extensions>=1.0", "ujson>=5.9", "prometheus_client>=0.20", "cronsim>=2.6"],
     extras_require={
         # the asyncio client's tests run it inside a Starlette app under uvicorn (with httpx), and under uvloop
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "starlette>=0.40", "uvicorn>=0.30", "httpx>=0.27", "uvloop>=0.19"],
+        # and the web console's tests drive headless Chromium (the system's) with selenium
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "starlette>=0.40", "uvicorn>=0.30", "httpx>=0.27", "uvloop>=0.19",
+                 "selenium>=4.20"],
         "dev": ["mypy>=1.10", "ruff>=0.5", "pylint>=3"],  # pylint for its symilar (README)
         "spark": ["pyspark>=4.2,<5", "pyarrow>=15"],
         "top": ["rich>=13"],  # `mqks top` only: the broker never imports it

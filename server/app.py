@@ -427,17 +427,23 @@ class Server:
         if self.peers is not None:
             self.listen_direct()
         if config.metrics_port is not None and (self.peers is None or self.peers.worker == 0):
+            from .node.console import BrokerLine, Console
             from .node.metrics import metrics_server  # prometheus_client is loaded only when asked for
 
+            tokens = self.tokens
+            # the console asks the broker as a client would: on the plain port, else (--port 0) on the TLS one
+            line = BrokerLine(config.host, config.port or config.tls_port or 0, not config.port,
+                              lambda: tokens.tokens[0] if tokens else None)
+            console = Console(line, tokens, config.console_actions) if config.console else None
             self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.process,
-                                                 config.metrics_max_queues, self.health)
+                                                 config.metrics_max_queues, self.health, console)
             try:
                 self.metrics_server.start()
             except OSError as e:
                 raise CannotListen(f"cannot listen for metrics on {config.metrics_host}:{config.metrics_port}: "
                                    f"{e}") from None
-            log.info("metrics on http://%s:%d/metrics and /healthz", config.metrics_host,
-                     self.metrics_server.server_port)
+            log.info("metrics on http://%s:%d/metrics and /healthz%s", config.metrics_host,
+                     self.metrics_server.server_port, ", the console at /" if console is not None else "")
 
     def listen_direct(self) -> None:
         """Worker i's own addresses: a TCP port and a Unix socket for clients, a Unix socket for the other workers.

@@ -551,12 +551,19 @@ def parse_stats_args(args: bytes, count: int) -> int | None:
 
 
 def handle_queues(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-    """`{id} queues [{mask}]` -> `{id} ok {json}` per queue, sorted by name, then `{id} ok --end`."""
+    """`{id} queues [--detail] [{mask}]` -> `{id} ok {json}` per queue, sorted by name, then `{id} ok --end`.
+
+    `--detail` (ext) adds each queue's bindings, consumers and newest messages (process.queue_detail).
+    """
     tokens = args.split()
+    detail = bool(tokens) and tokens[0] == b"--detail"
+    if detail:
+        tokens = tokens[1:]
     if len(tokens) > 1 or (tokens and tokens[0].startswith(b"--")):
-        raise ProtocolError(f"queues: unexpected {text(args)!r}; expected {{id}} queues [{{mask}}]")
+        raise ProtocolError(f"queues: unexpected {text(args)!r}; expected {{id}} queues [--detail] [{{mask}}]")
     head = rid + b" ok "
-    lines = [b"%b%b\n" % (head, to_json(row)) for row in session.process.queue_rows(tokens[0] if tokens else None)]
+    lines = [b"%b%b\n" % (head, to_json(row))
+             for row in session.process.queue_rows(tokens[0] if tokens else None, detail)]
     lines.append(head + b"--end\n")
     session.write(b"".join(lines))  # one write: the limit on unread output still applies to the whole answer
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..core.leases import Leases
+from ..core.messages import Message as StoredMessage
+from ..core.messages import Packed
 from ..core.requests import Requests
 from ..core.routing import compile_mask
 from ..core.schedules import Schedules
@@ -48,6 +50,38 @@ def package_version() -> str:
 
 
 VERSION = package_version()
+
+
+NEWEST_SHOWN = 10  # messages `queues --detail` lists per queue
+
+
+def queue_detail(queue: Queue) -> dict[str, Any]:
+    """The bindings, consumers and newest messages of `queue`, as `queues --detail` adds them to its row."""
+    return {"events": sorted(event.decode(errors="replace") for event in queue.events),
+            "consumer_list": [{"consumer": consumer.consumer_id.decode(errors="replace"),
+                               "manual_ack": consumer.manual_ack, "prefetch": consumer.prefetch,
+                               "unacked": len(consumer.unacked),
+                               "ack_timeout": getattr(consumer, "ack_timeout_seconds", None)}
+                              for consumer in queue.consumers],
+            "newest": [{"msg_id": msg_id.decode(errors="replace"), "retry": retry}
+                       for msg_id, retry in newest_messages(queue, NEWEST_SHOWN)]}
+
+
+def newest_messages(queue: Queue, count: int) -> list[tuple[bytes, int]]:
+    """The msg id and retry of the `count` newest messages waiting in `queue`, newest first (no copy of the queue)."""
+    found: list[tuple[bytes, int]] = []
+    for item in reversed(queue.messages):
+        if type(item) is StoredMessage:
+            runs = [(item.tail, item.retry)]
+        elif type(item) is Packed:
+            runs = [(tail, 0) for tail in reversed(item.rsplit(b"\n", count)[-count:])]
+        else:
+            runs = [(item, 0)]
+        for tail, retry in runs:
+            found.append((msg_id_of(tail), retry))
+            if len(found) == count:
+                return found
+    return found
 
 
 def queue_flags(queue: Queue) -> list[str]:
@@ -240,8 +274,13 @@ class Process:
             figures.update(self.peers.stats())
         return figures
 
-    def queue_rows(self, mask: bytes | None = None) -> list[dict[str, Any]]:
-        """Every queue of every worker whose name matches `mask` (the events' mask rule), sorted by name."""
+    def queue_rows(self, mask: bytes | None = None, detail: bool = False) -> list[dict[str, Any]]:
+        """Every queue of this worker whose name matches `mask` (the events' mask rule), sorted by name.
+
+        With `detail` (`queues --detail`), each row also lists its bindings (`events`), its consumers
+        (`consumer_list`: id, manual_ack, prefetch, unacked, ack_timeout) and its newest messages (`newest`: msg id
+        and retry, newest first, at most NEWEST_SHOWN): for a person looking at one queue, not for the flow.
+        """
         if mask is None:
             matches: Callable[[bytes], Any] = lambda name: True
         elif b"*" in mask:
@@ -251,11 +290,15 @@ class Process:
         found = sorted(((name, queue) for name, queue in self.broker.queues.items() if matches(name)),
                        key=lambda row: row[0])
         leased = self.leased_by_queue()
-        return [{"queue": name.decode(errors="replace"), "depth": queue.depth(),
+        rows = [{"queue": name.decode(errors="replace"), "depth": queue.depth(),
                  "unacked": sum(len(consumer.unacked) for consumer in queue.consumers),
                  "leased": leased.get(name, 0),
                  "consumers": len(queue.consumers), "bindings": len(queue.events), "flags": queue_flags(queue)}
                 for name, queue in found]
+        if detail:
+            for row, (_, queue) in zip(rows, found, strict=True):
+                row.update(queue_detail(queue))
+        return rows
 
     def leased_by_queue(self) -> dict[bytes, int]:
         """Messages held under `fetch --lease`, by queue: out of the queue, like un-acked ones."""

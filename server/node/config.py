@@ -39,6 +39,8 @@ class Config:
     metrics_port: int | None = None  # None: no HTTP endpoint (/metrics, /healthz)
     metrics_host: str = "127.0.0.1"  # loopback, as the broker's own port
     metrics_max_queues: int = 100  # per-queue gauges for the deepest queues only: scrapes stay small
+    console: bool = True  # the web console at / of the metrics port (node/console.py), when that port is on
+    console_actions: bool = False  # let the console change things (delete a queue): off, read-only by default
     tls_port: int | None = None  # None: no TLS listener
     tls_cert: str | None = None
     tls_key: str | None = None

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from ..dispatch.figures import COUNTER, FIGURES, GAUGE, LOG_FIGURES, Figure
 from ..dispatch.process import Process
+from .console import Console
 
 log = logging.getLogger("mqks.metrics")
 
@@ -95,11 +96,16 @@ def make_registry(process: Process, max_queues: int) -> CollectorRegistry:
     return registry
 
 
-def make_app(registry: CollectorRegistry, health: Callable[[], str | None]) -> Callable[..., list[bytes]]:
-    """The WSGI app: /metrics, /healthz (200 `ok`, or 503 and the reason `health` gives), else 404."""
+def make_app(registry: CollectorRegistry, health: Callable[[], str | None],
+             console: Console | None = None) -> Callable[..., list[bytes]]:
+    """The WSGI app: /metrics, /healthz (200 `ok`, or 503 and the reason `health` gives), the console, else 404."""
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
         path = environ.get("PATH_INFO", "")
+        if console is not None and path not in ("/metrics", "/healthz"):
+            answer = console.answer(environ, start_response)
+            if answer is not None:
+                return answer
         if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
             return _answer(start_response, "405 Method Not Allowed", b"GET only\n", extra=[("Allow", "GET, HEAD")])
         if path == "/metrics":
@@ -121,8 +127,8 @@ def _answer(start_response: Callable[..., Any], status: str, body: bytes,
 
 
 def metrics_server(host: str, port: int, process: Process, max_queues: int,
-                   health: Callable[[], str | None]) -> WSGIServer:
+                   health: Callable[[], str | None], console: Console | None = None) -> WSGIServer:
     """The HTTP server, not started: `start()` binds it on the caller's gevent loop."""
-    app = make_app(make_registry(process, max_queues), health)
+    app = make_app(make_registry(process, max_queues), health, console)
     # log=None: no access line per scrape; errors go to the broker's log
     return WSGIServer((host, port), app, log=None, error_log=log)
