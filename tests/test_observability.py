@@ -171,7 +171,25 @@ def test_queues_lists_every_worker_sorted_with_a_mask_filter(broker_per_worker_c
     names = [json.loads(line)["queue"] for line in everything]
     assert names == sorted(names)
     wire.send(b"q queues one two")
-    wire.expect_error(b"q", b"queues [{mask}]")
+    wire.expect_error(b"q", b"queues [--detail] [{mask}]")
+    wire.close()
+
+
+def test_queues_detail_lists_bindings_consumers_and_the_newest_messages(broker_per_worker_count):
+    wire = broker_per_worker_count.wire()
+    queue = unique("qd").encode()
+    wire.send(b"c1 consume --confirm %b x.* audit --manual-ack --prefetch=1" % queue)
+    wire.expect(b"c1 ok ")
+    wire.send(*(b"m%d publish --confirm x.y data" % n for n in range(4)))
+    got = wire.barrier()
+    assert sorted(got) == [b"c1 ok m0 event=x.y data", b"m0 ok ", b"m1 ok ", b"m2 ok ", b"m3 ok "]  # prefetch 1
+    [row] = [json.loads(line) for line in queue_lines(wire, b"--detail " + queue)]
+    assert row["events"] == ["audit", "x.*"]
+    assert row["consumer_list"] == [{"consumer": "c1", "manual_ack": True, "prefetch": 1, "unacked": 1,
+                                     "ack_timeout": None}]
+    assert row["newest"] == [{"msg_id": "m3", "retry": 0}, {"msg_id": "m2", "retry": 0}, {"msg_id": "m1", "retry": 0}]
+    [plain] = [json.loads(line) for line in queue_lines(wire, queue)]
+    assert "events" not in plain and plain["depth"] == 3  # without --detail: the row as before
     wire.close()
 
 
@@ -224,7 +242,16 @@ def test_healthz_answers_ok_and_other_paths_are_not_found(make_broker, tmp_path)
     port = free_port()
     make_broker("--metrics-port", str(port), "--data-dir", str(tmp_path))
     assert http_get(port, "/healthz") == (200, b"ok\n")
-    assert http_get(port, "/")[0] == 404
+    assert http_get(port, "/")[0] == 200  # the web console
+    assert http_get(port, "/nope")[0] == 404
+    assert http_get(port, "/api/nope")[0] == 404
+
+
+def test_no_console_leaves_the_port_to_metrics_and_health(make_broker, tmp_path):
+    port = free_port()
+    make_broker("--metrics-port", str(port), "--no-console")
+    assert http_get(port, "/healthz") == (200, b"ok\n")
+    assert http_get(port, "/")[0] == 404 and http_get(port, "/api/stats")[0] == 404
 
 
 @pytest.mark.parametrize("args", [
