@@ -206,6 +206,17 @@ def test_a_hostile_queue_name_shows_as_text_and_runs_nothing(make_broker, browse
     assert browser.execute_script("return document.querySelectorAll('#view img, #view script').length") == 0
 
 
+def test_the_schedules_page_lists_each_schedule(make_broker, browser) -> None:
+    console = Console(make_broker)
+    wire = console.wire()
+    name = unique("nightly")
+    wire.send(b"s1 schedule --confirm " + name.encode() + b" --cron 0 3 * * * cleanup now")
+    wire.expect(b"s1 ok ")
+    browser.get(console.url + "/#/schedules")
+    row = wait_text(browser, "#schedules tbody", lambda text: name in text, "the schedule row")
+    assert row.split()[:8] == [name, "cron", "0", "3", "*", "*", "*", "cleanup"]
+
+
 def test_a_token_is_asked_for_by_the_pages_and_the_json(make_broker, browser, tmp_path) -> None:
     from selenium.webdriver.common.by import By
 
