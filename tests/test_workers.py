@@ -240,6 +240,38 @@ def test_a_killed_worker_is_restarted_and_keeps_confirmed_messages(make_broker):
     consumer.close()
 
 
+def test_a_consume_refused_while_its_owner_restarts_can_be_sent_again_with_the_same_id(make_broker):
+    broker = make_broker("--workers", str(WORKERS))
+    queue, event = queue_on(1, "rq"), unique_bytes("e")
+    probe = direct(broker, 0)
+    victim = stats(probe, 1)["pid"]
+    probe.close()
+    os.kill(victim, signal.SIGKILL)
+
+    def refused() -> Wire | None:
+        """A connection to worker 0 (not the owner) whose consume it refused with "try again"; None: not yet."""
+        try:
+            relay = direct(broker, 0)  # its hello goes to the public port, which the dying worker may answer
+        except OSError:
+            return None
+        try:
+            relay.send(b"c1 consume --confirm %b %b" % (queue, event))
+            if b"is restarting: try again" in relay.recv_line():
+                return relay
+        except OSError:  # it reached the dying worker, whose link's loss closes it
+            pass
+        relay.close()
+        return None
+
+    relay = wait_for(refused, "worker 0 to refuse a consume for the killed worker's queue", timeout=20, interval=0.01)
+    wait_restarted(broker, 1, victim)
+    relay.send(b"c1 consume --confirm %b %b" % (queue, event))
+    relay.expect(b"c1 ok ")  # before: "consumer 'c1' is already consuming on this connection"
+    relay.send(b"m publish %b back" % event)
+    relay.expect(b"c1 ok m event=" + event + b" back")
+    relay.close()
+
+
 def wait_restarted(broker: BrokerProcess, worker: int, old_pid: int) -> None:
     """Until the supervisor has restarted `worker` (a new pid) and worker 0 has linked to it again."""
 

@@ -353,8 +353,9 @@ class Client:
             except MqksConnectionError:
                 pass  # that link's reconnect replays it
             except MqksError as e:
-                if is_transient(e):  # its owner fails over: again in a moment
-                    consumer.conn = None
+                if is_transient(e):  # its owner fails over: again in a moment, under a new id (a broker
+                    consumer.conn = None  # that kept the refused one would answer "already consuming")
+                    session.renew(consumer)
                     await asyncio.sleep(TRANSIENT_RETRY_SECONDS)
                     continue
                 log.error("mqks %s: consumer %s on queue %s refused on its new worker, dropped: %s",

@@ -229,6 +229,13 @@ def by_queue(name: bytes, handler: Handler) -> Handler:
             if rid in session.consumers_by_id:
                 raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
             session.consumers_by_id[rid] = cast(Consumer, RelayStub(rid, owner))  # stands in for one
+            try:
+                return relay.send(owner, line_of(rid, name, args, confirm), answer_first=True)
+            except ProtocolError:
+                # refused here (its owner is restarting): no consumer stands under that id, so the client's
+                # "try again" with the same id must not be told it is already consuming
+                del session.consumers_by_id[rid]
+                raise
         else:
             check_name(queue, f"{name.decode()}: queue")
         return relay.send(owner, line_of(rid, name, args, confirm), answer_first=True)
