@@ -376,8 +376,10 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
                          help="node i listens on PORT+i, its routes on PORT+100+i, its HTTP on PORT+200+i "
                               "(default: free ports below 32768)")
     nats_up.add_argument("--cluster", default="mqks", help="the cluster's name (default: %(default)s)")
-    for action in (nats_up, nats_actions.add_parser("down", help="stop the nodes (their files stay)"),
-                   nats_actions.add_parser("status", help="each node's URL, pid and health")):
+    nats_down = nats_actions.add_parser("down", help="stop the nodes (their files stay)")
+    nats_down.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",  # nats_local.STOP_SECONDS
+                           help="SIGKILL a node still running this long after its SIGTERM (default: %(default)s)")
+    for action in (nats_up, nats_down, nats_actions.add_parser("status", help="each node's URL, pid and health")):
         action.add_argument("--dir", default=NATS_DIR, help="where the configs, data and logs are (default: "
                                                             "%(default)s)")
     nats.set_defaults(run=None)
@@ -448,7 +450,7 @@ def cmd_nats(args: argparse.Namespace) -> int:
             for node in nodes:
                 print(f"  {node.name}  {node.url}  pid {node.pid}  http://127.0.0.1:{node.http_port}  log {node.log}")
         elif args.nats_action == "down":
-            for node in nats_local.down(args.dir):
+            for node in nats_local.down(args.dir, args.timeout):
                 print(f"  {node.name}  stopped (pid {node.pid})")
         else:
             for node in nats_local.load(args.dir):

@@ -228,7 +228,8 @@ def nats_cluster(tmp_path) -> Iterator[tuple[Path, list[str]]]:
     assert done.returncode == 0, done.stderr
     yield directory, done.stdout.splitlines()[0].split(",")
     if (directory / "cluster.json").exists():
-        mqks_nats("down", "--dir", str(directory))
+        # a node that took a test's kills may spend its whole 10 s shutdown grace: its files are not read again
+        mqks_nats("down", "--dir", str(directory), "--timeout", "1")
 
 
 @pytest.fixture(scope="session")
