@@ -238,12 +238,27 @@ def cmd_eval(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_queues(client: Client, args: argparse.Namespace) -> int:
-    rows = client.queues(args.mask)
+    rows = client.queues(args.mask, detail=args.detail)
     if args.json:
         print(json.dumps(rows), flush=True)
         return EXIT_OK
     print(render_queues(rows), flush=True)
+    if args.detail:
+        print(render_details(rows), flush=True)
     return EXIT_OK
+
+
+def render_details(rows: list[dict]) -> str:
+    """`queues --detail`'s extra keys, a few lines per queue: its bindings, consumers and newest messages."""
+    lines = []
+    for row in rows:
+        consumers = [f"{c.get('consumer')} ({'manual ack' if c.get('manual_ack') else 'auto ack'}, prefetch "
+                     f"{c.get('prefetch') or 'none'}, {c.get('unacked', 0)} unacked)"
+                     for c in row.get("consumer_list", [])]
+        newest = [f"{m.get('msg_id')} (retry {m.get('retry', 0)})" for m in row.get("newest", [])]
+        lines += ["", f"{row.get('queue')}:", f"  bindings: {' '.join(row.get('events', [])) or '(none)'}",
+                  f"  consumers: {', '.join(consumers) or '(none)'}", f"  newest: {', '.join(newest) or '(none)'}"]
+    return "\n".join(lines)
 
 
 def render_queues(rows: list[dict]) -> str:
@@ -315,6 +330,8 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     queues.add_argument("mask", nargs="?", default=None, metavar="MASK",
                         help="only queues whose name matches (a name, or a mask such as 'orders.*')")
     queues.add_argument("--json", action="store_true", help="one JSON array instead of a table")
+    queues.add_argument("--detail", action="store_true",
+                        help="also each queue's bindings, consumers and newest messages (the console's queue page)")
     queues.set_defaults(run=cmd_queues)
 
     top = commands.add_parser("top", parents=[common], help="a live view: rates, connections, busiest queues")

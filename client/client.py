@@ -459,12 +459,15 @@ class Client:
         _, answer = self._link.call(b"stats", wire.stats_args(worker), self._deadline(timeout), retry=True)
         return wire.json_object(answer, "stats")
 
-    def queues(self, mask: str | None = None, timeout: float | None = None) -> list[dict[str, Any]]:
+    def queues(self, mask: str | None = None, timeout: float | None = None, *,
+               detail: bool = False) -> list[dict[str, Any]]:
         """Every queue (or those whose name `mask` matches), one dict each (the `queues` action).
 
-        Keys: queue, depth, unacked, consumers, bindings, flags.
+        Keys: queue, depth, unacked, leased, consumers, bindings, flags; with `detail` (extension) also events
+        (the bindings), consumer_list (consumer, manual_ack, prefetch, unacked, ack_timeout) and newest (the 10
+        newest messages waiting: msg_id, retry).
         """
-        args = b"" if mask is None else wire.encode_token(mask, "mask")
+        args = wire.queues_args(mask, detail)
         lines: list[bytes] = []
         self._link.call(b"queues", args, self._deadline(timeout), retry=True, lines=lines)
         return [wire.json_object(line, "queues") for line in lines]

@@ -399,6 +399,14 @@ def worker_number(worker: Any) -> int:
     return worker
 
 
+def queues_args(mask: str | None, detail: bool) -> bytes:
+    """The arguments of `queues [--detail] [{mask}]`."""
+    args = [b"--detail"] if detail else []
+    if mask is not None:
+        args.append(encode_token(mask, "mask"))
+    return b" ".join(args)
+
+
 def stats_args(worker: int | None) -> bytes:
     """The arguments of `stats [--worker=N]`."""
     return b"" if worker is None else b"--worker=%d" % worker_number(worker)

@@ -100,6 +100,8 @@ def test_publish_consume_and_ack_as_an_async_iterator(broker: BrokerProcess) -> 
                 await message.ack(confirm=True)
             row = await queue_row(client, queue)
             assert (row["depth"], row["unacked"], row["consumers"]) == (0, 0, 1)
+            [detail] = await client.queues(queue, detail=True)
+            assert detail["events"] == [event] and detail["consumer_list"][0]["prefetch"] == 10
             return [(message.event, message.data, message.retry) for message in messages]
 
     assert run(main) == [(event, {"n": 0}, 0), (event, {"n": 1}, 0), (event, {"n": 2}, 0)]

@@ -390,6 +390,12 @@ def test_mqks_queues_prints_a_table_after_traffic(broker: BrokerProcess) -> None
         rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
         assert rows == {waiting: ["3", "0", "0", "0", "1"],
                         consumed: ["0", "1", "0", "1", "1", "--delete-queue-when-unused"]}
+        [detail] = json.loads(mqks(broker, "queues", "--detail", consumed, "--json").stdout)
+        assert detail["events"] == [f"{prefix}-e2"] and detail["newest"] == []
+        assert [(c["manual_ack"], c["unacked"]) for c in detail["consumer_list"]] == [(True, 1)]
+        shown = mqks(broker, "queues", "--detail", waiting).stdout
+        assert f"{waiting}:" in shown and f"bindings: {prefix}-e1" in shown and "consumers: (none)" in shown
+        assert shown.count("(retry 0)") == 3  # its three waiting messages, newest first
     finally:
         wire.close()
     as_json = json.loads(mqks(broker, "queues", waiting, "--json").stdout)

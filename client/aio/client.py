@@ -441,9 +441,10 @@ class Client:
         _, answer = await self._link.call(b"stats", wire.stats_args(worker), self._deadline(timeout), retry=True)
         return wire.json_object(answer, "stats")
 
-    async def queues(self, mask: str | None = None, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Every queue (or those whose name `mask` matches), one dict each (the `queues` action)."""
-        args = b"" if mask is None else wire.encode_token(mask, "mask")
+    async def queues(self, mask: str | None = None, timeout: float | None = None, *,
+                     detail: bool = False) -> list[dict[str, Any]]:
+        """Every queue (or those whose name `mask` matches), one dict each, as the gevent client's `queues`."""
+        args = wire.queues_args(mask, detail)
         lines: list[bytes] = []
         await self._link.call(b"queues", args, self._deadline(timeout), retry=True, lines=lines)
         return [wire.json_object(line, "queues") for line in lines]
