@@ -187,13 +187,14 @@ class Client:
         `delay` (seconds) or `at` (unix seconds or a datetime) hold the copies back until then (extension).
         """
         plain = not (confirm or json or delay is not None or at is not None)
-        line = wire.publish_line(self._new_rid(), event, data) if plain else b""  # bad arguments fail before any wait
+        rid = self._new_rid()
+        line = wire.publish_line(rid, event, data) if plain else b""  # bad arguments fail before any wait
         args = [] if plain else wire.publish_args(event, data, json, delay, at)
         if not self._consumers_placed():
             self._wait_until_consumers_placed(self._deadline(timeout))
         if plain:
             self._link.send(line, self._deadline(timeout))
-            return line[:line.index(b" ")].decode()
+            return rid.decode()
         return self._request(b"publish", args, confirm, timeout, retry=True).decode()
 
     def _consumers_placed(self) -> bool:

@@ -431,10 +431,12 @@ class Server:
             from .node.metrics import metrics_server  # prometheus_client is loaded only when asked for
 
             tokens = self.tokens
-            # the console asks the broker as a client would: on the plain port, else (--port 0) on the TLS one
-            line = BrokerLine(config.host, config.port or config.tls_port or 0, not config.port,
-                              lambda: tokens.tokens[0] if tokens else None)
-            console = Console(line, tokens, config.console_actions) if config.console else None
+            console = None
+            if config.console:
+                # the console asks the broker as a client would: on the plain port, else (--port 0) on the TLS one
+                line = BrokerLine(config.host, config.port or config.tls_port or 0, not config.port,
+                                  lambda: tokens.tokens[0] if tokens else None)
+                console = Console(line, tokens, config.console_actions)
             self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.process,
                                                  config.metrics_max_queues, self.health, console)
             try:

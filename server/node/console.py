@@ -14,6 +14,7 @@ POST with the token and a CSRF token (an HMAC of the session) in `X-CSRF-Token`.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -108,7 +109,8 @@ class BrokerLine:
                     raise ConnectionError("the broker closed the console's connection")
                 self.buffer += chunk
             answer, _, self.buffer = self.buffer.partition(b"\n")
-            got, status, data = answer.split(b" ", 2) + [b""] * (2 - answer.count(b" "))
+            got, _, rest = answer.partition(b" ")
+            status, _, data = rest.partition(b" ")
             if got != rid:
                 continue  # an answer to a request given up on
             if status != b"ok":
@@ -239,7 +241,13 @@ class Console:
 
     def _file(self, path: str, start_response: StartResponse) -> Answer:
         name, content_type = FILES[path]
-        return _respond(start_response, "200 OK", (STATIC / name).read_bytes(), content_type)
+        return _respond(start_response, "200 OK", _static(name), content_type)
+
+
+@functools.cache
+def _static(name: str) -> bytes:
+    """A page file, read once, on first request (a broker whose console nobody opens reads none)."""
+    return (STATIC / name).read_bytes()
 
 
 def _rss_bytes() -> int | None:
