@@ -1,5 +1,5 @@
-"""The `mqks` command: publish, consume, ping, stats, queues, top, eval, and the extensions request and
-schedule, unschedule, schedules, from a terminal, through `Client`.
+"""The `mqks` command: publish, consume, ping, stats, queues, top, eval, and the extensions request,
+schedule, unschedule, schedules, purge and requeue-dead, from a terminal, through `Client`.
 
 Exit codes (the README lists them too):
   0    done; also a consume, top or stats --watch stopped by Ctrl-C, SIGTERM or `q`, and any command
@@ -42,7 +42,7 @@ EXIT_FEATURE_OFF = 3
 EXIT_NO_REPLY = 4
 EXIT_INTERRUPTED = stats.EXIT_INTERRUPTED
 COMMANDS = frozenset({"publish", "consume", "ping", "stats", "queues", "top", "eval", "request", "schedule",
-                      "unschedule", "schedules", "nats", "cluster"})
+                      "unschedule", "schedules", "purge", "requeue-dead", "nats", "cluster"})
 NATS_DIR = "nats-local"  # `mqks nats`'s files, under the current directory (.gitignore has it)
 JSON_COMMANDS = frozenset({"stats", "queues", "schedules"})  # with --json, stdout holds JSON only, errors included
 TOP_HINT = 'mqks top needs rich, which the broker does not: pip install "mqks[top]"'
@@ -221,6 +221,17 @@ def stdout_closed() -> None:
         os.close(devnull)
 
 
+def cmd_purge(client: Client, args: argparse.Namespace) -> int:
+    print(f"purged {client.purge_queue(args.queue)} messages from {args.queue}", flush=True)
+    return EXIT_OK
+
+
+def cmd_requeue_dead(client: Client, args: argparse.Namespace) -> int:
+    moved = client.requeue_dead(args.queue, limit=args.limit, msg_ids=args.msg_ids or None)
+    print(f"moved {moved} dead letters from {args.queue}.dead back to {args.queue}", flush=True)
+    return EXIT_OK
+
+
 def cmd_ping(client: Client, args: argparse.Namespace) -> int:
     print(client.ping(" ".join(args.data) if args.data else "pong"), flush=True)
     return EXIT_OK
@@ -383,6 +394,18 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
                                     help="(ext) every schedule: rule, next due time, firings so far")
     schedules.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     schedules.set_defaults(run=cmd_schedules)
+
+    purge = commands.add_parser("purge", parents=[common],
+                                help="(ext) drop every message waiting in QUEUE (not those consumers hold)")
+    purge.add_argument("queue", metavar="QUEUE")
+    purge.set_defaults(run=cmd_purge)
+
+    requeue_dead = commands.add_parser("requeue-dead", parents=[common],
+                                       help="(ext) move the dead letters in QUEUE.dead back to QUEUE, retries at 0")
+    requeue_dead.add_argument("queue", metavar="QUEUE")
+    requeue_dead.add_argument("msg_ids", nargs="*", metavar="MSG_ID", help="only these (default: all)")
+    requeue_dead.add_argument("--limit", type=int, default=None, metavar="N", help="only the oldest N")
+    requeue_dead.set_defaults(run=cmd_requeue_dead)
 
     nats = commands.add_parser("nats", help="(cluster extra) a local NATS JetStream cluster for the replicated log")
     nats_actions = nats.add_subparsers(dest="nats_action", required=True, metavar="ACTION",

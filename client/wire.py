@@ -412,6 +412,27 @@ def stats_args(worker: int | None) -> bytes:
     return b"" if worker is None else b"--worker=%d" % worker_number(worker)
 
 
+def requeue_dead_args(queue: str, limit: int | None, msg_ids: list[str] | tuple[str, ...] | None) -> bytes:
+    """The arguments of `requeue_dead {queue} [--limit=N | {msg_id}...]`."""
+    args = [encode_token(queue, "queue")]
+    if limit is not None and msg_ids is not None:
+        raise ValueError("requeue_dead: give limit or msg_ids, not both")
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"bad limit {limit!r}: a whole number >= 0")
+        args.append(b"--limit=%d" % limit)
+    args += encode_tokens(msg_ids, "message id")
+    return b" ".join(args)
+
+
+def count_answer(answer: bytes, action: str) -> int:
+    """The count of an `ok {count}` answer (purge_queue, requeue_dead, settle)."""
+    try:
+        return int(answer)
+    except ValueError:
+        raise MqksError(f"{action}: expected a count, got {answer[:200]!r}") from None
+
+
 def eval_args(code: str, worker: int | None) -> bytes:
     """The arguments of `_eval [--worker=N] {code}`."""
     prefix = b"" if worker is None else b"--worker=%d " % int(worker)

@@ -177,6 +177,28 @@ def test_work_queue_extensions_reject_with_delay_touch_and_dead_letters(broker: 
     run(main)
 
 
+def test_purge_queue_and_requeue_dead(broker: BrokerProcess) -> None:
+    queue, event = unique("q"), unique("e")
+
+    async def main() -> None:
+        async with client_of(broker) as client:
+            await client.rebind(queue, [event], max_retries=0)
+            for i in range(3):
+                await client.publish(event, f"poison-{i}", confirm=True)
+            consumer = await client.consume(queue, None, manual_ack=True)
+            for message in await take(consumer, 3):
+                await message.reject(confirm=True)
+            await consumer.cancel()
+            assert (await queue_row(client, f"{queue}.dead"))["depth"] == 3
+            assert await client.requeue_dead(queue, limit=2) == 2
+            assert await client.purge_queue(queue) == 2
+            assert (await queue_row(client, queue))["depth"] == 0
+            assert await client.requeue_dead(queue) == 1
+            assert (await queue_row(client, queue))["depth"] == 1
+
+    run(main)
+
+
 def test_a_schedule_fires_its_count_and_is_gone(broker: BrokerProcess) -> None:
     schedule_run(broker)
 

@@ -531,6 +531,30 @@ def rate_of(frame: str, label: str) -> float | None:
     return float(match.group(1).replace(",", "")) if match else None
 
 
+def test_mqks_purge_and_requeue_dead(broker: BrokerProcess) -> None:
+    queue, event = unique("pq"), unique("e")
+    wire = broker.wire()
+    try:
+        wire.send(f"c1 consume --confirm {queue} {event} --manual-ack --max-retries=0".encode())
+        wire.expect(b"c1 ok ")
+        for i in range(2):
+            wire.send(f"m{i} publish {event} x".encode())
+            wire.expect(f"c1 ok m{i} event={event} x".encode())
+            wire.send(f"r{i} reject --confirm c1 m{i}".encode())
+            wire.expect(f"r{i} ok ".encode())
+        wire.send(b"d1 delete_consumer --confirm c1")
+        wire.expect(b"d1 ok ")
+        done = mqks(broker, "requeue-dead", queue, "m1")
+        assert (done.returncode, done.stdout) == (0, f"moved 1 dead letters from {queue}.dead back to {queue}\n")
+        done = mqks(broker, "purge", queue)
+        assert (done.returncode, done.stdout) == (0, f"purged 1 messages from {queue}\n")
+        assert mqks(broker, "requeue-dead", queue, "--limit", "5").stdout.startswith("moved 1 ")
+        done = mqks(broker, "requeue-dead", queue, "m0", "--limit", "1")
+        assert done.returncode == 2 and "not both" in done.stderr
+    finally:
+        wire.close()
+
+
 def test_mqks_top_shows_rates_and_busiest_queues_and_quits_on_q(broker: BrokerProcess, terminal) -> None:
     prefix = unique("top")
     deep, shallow = f"{prefix}-z", f"{prefix}-a"

@@ -240,6 +240,32 @@ def test_a_message_rejected_max_retries_plus_one_times_lands_in_the_dead_queue(c
     assert counter(client, "dead_lettered") == before + 1
 
 
+def test_purge_queue_and_requeue_dead_from_the_client(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    client.rebind(queue, [event], max_retries=0)
+    ids = [client.publish(event, f"poison-{i}", confirm=True) for i in range(3)]
+    dying = Inbox(lambda message: message.reject())
+    consumer_id = client.consume(queue, None, dying, manual_ack=True)
+    dying.wait(3)
+    wait_until(lambda: queue_depth(client, f"{queue}.dead") == 3, "three dead letters")
+    client.delete_consumer(consumer_id)
+    assert client.requeue_dead(queue, msg_ids=[ids[2]]) == 1
+    assert client.requeue_dead(queue, limit=1) == 1  # the oldest: ids[0]
+    assert queue_depth(client, queue) == 2
+    assert client.purge_queue(queue) == 2
+    assert queue_depth(client, queue) == 0
+    assert client.requeue_dead(queue) == 1 and queue_depth(client, queue) == 1
+    with pytest.raises(ValueError, match="not both"):
+        client.requeue_dead(queue, limit=1, msg_ids=[ids[0]])
+    with pytest.raises(ValueError, match="bad queue"):
+        client.purge_queue("two words")
+
+
+def queue_depth(client: Client, queue: str) -> int:
+    [row] = client.queues(queue)
+    return row["depth"]
+
+
 def test_rebind_max_length_refuses_confirmed_publishes_and_drops_others(client: Client) -> None:
     capped, uncapped, event = unique("capped"), unique("uncapped"), unique("e")
     client.rebind(capped, [event], max_length=2)

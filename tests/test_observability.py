@@ -19,13 +19,14 @@ pytestmark = pytest.mark.timeout(60)
 VERSION = importlib.metadata.version("mqks")
 STATS_KEYS = {"version", "uptime_seconds", "workers", "published", "queued", "consumed", "acked", "rejected",
               "queues", "consumers", "messages_waiting", "messages_unacked", "clients", "events", "top_queues",
-              "connections", "bytes_in", "bytes_out", "errors", "ack_timeouts", "touched", "dead_lettered", "dropped",
+              "connections", "bytes_in", "bytes_out", "errors", "ack_timeouts", "touched", "dead_lettered", "purged",
+              "dead_requeued", "dropped",
               "delayed", "requests", "requests_waiting", "replies", "replies_late", "request_timeouts", "schedules",
               "schedule_firings", "memory_full", "leases", "messages_leased", "top_leased_queues"}
 SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked",
           "leases", "messages_leased")
-ACTION_NAMES = ("publish consume ack reject touch rebind delete_consumer delete_queue request reply schedule "
-                "unschedule schedules ping stats queues auth hello fetch settle")
+ACTION_NAMES = ("publish consume ack reject touch rebind delete_consumer delete_queue purge_queue requeue_dead "
+                "request reply schedule unschedule schedules ping stats queues auth hello fetch settle")
 
 
 class CountingWire(Wire):

@@ -5,8 +5,10 @@ import json
 import time
 
 import pytest
-from helpers import read_a_while, rss_bytes, wait_for
+from helpers import queue_row_on, read_a_while, rss_bytes, wait_for
 from helpers import unique_bytes as unique
+
+from mqks.server.dispatch.slots import owner_of
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.core]
 
@@ -185,6 +187,124 @@ def test_queue_limits_bad_input(broker):
         wire.expect_error(b"c1", reason)
         wire.send(b"r1 rebind %b %b" % (q, flag))
         wire.expect_error(b"r1", reason)
+
+
+# -- an operator's purge and requeue of dead letters --------------------------------------------
+
+def queue_apart_from_its_dead_letters() -> bytes:
+    """A queue name whose `.dead` queue another of two workers owns: with --workers 2 the moves cross workers."""
+    while owner_of(q := unique("q"), 2) == owner_of(q + b".dead", 2):
+        pass
+    return q
+
+
+def dead_letters(consumer, publisher, q: bytes, e: bytes, count: int) -> None:
+    """`count` messages rejected into `{q}.dead` by a `--max-retries=0` consumer `c1` of `q`, which stays."""
+    held(consumer, b"c1", q, e, b"--max-retries=0")
+    for i in range(count):
+        publish(publisher, b"m%d" % i, e, b"body-%d" % i)
+        consumer.expect(b"c1 ok m%d event=%b body-%d" % (i, e, i))
+        consumer.send(b"r%d reject --confirm c1 m%d" % (i, i))
+        consumer.expect(b"r%d ok " % i)
+
+
+def test_purge_drops_what_waits_and_leaves_what_consumers_hold(broker):
+    consumer, publisher = broker.wire(), broker.wire()
+    q, e = unique("q"), unique("e")
+    before = stats(broker)["purged"]
+    held(consumer, b"c1", q, e, b"--prefetch=2")
+    for i in range(5):
+        publish(publisher, b"m%d" % i, e)
+    consumer.expect(b"c1 ok m0 event=%b d" % e)
+    consumer.expect(b"c1 ok m1 event=%b d" % e)
+    publisher.send(b"p1 purge_queue %b" % q)
+    publisher.expect(b"p1 ok 3")
+    assert queue_row_on(publisher, q)["depth"] == 0
+    # the two held are still the consumer's: its acks work and nothing purged comes after them
+    consumer.send(b"a1 ack --confirm c1 m0 m1")
+    consumer.expect(b"a1 ok ")
+    assert consumer.barrier() == []
+    publish(publisher, b"m5", e)  # the queue and its bindings stay
+    consumer.expect(b"c1 ok m5 event=%b d" % e)
+    publisher.send(b"p2 purge_queue %b" % q)
+    publisher.expect(b"p2 ok 0")
+    publisher.send(b"p3 purge_queue %b" % unique("nothing"))
+    publisher.expect(b"p3 ok 0")
+    assert stats(broker)["purged"] - before == 3
+
+
+def test_requeue_dead_moves_dead_letters_back_with_their_retry_at_zero(broker):
+    consumer, publisher = broker.wire(), broker.wire()
+    q, e = queue_apart_from_its_dead_letters(), unique("e")
+    before = stats(broker)["dead_requeued"]
+    dead_letters(consumer, publisher, q, e, 4)
+    assert queue_row_on(publisher, q + b".dead")["depth"] == 4
+    publisher.send(b"d1 requeue_dead %b --limit=1" % q)  # the oldest first
+    publisher.expect(b"d1 ok 1")
+    consumer.expect(b"c1 ok m0 event=%b body-0" % e)  # retry 0: no retry field
+    publisher.send(b"d2 requeue_dead %b m3 m2 m9" % q)  # by id: those present
+    publisher.expect(b"d2 ok 2")
+    consumer.expect(b"c1 ok m2 event=%b body-2" % e)  # in the dead queue's order
+    consumer.expect(b"c1 ok m3 event=%b body-3" % e)
+    publisher.send(b"d3 requeue_dead %b" % q)
+    publisher.expect(b"d3 ok 1")
+    consumer.expect(b"c1 ok m1 event=%b body-1" % e)
+    assert queue_row_on(publisher, q + b".dead")["depth"] == 0
+    # back in their queue they live again: a reject with --max-retries=0 kills them once more
+    consumer.send(b"r9 reject --confirm c1 m1")
+    consumer.expect(b"r9 ok ")
+    consumer.send(b"x1 consume %b.dead" % q)
+    consumer.expect(b"x1 ok m1 event=%b,retry=1 body-1" % e)
+    publisher.send(b"d4 requeue_dead %b" % unique("nothing"))
+    publisher.expect(b"d4 ok 0")
+    assert stats(broker)["dead_requeued"] - before == 4
+
+
+def test_purge_and_requeue_dead_bad_input(broker):
+    wire = broker.wire()
+    q = unique("q")
+    for line, reason in ((b"p1 purge_queue", b"purge_queue: expected"), (b"p1 purge_queue a b", b"expected"),
+                         (b"p1 purge_queue --all", b"queue expected"), (b"p1 requeue_dead", b"requeue_dead: expected"),
+                         (b"p1 requeue_dead %b --limit=x" % q, b"whole number"),
+                         (b"p1 requeue_dead %b --limit=-1" % q, b">= 0"),
+                         (b"p1 requeue_dead %b --limit=1 m1" % q, b"not both"),
+                         (b"p1 requeue_dead %b --all" % q, b"unexpected '--all'"),
+                         (b"p1 requeue_dead --limit=1", b"queue expected")):
+        wire.send(line)
+        wire.expect_error(b"p1", reason)
+    wire.send(b"p2 ping alive")
+    wire.expect(b"p2 ok alive")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_purge_and_a_requeue_of_dead_letters_survive_kill_9(make_broker, tmp_path, workers):
+    server = make_broker("--data-dir", str(tmp_path), "--workers", workers)
+    consumer, publisher = server.wire(), server.wire()
+    q, e, purged = queue_apart_from_its_dead_letters(), unique("e"), unique("purged")
+    dead_letters(consumer, publisher, q, e, 3)
+    consumer.send(b"dc delete_consumer --confirm c1")
+    consumer.expect(b"dc ok ")
+    publisher.send(b"d1 requeue_dead %b m0 m2" % q)
+    publisher.expect(b"d1 ok 2")
+    publisher.send(b"b1 rebind --confirm %b %b" % (purged, e + b".p"))
+    publisher.expect(b"b1 ok ")
+    for i in range(3):
+        publish(publisher, b"p%d" % i, e + b".p")
+    publisher.send(b"p1 purge_queue %b" % purged)
+    publisher.expect(b"p1 ok 3")
+    publish(publisher, b"p3", e + b".p")
+    publish(publisher, b"sync", b"nobody.listens")  # a confirm waits for everything before it
+    server.kill()
+    server.restart()
+    wire = server.wire()
+    wire.send(b"c2 consume %b" % q)
+    wire.expect(b"c2 ok m0 event=%b body-0" % e)
+    wire.expect(b"c2 ok m2 event=%b body-2" % e)
+    wire.send(b"c3 consume %b.dead" % q)
+    wire.expect(b"c3 ok m1 event=%b,retry=1 body-1" % e)
+    wire.send(b"c4 consume %b" % purged)
+    wire.expect(b"c4 ok p3 event=%b.p d" % e)
+    assert wire.barrier() == []
 
 
 # -- max length --------------------------------------------------------------------------------

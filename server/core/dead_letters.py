@@ -3,7 +3,8 @@
 
 The dead-letter queue may belong to another worker process: then `broker_for` gives a stand-in
 (peers.RemoteDeadLetters) whose `send` moves them, and they count as moved only once that worker
-has them in its log (a crash between repeats a dead letter, never loses one).
+has them in its log (a crash between repeats a dead letter, never loses one). An operator's
+`requeue_dead` moves them back to their queue the same way.
 """
 
 from __future__ import annotations
@@ -29,22 +30,26 @@ def divert(broker: Broker, queue: Queue, taken: list[tuple[int, Item]]) -> list[
     return taken
 
 
-def move(broker: Broker, queue: Queue, taken: list[tuple[int, Item]], raise_retry: bool = True) -> None:
-    """Put copies into `{queue}.dead` (created if missing) with their event, data and retry counter."""
-    name = queue.name + b".dead"
+def move(broker: Broker, queue: Queue, taken: list[tuple[int, Item]], raise_retry: bool = True,
+         to: bytes | None = None) -> None:
+    """Put copies into `{queue}.dead` (created if missing) with their event, data and retry counter.
+
+    `to`: put dead letters taken from `queue` (a `.dead` one) back into the queue named so instead,
+    their retry counters at 0 (`requeue_dead`); the same transfer, so the same no-loss rule.
+    """
+    name = queue.name + b".dead" if to is None else to
     owner = broker.broker_for(name)
-    dead_queue = owner.queue(name)
+    target = owner.queue(name)
     for _, item in taken:
-        if isinstance(item, Message):
-            dead_queue.put_record(item.tail, item.retry + 1 if raise_retry else item.retry)
-        else:
-            dead_queue.put_record(item, 1 if raise_retry else 0)
-    broker.dead_lettered += len(taken)
-    owner.pump(dead_queue)
+        retry = 0 if to is not None else retry_of(item) + 1 if raise_retry else retry_of(item)
+        target.put_record(item.tail if isinstance(item, Message) else item, retry)
+    if to is None:
+        broker.dead_lettered += len(taken)
+    owner.pump(target)
     send = getattr(owner, "send", None)
     if send is None:
         moved(broker, queue, taken)
-    else:  # another worker process owns the dead letters: moved once it has them (server/workers/peers.py)
+    else:  # another worker process owns the target queue: moved once it has them (server/workers/peers.py)
         send(broker, queue, taken)
 
 

@@ -19,7 +19,7 @@ from typing import Any, TypeAlias
 from mypy_extensions import mypyc_attr
 
 from ..journal import records
-from ..wire.protocol import with_field
+from ..wire.protocol import msg_id_of, with_field
 
 # tails per Packed run: ~128 KiB of 100-byte messages, past glibc's mmap threshold, so a run
 # gets pages of its own instead of pinning holes in the heap (measured, 1M queued messages:
@@ -189,6 +189,26 @@ class MessageStore:
         self.requeued = 0
         self.put_front([record for record in front if record.retry <= max_retries])
         return [record for record in front if record.retry > max_retries]
+
+    def take_waiting(self, limit: int | None = None, msg_ids: set[bytes] | None = None) -> list[tuple[int, Item]]:
+        """Remove waiting messages, oldest first, with their seqs: all, the first `limit`, or those with `msg_ids`
+        (an operator's purge or requeue of dead letters; the copies consumers hold stay theirs)."""
+        if msg_ids is not None:
+            if len(self.messages) + self.packed_extra > self.requeued:
+                self._make_explicit()
+            messages = self.messages
+            kept = [record for record in messages if msg_id_of(record.tail) not in msg_ids]
+            taken = [(record.seq, record) for record in messages if msg_id_of(record.tail) in msg_ids]
+            messages.clear()
+            messages.extend(kept)
+            self.requeued = len(kept)
+            return taken
+        count = self.depth() if limit is None else min(limit, self.depth())
+        if count == self.depth():
+            taken = [self.pop() for _ in range(count)]
+            self.clear()
+            return taken
+        return [self.pop() for _ in range(count)]
 
     def restore(self, front: list[Message], plain: list[bytes], next_seq: int) -> None:
         """Refill an empty store as recovery found it: `front` records (held, requeued, explicit seqs) first, then

@@ -438,6 +438,8 @@ class Broker:
         self.ack_timeouts = 0
         self.touched = 0
         self.dead_lettered = 0
+        self.purged = 0
+        self.dead_requeued = 0
         self.dropped_by_deleted_queues = 0
         self.leases: Any = None  # server/core/leases.py's Leases, set by Process (fetch and settle)
         # with worker processes, every other worker's replica of the bindings must learn each change
@@ -791,6 +793,29 @@ class Broker:
             self.record(records.queue_deleted(name))
         return True
 
+    def purge_queue(self, name: bytes) -> int:
+        """Drop every message waiting in a queue (the copies its consumers hold stay theirs); how many went."""
+        queue = self.queues.get(name)
+        if queue is None:
+            return 0
+        taken = queue.take_waiting()
+        if taken and self.record is not None:
+            self.record(records.gone(name, [seq for seq, _ in taken]))
+        self.purged += len(taken)
+        return len(taken)
+
+    def requeue_dead(self, name: bytes, limit: int | None = None, msg_ids: set[bytes] | None = None) -> int:
+        """Move dead letters waiting in `{name}.dead` back to `name` (all, the oldest `limit`, or `msg_ids`), their
+        retry counters at 0: the operator fixed what killed them. How many moved."""
+        dead_queue = self.queues.get(name + b".dead")
+        if dead_queue is None:
+            return 0
+        taken = dead_queue.take_waiting(limit, msg_ids)
+        if taken:
+            dead_letters.move(self, dead_queue, taken, to=name)
+            self.dead_requeued += len(taken)
+        return len(taken)
+
     def stats(self) -> dict[str, Any]:
         """Counters and sizes of this broker, for the `stats` action (Process.stats adds the process's)."""
         queues = self.queues.values()
@@ -804,6 +829,8 @@ class Broker:
             "ack_timeouts": self.ack_timeouts,
             "touched": self.touched,
             "dead_lettered": self.dead_lettered,
+            "purged": self.purged,
+            "dead_requeued": self.dead_requeued,
             "dropped": self.dropped_by_deleted_queues + sum(q.dropped for q in queues),
             "queues": len(self.queues),
             "consumers": sum(len(q.consumers) for q in queues),

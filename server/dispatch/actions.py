@@ -486,6 +486,37 @@ def handle_delete_queue(session: Session, rid: bytes, args: bytes, confirm: bool
         session.ok(rid)
 
 
+def handle_purge_queue(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} purge_queue {queue}` -> `{id} ok {count}`: the messages waiting in it are gone (extension)."""
+    tokens = args.split()
+    if len(tokens) != 1:
+        raise ProtocolError(PURGE_USAGE)
+    name = check_name(tokens[0], "purge_queue: queue")
+    session.ok(rid, b"%d" % session.process.broker.purge_queue(name))
+
+
+def handle_requeue_dead(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} requeue_dead {queue} [--limit=N | {msg_id}...]` -> `{id} ok {count}`: dead letters waiting in
+    `{queue}.dead` go back to `{queue}`, retry counters at 0 (extension)."""
+    tokens = args.split()
+    if not tokens:
+        raise ProtocolError(REQUEUE_DEAD_USAGE)
+    name = check_name(tokens[0], "requeue_dead: queue")
+    limit: int | None = None
+    msg_ids: set[bytes] | None = None
+    for token in tokens[1:]:
+        if (value := parse_flag_value(token, b"--limit")) is not None:
+            limit = parse_count(value, "--limit")
+        elif token.startswith(b"--"):
+            raise ProtocolError(f"requeue_dead: unexpected {text(token)!r}; {REQUEUE_DEAD_USAGE[14:]}")
+        else:
+            msg_ids = msg_ids or set()
+            msg_ids.add(token)
+    if limit is not None and msg_ids is not None:
+        raise ProtocolError(f"requeue_dead: --limit or message ids, not both; {REQUEUE_DEAD_USAGE[14:]}")
+    session.ok(rid, b"%d" % session.process.broker.requeue_dead(name, limit, msg_ids))
+
+
 def handle_ping(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     session.ok(rid, args)
 
@@ -686,6 +717,7 @@ class Placement(Enum):
 
     HERE = "here"  # the worker the client is connected to (publish routes on from there)
     QUEUE_OWNER = "queue owner"  # the owner of the queue its first argument names
+    DEAD_QUEUE_OWNER = "dead-letter queue owner"  # the owner of `{queue}.dead`, its first argument naming {queue}
     CONSUMER_OWNER = "consumer owner"  # the owner of the queue of the consumer its first argument names
     SCHEDULE_OWNER = "schedule owner"  # the owner of the schedule its first argument names
     TOKEN_ISSUER = "token issuer"  # the worker that issued the reply token
@@ -710,6 +742,8 @@ class Action:
 
 
 SETTLE_USAGE = "expected {consumer_id} {msg_id}|--all"
+PURGE_USAGE = "purge_queue: expected {id} purge_queue {queue}"
+REQUEUE_DEAD_USAGE = "requeue_dead: expected {id} requeue_dead {queue} [--limit=N | {msg_id}...]"
 
 P = Placement
 ACTIONS: dict[bytes, Action] = {
@@ -722,6 +756,8 @@ ACTIONS: dict[bytes, Action] = {
     b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}",
                                placement=P.CONSUMER_OWNER),
     b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", placement=P.QUEUE_OWNER),
+    b"purge_queue": Action(handle_purge_queue, PURGE_USAGE, placement=P.QUEUE_OWNER),
+    b"requeue_dead": Action(handle_requeue_dead, REQUEUE_DEAD_USAGE, placement=P.DEAD_QUEUE_OWNER),
     b"request": Action(handle_request, "request: event expected: {id} request [--timeout=S] {event} {data}"),
     b"reply": Action(handle_reply, "reply: expected {id} reply {token} {data}", placement=P.TOKEN_ISSUER),
     b"schedule": Action(handle_schedule, "schedule: name expected: " + SCHEDULE_USAGE, placement=P.SCHEDULE_OWNER),

@@ -53,6 +53,8 @@ FIGURES: dict[str, Figure] = {
     "ack_timeouts": Figure(COUNTER, "Deliveries returned to their queue because their --ack-timeout passed."),
     "touched": Figure(COUNTER, "Deliveries whose ack-timeout clock a touch restarted."),
     "dead_lettered": Figure(COUNTER, "Messages moved to a {queue}.dead queue past their queue's --max-retries."),
+    "purged": Figure(COUNTER, "Messages dropped by purge_queue."),
+    "dead_requeued": Figure(COUNTER, "Dead letters moved back to their queue by requeue_dead."),
     "dropped": Figure(COUNTER, "Copies refused by a full queue (--max-length) or by --max-memory."),
     "requests": Figure(COUNTER, "Requests published (request/reply)."),
     "replies": Figure(COUNTER, "Replies passed on to their requester."),

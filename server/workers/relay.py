@@ -214,14 +214,15 @@ def first_token(args: bytes) -> bytes:
     return args.split(None, 1)[0] if args.strip() else b""
 
 
-def by_queue(name: bytes, handler: Handler) -> Handler:
-    """consume, rebind, delete_queue, fetch: run by the queue's owner."""
+def by_queue(name: bytes, handler: Handler, suffix: bytes = b"") -> Handler:
+    """consume, rebind, delete_queue, purge_queue, fetch: run by the queue's owner; requeue_dead
+    (suffix `.dead`): by the owner of the queue's dead letters."""
 
     def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
         relay = relay_of(session)
         peers = relay.peers
         queue = first_token(args)
-        owner = peers.owner(queue) if queue else peers.worker
+        owner = peers.owner(queue + suffix) if queue else peers.worker
         if owner == peers.worker:
             return handler(session, rid, args, confirm)
         if name == b"consume":
@@ -457,6 +458,7 @@ def after_other_workers(name: bytes, handler: Handler) -> Handler:
 
 WRAPPERS: dict[Placement, Callable[[bytes, Handler], Handler]] = {
     Placement.QUEUE_OWNER: by_queue,
+    Placement.DEAD_QUEUE_OWNER: lambda name, handler: by_queue(name, handler, b".dead"),
     Placement.CONSUMER_OWNER: by_consumer,
     Placement.SCHEDULE_OWNER: lambda name, handler: by_token(name, handler, schedule_owner),
     Placement.TOKEN_ISSUER: lambda name, handler: by_token(name, handler, token_owner),
