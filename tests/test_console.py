@@ -269,6 +269,70 @@ def test_changes_are_off_unless_enabled_and_then_need_the_csrf_token(make_broker
     assert queue not in [row["queue"] for row in rows]
 
 
+def test_purge_and_moving_dead_letters_back_from_the_queue_page(make_broker, browser) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    console = Console(make_broker, "--console-actions")
+    wire = console.wire()
+    queue = unique("orders")
+    wire.send(b"c1 consume --confirm " + queue.encode() + b" order.* --manual-ack --max-retries=0")
+    wire.expect(b"c1 ok ")
+    for i in range(3):  # three dead letters
+        wire.send(b"m%d publish order.paid poison-%d" % (i, i))
+        wire.expect(b"c1 ok m%d event=order.paid poison-%d" % (i, i))
+        wire.send(b"r%d reject --confirm c1 m%d" % (i, i))
+        wire.expect(b"r%d ok " % i)
+    wire.send(b"d1 delete_consumer --confirm c1")
+    wire.expect(b"d1 ok ")
+    browser.get(console.url + "/#/queue/" + queue)
+    wait_text(browser, "#tile-dead .value", lambda text: text == "3", "three dead letters")
+    # one dead letter moved back by its row's button: the newest first in the table, m2
+    browser.find_element(By.CSS_SELECTOR, "#dead-letters tbody tr:first-child button.requeue-one").click()
+    wait_text(browser, "#action-result", lambda text: text == "moved 1 dead letters back", "the one moved back")
+    wait_text(browser, "#tile-depth .value", lambda text: text == "1", "the dead letter back in the queue")
+    assert "m2" not in text_of(browser, "#dead-letters tbody")
+    browser.find_element(By.ID, "requeue-dead").click()
+    wait_text(browser, "#action-result", lambda text: text == "moved 2 dead letters back", "the rest moved back")
+    wait_text(browser, "#tile-depth .value", lambda text: text == "3", "all three in the queue")
+    assert text_of(browser, "#tile-dead .value") == "0"
+    screenshot(browser, "queue-actions")
+    browser.find_element(By.ID, "purge-queue").click()
+    WebDriverWait(browser, WAIT_SECONDS).until(expected_conditions.alert_is_present()).accept()  # "Drop the 3 ...?"
+    wait_text(browser, "#action-result", lambda text: text == "purged 3 messages", "the purge")
+    wait_text(browser, "#tile-depth .value", lambda text: text == "0", "an empty queue")
+    wire.send(b"c2 consume " + queue.encode())
+    assert wire.barrier() == []  # nothing came back: the purge dropped them in the broker, not on the page
+
+
+def test_purge_and_requeue_dead_over_http_need_the_flag_the_token_and_good_names(make_broker) -> None:
+    read_only = Console(make_broker)
+    for action in ("purge", "requeue-dead"):
+        status, body, _ = read_only.request("POST", f"/api/queue/{action}?name=anything")
+        assert status == 403 and "read-only" in body["error"]
+    console = Console(make_broker, "--console-actions")
+    wire = console.wire()
+    queue = unique("q")
+    wire.send(b"r1 rebind --confirm " + queue.encode() + b" e1")
+    wire.expect(b"r1 ok ")
+    wire.send(b"m1 publish --confirm e1 x", b"m2 publish --confirm e1 y")
+    wire.expect(b"m1 ok ")
+    wire.expect(b"m2 ok ")
+    _, session, _ = console.get("/api/session")
+    csrf = {"X-CSRF-Token": session["csrf"]}
+    assert console.request("POST", f"/api/queue/purge?name={queue}")[0] == 403  # no CSRF token
+    for bad in ("/api/queue/purge?name=--all", "/api/queue/requeue-dead?name=q&msg_id=a%20b", "/api/queue/purge"):
+        status, body, _ = console.request("POST", bad, headers=csrf)
+        assert status == 400, (bad, body)
+    assert console.request("POST", "/api/queue/rename?name=q", headers=csrf)[0] == 404
+    assert console.request("POST", f"/api/queue/purge?name={queue}", headers=csrf)[:2] == (200, {"purged": 2})
+    assert console.request("POST", f"/api/queue/requeue-dead?name={queue}&msg_id=m1",
+                           headers=csrf)[:2] == (200, {"requeued": 0})
+    _, rows, _ = console.get("/api/queues")
+    assert [row["depth"] for row in rows if row["queue"] == queue] == [0]
+
+
 def test_the_json_is_the_figures_of_stats_and_queues(make_broker) -> None:
     console = Console(make_broker, "--workers", "2")
     wire = console.wire()

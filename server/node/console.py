@@ -8,8 +8,9 @@ workers by the relay exactly as for `nc`, nothing counted twice. The pages are s
 the package (console/), drawn by a small script that polls the JSON every 2 s; names are put in with
 textContent only, so a queue named `<script>` shows as text. With tokens, every page and JSON wants
 one: a login form sets it in a cookie (HttpOnly, SameSite=Strict), or a script sends
-`Authorization: Bearer {token}`. Read-only unless `--console-actions`: then deleting a queue takes a
-POST with the token and a CSRF token (an HMAC of the session) in `X-CSRF-Token`.
+`Authorization: Bearer {token}`. Read-only unless `--console-actions`: then deleting or purging a queue
+and moving dead letters back take a POST with the token and a CSRF token (an HMAC of the session) in
+`X-CSRF-Token`, from the console's own origin.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ FILES = {"/": ("index.html", "text/html; charset=utf-8"), "/console.js": ("conso
 COOKIE = "mqks_console"
 MAX_FORM_BYTES = 4096
 ASK_TIMEOUT_SECONDS = 10.0
+# the POSTs of --console-actions: the broker action each runs on `?name=` (requeue-dead: and its `&msg_id=`s),
+# and the key of the JSON answer (the queue deleted, or how many messages went)
+ACTIONS = {"/api/queue/delete": ("delete_queue", "deleted"), "/api/queue/purge": ("purge_queue", "purged"),
+           "/api/queue/requeue-dead": ("requeue_dead", "requeued")}
 # no framing by other sites, no scripts or styles but our own files, no guessing of content types
 SECURITY_HEADERS = [("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'; form-action 'self'"),
                     ("X-Content-Type-Options", "nosniff"), ("Referrer-Policy", "no-referrer"),
@@ -65,13 +70,18 @@ class BrokerLine:
         self.counter = 0
         self.lock = Semaphore()  # one request at a time: two pages polling at once share the connection
 
-    def ask(self, action: str, args: str = "") -> list[bytes]:
-        """The `ok` data of one request (the lines up to `--end` for queues, schedules); RuntimeError if refused."""
+    def ask(self, action: str, args: str = "", retry: bool = True) -> list[bytes]:
+        """The `ok` data of one request (the lines up to `--end` for queues, schedules); RuntimeError if refused.
+
+        `retry=False` for a request that must not run twice (requeue_dead --limit): a lost line is an error then.
+        """
         with self.lock:
             try:
                 return self._ask(action, args)
             except OSError:  # a connection the broker closed (a restarted worker): made again once
                 self.close()
+                if not retry:
+                    raise
             try:
                 return self._ask(action, args)
             except OSError:
@@ -200,17 +210,22 @@ class Console:
         sent = environ.get("HTTP_X_CSRF_TOKEN", "")
         if not hmac.compare_digest(sent.encode(), self._csrf(session).encode()) or not _same_origin(environ):
             return _json(start_response, {"error": "missing or wrong CSRF token"}, "403 Forbidden")
-        name = (parse_qs(environ.get("QUERY_STRING", "")).get("name") or [""])[0]
-        if path != "/api/queue/delete":
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        name = (query.get("name") or [""])[0]
+        msg_ids = query.get("msg_id", [])
+        if path not in ACTIONS:
             return _json(start_response, {"error": f"no such action: {path}"}, "404 Not Found")
-        if not _is_name(name):
-            return _json(start_response, {"error": f"not a queue name: {name!r}"}, "400 Bad Request")
+        if not _is_name(name) or not all(_is_name(msg_id) for msg_id in msg_ids):
+            return _json(start_response, {"error": f"not a queue name or message id: {name!r} {msg_ids!r}"},
+                         "400 Bad Request")
+        action, key = ACTIONS[path]
+        args = {"delete_queue": f"--confirm {name}", "requeue_dead": " ".join([name, *msg_ids])}.get(action, name)
         try:
-            self.broker.ask("delete_queue", f"--confirm {name}")
+            [answer] = self.broker.ask(action, args, retry=action != "requeue_dead")
         except (RuntimeError, OSError) as e:
             return _json(start_response, {"error": str(e)}, "502 Bad Gateway")
-        log.info("console: queue %s deleted", name)
-        return _json(start_response, {"deleted": name})
+        log.info("console: %s %s%s", action, name, f" ({len(msg_ids)} ids)" if msg_ids else "")
+        return _json(start_response, {key: name if action == "delete_queue" else int(answer)})
 
     def _session(self, environ: dict[str, Any]) -> str | None:
         """Who asks: "" without tokens, else the token they proved (cookie or bearer header); None: nobody."""

@@ -5,7 +5,7 @@
 
 const POLL_MS = 2000;
 const HISTORY = 90; // samples kept for the chart: 3 minutes
-const state = { session: null, samples: [], sort: { key: "queue", up: true }, filter: "", lastQueues: null };
+const state = { session: null, samples: [], sort: { key: "queue", up: true }, filter: "", lastQueues: null, lastAction: "" };
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -199,6 +199,7 @@ async function queues(view) {
 
 async function queue(view, name) {
   const { queue: row, dead_letters: dead } = await api("/api/queue?name=" + encodeURIComponent(name));
+  const actions = state.session && state.session.actions;
   if (!row) { view.replaceChildren(el("p", { class: "empty" }, "No queue ", el("span", { class: "name" }, name), " (now).")); return; }
   const children = [
     el("h2", {}, "Queue ", el("span", { class: "name", id: "queue-name" }, row.queue)),
@@ -217,17 +218,41 @@ async function queue(view, name) {
     el("h2", {}, "Newest messages waiting"),
     table([["msg_id", "msg id"], ["retry", "retry", true]], row.newest || [], { id: "newest" }),
     el("h2", {}, "Newest dead letters (", el("span", { class: "name" }, row.queue + ".dead"), ")"),
-    table([["msg_id", "msg id"], ["retry", "retry", true]], dead ? dead.newest || [] : [], { id: "dead-letters" }),
+    table([["msg_id", "msg id"], ["retry", "retry", true]].concat(actions ? [["requeue", ""]] : []),
+          (dead ? dead.newest || [] : []).map((letter) => Object.assign({}, letter, actions ? {
+            requeue: el("button", { class: "requeue-one", onclick: () => act("requeue-dead", row.queue, [letter.msg_id]) },
+                        "move back") } : {})), { id: "dead-letters" }),
   ];
-  if (state.session && state.session.actions) {
-    children.push(el("h2", {}, "Actions"), el("button", { class: "danger", id: "delete-queue", onclick: async () => {
-      if (!confirm("Delete the queue " + row.queue + " with its messages and bindings?")) return;
-      await api("/api/queue/delete?name=" + encodeURIComponent(row.queue),
-                { method: "POST", headers: { "X-CSRF-Token": state.session.csrf } });
-      location.hash = "#/queues";
-    } }, "Delete this queue"));
+  if (actions) {
+    children.push(el("h2", {}, "Actions"), el("div", { class: "actions" },
+      el("button", { id: "requeue-dead", disabled: dead && dead.depth ? null : "disabled",
+                     onclick: () => act("requeue-dead", row.queue) }, "Move every dead letter back"),
+      el("button", { class: "danger", id: "purge-queue", onclick: () => {
+        if (confirm("Drop the " + number(row.depth) + " messages waiting in " + row.queue + "?")) act("purge", row.queue);
+      } }, "Purge (drop what waits)"),
+      el("button", { class: "danger", id: "delete-queue", onclick: async () => {
+        if (!confirm("Delete the queue " + row.queue + " with its messages and bindings?")) return;
+        if (await act("delete", row.queue)) location.hash = "#/queues";
+      } }, "Delete this queue")),
+      el("p", { id: "action-result", class: "note" }, state.lastAction || ""));
   }
   view.replaceChildren(...children);
+}
+
+// a POST of --console-actions; its outcome stays shown under the buttons until the next one
+async function act(what, name, msgIds) {
+  const query = "?name=" + encodeURIComponent(name) + (msgIds || []).map((id) => "&msg_id=" + encodeURIComponent(id)).join("");
+  try {
+    const done = await api("/api/queue/" + what + query, { method: "POST", headers: { "X-CSRF-Token": state.session.csrf } });
+    state.lastAction = what === "delete" ? "deleted " + name : what === "purge" ? "purged " + number(done.purged) + " messages"
+      : "moved " + number(done.requeued) + " dead letters back";
+    return true;
+  } catch (error) {
+    state.lastAction = what + " failed: " + error.message;
+    return false;
+  } finally {
+    refresh();
+  }
 }
 
 async function schedules(view) {
@@ -270,5 +295,5 @@ async function refresh() {
   return refreshing;
 }
 
-window.addEventListener("hashchange", () => { state.lastQueues = null; refresh(); });
+window.addEventListener("hashchange", () => { state.lastQueues = null; state.lastAction = ""; refresh(); });
 window.addEventListener("DOMContentLoaded", () => { refresh(); setInterval(refresh, POLL_MS); });
