@@ -167,6 +167,64 @@ def test_kill_9_of_an_owner_node_loses_no_confirmed_message(cluster):
     assert_no_old_epoch_applied(cluster)
 
 
+def test_the_asyncio_client_rides_a_kill_9_of_an_owner_node(cluster):
+    """mqks.aio with every node as a seed: a consumer per group on its owner's link, confirmed publishes from four
+    tasks, kill -9 of the node owning the most groups; its consumers are re-created on the new owners, publishing
+    goes on, and every confirmed publish arrives (at least once)."""
+    import asyncio
+
+    from aio_helpers import run, until
+
+    from mqks import aio
+
+    queues = [cluster.queue_of(group, unique("aq")) for group in range(cluster.groups)]
+    ports = cluster.ports(alive_only=False)
+    confirmed: set[str] = set()
+    delivered: set[str] = set()
+
+    async def main() -> None:
+        async with aio.Client("127.0.0.1", ports[0], fallbacks=[("127.0.0.1", port) for port in ports[1:]],
+                              timeout_seconds=60, reconnect_max_seconds=0.5, ping_seconds=2) as client:
+            async def on_message(msg: aio.Message) -> None:
+                delivered.add(msg.data)
+                await msg.ack()
+
+            for queue in queues:
+                await client.consume(queue, [f"{queue}.e"], on_message, manual_ack=True)
+            stopped = asyncio.Event()
+
+            async def publish_loop(first: int) -> None:
+                i = first
+                while not stopped.is_set():
+                    queue = queues[i % len(queues)]
+                    body = f"{queue}:{i}"
+                    try:
+                        await client.publish(f"{queue}.e", body, confirm=True, timeout=30)
+                    except MqksError:  # refused while a group moves: the same body again
+                        await asyncio.sleep(0.05)
+                        continue
+                    confirmed.add(body)
+                    i += 4
+
+            publishers = [asyncio.create_task(publish_loop(n)) for n in range(4)]
+            await until(lambda: len(confirmed) > 200, "publishes confirmed before the kill", 60)
+            owners = cluster.owners()
+            victim = max(sorted(cluster.nodes), key=lambda node: list(owners.values()).count(node))
+            cluster.kill(victim)  # blocks the loop for the kill only (its processes gone): well under a second
+            before = len(confirmed)
+            await until(lambda: len(confirmed) > before + 200, "publishes confirmed by the new owners", 90)
+            stopped.set()
+            await asyncio.gather(*publishers)
+            await until(lambda: confirmed <= delivered, "every confirmed publish delivered", 90)
+
+    try:
+        run(main)
+    finally:
+        print(f"mqks.aio through a kill -9 of an owner node: {len(confirmed)} confirmed, "
+              f"{len(confirmed - delivered)} of them not delivered")
+    assert not confirmed - delivered
+
+
 def assert_no_old_epoch_applied(cluster: Cluster) -> None:
     """In every group's stream, no frame of an old epoch follows a takeover, or replay ignores each one."""
     import asyncio
