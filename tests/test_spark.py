@@ -262,10 +262,10 @@ CLUSTER = "local-cluster[2,1,1024]"  # two executor JVMs of one core each, as on
 
 
 def _run_job(broker, queue: str, checkpoint: Path, out: Path, log: Path, block_batch: int | None = None,
-             stall_executor_batch: int | None = None) -> subprocess.Popen:
+             stall_executor_batch: int | None = None, master: str = CLUSTER) -> subprocess.Popen:
     cmd = [
         str(HERE / "spark_failure_job.py"),
-        "--port", str(broker.port), "--queue", queue, "--master", CLUSTER,
+        "--port", str(broker.port), "--queue", queue, "--master", master,
         "--checkpoint", str(checkpoint), "--out", str(out), "--max-records-per-batch", "100",
     ]
     if block_batch is not None:
@@ -299,7 +299,9 @@ def test_killed_driver_restarts_from_checkpoint_without_loss(broker, tmp_path):
     publish(broker, [(m, "crash.e", "x") for m in ids])
     checkpoint, out, log = tmp_path / "checkpoint", tmp_path / "out", tmp_path / "job.log"
 
-    first = _run_job(broker, queue, checkpoint, out, log, block_batch=3)
+    # local[2]: what dies is the driver with its executors; the executor's own death is the next test's (two
+    # executor JVMs per run here cost half a minute for nothing)
+    first = _run_job(broker, queue, checkpoint, out, log, block_batch=3, master="local[2]")
     try:
         outcome = eventually(
             lambda: "blocked" if (out / "blocked").exists() else "exited" if first.poll() is not None else None,
@@ -313,7 +315,7 @@ def test_killed_driver_restarts_from_checkpoint_without_loss(broker, tmp_path):
     blocked_ids = {m for name, m, _ in _recorded(out) if name.startswith(f"batch-{blocked_batch}-{first.pid}")}
     assert len(blocked_ids) == blocked_rows > 0
 
-    second = _run_job(broker, queue, checkpoint, out, log, block_batch=None)
+    second = _run_job(broker, queue, checkpoint, out, log, block_batch=None, master="local[2]")
     try:
         eventually(lambda: {m for _, m, _ in _recorded(out)} >= set(ids) or second.poll() is not None,
                  "every message to be processed after the restart", 150)
