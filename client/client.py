@@ -448,7 +448,7 @@ class Client:
     def purge_queue(self, queue: str, timeout: float | None = None) -> int:
         """Drop every message waiting in the queue (its consumers keep what they hold); how many went."""
         _, answer = self._link.call(b"purge_queue", wire.encode_token(queue, "queue"), self._deadline(timeout),
-                                      retry=True)
+                                    retry=True)
         return wire.count_answer(answer, "purge_queue")
 
     def requeue_dead(self, queue: str, limit: int | None = None, msg_ids: list[str] | None = None,
@@ -457,7 +457,7 @@ class Client:
         the oldest `limit`, or those with `msg_ids`. How many moved. Not retried after a lost connection (a
         second run would move others): MqksError then, look at the queues."""
         _, answer = self._link.call(b"requeue_dead", wire.requeue_dead_args(queue, limit, msg_ids),
-                                      self._deadline(timeout))
+                                    self._deadline(timeout))
         return wire.count_answer(answer, "requeue_dead")
 
     def ping(self, data: str = "", timeout: float | None = None) -> str:

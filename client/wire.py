@@ -426,7 +426,7 @@ def requeue_dead_args(queue: str, limit: int | None, msg_ids: list[str] | tuple[
 
 
 def count_answer(answer: bytes, action: str) -> int:
-    """The count of an `ok {count}` answer (purge_queue, requeue_dead, settle)."""
+    """The count of an `ok {count}` answer (purge_queue, requeue_dead)."""
     try:
         return int(answer)
     except ValueError:

@@ -434,16 +434,16 @@ class Client:
     async def purge_queue(self, queue: str, timeout: float | None = None) -> int:
         """Drop every message waiting in the queue (its consumers keep what they hold); how many went."""
         _, answer = await self._link.call(b"purge_queue", wire.encode_token(queue, "queue"), self._deadline(timeout),
-                                      retry=True)
+                                          retry=True)
         return wire.count_answer(answer, "purge_queue")
 
     async def requeue_dead(self, queue: str, limit: int | None = None, msg_ids: list[str] | None = None,
-                     timeout: float | None = None) -> int:
+                           timeout: float | None = None) -> int:
         """Move dead letters waiting in `{queue}.dead` back to `queue`, their retry counters at 0: all of them,
         the oldest `limit`, or those with `msg_ids`. How many moved. Not retried after a lost connection (a
         second run would move others): MqksError then, look at the queues."""
         _, answer = await self._link.call(b"requeue_dead", wire.requeue_dead_args(queue, limit, msg_ids),
-                                      self._deadline(timeout))
+                                          self._deadline(timeout))
         return wire.count_answer(answer, "requeue_dead")
 
     async def ping(self, data: str = "", timeout: float | None = None) -> str:
