@@ -288,6 +288,8 @@ def test_purge_and_moving_dead_letters_back_from_the_queue_page(make_broker, bro
     wire.expect(b"d1 ok ")
     browser.get(console.url + "/#/queue/" + queue)
     wait_text(browser, "#tile-dead .value", lambda text: text == "3", "three dead letters")
+    browser.execute_script("window.scrollTo(0, document.body.scrollHeight)")  # the screenshot shows the buttons
+    screenshot(browser, "queue-actions")
     # one dead letter moved back by its row's button: the newest first in the table, m2
     browser.find_element(By.CSS_SELECTOR, "#dead-letters tbody tr:first-child button.requeue-one").click()
     wait_text(browser, "#action-result", lambda text: text == "moved 1 dead letters back", "the one moved back")
@@ -297,7 +299,6 @@ def test_purge_and_moving_dead_letters_back_from_the_queue_page(make_broker, bro
     wait_text(browser, "#action-result", lambda text: text == "moved 2 dead letters back", "the rest moved back")
     wait_text(browser, "#tile-depth .value", lambda text: text == "3", "all three in the queue")
     assert text_of(browser, "#tile-dead .value") == "0"
-    screenshot(browser, "queue-actions")
     browser.find_element(By.ID, "purge-queue").click()
     WebDriverWait(browser, WAIT_SECONDS).until(expected_conditions.alert_is_present()).accept()  # "Drop the 3 ...?"
     wait_text(browser, "#action-result", lambda text: text == "purged 3 messages", "the purge")
