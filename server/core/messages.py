@@ -196,11 +196,15 @@ class MessageStore:
         if msg_ids is not None:
             if len(self.messages) + self.packed_extra > self.requeued:
                 self._make_explicit()
-            messages = self.messages
-            kept = [record for record in messages if msg_id_of(record.tail) not in msg_ids]
-            taken = [(record.seq, record) for record in messages if msg_id_of(record.tail) in msg_ids]
-            messages.clear()
-            messages.extend(kept)
+            kept: list[Message] = []
+            taken: list[tuple[int, Item]] = []
+            for record in self.messages:  # every one a record now: one pass sorts them
+                if msg_id_of(record.tail) in msg_ids:
+                    taken.append((record.seq, record))
+                else:
+                    kept.append(record)
+            self.messages.clear()
+            self.messages.extend(kept)
             self.requeued = len(kept)
             return taken
         count = self.depth() if limit is None else min(limit, self.depth())
