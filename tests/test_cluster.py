@@ -221,7 +221,7 @@ def test_the_asyncio_client_rides_a_kill_9_of_an_owner_node(cluster):
         run(main)
     finally:
         print(f"mqks.aio through a kill -9 of an owner node: {len(confirmed)} confirmed, "
-              f"{len(confirmed - delivered)} of them not delivered")
+              f"{len(confirmed - delivered)} of them not delivered: {sorted(confirmed - delivered)[:20]}")
     assert not confirmed - delivered
 
 

@@ -731,3 +731,70 @@ def test_kill_9_of_the_supervisor_then_a_new_broker_at_once_serves_every_first_c
         assert line.startswith(b"h ok "), line
         assert json.loads(line[5:])["direct"] == hello(broker.wire())["direct"]  # the new broker's workers
         wire.close()
+
+
+def two_free_ports() -> int:
+    """A port P with P and P+1 free: `--direct-port P` for two workers."""
+    for _ in range(100):
+        base = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise AssertionError("no two free ports in a row")
+
+
+def test_a_restarted_worker_confirms_no_publish_before_it_has_the_others_bindings(make_broker):
+    """Worker 1 is killed while worker 0 is frozen (SIGSTOP): the new worker 1 dials worker 0 but cannot
+    read the bindings worker 0 sends on accepting, and answers on its own port meanwhile. Before, it counted
+    worker 0 as linked once dialled: a confirmed publish for worker 0's queue was `ok` and reached no queue
+    (lost). Now it is refused with "try again" until worker 0's bindings are in; every `ok` is delivered."""
+    base = two_free_ports()
+    broker = make_broker("--workers", str(WORKERS), "--direct-port", str(base))
+    queue, event = queue_on(0, "bq"), unique_bytes("e")
+    consumer = Wire("127.0.0.1", base)  # worker 0, the queue's owner
+    consumer.send(b"c consume --confirm %b %b" % (queue, event))
+    consumer.expect(b"c ok ")
+    probe = Wire("127.0.0.1", base + 1)
+    frozen, victim = stats(probe, 0)["pid"], stats(probe, 1)["pid"]
+    probe.close()
+
+    def new_worker_1() -> Wire | None:
+        try:
+            wire = Wire("127.0.0.1", base + 1, timeout=2)
+        except OSError:
+            return None
+        try:
+            if stats(wire, 1)["pid"] != victim:
+                return wire
+        except (OSError, AssertionError, TimeoutError):
+            pass
+        wire.close()
+        return None
+
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        os.kill(victim, signal.SIGKILL)
+        publisher = wait_for(new_worker_1, "the supervisor to restart worker 1", timeout=20)
+        publisher.send(b"early publish --confirm %b early" % event)
+        early = publisher.recv_line()
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    confirmed = [b"early"] if early == b"early ok " else []
+    assert early.startswith(b"early error ") and b"try again" in early, early
+
+    def published() -> bool:
+        publisher.send(b"late publish --confirm %b late" % event)
+        answer = publisher.recv_line()
+        assert answer == b"late ok " or b"try again" in answer, answer
+        return answer == b"late ok "
+
+    wait_for(published, "worker 1 to take a confirmed publish once worker 0 is back", timeout=20, interval=0.05)
+    confirmed.append(b"late")
+    got = [consumer.recv_line().rsplit(b" ", 1)[1] for _ in confirmed]
+    assert got == confirmed
+    assert "restarting it" in broker.log()
+    publisher.close()
+    consumer.close()

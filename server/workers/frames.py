@@ -29,7 +29,8 @@ class Frame(IntEnum):
        answer each once durable                     c  `{fanin} ok` / `{fanin} error ...` lines
     E  `{retry} {queue}{tail}`: dead letters        B  `{queue} {event}...` lines: the queue's events
     S  client lines of session `key`                   now; a key other than `-` wants a K back
-    M  answer `.{key}` when you get here            Z  forget every binding of the owner (it restarted)
+    M  answer `.{key}` when you get here            Z  every binding of the owner, replacing what was
+                                                       known (the link's first frame: it may have restarted)
     X  session `key`'s client left
     W  `{bytes}`: session `key`'s client has taken that many bytes of `>` frames
     K  the owner's binding changes up to epoch `key` are applied here
@@ -47,7 +48,7 @@ class Frame(IntEnum):
     MARKED = ord(".")
     CONFIRMS = ord("c")
     BINDINGS = ord("B")
-    FORGET_BINDINGS = ord("Z")
+    ALL_BINDINGS = ord("Z")
 
 
 class FrameReader:

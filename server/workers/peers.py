@@ -144,18 +144,17 @@ class HoldRelease:
 class PeerLink(FrameSocket):
     """This worker's link to peer `worker`: requests out, answers and the peer's bindings in."""
 
-    __slots__ = ("worker", "peers", "reader", "up")
+    __slots__ = ("worker", "peers", "reader", "ready")
 
     def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
         super().__init__(sock, peers.process.pending, f"link to worker {worker}", peers.max_backlog)
         self.worker = worker
         self.peers = peers
         self.reader = FrameReader()
-        self.up = True
+        self.ready = False  # the peer's bindings are in: lines and publishes may go (Peers.linked)
 
     def lost(self, reason: str) -> None:
         if self.shut():
-            self.up = False
             self.peers.link_lost(self, reason)
 
     def read_loop(self) -> None:
@@ -191,8 +190,11 @@ class PeerLink(FrameSocket):
                         replica.update(self.worker, payload)
                         if key != b"-":
                             self.frame(Frame.BINDINGS_APPLIED, key)  # the owner may let its clients see the change
-                    elif kind == Frame.FORGET_BINDINGS:
+                    elif kind == Frame.ALL_BINDINGS:
                         replica.forget(self.worker)
+                        replica.update(self.worker, payload)
+                        if not self.ready:
+                            peers.linked(self)
                 flush_pending()
         except OSError as e:
             self.lost(f"read failed: {e}")
@@ -651,7 +653,9 @@ class Peers:
         # how a link is opened: a Unix socket in run_dir here; a cluster's node dials the group's owner over TCP
         self.dial: Callable[[int], socket.socket] = self.dial_unix
         self.link_hello = b"- _link %d\n" % self.worker
-        self.dialled: dict[int, Any] = {}  # the address each link was opened to (a cluster's owner may move)
+        # each peer's latest link (ready or still waiting for its bindings) and the address it was opened to: a
+        # cluster's owner may move
+        self.dialled: dict[int, tuple[Any, PeerLink]] = {}
         self.address_of: Callable[[int], Any] = self.socket_path
         self.connect_retry_seconds = CONNECT_RETRY_SECONDS
         self.incoming: set[IncomingLink] = set()
@@ -760,10 +764,9 @@ class Peers:
         """A peer opened its link to us (the first line named it): serve its requests on this greenlet."""
         link = IncomingLink(sock, self, worker)
         self.incoming.add(link)
-        link.frame(Frame.FORGET_BINDINGS, b"-")  # forget what the replica knew of us: we may have restarted
-        dump = self.binding_dump()
-        if dump:
-            link.frame(Frame.BINDINGS, b"-", dump)
+        # every binding of ours in one frame, replacing what the replica knew (we may have restarted): until
+        # it is in, the peer sends us nothing, and confirms no publish that might be for our queues
+        link.frame(Frame.ALL_BINDINGS, b"-", self.binding_dump())
         link.flush()
         link.serve(first_bytes)
 
@@ -793,8 +796,8 @@ class Peers:
 
     def readdress(self, worker: int) -> None:
         """`worker`'s address changed (a cluster group's new owner): a link to the old one goes, and is made anew."""
-        link = self.links[worker]
-        if link is not None and self.dialled.get(worker) != self.address_of(worker):
+        address, link = self.dialled.get(worker, (None, None))
+        if link is not None and not link.closed and address != self.address_of(worker):
             link.lost("its owner moved")
             try:
                 link.sock.shutdown(socket.SHUT_RDWR)
@@ -816,21 +819,24 @@ class Peers:
                 sock.close()
                 gevent.sleep(self.connect_retry_seconds)
                 continue
-            self.dialled[worker] = address
             link = PeerLink(sock, self, worker)
-            self.links[worker] = link
-            self.unlinked -= 1
-            log.info("linked to worker %d", worker)
-            waiting = self.dead_waiting.pop(worker, [])
-            for transfer in waiting:
-                self.send_dead_letters(transfer)
-            if waiting:
-                self.process.flush_pending()
+            self.dialled[worker] = (address, link)
             writer = gevent.spawn(link.write_loop)
             link.read_loop()
             writer.kill(block=False)
             sock.close()
             gevent.sleep(self.connect_retry_seconds)
+
+    def linked(self, link: PeerLink) -> None:
+        """`link`'s peer has sent its bindings: lines for its queues, and publishes that may reach them, go now."""
+        link.ready = True
+        worker = link.worker
+        self.links[worker] = link
+        self.unlinked -= 1
+        log.info("linked to worker %d", worker)
+        waiting = self.dead_waiting.pop(worker, [])
+        for transfer in waiting:
+            self.send_dead_letters(transfer)
 
     def link_lost(self, link: PeerLink, reason: str) -> None:
         if self.links[link.worker] is link:
