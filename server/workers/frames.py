@@ -28,9 +28,9 @@ class Frame(IntEnum):
     C  `{fanin} {event}{tail}` lines: as P, and     .  session `key` has run everything sent before
        answer each once durable                     c  `{fanin} ok` / `{fanin} error ...` lines
     E  `{retry} {queue}{tail}`: dead letters        B  `{queue} {event}...` lines: the queue's events
-    S  client lines of session `key`                   now; a key other than `-` wants a K back
-    M  answer `.{key}` when you get here            Z  every binding of the owner, replacing what was
-                                                       known (the link's first frame: it may have restarted)
+    S  client lines of session `key`                   now; a key other than `-` wants a K back; `-`, the
+    M  answer `.{key}` when you get here               link's second frame: all of them (the link is ready)
+                                                    Z  forget every binding of the owner (it restarted)
     X  session `key`'s client left
     W  `{bytes}`: session `key`'s client has taken that many bytes of `>` frames
     K  the owner's binding changes up to epoch `key` are applied here
@@ -48,7 +48,7 @@ class Frame(IntEnum):
     MARKED = ord(".")
     CONFIRMS = ord("c")
     BINDINGS = ord("B")
-    ALL_BINDINGS = ord("Z")
+    FORGET_BINDINGS = ord("Z")
 
 
 class FrameReader:

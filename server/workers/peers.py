@@ -190,11 +190,10 @@ class PeerLink(FrameSocket):
                         replica.update(self.worker, payload)
                         if key != b"-":
                             self.frame(Frame.BINDINGS_APPLIED, key)  # the owner may let its clients see the change
-                    elif kind == Frame.ALL_BINDINGS:
-                        replica.forget(self.worker)
-                        replica.update(self.worker, payload)
-                        if not self.ready:
+                        elif not self.ready:  # the whole dump, which follows Z: the link may carry lines now
                             peers.linked(self)
+                    elif kind == Frame.FORGET_BINDINGS:
+                        replica.forget(self.worker)
                 flush_pending()
         except OSError as e:
             self.lost(f"read failed: {e}")
@@ -764,9 +763,10 @@ class Peers:
         """A peer opened its link to us (the first line named it): serve its requests on this greenlet."""
         link = IncomingLink(sock, self, worker)
         self.incoming.add(link)
-        # every binding of ours in one frame, replacing what the replica knew (we may have restarted): until
-        # it is in, the peer sends us nothing, and confirms no publish that might be for our queues
-        link.frame(Frame.ALL_BINDINGS, b"-", self.binding_dump())
+        link.frame(Frame.FORGET_BINDINGS, b"-")  # forget what the replica knew of us: we may have restarted
+        # then every binding of ours, even none: until the peer has them it sends us nothing, and confirms no
+        # publish that might be for our queues
+        link.frame(Frame.BINDINGS, b"-", self.binding_dump())
         link.flush()
         link.serve(first_bytes)
 
