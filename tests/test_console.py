@@ -239,7 +239,8 @@ def test_a_token_is_asked_for_by_the_pages_and_the_json(make_broker, browser, tm
     assert browser.current_url.endswith("/login")
     browser.find_element(By.NAME, "token").send_keys("wrong-token")
     browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-    assert "not one of this broker's" in browser.find_element(By.TAG_NAME, "body").text
+    # the click submits a form: the answer is a new page, which loads after click() returns
+    wait_text(browser, "body", lambda text: "not one of this broker's" in text, "the wrong token refused")
     browser.find_element(By.NAME, "token").send_keys(TOKEN)
     browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
     wait_text(browser, "#tile-version .value", lambda text: text != "", "the console after signing in")
