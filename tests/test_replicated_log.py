@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -417,6 +418,55 @@ def test_nats_out_of_reach_at_start_is_one_clear_line_and_exit_1():
     assert done.returncode == 1
     assert f"cannot start: cannot reach NATS at nats://127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def nats_with_purge(directory, allowed: bool) -> str:
+    """A one-node NATS config whose user may (or may not) purge streams: a real refusal, lifted by a reload."""
+    deny = "" if allowed else ', deny: ["$JS.API.STREAM.PURGE.>"]'
+    return (f"jetstream {{ store_dir: {str(directory / 'store')!r} }}\n"
+            f"authorization {{ users: [ {{ user: mqks, password: secret, "
+            f"permissions: {{ publish: {{ allow: [\">\"]{deny} }}, subscribe: \">\" }} }} ] }}\n")
+
+
+def test_a_failed_purge_is_tried_again_until_it_is_made(tmp_path):
+    """A broker that goes idle right after a snapshot writes no next one: its failed purge must not wait for it."""
+    from mqks.server.journal.nats_local import nats_server_binary
+
+    port = free_port()
+    config = tmp_path / "nats.conf"
+    config.write_text(f"listen: 127.0.0.1:{port}\n" + nats_with_purge(tmp_path, allowed=False))
+    nats = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: listening(port), "the NATS server to listen")
+        stream = unique("s").replace("-", "_")
+        log_, _ = open_log([f"nats://mqks:secret@127.0.0.1:{port}"], stream, "only")
+        queue_record = records.queue(b"q", None, [b"e"], None, None)
+        for i in range(20):
+            commit_and_wait(log_, published(b"q", i, b"replaced by the snapshot"))
+        log_.append(records.SNAPSHOT_BEGIN)
+        log_.append(queue_record)
+        log_.append(records.SNAPSHOT_END)
+        snapshot = log_.commit(new_segment=True)
+        wait_greenlet(lambda: log_.poll()[0] >= snapshot, "the snapshot to be stored")
+        wait_greenlet(lambda: log_.stats()["purge_failures"] >= 1, "the refused purge")
+        assert log_.stats()["purges"] == 0
+        config.write_text(f"listen: 127.0.0.1:{port}\n" + nats_with_purge(tmp_path, allowed=True))
+        nats.send_signal(signal.SIGHUP)  # the permission is lifted; the broker writes nothing more
+        wait_greenlet(lambda: log_.stats()["purges"] == 1, "the purge tried again", timeout=60)
+        wait_greenlet(lambda: log_.stats()["stream_messages"] <= 2, "the stream's figures after the purge")
+        log_.close(10)
+        reader, lines = open_log([f"nats://mqks:secret@127.0.0.1:{port}"], stream, "reader")
+        assert recover(lines).queues[b"q"].messages == {}  # the snapshot stands for the purged frames
+        reader.close(10)
+    finally:
+        nats.kill()
+        nats.wait()
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_replay_starts_at_a_snapshot_past_frames_a_purge_removed():

@@ -112,6 +112,7 @@ LOG_FIGURES: dict[str, Figure] = {
                               "the tail was read and writing went on."),
     "resent_frames": Figure(COUNTER, "Frames sent again after a stall (stored once: Nats-Msg-Id)."),
     "purges": Figure(COUNTER, "Purges of the stream below a stored snapshot."),
+    "purge_failures": Figure(COUNTER, "Purges that failed (each is tried again, after 1 s doubling up to 30 s)."),
     "ignored_frames": Figure(GAUGE, "Frames of a fenced-off writer ignored at the last start."),
 }
 

@@ -71,6 +71,8 @@ OWNER_PING_SECONDS = 1.5
 PUBACK_SAMPLES = 1024
 REPLICAS_FALLBACK_ERRORS = (10074, 10005)  # insufficient resources, R>1 on a single server
 STANDBY_REPORT_SECONDS = 2.0  # a standby tells `mqks cluster status` how far it has read this often
+PURGE_RETRY_FIRST_SECONDS = 1.0  # a failed purge is tried again after this, doubling up to the next
+PURGE_RETRY_MAX_SECONDS = 30.0
 STEP_DOWN_MARGIN_SECONDS = 2.0  # an owner that stored nothing for lease minus this stops confirming
 CLAIM_DELAY_PER_GROUP_SECONDS = 0.7  # a claim waits this long per group its node owns already
 CLAIM_DELAY_CAP_SECONDS = 3.0
@@ -249,6 +251,7 @@ class JetStreamLog:
         self._failed_up_to = 0
         self._snapshot_seq = 0  # the first frame of the snapshot being stored
         self._purging: asyncio.Future[None] | None = None
+        self._purge_below = 0  # the purge being made: an older one still retrying gives up
         self._stalled_since: float | None = None  # the first trouble since a frame was last stored
         self._stall_logged = False
         self._stopping = False
@@ -266,6 +269,7 @@ class JetStreamLog:
         self._leader = ""
         self._stalls = 0
         self._purges = 0
+        self._purge_failures = 0
         self._resent = 0
         self._replayed_records = 0
         self._ignored_frames = 0
@@ -542,6 +546,7 @@ class JetStreamLog:
             "stalls": self._stalls,
             "resent_frames": self._resent,
             "purges": self._purges,
+            "purge_failures": self._purge_failures,
             "replayed_records": self._replayed_records,
             "ignored_frames": self._ignored_frames,
             "recovery_seconds": self._recovery_seconds,
@@ -891,12 +896,23 @@ class JetStreamLog:
             self._purging = asyncio.ensure_future(self._purge(purge))
 
     async def _purge(self, below: int) -> None:
-        """Remove the frames the stored snapshot starting at `below` replaces."""
-        try:
-            await self.bridge.nc.jetstream(timeout=10).purge_stream(self.stream, seq=below)
-            self._purges += 1
-        except Exception as e:  # the next snapshot purges again
-            log.warning("stream %s: purge below %d failed: %s", self.stream, below, e)
+        """Remove the frames the stored snapshot starting at `below` replaces. A failed purge is tried again until
+        a newer snapshot's purge takes its place: a broker that goes idle writes no next snapshot, and its stream
+        would keep every frame it ever wrote."""
+        self._purge_below = below
+        pause = PURGE_RETRY_FIRST_SECONDS
+        while not self._stopping and self.fenced_by is None and self._purge_below == below:
+            try:
+                await self.bridge.nc.jetstream(timeout=self.timeout_seconds).purge_stream(self.stream, seq=below)
+            except Exception as e:
+                self._purge_failures += 1
+                log.warning("stream %s: purge below %d failed (%s): trying again in %g s", self.stream, below,
+                            e or type(e).__name__, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, PURGE_RETRY_MAX_SECONDS)
+            else:
+                self._purges += 1
+                return
 
     async def _check_tail(self, nc: Any) -> None:
         """Each second, as a task of its own (a slow JetStream API call must not hold the writer): the stream's
