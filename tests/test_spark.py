@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -743,27 +744,38 @@ def test_the_driver_asks_again_while_a_worker_restarts_instead_of_failing_the_qu
 
     server = make_broker("--workers", "2")
     victim = max(child_pids(server.proc.pid))
-    os.kill(victim, signal.SIGKILL)
+    # the supervisor, stopped, cannot restart the worker: the window stays open until SIGCONT (a restart takes
+    # 0.2 s here, which a loaded machine's polls can miss)
+    server.signal(signal.SIGSTOP)
+    try:
+        os.kill(victim, signal.SIGKILL)
 
-    def refused_meanwhile() -> bool:
-        try:  # a fresh connection each time: one accepted by the killed worker is reset
-            wire = server.wire()
-            try:
-                wire.send(b"s settle nothing-held --ack")
-                answer = wire.recv_line()
-            finally:
-                wire.close()
-        except OSError:
-            return False
-        assert answer == b"s ok 0" or b"is restarting" in answer, answer
-        return b"is restarting" in answer
-    wait_for(refused_meanwhile, "a settle refused while the worker restarts", 10)
-    control = Control(Endpoint("127.0.0.1", server.port, reconnect_seconds=30))
-    with caplog.at_level("WARNING", logger="mqks.spark"):
-        answers = control.call([("settle", "nothing-held --ack")])
+        def refused_meanwhile() -> bool:
+            try:  # a fresh connection each time: one accepted by the killed worker is reset
+                wire = server.wire()
+                try:
+                    wire.send(b"s settle nothing-held --ack")
+                    answer = wire.recv_line()
+                finally:
+                    wire.close()
+            except OSError:
+                return False
+            assert answer == b"s ok 0" or b"is restarting" in answer, answer
+            return b"is restarting" in answer
+        wait_for(refused_meanwhile, "a settle refused while the worker restarts")
+        control = Control(Endpoint("127.0.0.1", server.port, reconnect_seconds=30))
+        answers: dict = {}
+        with caplog.at_level("WARNING", logger="mqks.spark"):
+            asking = threading.Thread(target=lambda: answers.update(control.call([("settle", "nothing-held --ack")])))
+            asking.start()
+            wait_for(lambda: "is restarting" in caplog.text, "the driver refused while the worker restarts")
+            assert asking.is_alive()  # it asks again rather than failing the query
+    finally:
+        server.signal(signal.SIGCONT)
+    asking.join(60)
+    assert not asking.is_alive()
     control.close()
     assert [data for data in answers.values()] == [[b"0"]]
-    assert "is restarting" in caplog.text  # it was refused first, and asked again
 
 
 def test_sink_and_source_over_tls_with_a_token(spark, make_broker, tmp_path):
