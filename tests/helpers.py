@@ -38,11 +38,19 @@ WAIT_SECONDS = 10.0
 _names = itertools.count()
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """Ask the kernel for a port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """Ask the kernel for a port nobody listens on right now, and never the same one twice in a run: two asks
+    in a row may get the same port back (CI once got --tls-port equal to --port)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def unique(prefix: str) -> str:

@@ -288,7 +288,8 @@ def test_compaction_under_load_keeps_the_stream_small_and_the_state_exact(make_b
     fence(consumer, event)  # and the acks before it are in the log
     kept = {b"m%d" % i for i in range(4000)} - acked
     stats = wait_for(lambda: (s := server_stats(server)["log"])["purges"] >= 1 and s["stream_messages"] and s,
-                     "a purge after a snapshot, and the stream's figures after it")
+                     "a purge after a snapshot, and the stream's figures after it",
+                     60)  # a purge that times out (--log-timeout, 15 s) is tried again a second later
     live_bytes = len(kept) * 230
     print(f"compaction: {stats['purges']} purges, stream {stats['log_bytes']} bytes, {stats['stream_messages']} "
           f"messages, live about {live_bytes} bytes")
