@@ -421,23 +421,28 @@ def test_nats_out_of_reach_at_start_is_one_clear_line_and_exit_1():
     assert "Traceback" not in done.stderr
 
 
-def nats_with_purge(directory, allowed: bool) -> str:
-    """A one-node NATS config whose user may (or may not) purge streams: a real refusal, lifted by a reload."""
-    deny = "" if allowed else ', deny: ["$JS.API.STREAM.PURGE.>"]'
-    return (f"jetstream {{ store_dir: {str(directory / 'store')!r} }}\n"
-            f"authorization {{ users: [ {{ user: mqks, password: secret, "
+def one_nats(directory, port: int, denied: str = "") -> str:
+    """A one-node NATS config: user `admin` may do anything, user `mqks` not what `denied` names (a JetStream API
+    subject): a real refusal, lifted by rewriting the config and a reload (SIGHUP)."""
+    deny = f', deny: ["{denied}"]' if denied else ""
+    return (f"listen: 127.0.0.1:{port}\njetstream {{ store_dir: {str(directory / 'store')!r} }}\n"
+            "authorization { users: [ {user: admin, password: secret}, {user: mqks, password: secret, "
             f"permissions: {{ publish: {{ allow: [\">\"]{deny} }}, subscribe: \">\" }} }} ] }}\n")
+
+
+def start_one_nats(config) -> subprocess.Popen:
+    from mqks.server.journal.nats_local import nats_server_binary
+
+    return subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
 
 
 def test_a_failed_purge_is_tried_again_until_it_is_made(tmp_path):
     """A broker that goes idle right after a snapshot writes no next one: its failed purge must not wait for it."""
-    from mqks.server.journal.nats_local import nats_server_binary
-
     port = free_port()
     config = tmp_path / "nats.conf"
-    config.write_text(f"listen: 127.0.0.1:{port}\n" + nats_with_purge(tmp_path, allowed=False))
-    nats = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    config.write_text(one_nats(tmp_path, port, denied="$JS.API.STREAM.PURGE.>"))
+    nats = start_one_nats(config)
     try:
         wait_for(lambda: listening(port), "the NATS server to listen")
         stream = unique("s").replace("-", "_")
@@ -452,7 +457,7 @@ def test_a_failed_purge_is_tried_again_until_it_is_made(tmp_path):
         wait_greenlet(lambda: log_.poll()[0] >= snapshot, "the snapshot to be stored")
         wait_greenlet(lambda: log_.stats()["purge_failures"] >= 1, "the refused purge")
         assert log_.stats()["purges"] == 0
-        config.write_text(f"listen: 127.0.0.1:{port}\n" + nats_with_purge(tmp_path, allowed=True))
+        config.write_text(one_nats(tmp_path, port))
         nats.send_signal(signal.SIGHUP)  # the permission is lifted; the broker writes nothing more
         wait_greenlet(lambda: log_.stats()["purges"] == 1, "the purge tried again", timeout=60)
         wait_greenlet(lambda: log_.stats()["stream_messages"] <= 2, "the stream's figures after the purge")
@@ -463,6 +468,53 @@ def test_a_failed_purge_is_tried_again_until_it_is_made(tmp_path):
     finally:
         nats.kill()
         nats.wait()
+
+
+def test_a_start_waits_for_a_reader_that_nats_cannot_make_yet(tmp_path, caplog):
+    """A reader (a JetStream consumer) that cannot be made at the start, as on a new R3 stream whose leader is not
+    elected yet (CI: a 10 s timeout), is made by the next read instead of failing the broker's start."""
+    port = free_port()
+    config = tmp_path / "nats.conf"
+    config.write_text(one_nats(tmp_path, port))
+    nats = start_one_nats(config)
+    try:
+        wait_for(lambda: listening(port), "the NATS server to listen")
+        stream = unique("s").replace("-", "_")
+        writer, _ = open_log([f"nats://admin:secret@127.0.0.1:{port}"], stream, "first")
+        commit_and_wait(writer, records.queue(b"q", None, [b"e"], None, None), published(b"q", 0, b"kept"))
+        writer.close(10)
+        config.write_text(one_nats(tmp_path, port, denied="$JS.API.CONSUMER.CREATE.>"))
+        nats.send_signal(signal.SIGHUP)
+        wait_for(lambda: "Permissions Violation" in refused_consumer(port), "the reload to deny consumers")
+        reader = JetStreamLog([f"nats://mqks:secret@127.0.0.1:{port}"], stream, "second", timeout_seconds=5)
+        reader.open()
+        with caplog.at_level("WARNING", logger="mqks.journal"):
+            replaying = gevent.spawn(lambda: list(reader.replay()))
+            wait_greenlet(lambda: "no reader yet" in caplog.text or replaying.ready(), "the refused reader", 30)
+            config.write_text(one_nats(tmp_path, port))
+            nats.send_signal(signal.SIGHUP)
+            lines = replaying.get(timeout=60)  # raised nats' TimeoutError before
+        state = recover(lines)
+        assert {seq: message[0] for seq, message in state.queues[b"q"].messages.items()} == {0: b" kept"}
+        reader.close(10)
+    finally:
+        nats.kill()
+        nats.wait()
+
+
+def refused_consumer(port: int) -> str:
+    """What NATS answers user mqks's consumer create with: a permissions error once the reload took."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.recv(4096)  # INFO
+        sock.sendall(b'CONNECT {"user":"mqks","pass":"secret","verbose":false}\r\n'
+                     b"PUB $JS.API.CONSUMER.CREATE.x 0\r\n\r\nPING\r\n")
+        answer = b""
+        while b"PONG" not in answer:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        return answer.decode(errors="replace")
 
 
 def listening(port: int) -> bool:

@@ -640,7 +640,10 @@ class JetStreamLog:
         if self._reader is not None:
             await self._close_reader(nc)
         self._next_seq = max(1, start_seq)
-        await self._make_reader(nc)
+        try:
+            await self._make_reader(nc)
+        except Exception as e:  # a new R3 stream's consumer waits for its leader: the reads retry, the start goes on
+            log.warning("stream %s: no reader yet (%s); the next read makes one", self.stream, e or type(e).__name__)
         return last_seq
 
     async def _make_reader(self, nc: Any) -> None:
@@ -649,7 +652,7 @@ class JetStreamLog:
         start = self._next_seq
         policy = dict(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start) if start > 1 else dict(
             deliver_policy=DeliverPolicy.ALL)
-        self._reader = await nc.jetstream(timeout=10).pull_subscribe(
+        self._reader = await nc.jetstream(timeout=self.timeout_seconds).pull_subscribe(
             self.subject, durable=None, stream=self.stream,
             config=ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=60.0, **policy))
 
