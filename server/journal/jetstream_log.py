@@ -250,8 +250,7 @@ class JetStreamLog:
         self._commit_times: deque[tuple[int, float]] = deque()  # handed commits not yet durable
         self._failed_up_to = 0
         self._snapshot_seq = 0  # the first frame of the snapshot being stored
-        self._purging: asyncio.Future[None] | None = None
-        self._purge_below = 0  # the purge being made: an older one still retrying gives up
+        self._purging: asyncio.Future[None] | None = None  # the purge being made: an older one still retrying gives up
         self._stalled_since: float | None = None  # the first trouble since a frame was last stored
         self._stall_logged = False
         self._stopping = False
@@ -902,9 +901,8 @@ class JetStreamLog:
         """Remove the frames the stored snapshot starting at `below` replaces. A failed purge is tried again until
         a newer snapshot's purge takes its place: a broker that goes idle writes no next snapshot, and its stream
         would keep every frame it ever wrote."""
-        self._purge_below = below
         pause = PURGE_RETRY_FIRST_SECONDS
-        while not self._stopping and self.fenced_by is None and self._purge_below == below:
+        while not self._stopping and self.fenced_by is None and self._purging is asyncio.current_task():
             try:
                 await self.bridge.nc.jetstream(timeout=self.timeout_seconds).purge_stream(self.stream, seq=below)
             except Exception as e:
