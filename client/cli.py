@@ -435,11 +435,24 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     cluster_move.add_argument("node")
     cluster_unpin = cluster_actions.add_parser("unpin", help="let the nodes balance pinned groups again")
     cluster_unpin.add_argument("groups", type=int, nargs="*", help="(default: every pinned group)")
-    for action in (cluster_status, cluster_move, cluster_unpin):
+    cluster_remove = cluster_actions.add_parser("remove", help="delete a cluster's streams made with --groups N (and "
+                                                               "its map once no stream is left); refused while "
+                                                               "any of their groups has an owner that answers")
+    cluster_remove.add_argument("--groups", type=int, required=True, metavar="N", help="the group count to remove")
+    for action in (cluster_status, cluster_move, cluster_unpin, cluster_remove):
         action.add_argument("--log", required=True, metavar="NATS_URLS", help="the cluster's NATS servers, as mqksd's")
         action.add_argument("--cluster", required=True, metavar="NAME", help="the cluster's name, as mqksd's")
     cluster.set_defaults(run=None)
     return parser
+
+
+def duration(seconds: float) -> str:
+    """`45 s`, `12 min`, `3 h`: how long a standby has been silent, as a person reads it."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.0f} h"
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -447,13 +460,18 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     import asyncio
 
     from mqks.server.journal.jetstream_log import log_urls
-    from mqks.server.node.cluster import move_group, read_cluster, unpin_groups
+    from mqks.server.node.cluster import move_group, read_cluster, remove_cluster, unpin_groups
 
     urls = log_urls(args.log)
     try:
         if args.cluster_action == "unpin":
             unpinned = asyncio.run(unpin_groups(urls, args.cluster, args.groups))
             print(f"unpinned groups: {', '.join(map(str, unpinned))}" if unpinned else "no group was pinned")
+            return EXIT_OK
+        if args.cluster_action == "remove":
+            removed = asyncio.run(remove_cluster(urls, args.cluster, args.groups))
+            print(f"removed {len(removed)} streams: {', '.join(removed)}" if removed
+                  else f"cluster {args.cluster!r} has no streams of {args.groups} groups")
             return EXIT_OK
         if args.cluster_action == "move":
             row = asyncio.run(move_group(urls, args.cluster, args.group, args.node))
@@ -471,7 +489,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         return EXIT_OK
     table = [("GROUP", "OWNER", "EPOCH", "ADDRESS", "ANSWERS", "PINNED", "NATS LEADER", "LAST SEQ", "STANDBYS (LAG)")]
     for row in rows:
-        standbys = ", ".join(f"{s['node']} ({s['lag']})" for s in row["standbys"]) or "-"
+        standbys = ", ".join(f"{s['node']} (down {duration(s['seen_seconds_ago'])})" if s["down"]
+                             else f"{s['node']} ({s['lag']})" for s in row["standbys"]) or "-"
         table.append((str(row["group"]), str(row["owner"] or "-"), str(row["epoch"] or "-"), str(row["address"] or "-"),
                       "yes" if row["answering"] == row["owner"] and row["owner"] else "NO", row["pinned"] or "-",
                       str(row["leader"] or "-"), str(row["last_seq"]), standbys))

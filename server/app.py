@@ -143,6 +143,7 @@ class Server:
         self.tables = HandlerTables(place)
         if self.cluster_map is not None:  # the groups' owners are on any node: links go over TCP
             self.peers.dial = self.cluster_map.dial
+            self.peers.unit = "group"
             self.peers.address_of = self.cluster_map.address
             self.peers.connect_retry_seconds = CLUSTER_DIAL_RETRY_SECONDS
             token = self.tokens_for_links()
@@ -208,6 +209,8 @@ class Server:
                 from .node.cluster import ClusterMap
 
                 self.cluster_map = ClusterMap(stream.bridge, stream.candidacy, config.log_replicas, self.on_map_change)
+                stream.candidacy.balance_view = self.cluster_map.balance_view
+                self.cluster_map.watch()
             return Journal(stream, self.error_line, config.compact_min_bytes)
         from .journal.log import Log  # only durable servers load the storage layer
 
@@ -404,7 +407,7 @@ class Server:
             unlinked = [worker for worker, link in enumerate(self.peers.links)
                         if link is None and worker != self.peers.worker]
             if unlinked:
-                return (f"worker {', '.join(map(str, unlinked))} not linked (restarting, or not reading): "
+                return (f"{self.peers.unit} {', '.join(map(str, unlinked))} not linked (restarting, or not reading): "
                         "lines for its queues get an error")
             from .dispatch.figures import log_trouble
 

@@ -96,11 +96,16 @@ class Cluster:
         self.urls = urls
         self.groups = groups
         self.lease = lease
-        self.args = ("--cluster", name, "--groups", str(groups), "--lease", str(lease), "--eval")
+        self.args = self.args_for(name, groups, lease)
         self.nodes: dict[str, ClusterNode] = {}
         for node in nodes:  # started together, as an operator's three hosts would be
             log = ",".join((node_urls or {}).get(node, urls))  # a node may reach NATS its own way (a proxy)
             self.nodes[node] = ClusterNode(node, *self.args, "--log", log, "--node", node, port=free_port())
+
+    @staticmethod
+    def args_for(name: str, groups: int, lease: float) -> tuple[str, ...]:
+        """mqksd's flags for a node of cluster `name` (but --node and --log)."""
+        return ("--cluster", name, "--groups", str(groups), "--lease", str(lease), "--eval")
 
     def ports(self, alive_only: bool = True) -> list[int]:
         return [node.port for node in self.nodes.values() if node.alive() or not alive_only]

@@ -222,6 +222,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 def nats_cluster(tmp_path) -> Iterator[tuple[Path, list[str]]]:
     """Three NATS JetStream nodes on loopback through `mqks nats up` (the cluster extra): (their dir, URLs).
     Always down at the end, whatever the test did to them."""
+    yield from three_nats_nodes(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_nats_cluster(tmp_path_factory) -> Iterator[tuple[Path, list[str]]]:
+    """nats_cluster for a whole module whose tests kill no NATS node (each names its own MQKS cluster)."""
+    yield from three_nats_nodes(tmp_path_factory.mktemp("shared"))
+
+
+def three_nats_nodes(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
     pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
     directory = tmp_path / "nats"
     done = mqks_nats("up", "--nodes", "3", "--dir", str(directory))

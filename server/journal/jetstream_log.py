@@ -83,12 +83,16 @@ class Candidacy:
     """A cluster node's claim on one slot group's stream: it follows the stream as a warm standby and takes it
     over when its owner has appended nothing for `lease_seconds` (the owner appends a heartbeat when idle)."""
 
-    __slots__ = ("cluster", "node", "group", "lease_seconds", "spread_seconds", "owned_here", "may_pull")
+    __slots__ = ("cluster", "node", "group", "lease_seconds", "spread_seconds", "owned_here", "may_pull",
+                 "balance_view")
 
     def __init__(self, cluster: str, node: str, group: int, lease_seconds: float, spread_seconds: float = 3.0,
                  owned_here: Callable[[], int] = lambda: 0, may_pull: Callable[[], bool] = lambda: False) -> None:
         self.owned_here = owned_here  # groups this node owns now (its processes tell each other in its run dir)
         self.may_pull = may_pull  # True once per node at a time: this standby may ask for its group (balance)
+        # groups owned by each node, this group's owner node, the node it is pinned to: the cluster map's view,
+        # given by the node layer (which watches the map); nothing known until it does
+        self.balance_view: Callable[[], tuple[dict[str, int], str | None, str | None]] = lambda: ({}, None, None)
         self.cluster = cluster
         self.node = node
         self.group = group
@@ -422,8 +426,8 @@ class JetStreamLog:
         candidacy = self.candidacy
         assert candidacy is not None
         try:
-            counts, owner, pin = self.bridge.run(self._owners_by_node, timeout=10)
-        except Exception:  # NATS out of reach: nothing to balance now
+            counts, owner, pin = candidacy.balance_view()
+        except OSError:  # NATS out of reach: nothing to balance now
             return
         if owner is None or owner == candidacy.node:
             return
@@ -443,34 +447,6 @@ class JetStreamLog:
                             timeout=10)
         except Exception as e:
             log.info("stream %s: its owner did not take the request (%s)", self.stream, e)
-
-    async def _owners_by_node(self, nc: Any) -> tuple[dict[str, int], str | None, str | None]:
-        """How many groups each node owns, as the cluster map says; the node that owns this group, and the one it is
-        pinned to (None: not pinned)."""
-        from ..node.cluster import open_bucket
-
-        candidacy = self.candidacy
-        assert candidacy is not None
-        kv = await open_bucket(nc, candidacy, self.replicas)
-        counts: dict[str, int] = {}
-        this_owner = pin = None
-        try:
-            keys = await kv.keys()
-        except Exception:  # NoKeysError: nobody owns anything yet
-            return counts, None, None
-        if f"pin.{candidacy.group}" in keys:
-            pin = ((await kv.get(f"pin.{candidacy.group}")).value or b"").decode() or None
-        for key in keys:
-            if not key.startswith("owner."):
-                continue
-            try:
-                node = json.loads((await kv.get(key)).value or b"{}").get("node")
-            except ValueError:
-                continue
-            counts[node] = counts.get(node, 0) + 1
-            if key == f"owner.{candidacy.group}":
-                this_owner = node
-        return counts, this_owner, pin
 
     async def _report_standby(self, nc: Any) -> None:
         candidacy = self.candidacy

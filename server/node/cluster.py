@@ -29,8 +29,12 @@ log = logging.getLogger("mqks.cluster")
 STANDBY_WAIT_SECONDS = 20.0  # `mqks cluster move` waits this long for the target node's standby to report
 PULL_TURN = "pulling"  # in a node's run dir while one of its standbys has asked for its group
 PULL_TURN_SECONDS = 30.0  # a turn whose group never came (its owner refused or died) ends after this
-WATCH_RENEW_SECONDS = 20.0  # a watch that brought nothing this long is made again (its NATS node may have gone)
+# a stopped watcher's consumer goes from NATS after this (nats-py's default is 300 s); a live one never idles
+# this long: NATS sends it a heartbeat every 5 s
+WATCHER_INACTIVE_SECONDS = 30.0
 RETRY_SECONDS = 1.0
+# a standby reports every 2 s (STANDBY_REPORT_SECONDS); silent this long, `mqks cluster status` calls it down
+STANDBY_DOWN_SECONDS = 10.0
 
 
 async def open_bucket(nc: Any, candidacy: Candidacy, replicas: int) -> Any:
@@ -102,10 +106,40 @@ class ClusterMap:
         self.replicas = replicas
         self.on_change = on_change  # called in the hub with the group whose entry changed
         self.entries: dict[int, dict[str, Any]] = {}  # written in the hub only
+        self.serving = False  # an owner logs the map's changes; a standby only keeps them
+
+    def watch(self) -> None:
+        """Follow every group's entry from now on: a standby balances by it, an owner links by it."""
+        self.bridge.spawn(self._watch)
 
     def start(self, about: dict[str, Any]) -> None:
-        """Put this owner's entry, then follow every group's."""
-        self.bridge.spawn(lambda nc: self._put_and_watch(nc, about))
+        """This process owns its group now: put its entry (the watch runs since watch())."""
+        self.serving = True
+        self.bridge.spawn(lambda nc: self._put(nc, about))
+
+    def balance_view(self) -> tuple[dict[str, int], str | None, str | None]:
+        """In the hub: how many groups each node owns as the map says, this group's owner, and the node it is
+        pinned to (None: not pinned). The pin is one direct get (no consumer); OSError when NATS does not answer."""
+        counts: dict[str, int] = {}
+        for entry in self.entries.values():
+            node = entry.get("node")
+            if node is not None:
+                counts[node] = counts.get(node, 0) + 1
+        owner = self.entries.get(self.candidacy.group, {}).get("node")
+        try:
+            pin = self.bridge.run(self._read_pin, timeout=10)
+        except Exception as e:
+            raise OSError(f"cannot read the pin of group {self.candidacy.group}: {e}") from None
+        return counts, owner, pin
+
+    async def _read_pin(self, nc: Any) -> str | None:
+        from nats.js.errors import KeyNotFoundError
+
+        kv = await open_bucket(nc, self.candidacy, self.replicas)
+        try:
+            return ((await kv.get(f"pin.{self.candidacy.group}")).value or b"").decode() or None
+        except KeyNotFoundError:  # KeyDeletedError too: `mqks cluster unpin`
+            return None
 
     def address(self, group: int) -> tuple[str, int] | None:
         """Where the owner of `group` takes links; None while no owner is known."""
@@ -134,26 +168,32 @@ class ClusterMap:
             return
         if known != entry:
             self.entries[group] = entry
-            log.info("group %d: owned by node %s (epoch %s) at %s:%s", group, entry.get("node"), entry.get("epoch"),
-                     entry.get("host"), entry.get("port"))
+            log.log(logging.INFO if self.serving else logging.DEBUG, "group %d: owned by node %s (epoch %s) at %s:%s",
+                    group, entry.get("node"), entry.get("epoch"), entry.get("host"), entry.get("port"))
             self.on_change(group)
 
-    async def _put_and_watch(self, nc: Any, about: dict[str, Any]) -> None:
-        candidacy = self.candidacy
+    async def _put(self, nc: Any, about: dict[str, Any]) -> None:
         while True:
             try:
-                kv = await open_bucket(nc, candidacy, self.replicas)
-                await kv.put(f"owner.{candidacy.group}", json.dumps(about).encode())
-                break
+                kv = await open_bucket(nc, self.candidacy, self.replicas)
+                await kv.put(f"owner.{self.candidacy.group}", json.dumps(about).encode())
+                return
             except Exception as e:
                 log.warning("cluster map: cannot publish this owner's entry (%s); again", e)
                 await asyncio.sleep(RETRY_SECONDS)
+
+    async def _watch(self, nc: Any) -> None:
+        """One watcher for the life of the process. nats-py's ordered consumer checks its heartbeats and makes
+        itself again when its NATS node goes, so an idle watch is not renewed: each renewal was a new consumer
+        that NATS kept for its inactivity threshold, and 48 processes renewing filled the bucket's consumer
+        limit in minutes (issue 39)."""
         while True:
             watcher = None
             try:
-                watcher = await kv.watch("owner.*")
+                kv = await open_bucket(nc, self.candidacy, self.replicas)
+                watcher = await kv.watch("owner.*", inactive_threshold=WATCHER_INACTIVE_SECONDS)
                 while True:
-                    entry = await watcher.updates(timeout=WATCH_RENEW_SECONDS)
+                    entry = await watcher.updates(timeout=None)
                     if entry is None or not entry.value:
                         continue
                     try:
@@ -162,10 +202,9 @@ class ClusterMap:
                     except ValueError:
                         continue
                     self.bridge.to_hub(functools.partial(self._learn, group, value))
-            except Exception as e:  # a timeout: renew; anything else: NATS went away, try again
-                if type(e).__name__ != "TimeoutError":
-                    log.debug("cluster map: watch ended (%s); again", e)
-                    await asyncio.sleep(RETRY_SECONDS)
+            except Exception as e:  # NATS went away for longer than the watcher's own recovery: make it again
+                log.debug("cluster map: watch ended (%s); again", e)
+                await asyncio.sleep(RETRY_SECONDS)
             finally:
                 if watcher is not None:
                     try:
@@ -175,6 +214,73 @@ class ClusterMap:
 
 
 # -- the operator's view: `mqks cluster status|move` (client/cli.py) --------------------------------------------
+
+
+async def read_bucket(js: Any, bucket: str, keys: str = ">") -> dict[str, bytes]:
+    """Every live key of `bucket` matching `keys` and its value, read without a consumer: the stream's subjects,
+    then a direct get each (nats-py's `keys()` makes a consumer that NATS keeps for 300 s after each call, so a
+    script reading the status every few seconds filled the bucket's consumer limit). Raises what NATS raises:
+    a read that fails is an error, never an empty map."""
+    from nats.js.errors import KeyNotFoundError
+
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=prefix + keys)
+    kv = await js.key_value(bucket)
+    values = {}
+    for subject in sorted(info.state.subjects or {}):
+        key = subject[len(prefix):]
+        try:
+            values[key] = (await kv.get(key)).value or b""
+        except KeyNotFoundError:  # deleted (KeyDeletedError), or purged since the listing
+            continue
+    return values
+
+
+
+
+def group_count_of(stream: str, cluster: str) -> tuple[int, int] | None:
+    """(group, groups) of a cluster's stream name `CLUSTER-g-of-N`; None for any other stream."""
+    prefix, _, size = stream.rpartition("-of-")
+    name, _, group = prefix.rpartition("-")
+    if name != cluster or not size.isdigit() or not group.isdigit():
+        return None
+    return int(group), int(size)
+
+
+async def layouts_on_nats(urls: list[str], cluster: str) -> dict[int, list[str]]:
+    """The cluster's streams already on NATS, by the group count in their names."""
+    import nats
+
+    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
+    try:
+        layouts: dict[int, list[str]] = {}
+        for info in await nc.jetstream(timeout=5).streams_info():
+            name = info.config.name or ""
+            found = group_count_of(name, cluster)
+            if found is not None:
+                layouts.setdefault(found[1], []).append(name)
+        return layouts
+    finally:
+        await nc.close()
+
+
+def check_layout(urls: list[str], cluster: str, groups: int) -> str | None:
+    """Why a node of `cluster` with `groups` groups must not start on this NATS (its streams were made with
+    another --groups: two layouts would share one name, and nodes of each would take the other's groups
+    over); None when it may, or when NATS cannot be asked now (the group processes wait for it)."""
+    try:
+        layouts = asyncio.run(layouts_on_nats(urls, cluster))
+    except Exception as e:
+        log.warning("cannot check cluster %s's group count on NATS now (%s); starting", cluster, e)
+        return None
+    others = sorted(count for count in layouts if count != groups)
+    if not others:
+        return None
+    found = others[0]
+    return (f"cluster {cluster!r} already has {found} groups on this NATS (streams {cluster}-0-of-{found} ...), "
+            f"and this node was started with --groups {groups}: start it with --groups {found}, or give this "
+            f"cluster another --cluster name, or remove the old cluster first (mqks cluster remove --cluster "
+            f"{cluster} --groups {found} --log ...)")
 
 
 async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
@@ -189,27 +295,32 @@ async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
     try:
         js = nc.jetstream(timeout=5)
         streams = {}
+        layouts: set[int] = set()
         for info in await js.streams_info():
-            name = info.config.name or ""
-            prefix, _, size = name.rpartition("-of-")
-            if prefix.startswith(f"{cluster}-") and size.isdigit():
-                streams[int(prefix.rpartition("-")[2])] = info
+            found = group_count_of(info.config.name or "", cluster)
+            if found is not None:
+                streams[found[0]] = info
+                layouts.add(found[1])
+        if len(layouts) > 1:
+            raise ValueError(f"cluster {cluster!r} has streams of {len(layouts)} group counts on this NATS "
+                             f"({', '.join(map(str, sorted(layouts)))} groups): remove the one no node runs "
+                             f"(mqks cluster remove --cluster {cluster} --groups N --log ...)")
         entries: dict[str, dict[str, Any]] = {}
         pins: dict[int, str] = {}
         try:
-            kv = await js.key_value(f"mqks-{cluster}")
-            for key in await kv.keys():
-                entry = await kv.get(key)
-                if key.startswith("pin."):
-                    pins[int(key.partition(".")[2])] = (entry.value or b"").decode()
-                    continue
-                try:
-                    entries[key] = json.loads(entry.value or b"{}")
-                except ValueError:
-                    continue
-        except (BucketNotFoundError, Exception) as e:  # no keys yet: NoKeysError
-            if isinstance(e, BucketNotFoundError) and not streams:
+            values = await read_bucket(js, f"mqks-{cluster}")
+        except BucketNotFoundError:
+            if not streams:
                 raise ValueError(f"no cluster {cluster!r} on NATS at {','.join(urls)}") from None
+            values = {}  # streams and no bucket: no owner has put its entry yet
+        for key, value in values.items():
+            if key.startswith("pin."):
+                pins[int(key.partition(".")[2])] = value.decode()
+                continue
+            try:
+                entries[key] = json.loads(value or b"{}")
+            except ValueError:
+                continue
         rows = []
         for group, info in sorted(streams.items()):
             try:
@@ -218,10 +329,13 @@ async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
             except (NoRespondersError, NatsTimeout, ValueError):
                 answering = None
             last_seq = int(info.state.last_seq)
-            standbys = sorted(({"node": value.get("node"), "lag": max(0, last_seq - int(value.get("seq", 0))),
-                                "seen_seconds_ago": round(time.time() - float(value.get("at", 0)), 1)}
-                               for key, value in entries.items() if key.startswith(f"standby.{group}.")),
-                              key=lambda standby: str(standby["node"]))
+            standbys = []
+            for key, report in entries.items():
+                if key.startswith(f"standby.{group}."):
+                    seen_ago = round(time.time() - float(report.get("at", 0)), 1)
+                    standbys.append({"node": report.get("node"), "lag": max(0, last_seq - int(report.get("seq", 0))),
+                                     "seen_seconds_ago": seen_ago, "down": seen_ago > STANDBY_DOWN_SECONDS})
+            standbys.sort(key=lambda standby: str(standby["node"]))
             owner = entries.get(f"owner.{group}", {})
             rows.append({"group": group, "stream": info.config.name,
                          "leader": (info.cluster.leader if info.cluster is not None else None),
@@ -235,17 +349,52 @@ async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
         await nc.close()
 
 
+async def remove_cluster(urls: list[str], cluster: str, groups: int) -> list[str]:
+    """Delete the cluster's streams of `groups` groups, and its bucket once none of its streams is left; the
+    streams deleted. ValueError while one of those groups has an owner that answers: its node still runs."""
+    import nats
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js.errors import NotFoundError
+
+    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
+    try:
+        js = nc.jetstream(timeout=5)
+        doomed: list[str] = []
+        kept: list[str] = []
+        for info in await js.streams_info():
+            name = info.config.name or ""
+            found = group_count_of(name, cluster)
+            if found is not None:
+                (doomed if found[1] == groups else kept).append(name)
+        for name in sorted(doomed):
+            try:
+                answer = await nc.request(f"mqks.owner.{name}", b"", timeout=1.0)
+            except (NoRespondersError, NatsTimeout):
+                continue
+            node = json.loads(answer.data).get("node", "?") if answer.data else "?"
+            raise ValueError(f"node {node} still owns {name}: stop that cluster's nodes first")
+        for name in sorted(doomed):
+            await js.delete_stream(name)
+        if doomed and not kept:
+            try:
+                await js.delete_key_value(f"mqks-{cluster}")
+            except NotFoundError:
+                pass
+        return sorted(doomed)
+    finally:
+        await nc.close()
+
+
 async def unpin_groups(urls: list[str], cluster: str, groups: list[int]) -> list[int]:
     """Let the nodes balance `groups` (every pinned group when empty) again; the groups that were pinned."""
     import nats
 
     nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
     try:
-        kv = await nc.jetstream(timeout=5).key_value(f"mqks-{cluster}")
-        try:
-            pinned = [int(key.partition(".")[2]) for key in await kv.keys() if key.startswith("pin.")]
-        except Exception:  # NoKeysError
-            pinned = []
+        js = nc.jetstream(timeout=5)
+        kv = await js.key_value(f"mqks-{cluster}")
+        pinned = [int(key.partition(".")[2]) for key in await read_bucket(js, f"mqks-{cluster}", "pin.*")]
         unpinned = [group for group in pinned if not groups or group in groups]
         for group in unpinned:
             await kv.delete(f"pin.{group}")

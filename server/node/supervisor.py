@@ -94,6 +94,19 @@ class Supervisor:
             finally:
                 probe.close()
 
+    def check_cluster_layout(self) -> None:
+        """A cluster node refuses a name whose streams on NATS were made with another --groups."""
+        config = self.config
+        if not config.cluster or config.log is None:
+            return
+        from ..journal.jetstream_log import log_urls
+        from .cluster import check_layout
+
+        reason = check_layout(log_urls(config.log), config.cluster, self.count)
+        if reason is not None:
+            log.error("cannot start: %s", reason)
+            raise SystemExit(1)
+
     def on_stop(self, signum: int, frame: Any) -> None:
         if not self.stopping:
             log.info("stopping: passing %s to %d workers", signal.Signals(signum).name, len(self.children))
@@ -115,6 +128,7 @@ class Supervisor:
         signal.signal(signal.SIGHUP, self.on_hup)
         try:
             self.check_ports_free()
+            self.check_cluster_layout()
             self.prepare_data_dir()
             for worker in range(self.count):
                 if self.stopping:  # a SIGTERM during the starts: the rest are not started at all
