@@ -24,7 +24,16 @@ import gevent
 from . import wire
 from .connection import Connection, Link
 from .consumers import Consumer, Consumers, Message, MessageCallback
-from .errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError, is_transient
+from .errors import (
+    FAILOVER_SECONDS,
+    TRANSIENT_RETRY_MAX_SECONDS,
+    TRANSIENT_RETRY_SECONDS,
+    MqksConnectionError,
+    MqksError,
+    MqksProtocolError,
+    MqksTimeoutError,
+    is_transient,
+)
 from .linking import connect_error, link_settings
 from .placement import Homes, Route
 
@@ -33,7 +42,6 @@ __all__ = ["Client", "Message", "MqksConnectionError", "MqksError", "MqksProtoco
 log = logging.getLogger("mqks.client")
 
 REQUEST_TIMEOUT_SECONDS = 30.0  # the broker's own default for `request`
-TRANSIENT_RETRY_SECONDS = 0.5  # a consume refused while its queue's owner fails over goes again after this
 PLACING_POLL_SECONDS = 0.005  # how often a held publish looks again whether every consumer is back
 
 
@@ -51,7 +59,8 @@ class Client:
     whose client has vanished; its pings keep a live one within the TTL. When the broker drains
     (`ok --draining`), the client lets its consumers settle what they hold, then reconnects: to the
     next of `fallbacks` ([(host, port), ...], also tried in turn when one cannot be reached), else to
-    the same address once it is back.
+    the same address once it is back. A consume refused while its queue's owner fails over (a cluster's
+    takeover, a worker's restart) is sent again with a back-off for up to `failover_seconds`.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, ping_seconds: float = 15.0,
@@ -59,7 +68,7 @@ class Client:
                  reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
                  connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
                  ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = (),
-                 anonymous: bool = False) -> None:
+                 anonymous: bool = False, failover_seconds: float = FAILOVER_SECONDS) -> None:
         # what every link shares: direct links speak the same protocol, TLS and token included
         self._link_options = link_settings(
             ping_seconds=ping_seconds, ping_timeout_seconds=ping_timeout_seconds,
@@ -69,6 +78,7 @@ class Client:
         self.host = host
         self.port = port
         self.timeout_seconds = timeout_seconds
+        self.failover_seconds = failover_seconds
         self._new_rid = wire.rid_maker()
         by_any_id: dict[str, Consumer] = {}
         self._consumers = Consumers(f"{host}:{port}", self._new_rid, by_any_id, on_connect=self._on_connect)
@@ -234,12 +244,28 @@ class Client:
         # reject bad flags before sending
         wire.consume_flags(manual_ack, delete_queue_when_unused, prefetch, ack_timeout=ack_timeout,
                            max_retries=max_retries, max_length=max_length)
-        deadline = self._deadline(timeout)
-        session, conn = self._consumer_link(queue_bytes, deadline)
-        consumer = Consumer(self._settle, self._new_rid().decode(), queue_bytes.decode(), events, add, callback,
-                            manual_ack, delete_queue_when_unused, prefetch, json, on_disconnect, on_reconnect,
-                            answer=self._reply, ack_timeout=ack_timeout, max_retries=max_retries,
-                            max_length=max_length)
+        def make(rid: str) -> Consumer:
+            return Consumer(self._settle, rid, queue_bytes.decode(), events, add, callback, manual_ack,
+                            delete_queue_when_unused, prefetch, json, on_disconnect, on_reconnect, answer=self._reply,
+                            ack_timeout=ack_timeout, max_retries=max_retries, max_length=max_length)
+
+        # refused while its queue's owner fails over (a cluster's takeover, a worker's restart): tried again
+        # with a back-off for failover_seconds (a failover outlasts one answer's timeout); `timeout` bounds it all
+        give_up = self._deadline(timeout) if timeout is not None else time.monotonic() + self.failover_seconds
+        pause = TRANSIENT_RETRY_SECONDS
+        while True:
+            try:
+                return self._consume_once(queue_bytes, make, confirm, min(self._deadline(timeout), give_up))
+            except MqksError as e:
+                if type(e) is not MqksError or not is_transient(e) or time.monotonic() + pause > give_up:
+                    raise
+                log.info("mqks: consume of %s refused for now (%s): again in %g s", queue, e.reason, pause)
+            gevent.sleep(pause)
+            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
+
+    def _consume_once(self, queue: bytes, make: Callable[[str], Consumer], confirm: bool, deadline: float) -> str:
+        session, conn = self._consumer_link(queue, deadline)
+        consumer = make(self._new_rid().decode())
         session.start(consumer)
         consumer.conn = conn
         if not confirm:
@@ -268,7 +294,12 @@ class Client:
             self._link.live(deadline)  # its hello tells the slot map
             session = self._session_for(self._route(queue))
             assert session.link is not None
-            conn = session.link.live(deadline)
+            try:
+                conn = session.link.live(deadline)
+            except MqksConnectionError:
+                if self._link.closed or not session.link.closed:
+                    raise
+                continue  # a new map retired that link while this waited (not the client closing): route again
             # waiting may have let a new slot map retire that link: then route again
             if self._session_for(self._route(queue)) is session:
                 return session, conn

@@ -18,9 +18,17 @@ class MqksError(Exception):
         self.rid = rid
 
 
+# a consume refused while its queue's owner fails over is sent again after TRANSIENT_RETRY_SECONDS, doubling up to
+# TRANSIENT_RETRY_MAX_SECONDS, for FAILOVER_SECONDS (longer than a cluster's lease plus its catch-up)
+TRANSIENT_RETRY_SECONDS = 0.5
+TRANSIENT_RETRY_MAX_SECONDS = 2.0
+FAILOVER_SECONDS = 60.0
+
+
 def is_transient(error: MqksError) -> bool:
     """True for a refusal that will pass by itself: the owner of the queue is restarting or failing over."""
-    return error.reason.endswith("try again") or "is restarting" in error.reason
+    reason = error.reason
+    return reason.endswith("try again") or "is restarting" in reason or "(failing over)" in reason
 
 
 class MqksTimeoutError(MqksError, TimeoutError):

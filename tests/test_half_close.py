@@ -19,10 +19,12 @@ pytestmark = pytest.mark.timeout(120)
 ROUNDS = 15  # a race shows in a few rounds out of this many
 
 
-@pytest.fixture(scope="module", params=["memory", "data-dir", "workers2"])
+@pytest.fixture(scope="module", params=["memory", "data-dir", "workers2", "workers2-data-dir"])
 def server(request) -> Iterator[BrokerProcess]:
     with tempfile.TemporaryDirectory() as data_dir:
-        args = {"memory": [], "data-dir": ["--data-dir", data_dir], "workers2": ["--workers", "2"]}[request.param]
+        # workers with a log: another worker's confirms wait for its log, and its mark must wait behind them
+        args = {"memory": [], "data-dir": ["--data-dir", data_dir], "workers2": ["--workers", "2"],
+                "workers2-data-dir": ["--workers", "2", "--data-dir", data_dir]}[request.param]
         server = BrokerProcess(*args)
         yield server
         server.kill()

@@ -14,12 +14,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
 from mqks.client import wire
-from mqks.client.errors import MqksConnectionError, MqksError, MqksTimeoutError, is_transient
+from mqks.client.errors import (
+    FAILOVER_SECONDS,
+    TRANSIENT_RETRY_MAX_SECONDS,
+    TRANSIENT_RETRY_SECONDS,
+    MqksConnectionError,
+    MqksError,
+    MqksTimeoutError,
+    is_transient,
+)
 from mqks.client.linking import connect_error, link_settings
 from mqks.client.placement import Homes, Route
 
@@ -29,7 +38,6 @@ from .consumers import DEFAULT_MAX_BUFFERED, Consumer, Consumers, Hook, MessageC
 log = logging.getLogger("mqks.aio")
 
 REQUEST_TIMEOUT_SECONDS = 30.0  # the broker's own default for `request`
-TRANSIENT_RETRY_SECONDS = 0.5  # a consume refused while its queue's owner fails over goes again after this
 PLACING_POLL_SECONDS = 0.005  # how often a held publish looks again whether every consumer is back
 CALLBACK_GRACE_SECONDS = 1.0  # close() lets a running callback finish this long, then cancels it
 
@@ -40,7 +48,8 @@ class Client:
     Any number of tasks may share one client; it belongs to the event loop it was connected on. Calls
     wait at most `timeout_seconds` (or their own `timeout`), a reconnect included, then raise
     `MqksConnectionError` or `MqksTimeoutError`. The options are the gevent client's (`mqks.client.Client`):
-    `tls`, `token` (else MQKS_AUTH_TOKEN), `ttl_seconds`, `fallbacks`, pings and back-off.
+    `tls`, `token` (else MQKS_AUTH_TOKEN), `ttl_seconds`, `fallbacks`, pings and back-off, and
+    `failover_seconds` (how long a consume refused while its queue's owner fails over keeps trying).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, ping_seconds: float = 15.0,
@@ -48,7 +57,7 @@ class Client:
                  reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
                  connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
                  ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = (),
-                 anonymous: bool = False) -> None:
+                 anonymous: bool = False, failover_seconds: float = FAILOVER_SECONDS) -> None:
         self._link_options = link_settings(
             ping_seconds=ping_seconds, ping_timeout_seconds=ping_timeout_seconds,
             reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
@@ -57,6 +66,7 @@ class Client:
         self.host = host
         self.port = port
         self.timeout_seconds = timeout_seconds
+        self.failover_seconds = failover_seconds
         self._new_rid = wire.rid_maker()
         self._consumers = Consumers(f"{host}:{port}", self._new_rid, on_connect=self._on_connect)
         self._link = Link(host, port, self._consumers, self._new_rid, fallbacks=fallbacks, **self._link_options)
@@ -225,17 +235,37 @@ class Client:
         events = [token.decode() for token in wire.encode_tokens(events, "event")]
         wire.consume_flags(manual_ack, delete_queue_when_unused, prefetch, ack_timeout=ack_timeout,
                            max_retries=max_retries, max_length=max_length)
-        deadline = self._deadline(timeout)
-        session, conn = await self._consumer_link(queue_bytes, deadline)
-        consumer = Consumer(self._settle, self._reply, self._delete, self._new_rid().decode(), queue_bytes.decode(),
-                            events, add, manual_ack, delete_queue_when_unused, prefetch, json,
-                            max_buffered=max_buffered, on_disconnect=on_disconnect, on_reconnect=on_reconnect,
-                            ack_timeout=ack_timeout, max_retries=max_retries, max_length=max_length)
+        def make(rid: str) -> Consumer:
+            return Consumer(self._settle, self._reply, self._delete, rid, queue_bytes.decode(), events, add,
+                            manual_ack, delete_queue_when_unused, prefetch, json, max_buffered=max_buffered,
+                            on_disconnect=on_disconnect, on_reconnect=on_reconnect, ack_timeout=ack_timeout,
+                            max_retries=max_retries, max_length=max_length)
+
+        # refused while its queue's owner fails over (a cluster's takeover, a worker's restart): tried again
+        # with a back-off for failover_seconds (a failover outlasts one answer's timeout); `timeout` bounds it all
+        give_up = self._deadline(timeout) if timeout is not None else time.monotonic() + self.failover_seconds
+        pause = TRANSIENT_RETRY_SECONDS
+        while True:
+            try:
+                return await self._consume_once(queue_bytes, make, callback, confirm,
+                                                min(self._deadline(timeout), give_up))
+            except MqksError as e:
+                if type(e) is not MqksError or not is_transient(e) or time.monotonic() + pause > give_up:
+                    raise
+                log.info("mqks: consume of %s refused for now (%s): again in %g s", queue, e.reason, pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
+
+    async def _consume_once(self, queue: bytes, make: Callable[[str], Consumer], callback: MessageCallback | None,
+                            confirm: bool, deadline: float) -> Consumer:
+        session, conn = await self._consumer_link(queue, deadline)
+        consumer = make(self._new_rid().decode())
         session.start(consumer)
         consumer.conn = conn
         if callback is not None:
             consumer.task = asyncio.get_running_loop().create_task(consumer.run(callback),
-                                                                   name=f"mqks consumer {consumer.id} of {queue}")
+                                                                   name=f"mqks consumer {consumer.id} of "
+                                                                        f"{queue.decode()}")
         if not confirm:
             conn.write(consumer.consume_line(confirm=False))
             return consumer
@@ -259,7 +289,12 @@ class Client:
             await self._link.live(deadline)  # its hello tells the slot map
             session = self._session_for(self._homes.route(queue))
             assert session.link is not None
-            conn = await session.link.live(deadline)
+            try:
+                conn = await session.link.live(deadline)
+            except MqksConnectionError:
+                if self._link.closed or not session.link.closed:
+                    raise
+                continue  # a new map retired that link while this waited (not the client closing): route again
             if self._session_for(self._homes.route(queue)) is session:  # a new map may have retired that link
                 return session, conn
 

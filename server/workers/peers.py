@@ -201,6 +201,21 @@ class PeerLink(FrameSocket):
         self.lost("closed by the peer")
 
 
+class MarkAfterConfirms:
+    """Stands in for an outbox among the journal's confirms: once the confirms before it are answered (ok or
+    error), it answers a session's mark."""
+
+    __slots__ = ("link", "key", "session")
+
+    def __init__(self, link: IncomingLink, key: bytes, session: RemoteSession) -> None:
+        self.link = link
+        self.key = key
+        self.session = session
+
+    def write(self, data: bytes) -> None:
+        self.link.answer_mark(self.key, self.session)
+
+
 class RemoteSession:
     """A client of another worker, as its lines run here: its consumers, and the frames its output goes back in."""
 
@@ -399,12 +414,21 @@ class IncomingLink(FrameSocket):
             chunk = b""
 
     def mark(self, key: bytes) -> None:
-        """Answer an M: the session's output so far, then `.{key}`."""
+        """Answer an M: the session's output so far, then `.{key}`. A confirm the session is owed comes first:
+        with a log, the mark waits behind it for the log (the client's worker closes a half-closed client once
+        its marks are answered, and an answer after the mark was lost)."""
         session = self.sessions.get(key)
+        journal = self.peers.process.journal
+        if session is not None and journal is not None and journal.owes(session.outbox):
+            journal.confirm_later(MarkAfterConfirms(self, key, session), b"")
+            return
+        self.answer_mark(key, session)
+
+    def answer_mark(self, key: bytes, session: RemoteSession | None) -> None:
         if session is not None:
             session.flush()
             if key[:1] == b"g":  # a gather's session lives for one answer
-                del self.sessions[key]
+                self.sessions.pop(key, None)
         self.frame(Frame.MARKED, key)
 
     def publish_confirmed(self, broker: Broker, payload: bytes) -> None:
@@ -557,8 +581,8 @@ class Forwarder:
         for owner in owners:
             link = self.links[owner]
             if link is None:
-                fanin.write(process.error_line(rid, f"worker {owner}, which owns a bound queue, is restarting: "
-                                                    "the message was not put there"))
+                fanin.write(process.error_line(rid, f"{self.peers.unreachable(owner, 'a bound queue')}: the "
+                                                    "message was not put there"))
             else:
                 link.add(Frame.PUBLISH_CONFIRMED, b"-", b"%b %b%b" % (fanin_id, event, tail))
         local.publish(msg_id, event, tail)
@@ -651,6 +675,7 @@ class Peers:
         self.unlinked = count - 1
         # how a link is opened: a Unix socket in run_dir here; a cluster's node dials the group's owner over TCP
         self.dial: Callable[[int], socket.socket] = self.dial_unix
+        self.unit = "worker"  # what errors call a peer: "group" in a cluster, where a group's owner is on any node
         self.link_hello = b"- _link %d\n" % self.worker
         # each peer's latest link (ready or still waiting for its bindings) and the address it was opened to: a
         # cluster's owner may move
@@ -676,11 +701,20 @@ class Peers:
         local.bindings_changed = self.broadcast_bindings
         local.broker_for = self.broker_for
 
+    def unreachable(self, owner: int, what: str = "") -> str:
+        """Why lines for `owner`'s queues cannot run now, in the words of this kind of broker: a worker restarts,
+        a cluster's group fails over."""
+        owns = f", which owns {what}," if what else ""
+        if self.unit == "group":
+            return f"group {owner}{owns} has no owner reachable from here (failing over)"
+        return f"worker {owner}{owns} is restarting"
+
     def unlinked_reason(self) -> str:
         missing = ", ".join(str(worker) for worker, link in enumerate(self.links)
                             if link is None and worker != self.worker)
-        return (f"worker {missing} is not linked here (restarting, or its group failing over): the queues it binds are "
-                "unknown, so the message was not published; try again")
+        why = "its owner failing over" if self.unit == "group" else "restarting"
+        return (f"{self.unit} {missing} is not linked here ({why}): the queues it binds are unknown, so the message "
+                "was not published; try again")
 
     def socket_path(self, worker: int) -> str:
         return os.path.join(self.run_dir, f"link-{worker}.sock")

@@ -77,7 +77,7 @@ class RelaySession:
         """Run `line` in this session's place on worker `owner`; `answer_first`: the next lines wait until it has."""
         link = self.peers.links[owner]
         if link is None:
-            raise ProtocolError(f"worker {owner}, which owns this, is restarting: try again")
+            raise ProtocolError(f"{self.peers.unreachable(owner, 'this')}: try again")
         key = self.peer_key()
         link.add(Frame.SESSION_LINES, key, line)
         self.remote.add(owner)
@@ -318,7 +318,7 @@ def gather(session: Session, line: bytes, local_answer: bytes, merge: Callable[[
         if worker != peers.worker:
             link = peers.links[worker]
             if link is None:
-                raise ProtocolError(f"worker {worker} is restarting: ask again in a moment")
+                raise ProtocolError(f"{peers.unreachable(worker)}: ask again in a moment")
             links.append(link)
     key = peers.new_key(b"g")
     peers.targets[key] = Gather(relay, key, len(links), lambda answers: merge(local_answer, answers))

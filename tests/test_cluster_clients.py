@@ -1,0 +1,121 @@
+"""What a client meets in a cluster: a half-closed `nc` gets every answer, whichever node owns its queues, and a
+consume sent while its queue's owner fails over waits for the new owner instead of raising (both clients).
+
+One NATS cluster for the module (no test kills a NATS node); each test runs its own MQKS cluster on it.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+from cluster_harness import Cluster, wait_for
+from conftest import CALL_FAILED
+from helpers import unique
+
+pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
+
+from mqks.client import Client
+
+pytestmark = pytest.mark.timeout(240)
+
+LEASE = 6.0
+
+
+@pytest.fixture(autouse=True)
+def node_logs_on_failure(request):
+    Cluster.made.clear()
+    yield
+    if request.node.stash.get(CALL_FAILED, False):
+        for made in Cluster.made:
+            print(made.log_tails())
+
+
+@pytest.fixture
+def cluster(shared_nats_cluster):
+    _, urls = shared_nats_cluster
+    made = Cluster(unique("cc").replace("-", "_"), urls, lease=LEASE)
+    made.wait_balanced()
+    yield made
+    made.stop()
+
+
+def half_closed(port: int, payload: bytes) -> list[bytes]:
+    """Send `payload`, shut the writing side (`printf ... | nc -q`), read to EOF: every line the node wrote."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    return data.split(b"\n")[:-1]
+
+
+def test_a_half_closed_client_gets_every_answer_whichever_node_owns_its_queue(cluster):
+    """Through every node, to a queue of every group: ten confirmed publishes, the writing side shut at once,
+    ten answers; and a consume with a publish gets both answers and the delivery. Before issue 39, lines run by
+    another node's owner lost their answers (its mark came back before the log had their confirms)."""
+    owners = cluster.owners()
+    for node in cluster.nodes.values():
+        for group in range(cluster.groups):
+            queue = cluster.queue_of(group, unique("hq")).encode()
+            event = unique("he").encode()
+            assert half_closed(node.port, b"r rebind --confirm %b %b\n" % (queue, event)) == [b"r ok "]
+            lines = half_closed(node.port, b"".join(b"p%d publish --confirm %b hi\n" % (i, event)
+                                                    for i in range(10)))
+            assert sorted(lines) == sorted(b"p%d ok " % i for i in range(10)), \
+                f"through node {node.name} to group {group} (owned by {owners[group]}): {lines}"
+            other = cluster.queue_of(group, unique("hc")).encode()
+            lines = half_closed(node.port, b"c consume --confirm %b %b\np publish --confirm %b hello\n"
+                                % (other, event + b"2", event + b"2"))
+            assert sorted(lines) == sorted([b"c ok ", b"p ok ", b"c ok p event=%b2 hello" % event]), \
+                f"through node {node.name} to group {group} (owned by {owners[group]}): {lines}"
+
+
+def test_a_consume_sent_while_its_owner_fails_over_waits_for_the_new_owner(cluster):
+    """kill -9 of the node owning a group, then at once a consume of a queue of that group from the gevent client
+    and from mqks.aio: both return once a standby has taken the group over (no error), and both get what is
+    published after."""
+    import asyncio
+
+    from mqks import aio
+
+    owners = cluster.owners()
+    group, victim = next(iter(sorted(owners.items())))
+    survivor = next(node for name, node in cluster.nodes.items() if name != victim)
+    seeds = [("127.0.0.1", node.port) for name, node in cluster.nodes.items() if name != victim]
+    queue, aio_queue = cluster.queue_of(group, unique("fq")), cluster.queue_of(group, unique("fa"))
+    client = Client("127.0.0.1", survivor.port, fallbacks=seeds, reconnect_max_seconds=0.5).connect(timeout=30)
+    received: list[str] = []
+    aio_outcome: dict[str, object] = {}
+
+    def aio_consumer() -> None:
+        async def main() -> None:
+            async with aio.Client("127.0.0.1", survivor.port, fallbacks=seeds, reconnect_max_seconds=0.5) as aclient:
+                consumer = await aclient.consume(aio_queue, [f"{aio_queue}.e"])
+                aio_outcome["consumed"] = True
+                async for msg in consumer:
+                    aio_outcome["message"] = msg.data
+                    return
+        try:
+            asyncio.run(asyncio.wait_for(main(), 120))
+        except BaseException as e:  # the test asserts on it
+            aio_outcome["error"] = e
+
+    cluster.kill(victim)
+    aio_thread = threading.Thread(target=aio_consumer, daemon=True)
+    aio_thread.start()
+    try:
+        client.consume(queue, [f"{queue}.e"], lambda msg: received.append(msg.data))  # raised before issue 39
+        wait_for(lambda: aio_outcome, "mqks.aio's consume to return or fail", 90, interval=0.1)
+        assert "error" not in aio_outcome, aio_outcome
+        client.publish(f"{queue}.e", "after the failover", confirm=True)
+        client.publish(f"{aio_queue}.e", "after the failover too", confirm=True)
+        wait_for(lambda: received, "the delivery to the gevent client's consumer", 30)
+        assert received == ["after the failover"]
+        wait_for(lambda: "message" in aio_outcome or "error" in aio_outcome, "the delivery to mqks.aio", 30, 0.1)
+        assert aio_outcome.get("message") == "after the failover too", aio_outcome
+    finally:
+        client.close()
+        aio_thread.join(10)
