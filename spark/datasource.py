@@ -1,6 +1,7 @@
 """`MqksDataSource`, format name "mqks": the entry point Spark calls on the driver.
 
-It only parses options and builds the reader or writer; all I/O happens in `source.py`
+It parses options, binds the source's queues at `load()` (so nothing published after `start()` is lost while
+the query plans its first batch), and builds the reader or writer; the rest of the I/O happens in `source.py`
 (a driver that plans and acks, executors that fetch under leases) and `sink.py`
 (executor-side publishers). Options are checked when Spark builds the data source, so a
 bad or unknown option fails `load()` or `start()`, not the first batch.
@@ -12,7 +13,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, DataSourc
 from pyspark.sql.types import StructType
 
 from mqks.spark.sink import MqksBatchWriter, MqksStreamWriter, SinkOptions
-from mqks.spark.source import SOURCE_SCHEMA, MqksStreamReader, SourceOptions, check_schema
+from mqks.spark.source import SOURCE_SCHEMA, MqksStreamReader, SourceOptions, bind_at_load, check_schema
 
 
 class MqksDataSource(DataSource):
@@ -23,7 +24,8 @@ class MqksDataSource(DataSource):
         return "mqks"
 
     def schema(self) -> str:
-        SourceOptions.parse(self.options)  # load() fails here, before any query starts
+        """Called once by `load()`: options checked (a bad one fails load()), and the queues bound."""
+        bind_at_load(SourceOptions.parse(self.options))
         return SOURCE_SCHEMA
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:

@@ -276,6 +276,26 @@ class Control:
         return sum(int(answer[0] or 0) for answer in self.call([("settle", chunk) for chunk in chunks]).values())
 
 
+def bind_queues(control: Control, options: SourceOptions) -> None:
+    """Create the named queues and add `events` to their bindings (rebind --add, idempotent): messages routed
+    from now on wait for the query."""
+    adds = " --add " + " ".join(options.events) if options.events else ""
+    binds = [("rebind", f"--confirm {name}{adds}") for name in options.queues if "*" not in name]
+    if binds:
+        control.call(binds)
+
+
+def bind_at_load(options: SourceOptions) -> None:
+    """`load()`'s side of the source: bind its queues before the query starts. The reader is made only when the
+    query plans its first batch, seconds after `start()` returned: what was published meanwhile went to no
+    queue. A broker away for `reconnectSeconds` fails load()."""
+    control = Control(options.endpoint)
+    try:
+        bind_queues(control, options)
+    finally:
+        control.close()
+
+
 class MqksStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Plans batches of `queues` on the driver; executors fetch them under leases; commit acks them."""
 
@@ -302,12 +322,8 @@ class MqksStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self.control is None:
             self.session = uuid.uuid4().hex[:16]
             self.control = Control(self.options.endpoint)
-            options = self.options
-            binds = [("rebind", f"--confirm {name}" + (" --add " + " ".join(options.events) if options.events else ""))
-                     for name in options.queues if "*" not in name]
-            if binds:
-                self.control.call(binds)  # creates the queues: messages routed from now on wait for the query
-            log.info("mqks source: session %s reads %s", self.session, " ".join(options.queues))
+            bind_queues(self.control, self.options)  # again: a queue deleted since load() comes back
+            log.info("mqks source: session %s reads %s", self.session, " ".join(self.options.queues))
         return self.control
 
     def initialOffset(self) -> dict:

@@ -45,6 +45,41 @@ def test_the_readme_python_example_runs_as_written(broker: BrokerProcess) -> Non
     assert done.stdout == "user.1.created hi there\n"
 
 
+def readme_example(heading: str, language: str = "python", index: int = 1) -> str:
+    """The `index`-th ```language block after `heading` in the README."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    return readme.split(heading)[1].split(f"```{language}\n")[index].split("```")[0]
+
+
+def test_the_readme_examples_run_in_order_beside_the_hello_world_sessions(broker: BrokerProcess) -> None:
+    """Hello world's four sessions answer as printed and stay open (consuming); then the Python example and the
+    asyncio one, as printed, each print their message: before issue 39 they shared the nc users' queue, and
+    Alice or Bob took it (the gevent example printed nothing, the asyncio one hung)."""
+    hello = readme_example("## Hello world", language="", index=1)
+    sessions = {}
+    for line in hello.strip().splitlines():
+        name = line.split(" ")[0]
+        sessions[name] = broker.wire()
+        sessions[name].send(line.encode())
+        if name != "Dave":  # a person types the next line once this one ran: a ping on the same session proves it
+            assert sessions[name].barrier() == []
+    assert sessions["Charlie"].recv_line() == b"Charlie ok Dave event=hello world"
+    # Dave's publish has run (Charlie has its copy): a ping on each of Alice and Bob comes after theirs
+    got = {name: sessions[name].barrier() for name in ("Alice", "Bob")}
+    assert got in ({"Alice": [b"Alice ok Dave event=hello world"], "Bob": []},
+                   {"Alice": [], "Bob": [b"Bob ok Dave event=hello world"]}), got
+    try:
+        for heading, index in (("## The Python client in ten lines", 1), ("## The Python client in ten lines", 2)):
+            script = readme_example(heading, index=index).replace("25000", str(broker.port))
+            done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                  timeout=RUN_TIMEOUT_SECONDS)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout == "user.1.created hi there\n", (index, done.stdout, done.stderr)
+    finally:
+        for wire in sessions.values():
+            wire.close()
+
+
 def stats_py(server: BrokerProcess, *args: str) -> subprocess.CompletedProcess:
     """Run `python stats.py --port P ARGS` from the repo root, as the README says."""
     return subprocess.run([sys.executable, str(STATS_PY), "--port", str(server.port), *args], capture_output=True,

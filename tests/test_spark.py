@@ -141,6 +141,23 @@ def test_stream_delivers_5000_events_and_acks_them_all(spark, broker):
     assert all(r.received_at is not None for r in rows)
 
 
+def test_what_is_published_right_after_start_is_read(spark, broker):
+    """load() binds the queue: messages published the moment start() returns (seconds before Spark plans its first
+    batch) wait for the query. Before issue 39 the queue was made at the first batch, and they went nowhere."""
+    queue = "spark.fresh"
+    stream = mqks_stream(spark, broker, queue, "fresh.e", idleAckSeconds="1")
+    assert queue_row(broker, queue) is not None  # bound at load(), before any query runs
+    query = stream.writeStream.format("memory").queryName("spark_fresh").start()
+    try:
+        ids = [f"f{i}" for i in range(100)]
+        publish(broker, [(m, "fresh.e", "x") for m in ids])
+        eventually(lambda: spark.sql("select count(*) from spark_fresh").first()[0] >= 100, "100 rows in the sink")
+        eventually(lambda: queue_depths(broker, queue) == (0, 0), "the queue to drain with nothing un-acked")
+    finally:
+        query.stop()
+    assert sorted(r.msg_id for r in spark.sql("select msg_id from spark_fresh").collect()) == sorted(ids)
+
+
 def test_max_records_per_batch_bounds_every_batch(spark, broker):
     queue = "spark.limit"
     bind(broker, queue, "limit.e")
