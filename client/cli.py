@@ -42,10 +42,10 @@ EXIT_FEATURE_OFF = 3
 EXIT_NO_REPLY = 4
 EXIT_INTERRUPTED = stats.EXIT_INTERRUPTED
 COMMANDS = frozenset({"publish", "consume", "ping", "stats", "queues", "top", "eval", "request", "schedule",
-                      "unschedule", "schedules", "purge", "requeue-dead", "nats", "cluster"})
+                      "unschedule", "schedules", "rebind", "delete-queue", "purge", "requeue-dead", "nats", "cluster"})
 NATS_DIR = "nats-local"  # `mqks nats`'s files, under the current directory (.gitignore has it)
 JSON_COMMANDS = frozenset({"stats", "queues", "schedules"})  # with --json, stdout holds JSON only, errors included
-TOP_HINT = 'mqks top needs rich, which the broker does not: pip install "mqks[top]"'
+TOP_HINT = 'mqks top needs rich, which the broker does not: .venv/bin/pip install -e ".[top]" in the clone'
 
 
 class FeatureOff(Exception):
@@ -221,12 +221,40 @@ def stdout_closed() -> None:
         os.close(devnull)
 
 
+class NoSuchQueue(Exception):
+    """The command names a queue the broker does not have (exit 1; a typo should not read as "done")."""
+
+
+def require_queue(client: Client, queue: str) -> None:
+    if not any(row["queue"] == queue for row in client.queues(queue)):
+        raise NoSuchQueue(f"no queue {queue!r} on the broker (mqks queues lists them)")
+
+
+def cmd_rebind(client: Client, args: argparse.Namespace) -> int:
+    if args.add:
+        client.rebind(args.queue, add=args.events, confirm=True)
+    else:
+        client.rebind(args.queue, args.events, confirm=True)
+    row = next(row for row in client.queues(args.queue) if row["queue"] == args.queue)
+    print(f"{args.queue}: {row['bindings']} bindings", flush=True)
+    return EXIT_OK
+
+
+def cmd_delete_queue(client: Client, args: argparse.Namespace) -> int:
+    require_queue(client, args.queue)
+    client.delete_queue(args.queue, confirm=True)
+    print(f"deleted {args.queue}", flush=True)
+    return EXIT_OK
+
+
 def cmd_purge(client: Client, args: argparse.Namespace) -> int:
+    require_queue(client, args.queue)
     print(f"purged {client.purge_queue(args.queue)} messages from {args.queue}", flush=True)
     return EXIT_OK
 
 
 def cmd_requeue_dead(client: Client, args: argparse.Namespace) -> int:
+    require_queue(client, f"{args.queue}.dead")
     moved = client.requeue_dead(args.queue, limit=args.limit, msg_ids=args.msg_ids or None)
     print(f"moved {moved} dead letters from {args.queue}.dead back to {args.queue}", flush=True)
     return EXIT_OK
@@ -308,7 +336,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
 
     publish = commands.add_parser("publish", parents=[common], help="publish one message")
     publish.add_argument("event", metavar="EVENT")
-    publish.add_argument("data", nargs="*", metavar="DATA",
+    publish.add_argument("data", nargs="*", default=[], metavar="DATA",
                          help="the message text: the rest of the line, joined by spaces (no newlines or tabs)")
     publish.add_argument("--json", action="store_true",
                          help="DATA is JSON text (it may span lines); it is sent re-encoded on one line")
@@ -317,7 +345,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
 
     consume = commands.add_parser("consume", parents=[common], help="print each message of a queue until Ctrl-C")
     consume.add_argument("queue", metavar="QUEUE")
-    consume.add_argument("events", nargs="*", metavar="EVENT",
+    consume.add_argument("events", nargs="*", default=[], metavar="EVENT",
                          help="events or masks (user.*.created) that replace the queue's bindings")
     consume.add_argument("--add", action="store_true", help="add the events to the queue's bindings instead")
     consume.add_argument("--manual-ack", action="store_true",
@@ -327,7 +355,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     consume.set_defaults(run=cmd_consume)
 
     ping = commands.add_parser("ping", parents=[common], help="check the broker answers")
-    ping.add_argument("data", nargs="*", metavar="DATA",
+    ping.add_argument("data", nargs="*", default=[], metavar="DATA",
                       help="what the broker echoes: the rest of the line (default pong)")
     ping.set_defaults(run=cmd_ping)
 
@@ -362,7 +390,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
         description="Publish EVENT DATA as a request and print the first worker's reply. --timeout is how "
                     "long to wait for it (default 10 s); no reply by then exits 4.")
     request.add_argument("event", metavar="EVENT")
-    request.add_argument("data", nargs="*", metavar="DATA",
+    request.add_argument("data", nargs="*", default=[], metavar="DATA",
                          help="the request text: the rest of the line, joined by spaces (no newlines or tabs)")
     request.add_argument("--json", action="store_true",
                          help="DATA is JSON text (it may span lines); it is sent re-encoded on one line")
@@ -374,7 +402,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
                     "of the same NAME is replaced. It fires at once unless --nohaste.")
     schedule.add_argument("name", metavar="NAME")
     schedule.add_argument("event", metavar="EVENT")
-    schedule.add_argument("data", nargs="*", metavar="DATA",
+    schedule.add_argument("data", nargs="*", default=[], metavar="DATA",
                           help="the message text: the rest of the line, joined by spaces (no newlines or tabs)")
     rule = schedule.add_mutually_exclusive_group(required=True)
     rule.add_argument("--every", type=float, metavar="SECONDS", help="fire every SECONDS (> 0)")
@@ -395,6 +423,18 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     schedules.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     schedules.set_defaults(run=cmd_schedules)
 
+    rebind = commands.add_parser("rebind", parents=[common],
+                                 help="create QUEUE if missing, and set its bindings to EVENTs (or --add them)")
+    rebind.add_argument("queue", metavar="QUEUE")
+    rebind.add_argument("events", nargs="*", default=[], metavar="EVENT", help="events or masks (user.*.created)")
+    rebind.add_argument("--add", action="store_true", help="add the events to the queue's bindings instead")
+    rebind.set_defaults(run=cmd_rebind)
+
+    delete_queue = commands.add_parser("delete-queue", parents=[common],
+                                       help="delete QUEUE: its messages, bindings and consumers (told with --update)")
+    delete_queue.add_argument("queue", metavar="QUEUE")
+    delete_queue.set_defaults(run=cmd_delete_queue)
+
     purge = commands.add_parser("purge", parents=[common],
                                 help="(ext) drop every message waiting in QUEUE (not those consumers hold)")
     purge.add_argument("queue", metavar="QUEUE")
@@ -403,7 +443,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     requeue_dead = commands.add_parser("requeue-dead", parents=[common],
                                        help="(ext) move the dead letters in QUEUE.dead back to QUEUE, retries at 0")
     requeue_dead.add_argument("queue", metavar="QUEUE")
-    requeue_dead.add_argument("msg_ids", nargs="*", metavar="MSG_ID", help="only these (default: all)")
+    requeue_dead.add_argument("msg_ids", nargs="*", default=[], metavar="MSG_ID", help="only these (default: all)")
     requeue_dead.add_argument("--limit", type=int, default=None, metavar="N", help="only the oldest N")
     requeue_dead.set_defaults(run=cmd_requeue_dead)
 
@@ -434,7 +474,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     cluster_move.add_argument("group", type=int)
     cluster_move.add_argument("node")
     cluster_unpin = cluster_actions.add_parser("unpin", help="let the nodes balance pinned groups again")
-    cluster_unpin.add_argument("groups", type=int, nargs="*", help="(default: every pinned group)")
+    cluster_unpin.add_argument("groups", type=int, nargs="*", default=[], help="(default: every pinned group)")
     cluster_remove = cluster_actions.add_parser("remove", help="delete a cluster's streams made with --groups N (and "
                                                                "its map once no stream is left); refused while "
                                                                "any of their groups has an owner that answers")
@@ -512,7 +552,9 @@ def cmd_nats(args: argparse.Namespace) -> int:
             for node in nats_local.down(args.dir, args.timeout):
                 print(f"  {node.name}  stopped (pid {node.pid})")
         else:
-            for node in nats_local.load(args.dir):
+            nodes = nats_local.load(args.dir)
+            print(",".join(node.url for node in nodes))  # as `up` printed it: NATS=$(mqks nats status | sed -n 1p)
+            for node in nodes:
                 if nats_local.healthy(node):
                     state = "up"
                 else:
@@ -578,6 +620,8 @@ def run_command(args: argparse.Namespace) -> int:
         return fail(str(e), EXIT_USAGE)
     except FeatureOff as e:
         return fail(str(e), EXIT_FEATURE_OFF)
+    except NoSuchQueue as e:
+        return fail(str(e), EXIT_BROKER)
     except MqksConnectionError as e:
         return fail(str(e), EXIT_BROKER)
     except MqksError as e:

@@ -85,6 +85,7 @@ def test_up_starts_three_ready_nodes_and_down_stops_them(nats_cluster):
         assert config.count("nats-route://") == 2
     status = mqks_nats("status", "--dir", str(directory))
     assert status.returncode == 0 and status.stdout.count(" up") == 3, status.stdout
+    assert status.stdout.splitlines()[0] == ",".join(urls)  # as `up` printed it: a new shell rebuilds $NATS
     pids = [node["pid"] for node in nodes]
     done = mqks_nats("down", "--dir", str(directory))
     assert done.returncode == 0, done.stderr
