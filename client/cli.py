@@ -62,7 +62,7 @@ def version() -> str:
 
 def cmd_publish(client: Client, args: argparse.Namespace) -> int:
     value = command_data(args)
-    msg_id = client.publish(args.event, value, confirm=args.confirm, json=args.json)
+    msg_id = client.publish(args.event, value, confirm=args.confirm, json=args.json, mandatory=args.mandatory)
     if args.confirm:
         print(msg_id, flush=True)
     return EXIT_OK
@@ -341,6 +341,8 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     publish.add_argument("--json", action="store_true",
                          help="DATA is JSON text (it may span lines); it is sent re-encoded on one line")
     publish.add_argument("--confirm", action="store_true", help="wait for the broker's ok and print the msg id")
+    publish.add_argument("--mandatory", action="store_true",
+                         help="an error (exit 1) when no queue is bound to EVENT, instead of a message gone at once")
     publish.set_defaults(run=cmd_publish)
 
     consume = commands.add_parser("consume", parents=[common], help="print each message of a queue until Ctrl-C")

@@ -189,17 +189,18 @@ class Client:
 
     def publish(self, event: str, data: Any = "", confirm: bool = False, json: bool = False,
                 timeout: float | None = None, *, delay: float | None = None,
-                at: float | datetime | None = None) -> str:
+                at: float | datetime | None = None, mandatory: bool = False) -> str:
         """Publish and return the msg id; with confirm, only after the broker's ok.
 
         Without confirm the line is queued for the next batch (fire and forget). With confirm a publish
         cut off by a lost connection is sent again after the reconnect: at least once, until `timeout`.
         `delay` (seconds) or `at` (unix seconds or a datetime) hold the copies back until then (extension).
+        `mandatory` (extension) makes a publish to an event no queue is bound to an error (with confirm, raised).
         """
-        plain = not (confirm or json or delay is not None or at is not None)
+        plain = not (confirm or json or mandatory or delay is not None or at is not None)
         rid = self._new_rid()
         line = wire.publish_line(rid, event, data) if plain else b""  # bad arguments fail before any wait
-        args = [] if plain else wire.publish_args(event, data, json, delay, at)
+        args = [] if plain else wire.publish_args(event, data, json, delay, at, mandatory)
         if not self._consumers_placed():
             self._wait_until_consumers_placed(self._deadline(timeout))
         if plain:

@@ -333,9 +333,12 @@ def body(data: Any, json: bool, kind: str = "data") -> bytes:
     return encode_data(ujson.dumps(data) if json else data, kind)
 
 
-def publish_args(event: str, data: Any, json: bool, delay: float | None, at: float | datetime | None) -> list[bytes]:
-    """The arguments of `publish [--delay=S|--at=T] {event} {data}`; ValueError/TypeError before anything is sent."""
-    return [*publish_flags(delay, at), event_token(event), body(data, json)]
+def publish_args(event: str, data: Any, json: bool, delay: float | None, at: float | datetime | None,
+                 mandatory: bool = False) -> list[bytes]:
+    """The arguments of `publish [--mandatory] [--delay=S|--at=T] {event} {data}`; ValueError/TypeError before
+    anything is sent."""
+    return [*((b"--mandatory",) if mandatory else ()), *publish_flags(delay, at), event_token(event),
+            body(data, json)]
 
 
 def settle_args(action: bytes, consumer_id: str, msg_ids: tuple[str, ...] | list[str], all: bool,

@@ -66,6 +66,17 @@ def test_publish_confirm_returns_after_ok(client: Client) -> None:
     assert inbox.wait(1)[0].id == msg_id
 
 
+def test_a_mandatory_publish_to_no_queue_raises_and_one_to_a_bound_event_arrives(client: Client) -> None:
+    queue, event = unique("q"), unique("e")
+    with pytest.raises(MqksError) as caught:
+        client.publish(event, "to nowhere", confirm=True, mandatory=True)
+    assert caught.value.error_id and "no queue is bound to" in caught.value.reason
+    inbox = Inbox()
+    client.consume(queue, [event], inbox)
+    msg_id = client.publish(event, "somewhere", confirm=True, mandatory=True)
+    assert [(m.id, m.data) for m in inbox.wait(1)] == [(msg_id, "somewhere")]
+
+
 def test_confirm_error_raises_mqks_error_with_error_id(client: Client) -> None:
     with pytest.raises(MqksError) as caught:
         client.ack("no-such-consumer", "m1", confirm=True)

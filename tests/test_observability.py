@@ -20,7 +20,7 @@ VERSION = importlib.metadata.version("mqks")
 STATS_KEYS = {"version", "uptime_seconds", "workers", "published", "queued", "consumed", "acked", "rejected",
               "queues", "consumers", "messages_waiting", "messages_unacked", "clients", "events", "top_queues",
               "connections", "bytes_in", "bytes_out", "errors", "ack_timeouts", "touched", "dead_lettered", "purged",
-              "dead_requeued", "dropped",
+              "dead_requeued", "dropped", "unrouted",
               "delayed", "requests", "requests_waiting", "replies", "replies_late", "request_timeouts", "schedules",
               "schedule_firings", "memory_full", "leases", "messages_leased", "top_leased_queues"}
 SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked",
@@ -89,6 +89,8 @@ def test_stats_counts_known_traffic_over_every_worker(broker_per_worker_count):
     for n in range(3):
         wire.send(b"m%d publish --confirm %b x" % (n, event))
         wire.expect(b"m%d ok " % n)
+    wire.send(b"u publish --confirm %b-none x" % prefix.encode())  # no queue is bound to it: counted unrouted
+    wire.expect(b"u ok ")
     got = consumer.barrier()
     assert sorted(got) == sorted([b"c1 ok m%d event=%b x" % (n, event) for n in range(3)]
                                  + [b"c3 ok m%d event=%b x" % (n, event) for n in range(3)])
@@ -105,10 +107,11 @@ def test_stats_counts_known_traffic_over_every_worker(broker_per_worker_count):
     assert set(after) == STATS_KEYS
     assert after["version"] == VERSION and after["workers"] == int(server.args[server.args.index("--workers") + 1])
     assert after["uptime_seconds"] >= before["uptime_seconds"] >= 0
-    assert {key: after[key] - before[key] for key in (*SUMMED, "published", "events", "errors", "connections")} == {
-        "published": 3, "queued": 9, "consumed": 7, "acked": 1, "rejected": 1, "queues": 3, "consumers": 2,
-        "messages_waiting": 3, "messages_unacked": 2, "events": 2, "errors": 1, "connections": 0, "leases": 0,
-        "messages_leased": 0}
+    assert {key: after[key] - before[key] for key in (*SUMMED, "published", "events", "errors", "connections",
+                                                      "unrouted")} == {
+        "published": 4, "unrouted": 1, "queued": 9, "consumed": 7, "acked": 1, "rejected": 1, "queues": 3,
+        "consumers": 2, "messages_waiting": 3, "messages_unacked": 2, "events": 2, "errors": 1, "connections": 0,
+        "leases": 0, "messages_leased": 0}
     assert after["clients"] == after["connections"] == 2
     assert [q2.decode(), 3] in after["top_queues"]
     # one add per read and per write: exactly the bytes that crossed the two connections
@@ -123,7 +126,7 @@ def test_stats_counts_known_traffic_over_every_worker(broker_per_worker_count):
         assert set(one) == STATS_KEYS | own_keys and one["worker"] == n and one["workers"] == after["workers"]
     # a publish is counted by the worker its client sent it to
     assert sum(one["published"] for one in per_worker) == after["published"]
-    for key in SUMMED:
+    for key in (*SUMMED, "unrouted"):
         assert sum(one[key] for one in per_worker) == after[key], key
     wire.close()
     consumer.close()

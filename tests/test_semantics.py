@@ -341,6 +341,33 @@ def test_max_length_refuses_for_that_queue_only_and_acks_still_drain(broker):
 
 # -- delayed delivery --------------------------------------------------------------------------
 
+def test_a_mandatory_publish_to_an_event_no_queue_is_bound_to_is_refused(broker):
+    """`publish --mandatory` (RabbitMQ's mandatory flag): refused with a reason while no queue is bound (on any
+    worker), published once one is, with --confirm or not, at once or delayed; the refused ones are not
+    counted as published, the plain publishes to nowhere are counted as unrouted."""
+    wire = broker.wire()
+    q, e = unique("q"), unique("e")
+    before = stats(broker)
+    for line in (b"m1 publish --mandatory %b x", b"m2 publish --confirm --mandatory %b x",
+                 b"m3 publish --confirm --mandatory --delay=0.1 %b x"):
+        wire.send(line % e)
+        reason = wire.expect_error(line.split(b" ")[0], b"no queue is bound to")
+        assert reason.endswith(b"the message was not published"), reason
+    wire.send(b"m4 publish --confirm %b x" % e)  # not mandatory: answered ok, and gone
+    wire.expect(b"m4 ok ")
+    after = stats(broker)
+    assert (after["published"] - before["published"], after["unrouted"] - before["unrouted"]) == (1, 1)
+    wire.send(b"c1 consume --confirm %b %b" % (q, e))  # a queue that may be another worker's
+    wire.expect(b"c1 ok ")
+    wire.send(b"m5 publish --confirm --mandatory %b now" % e, b"m6 publish --mandatory --delay=0.1 %b later" % e)
+    lines = [wire.recv_line() for _ in range(3)]
+    assert sorted(lines) == sorted([b"m5 ok ", b"c1 ok m5 event=%b now" % e, b"c1 ok m6 event=%b later" % e]), lines
+    assert stats(broker)["unrouted"] == after["unrouted"]
+    wire.send(b"m7 publish --mandatory")
+    wire.expect_error(b"m7", b"publish: event expected")
+    wire.close()
+
+
 def test_a_delayed_publish_arrives_when_due_never_early_and_before_what_was_published_after(broker):
     consumer, publisher = broker.wire(), broker.wire()
     q, e = unique("q"), unique("e")

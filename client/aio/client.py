@@ -174,21 +174,23 @@ class Client:
 
     async def publish(self, event: str, data: Any = "", confirm: bool = False, json: bool = False,
                       timeout: float | None = None, *, delay: float | None = None,
-                      at: float | datetime | None = None) -> str:
+                      at: float | datetime | None = None, mandatory: bool = False) -> str:
         """Publish and return the msg id; with confirm, only after the broker's ok.
 
         Without confirm the line joins the batch the loop sends next (it awaits only while the socket is
         full). With confirm, a publish cut off by a lost connection goes again after the reconnect (at least
-        once, until `timeout`); run many at once with `asyncio.gather` to pipeline them.
+        once, until `timeout`); run many at once with `asyncio.gather` to pipeline them. `mandatory`, `delay`
+        and `at` are the gevent client's.
         """
         conn = self._link.live_conn
-        if conn is not None and not (confirm or json or delay is not None or at is not None) and self._placed():
+        if conn is not None and not (confirm or json or mandatory or delay is not None or at is not None) \
+                and self._placed():
             rid = self._new_rid()  # the hot path: no deadline, no wait
             conn.write(wire.publish_line(rid, event, data))
             if conn.write_paused is not None:
                 await conn.writable()
             return rid.decode()
-        args = wire.publish_args(event, data, json, delay, at)
+        args = wire.publish_args(event, data, json, delay, at, mandatory)
         if not self._consumers_placed():
             await self._wait_until_consumers_placed(self._deadline(timeout))
         return (await self._request(b"publish", args, confirm, timeout, retry=True)).decode()

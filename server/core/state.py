@@ -439,6 +439,7 @@ class Broker:
         self.touched = 0
         self.dead_lettered = 0
         self.purged = 0
+        self.unrouted = 0  # publishes to an event no queue is bound to
         self.dead_requeued = 0
         self.dropped_by_deleted_queues = 0
         self.leases: Any = None  # server/core/leases.py's Leases, set by Process (fetch and settle)
@@ -453,6 +454,9 @@ class Broker:
         queues = self.route_cache.get(event)
         if queues is None:
             queues = self.routing.route(event)
+        if not queues:  # no queue is bound: counted, so an operator sees where messages went
+            self.unrouted += 1
+            return
         record = self.record
         if record is not None:
             self.publish_recorded(record, queues, msg_id, tail)
@@ -830,6 +834,7 @@ class Broker:
             "touched": self.touched,
             "dead_lettered": self.dead_lettered,
             "purged": self.purged,
+            "unrouted": self.unrouted,
             "dead_requeued": self.dead_requeued,
             "dropped": self.dropped_by_deleted_queues + sum(q.dropped for q in queues),
             "queues": len(self.queues),

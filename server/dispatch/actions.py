@@ -125,18 +125,28 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
 
 
 def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-    """`publish [--delay=S | --at=UNIX_SECONDS] {event} {data}` (extension): the copies enter their queues when due."""
+    """`publish [--mandatory] [--delay=S | --at=UNIX_SECONDS] {event} {data}` (extensions): with --mandatory an
+    event no queue is bound to (now, when the line is read) is refused; a delayed copy enters its queues when
+    due."""
+    mandatory = args.startswith(b"--mandatory") and args[11:12] in (b" ", b"")
+    if mandatory:
+        args = args[12:]
     flag, _, rest = args.partition(b" ")
     now = time.time()
     if flag.startswith(b"--at="):
         due = parse_unix_seconds(flag[5:], "publish: --at")
     elif flag.startswith(b"--delay="):
         due = now + parse_seconds(flag[8:], "publish: --delay")
+    elif mandatory and not flag.startswith(b"--"):
+        due, rest = 0.0, args  # at once
     else:
         check_name(flag, "publish: event")  # raises: an event never starts with "--"
     event, space, _ = rest.partition(b" ")
     if not event or event[0] == DASH:
         check_name(event, "publish: event")
+    if mandatory and not session.publisher.routes(event):
+        raise ProtocolError(f"publish --mandatory: no queue is bound to {text(event)!r}: the message was not "
+                            "published")
     tail = b"".join((b" ok ", rid, b" event=", rest, b"" if space else b" "))
     due_ms = math.ceil(due * 1000)  # never early: the first millisecond at or after the due time
     process = session.process

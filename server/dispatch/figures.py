@@ -54,6 +54,8 @@ FIGURES: dict[str, Figure] = {
     "touched": Figure(COUNTER, "Deliveries whose ack-timeout clock a touch restarted."),
     "dead_lettered": Figure(COUNTER, "Messages moved to a {queue}.dead queue past their queue's --max-retries."),
     "purged": Figure(COUNTER, "Messages dropped by purge_queue."),
+    "unrouted": Figure(COUNTER, "Publishes to an event no queue was bound to (gone at once; --mandatory refuses them).",
+                       label="published to no queue", per_worker=False),
     "dead_requeued": Figure(COUNTER, "Dead letters moved back to their queue by requeue_dead."),
     "dropped": Figure(COUNTER, "Copies refused by a full queue (--max-length) or by --max-memory."),
     "requests": Figure(COUNTER, "Requests published (request/reply)."),

@@ -539,6 +539,8 @@ class Forwarder:
             owners = self.replica.owners(event)
         if not owners:
             return  # most events of a worker's clients bind its own queues only
+        if not self.local.routes(event):  # counted unrouted here, and routed to other workers
+            self.local.unrouted -= 1
         for owner in owners:
             link = self.links[owner]
             if link is not None:
@@ -586,6 +588,8 @@ class Forwarder:
             else:
                 link.add(Frame.PUBLISH_CONFIRMED, b"-", b"%b %b%b" % (fanin_id, event, tail))
         local.publish(msg_id, event, tail)
+        if not local_part:  # counted unrouted here, and routed to other workers
+            local.unrouted -= 1
         if full:
             names = ", ".join(f"queue {queue.name.decode(errors='replace')} is full (--max-length="
                               f"{queue.max_length})" for queue in full)

@@ -135,6 +135,7 @@ async function overview(view) {
       tile("queues", number(stats.queues), "queues"),
       tile("consumers", number(stats.consumers), "consumers"),
       tile("dead lettered", number(stats.dead_lettered), "dead-lettered"),
+      tile("published to no queue", number(stats.unrouted), "unrouted"),
       tile("memory (this process)", bytes(topology.rss_bytes), "memory"),
       tile("memory full", stats.memory_full ? "yes: publishes refused" : "no", "memory-full"),
       tile("version", String(stats.version), "version"),
