@@ -294,9 +294,11 @@ def render_details(rows: list[dict]) -> str:
         consumers = [f"{c.get('consumer')} ({'manual ack' if c.get('manual_ack') else 'auto ack'}, prefetch "
                      f"{c.get('prefetch') or 'none'}, {c.get('unacked', 0)} unacked)"
                      for c in row.get("consumer_list", [])]
-        newest = [f"{m.get('msg_id')} (retry {m.get('retry', 0)})" for m in row.get("newest", [])]
+        newest = [f"{m.get('msg_id')} (retry {m.get('retry', 0)}) event={m.get('event')} {m.get('data', '')}"
+                  for m in row.get("newest", [])]
         lines += ["", f"{row.get('queue')}:", f"  bindings: {' '.join(row.get('events', [])) or '(none)'}",
-                  f"  consumers: {', '.join(consumers) or '(none)'}", f"  newest: {', '.join(newest) or '(none)'}"]
+                  f"  consumers: {', '.join(consumers) or '(none)'}", "  newest:" + "".join(
+                      f"\n    {line}" for line in newest) if newest else "  newest: (none)"]
     return "\n".join(lines)
 
 

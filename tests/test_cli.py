@@ -430,7 +430,8 @@ def test_mqks_queues_prints_a_table_after_traffic(broker: BrokerProcess) -> None
         assert [(c["manual_ack"], c["unacked"]) for c in detail["consumer_list"]] == [(True, 1)]
         shown = mqks(broker, "queues", "--detail", waiting).stdout
         assert f"{waiting}:" in shown and f"bindings: {prefix}-e1" in shown and "consumers: (none)" in shown
-        assert shown.count("(retry 0)") == 3  # its three waiting messages, newest first
+        assert shown.count("(retry 0)") == 3  # its three waiting messages, newest first, with event and data
+        assert f"(retry 0) event={prefix}-e1 " in shown, shown
     finally:
         wire.close()
     as_json = json.loads(mqks(broker, "queues", waiting, "--json").stdout)

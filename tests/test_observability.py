@@ -191,9 +191,13 @@ def test_queues_detail_lists_bindings_consumers_and_the_newest_messages(broker_p
     assert row["events"] == ["audit", "x.*"]
     assert row["consumer_list"] == [{"consumer": "c1", "manual_ack": True, "prefetch": 1, "unacked": 1,
                                      "ack_timeout": None}]
-    assert row["newest"] == [{"msg_id": "m3", "retry": 0}, {"msg_id": "m2", "retry": 0}, {"msg_id": "m1", "retry": 0}]
+    assert row["newest"] == [{"msg_id": f"m{n}", "event": "x.y", "retry": 0, "data": "data"} for n in (3, 2, 1)]
+    wire.send(b"big publish --confirm x.z %b" % (b"y" * 300))  # the data shown is cut at 200 bytes
+    wire.expect(b"big ok ")
+    [row] = [json.loads(line) for line in queue_lines(wire, b"--detail " + queue)]
+    assert row["newest"][0] == {"msg_id": "big", "event": "x.z", "retry": 0, "data": "y" * 200 + "…"}
     [plain] = [json.loads(line) for line in queue_lines(wire, queue)]
-    assert "events" not in plain and plain["depth"] == 3  # without --detail: the row as before
+    assert "events" not in plain and plain["depth"] == 4  # without --detail: the row as before
     wire.close()
 
 

@@ -53,6 +53,7 @@ VERSION = package_version()
 
 
 NEWEST_SHOWN = 10  # messages `queues --detail` lists per queue
+PEEK_DATA_BYTES = 200  # of each one's data: enough to recognise it, never a whole large message
 
 
 def queue_detail(queue: Queue) -> dict[str, Any]:
@@ -63,12 +64,22 @@ def queue_detail(queue: Queue) -> dict[str, Any]:
                                "unacked": len(consumer.unacked),
                                "ack_timeout": getattr(consumer, "ack_timeout_seconds", None)}
                               for consumer in queue.consumers],
-            "newest": [{"msg_id": msg_id.decode(errors="replace"), "retry": retry}
-                       for msg_id, retry in newest_messages(queue, NEWEST_SHOWN)]}
+            "newest": [peek(tail, retry) for tail, retry in newest_messages(queue, NEWEST_SHOWN)]}
+
+
+def peek(tail: bytes, retry: int) -> dict[str, Any]:
+    """A waiting message as an operator looks at it: msg id, event, retry and the start of its data."""
+    msg_id_end = tail.index(b" ", 4)
+    header_end = tail.find(b" ", msg_id_end + 1)
+    header = tail[msg_id_end + 7 : header_end if header_end >= 0 else len(tail)]  # after " event="
+    data = tail[header_end + 1 :] if header_end >= 0 else b""
+    return {"msg_id": tail[4:msg_id_end].decode(errors="replace"),
+            "event": header.partition(b",reply=")[0].decode(errors="replace"), "retry": retry,
+            "data": data[:PEEK_DATA_BYTES].decode(errors="replace") + ("…" if len(data) > PEEK_DATA_BYTES else "")}
 
 
 def newest_messages(queue: Queue, count: int) -> list[tuple[bytes, int]]:
-    """The msg id and retry of the `count` newest messages waiting in `queue`, newest first (no copy of the queue)."""
+    """The tail and retry of the `count` newest messages waiting in `queue`, newest first (no copy of the queue)."""
     found: list[tuple[bytes, int]] = []
     for item in reversed(queue.messages):
         if type(item) is StoredMessage:
@@ -78,7 +89,7 @@ def newest_messages(queue: Queue, count: int) -> list[tuple[bytes, int]]:
         else:
             runs = [(item, 0)]
         for tail, retry in runs:
-            found.append((msg_id_of(tail), retry))
+            found.append((tail, retry))
             if len(found) == count:
                 return found
     return found

@@ -217,9 +217,11 @@ async function queue(view, name) {
           (row.consumer_list || []).map((c) => Object.assign({}, c, { manual_ack: c.manual_ack ? "yes" : "no",
             prefetch: c.prefetch || "none", ack_timeout: c.ack_timeout ?? "" })), { id: "consumers" }),
     el("h2", {}, "Newest messages waiting"),
-    table([["msg_id", "msg id"], ["retry", "retry", true]], row.newest || [], { id: "newest" }),
+    table([["msg_id", "msg id"], ["event", "event"], ["retry", "retry", true], ["data", "data (its first 200 bytes)"]],
+          row.newest || [], { id: "newest" }),
     el("h2", {}, "Newest dead letters (", el("span", { class: "name" }, row.queue + ".dead"), ")"),
-    table([["msg_id", "msg id"], ["retry", "retry", true]].concat(actions ? [["requeue", ""]] : []),
+    table([["msg_id", "msg id"], ["event", "event"], ["retry", "retry", true], ["data", "data (its first 200 bytes)"]]
+            .concat(actions ? [["requeue", ""]] : []),
           (dead ? dead.newest || [] : []).map((letter) => Object.assign({}, letter, actions ? {
             requeue: el("button", { class: "requeue-one", onclick: () => act("requeue-dead", row.queue, [letter.msg_id]) },
                         "move back") } : {})), { id: "dead-letters" }),
