@@ -184,7 +184,8 @@ def test_a_queue_page_shows_bindings_consumers_and_dead_letters(make_broker, bro
     consumer = wait_text(browser, "#consumers tbody", lambda text: text.startswith("c1"), "the consumer row")
     assert consumer.split() == ["c1", "yes", "5", "1"]  # no ack timeout: an empty cell
     dead = wait_text(browser, "#dead-letters tbody", lambda text: msg_id.decode() in text, "the dead letter")
-    assert dead.split() == [msg_id.decode(), "1"]
+    _, _, _, header, data = first.decode().split(" ", 4)
+    assert dead.split() == [msg_id.decode(), header[len("event="):], "1", data]  # a peek: its event and data too
     assert text_of(browser, "#tile-dead .value") == "1"
     screenshot(browser, "queue")
 
@@ -215,6 +216,7 @@ def test_the_schedules_page_lists_each_schedule(make_broker, browser) -> None:
     browser.get(console.url + "/#/schedules")
     row = wait_text(browser, "#schedules tbody", lambda text: name in text, "the schedule row")
     assert row.split()[:8] == [name, "cron", "0", "3", "*", "*", "*", "cleanup"]
+    assert row.rstrip().endswith(" 03:00:00 UTC"), row  # the rule's time zone, not the browser's
 
 
 def test_a_token_is_asked_for_by_the_pages_and_the_json(make_broker, browser, tmp_path) -> None:

@@ -261,9 +261,10 @@ async function act(what, name, msgIds) {
 async function schedules(view) {
   const rows = await api("/api/schedules");
   view.replaceChildren(table([["name", "schedule"], ["rule", "rule"], ["event", "event"], ["fired", "fired", true],
-    ["count", "count"], ["next", "next due"]], rows.map((row) => Object.assign({}, row, {
+    ["count", "count"], ["next", "next due (UTC, as cron rules are)"]], rows.map((row) => Object.assign({}, row, {
       name: el("span", { class: "name" }, row.name), event: el("span", { class: "name" }, row.event),
-      count: row.count ?? "no limit", next: row.next_due ? new Date(row.next_due * 1000).toLocaleString() : "" })),
+      count: row.count ?? "no limit",
+      next: row.next_due ? new Date(row.next_due * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC" : "" })),
     { id: "schedules" }));
 }
 
