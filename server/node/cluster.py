@@ -236,8 +236,6 @@ async def read_bucket(js: Any, bucket: str, keys: str = ">") -> dict[str, bytes]
     return values
 
 
-
-
 def group_count_of(stream: str, cluster: str) -> tuple[int, int] | None:
     """(group, groups) of a cluster's stream name `CLUSTER-g-of-N`; None for any other stream."""
     prefix, _, size = stream.rpartition("-of-")
