@@ -206,7 +206,8 @@ def check_log_args(parser: Parser, args: argparse.Namespace) -> None:
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.log_stream):
         parser.error(f"--log-stream must be letters, digits, '-' or '_', not {args.log_stream!r}")
     if importlib.util.find_spec("nats") is None:
-        parser.error("--log needs the cluster extra: pip install 'mqks[cluster]' (it brings nats-py)")
+        parser.error("--log needs the cluster extra: .venv/bin/pip install -e '.[cluster]' in the clone (it brings "
+                     "nats-py)")
 
 
 def check_cluster_args(parser: Parser, args: argparse.Namespace) -> None:
@@ -223,6 +224,13 @@ def check_cluster_args(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--takeover has no meaning with --cluster: standbys take groups over by themselves")
     if args.workers != 1:
         parser.error("--workers has no meaning with --cluster: a node runs one process per slot group (--groups)")
+    if args.advertise is not None:
+        host, colon, port = args.advertise.rpartition(":")
+        if colon and port.isdigit() and ":" not in host:  # host:port; an IPv6 address has more colons
+            parser.error(f"--advertise takes a host, not host:port ({args.advertise!r}): the port others dial is "
+                         f"--port, so give --advertise {host} --port {port}")
+        if not re.fullmatch(r"[A-Za-z0-9_.:-]+", args.advertise):
+            parser.error(f"--advertise must be a host name or an IP address, not {args.advertise!r}")
     args.workers = args.groups
     args.log_stream = args.cluster
 

@@ -275,6 +275,24 @@ def test_a_bad_flag_value_is_one_line_and_exit_2(args):
     assert len(lines) == 1 and lines[0].startswith("mqksd: error: ") and args[0] in lines[0], result.stderr
 
 
+def test_advertise_with_a_port_is_refused_with_what_to_give_instead():
+    """--advertise 127.0.0.1:PORT (other tools take host:port) made the map hold `host:port:port` addresses and
+    every forwarded line fail for as long as one waited; it is refused at start, with the flags to give."""
+    result = run_mqksd("--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:1", "--advertise", "10.0.0.5:4000")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["mqksd: error: --advertise takes a host, not host:port ('10.0.0.5:4000'): "
+                                          "the port others dial is --port, so give --advertise 10.0.0.5 --port 4000 "
+                                          "(mqksd --help lists the flags)"]
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5", "node-a.example", "::1", "fe80::1"])
+def test_advertise_takes_names_and_ip_addresses_ipv6_included(host):
+    from mqks.server.cli import parse_args
+
+    assert parse_args(["--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:1", "--advertise", host]).advertise \
+        == host
+
+
 def test_version_prints_the_package_version():
     result = run_mqksd("--version")
     assert result.returncode == 0 and result.stdout.startswith(f"mqksd {VERSION}, hot path "), result.stdout
