@@ -33,6 +33,7 @@ from .errors import (
     MqksProtocolError,
     MqksTimeoutError,
     is_transient,
+    not_done_try_again,
 )
 from .linking import connect_error, link_settings
 from .placement import Homes, Route
@@ -193,7 +194,8 @@ class Client:
         """Publish and return the msg id; with confirm, only after the broker's ok.
 
         Without confirm the line is queued for the next batch (fire and forget). With confirm a publish
-        cut off by a lost connection is sent again after the reconnect: at least once, until `timeout`.
+        cut off by a lost connection is sent again after the reconnect: at least once, until `timeout`; so is
+        one refused with "try again" while an owner fails over (nothing was published then).
         `delay` (seconds) or `at` (unix seconds or a datetime) hold the copies back until then (extension).
         `mandatory` (extension) makes a publish to an event no queue is bound to an error (with confirm, raised).
         """
@@ -206,7 +208,18 @@ class Client:
         if plain:
             self._link.send(line, self._deadline(timeout))
             return rid.decode()
-        return self._request(b"publish", args, confirm, timeout, retry=True).decode()
+        if not confirm:
+            return self._request(b"publish", args, confirm, timeout, retry=True).decode()
+        # refused while an owner fails over (nothing was published): sent again with a back-off, within `timeout`
+        deadline, pause = self._deadline(timeout), TRANSIENT_RETRY_SECONDS
+        while True:
+            try:
+                return self._request(b"publish", args, True, deadline - time.monotonic(), retry=True).decode()
+            except MqksError as e:
+                if not not_done_try_again(e) or time.monotonic() + pause > deadline:
+                    raise
+            gevent.sleep(pause)
+            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
 
     def _consumers_placed(self) -> bool:
         """True unless a consumer is still on its way back to its worker's link (a reconnect, a new map)."""

@@ -31,6 +31,13 @@ def is_transient(error: MqksError) -> bool:
     return reason.endswith("try again") or "is restarting" in reason or "(failing over)" in reason
 
 
+def not_done_try_again(error: MqksError) -> bool:
+    """True for a refusal that did nothing and will pass by itself (`...: try again`, the broker's words for a
+    line it could not run while an owner fails over): a confirmed publish so refused is sent again. A refusal
+    after some queues took the message ends otherwise, and is never sent again (it would make copies)."""
+    return type(error) is MqksError and error.reason.endswith("try again")
+
+
 class MqksTimeoutError(MqksError, TimeoutError):
     """No answer in time: the request may or may not have been done."""
 

@@ -21,7 +21,7 @@ pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster
 
 pytestmark = pytest.mark.timeout(300)
 
-WATCH_SECONDS = 75.0  # past twice the map watchers' inactivity threshold (30 s): a leak shows as growth
+WATCH_SECONDS = 45.0  # past the map watchers' inactivity threshold (30 s) after the groups settle: a leak shows as growth
 STATUS_EVERY_SECONDS = 3.0
 # a default node runs 16 group processes, each with one watcher of the map: three nodes, 48 consumers. A process
 # that handed its group over (balancing) starts again, and its old watcher lingers for its 30 s threshold: more

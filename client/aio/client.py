@@ -28,6 +28,7 @@ from mqks.client.errors import (
     MqksError,
     MqksTimeoutError,
     is_transient,
+    not_done_try_again,
 )
 from mqks.client.linking import connect_error, link_settings
 from mqks.client.placement import Homes, Route
@@ -179,8 +180,8 @@ class Client:
 
         Without confirm the line joins the batch the loop sends next (it awaits only while the socket is
         full). With confirm, a publish cut off by a lost connection goes again after the reconnect (at least
-        once, until `timeout`); run many at once with `asyncio.gather` to pipeline them. `mandatory`, `delay`
-        and `at` are the gevent client's.
+        once, until `timeout`), and so does one refused with "try again" while an owner fails over; run many at
+        once with `asyncio.gather` to pipeline them. `mandatory`, `delay` and `at` are the gevent client's.
         """
         conn = self._link.live_conn
         if conn is not None and not (confirm or json or mandatory or delay is not None or at is not None) \
@@ -193,7 +194,18 @@ class Client:
         args = wire.publish_args(event, data, json, delay, at, mandatory)
         if not self._consumers_placed():
             await self._wait_until_consumers_placed(self._deadline(timeout))
-        return (await self._request(b"publish", args, confirm, timeout, retry=True)).decode()
+        if not confirm:
+            return (await self._request(b"publish", args, confirm, timeout, retry=True)).decode()
+        # refused while an owner fails over (nothing was published): sent again with a back-off, within `timeout`
+        deadline, pause = self._deadline(timeout), TRANSIENT_RETRY_SECONDS
+        while True:
+            try:
+                return (await self._request(b"publish", args, True, deadline - time.monotonic(), retry=True)).decode()
+            except MqksError as e:
+                if not not_done_try_again(e) or time.monotonic() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
 
     def _placed(self) -> bool:
         """`_consumers_placed`, at the cost of a few attribute reads when there is one link (the common case)."""
