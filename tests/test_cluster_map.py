@@ -19,9 +19,12 @@ from helpers import MQKS, free_port, unique
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
+from mqks.server.node.cluster import STANDBY_DOWN_SECONDS
+
 pytestmark = pytest.mark.timeout(300)
 
-WATCH_SECONDS = 45.0  # past the map watchers' inactivity threshold (30 s) after the groups settle: a leak shows as growth
+# past the map watchers' inactivity threshold (30 s) after the groups settle: a leak shows as growth
+WATCH_SECONDS = 45.0
 STATUS_EVERY_SECONDS = 3.0
 # a default node runs 16 group processes, each with one watcher of the map: three nodes, 48 consumers. A process
 # that handed its group over (balancing) starts again, and its old watcher lingers for its 30 s threshold: more
@@ -116,11 +119,11 @@ def test_a_standby_of_a_killed_node_is_shown_down(shared_nats_cluster):
             done = mqks_cluster("status", "--cluster", cluster.name, "--log", ",".join(urls))
             assert done.returncode == 0, done.stderr
             return done.stdout if f"{idle} (down " in done.stdout else None
-        table = wait_for(shown_down, f"node {idle}'s standbys shown down", 60, interval=1.0)
+        table = wait_for(shown_down, f"node {idle}'s standbys shown down", STANDBY_DOWN_SECONDS + 60, interval=1.0)
         print(table)
         done = mqks_cluster("status", "--json", "--cluster", cluster.name, "--log", ",".join(urls))
         standbys = [s for row in json.loads(done.stdout) for s in row["standbys"] if s["node"] == idle]
-        assert standbys and all(s["down"] and s["seen_seconds_ago"] > 10 for s in standbys), standbys
+        assert standbys and all(s["down"] and s["seen_seconds_ago"] > STANDBY_DOWN_SECONDS for s in standbys), standbys
     finally:
         cluster.stop()
 

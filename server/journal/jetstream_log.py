@@ -70,7 +70,7 @@ REPLAY_RETRY_SECONDS = 30.0  # replay: a read that keeps failing this long (NATS
 OWNER_PING_SECONDS = 1.5
 PUBACK_SAMPLES = 1024
 REPLICAS_FALLBACK_ERRORS = (10074, 10005)  # insufficient resources, R>1 on a single server
-STANDBY_REPORT_SECONDS = 2.0  # a standby tells `mqks cluster status` how far it has read this often
+STANDBY_REPORT_SECONDS = 10.0  # a standby tells `mqks cluster status` how far it has read this often (a KV put, R3)
 PURGE_RETRY_FIRST_SECONDS = 1.0  # a failed purge is tried again after this, doubling up to the next
 PURGE_RETRY_MAX_SECONDS = 30.0
 STEP_DOWN_MARGIN_SECONDS = 2.0  # an owner that stored nothing for lease minus this stops confirming
@@ -368,7 +368,7 @@ class JetStreamLog:
         else:
             expires = now + lease
             log.info("stream %s: owned by %s; standing by (lease %g s)", self.stream, owner, lease)
-        reported = claimed_at = 0.0
+        reported = claimed_at = tail_checked_at = 0.0
         balanced_at = time.monotonic()
         replayer.handoff = None  # a hand-off read before this node stood by was meant for the standbys of then
         while True:
@@ -396,7 +396,10 @@ class JetStreamLog:
             try:
                 batch = run(functools.partial(self._read_batch, timeout=min(1.0, max(0.05, expires - now))),
                             timeout=30)
-                if not batch:
+                if not batch and now - tail_checked_at >= candidacy.heartbeat_seconds:
+                    # a quiet stream, or a reader that lost its NATS node? The owner's heartbeat comes this
+                    # often; a check per empty read was a stream info a second per standby (issue 39)
+                    tail_checked_at = now
                     last = run(self._last_seq, timeout=30)
                     if last > read:  # frames the reader does not bring (its NATS node went): read anew after them
                         run(functools.partial(self._open_reader, start_seq=read + 1), timeout=30)

@@ -33,8 +33,8 @@ PULL_TURN_SECONDS = 30.0  # a turn whose group never came (its owner refused or 
 # this long: NATS sends it a heartbeat every 5 s
 WATCHER_INACTIVE_SECONDS = 30.0
 RETRY_SECONDS = 1.0
-# a standby reports every 2 s (STANDBY_REPORT_SECONDS); silent this long, `mqks cluster status` calls it down
-STANDBY_DOWN_SECONDS = 10.0
+# a standby reports every 10 s (STANDBY_REPORT_SECONDS); silent for three reports, `mqks cluster status` calls it down
+STANDBY_DOWN_SECONDS = 30.0
 
 
 async def open_bucket(nc: Any, candidacy: Candidacy, replicas: int) -> Any:
