@@ -58,6 +58,9 @@ def test_a_half_closed_client_gets_every_answer_whichever_node_owns_its_queue(cl
     another node's owner lost their answers (its mark came back before the log had their confirms)."""
     owners = cluster.owners()
     for node in cluster.nodes.values():
+        # the owners link to each other once the map names them all: until then a line is refused "try again"
+        wait_for(lambda port=node.port: half_closed(port, b"w publish --confirm warm-up x\n") == [b"w ok "],
+                 f"node {node.name} linked to every group's owner", 60, interval=0.2)
         for group in range(cluster.groups):
             queue = cluster.queue_of(group, unique("hq")).encode()
             event = unique("he").encode()
