@@ -615,3 +615,29 @@ def test_max_memory_refuses_publishes_while_acks_drain(make_broker: Callable[...
         assert drained.is_set() and inbox.messages
     finally:
         client.close()
+
+
+def test_publish_arguments_put_mandatory_before_the_delay_flags() -> None:
+    assert wire.publish_args("e", "d", False, None, None, mandatory=True) == [b"--mandatory", b"e", b"d"]
+    assert wire.publish_args("e", "d", False, 2, None, mandatory=True) == [b"--mandatory", b"--delay=2.0", b"e", b"d"]
+    assert wire.publish_args("e", "d", False, None, None) == [b"e", b"d"]
+
+
+@pytest.mark.parametrize("reason, consume_again, publish_again", [
+    # the broker's words (workers/relay.py, workers/peers.py): nothing was run, it passes by itself
+    ("group 3, which owns this, has no owner reachable from here (failing over): try again", True, True),
+    ("worker 1, which owns this, is restarting: try again", True, True),
+    ("group 1 is not linked here (its owner failing over): the queues it binds are unknown, so the message was "
+     "not published; try again", True, True),
+    # some queues have the message: a publish sent again would make copies
+    ("group 2, which owns a bound queue, has no owner reachable from here (failing over): the message was not put "
+     "there", True, False),
+    ("worker 2, which owns a bound queue, is restarting: the message was not put there", True, False),
+    ("unknown action \"pubish\"", False, False),
+])
+def test_which_refusals_each_client_call_sends_again(reason: str, consume_again: bool, publish_again: bool) -> None:
+    from mqks.client.errors import is_transient, not_done_try_again
+
+    error = MqksError(reason, "e1")
+    assert (is_transient(error), not_done_try_again(error)) == (consume_again, publish_again)
+    assert not not_done_try_again(MqksTimeoutError(reason))  # no answer: the publish may have been done

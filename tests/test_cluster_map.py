@@ -162,3 +162,13 @@ def test_a_cluster_name_reused_with_other_groups_is_refused_until_removed(shared
         old.stop()
         if new is not None:
             new.stop()
+
+
+@pytest.mark.parametrize("stream, cluster, expected", [
+    ("demo-3-of-16", "demo", (3, 16)), ("demo-x-3-of-16", "demo-x", (3, 16)), ("demo-x-3-of-16", "demo", None),
+    ("KV_mqks-demo", "demo", None), ("demo", "demo", None), ("demo-a-of-4", "demo", None)])
+def test_a_stream_name_is_read_as_its_group_and_group_count(stream, cluster, expected):
+    """The layout check and status tell a cluster's streams (and their --groups) from every other stream."""
+    from mqks.server.node.cluster import group_count_of
+
+    assert group_count_of(stream, cluster) == expected

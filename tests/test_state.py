@@ -407,3 +407,23 @@ def test_a_pack_that_fails_puts_back_everything_it_took():
     with pytest.raises(TypeError):
         queue.put(tail(b"last", b"e", b"d"), b"last")
     assert list(queue.messages) == [*before, tail(b"last", b"e", b"d")]
+
+
+def test_a_publish_no_queue_is_bound_to_is_counted_unrouted_and_nothing_else(broker, outbox):
+    broker.rebind(broker.queue(b"q"), replace=[b"e"])
+    publish(broker, b"m1", b"nobody")
+    publish(broker, b"m2", b"e")
+    assert (broker.published, broker.unrouted, broker.queued) == (2, 1, 1)
+    assert broker.stats()["unrouted"] == 1
+
+
+@pytest.mark.parametrize("tail_, retry, expected", [
+    (b" ok m1 event=e hello there", 0, {"msg_id": "m1", "event": "e", "retry": 0, "data": "hello there"}),
+    (b" ok m2 event=e ", 3, {"msg_id": "m2", "event": "e", "retry": 3, "data": ""}),
+    (b" ok m3 event=job,reply=1x2 do it", 0, {"msg_id": "m3", "event": "job", "retry": 0, "data": "do it"}),
+    (b" ok m4 event=e " + b"\xff" * 201, 0, {"msg_id": "m4", "event": "e", "retry": 0, "data": "\ufffd" * 200 + "…"}),
+])
+def test_a_peek_shows_id_event_retry_and_the_start_of_the_data(tail_, retry, expected):
+    from mqks.server.dispatch.process import peek
+
+    assert peek(tail_, retry) == expected
