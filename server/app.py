@@ -259,6 +259,13 @@ class Server:
             raise ValueError(str(e)) from None
         return log_
 
+    def log_shown(self) -> str:
+        """--log's NATS URLs as the log may show them: no password or token."""
+        from .journal.jetstream_log import log_urls
+        from .journal.nats_bridge import shown
+
+        return shown(log_urls(self.config.log or ""))
+
     def error_line(self, rid: bytes, reason: str) -> bytes:
         error_id = self.next_error_id()
         self.process.errors += 1
@@ -294,7 +301,7 @@ class Server:
         # the whole log counts as churn: the first snapshot comes as soon as it is worth it
         journal.count_as_churn(stats.get("log_bytes", 0))
         log.info("recovered %d queues and %d messages from %s in %.3f s (%d records, %d bytes truncated)",
-                 queues, messages, self.config.data_dir or self.config.log, time.monotonic() - started,
+                 queues, messages, self.config.data_dir or self.log_shown(), time.monotonic() - started,
                  stats.get("replayed_records", 0), stats.get("truncated_bytes", 0))
 
     def on_log_wake(self) -> None:
@@ -548,7 +555,7 @@ class Server:
                  "refused: token auth beyond loopback" if self.eval_refusal else "on" if config.eval_enabled else "off",
                  f"{len(self.tokens.tokens)} tokens" if self.tokens is not None else "off",
                  f"data dir {config.data_dir}, fsync {config.fsync}" if config.data_dir else
-                 f"replicated log {config.log}" if config.log else "in memory", build.kind)
+                 f"replicated log {self.log_shown()}" if config.log else "in memory", build.kind)
         if self.peers is not None:
             for listener in (self.link_listener, *self.direct_listeners):
                 assert listener is not None

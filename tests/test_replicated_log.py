@@ -437,6 +437,30 @@ def start_one_nats(config) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL)
 
 
+def test_no_nats_password_in_the_log_and_a_refused_one_says_so(make_broker, tmp_path):
+    """`--log nats://user:password@...`: the start-up lines show `user:***`; a wrong password stops mqksd with
+    what NATS answered (Authorization Violation), not "no answer", and without the password either."""
+    port = free_port()
+    config = tmp_path / "nats.conf"
+    config.write_text(one_nats(tmp_path, port))
+    nats = start_one_nats(config)
+    try:
+        wait_for(lambda: listening(port), "the NATS server to listen")
+        broker = make_broker("--log", f"nats://mqks:secret@127.0.0.1:{port}", "--log-replicas", "1")
+        log = broker.log()
+        assert f"replicated log nats://mqks:***@127.0.0.1:{port}" in log, log
+        assert "secret" not in log
+        refused = subprocess.run([sys.executable, "-m", "mqks.server", "--port", str(free_port()), "--log",
+                                  f"nats://mqks:wrong-pw@127.0.0.1:{port}", "--log-replicas", "1"],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0
+        assert "Authorization Violation" in refused.stderr and "wrong-pw" not in refused.stderr, refused.stderr
+        assert f"nats://mqks:***@127.0.0.1:{port}" in refused.stderr, refused.stderr
+    finally:
+        nats.kill()
+        nats.wait()
+
+
 def test_a_failed_purge_is_tried_again_until_it_is_made(tmp_path):
     """A broker that goes idle right after a snapshot writes no next one: its failed purge must not wait for it."""
     port = free_port()

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import threading
+import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -63,6 +64,21 @@ def parse_puback(frame: int, data: bytes) -> PubAck:
     return PubAck(frame, seq=int(answer["seq"]), duplicate=bool(answer.get("duplicate")))
 
 
+def shown(servers: list[str]) -> str:
+    """NATS URLs as a log line or an error may show them: a password or a token in one is never shown
+    (`nats://mqks:***@host:4222`; a user part alone is a token to NATS: `nats://***@host:4222`)."""
+    return ",".join(_shown_url(url) for url in servers)
+
+
+def _shown_url(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    user_info, _, host = parts.netloc.rpartition("@")
+    user, colon, _ = user_info.partition(":")
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}" if colon else f"***@{host}"))
+
+
 class NatsBridge:
     """One connection to a NATS cluster, in an asyncio thread of its own, driven from the gevent hub."""
 
@@ -76,6 +92,7 @@ class NatsBridge:
         self.watcher: Any = None
         self.started = Event()
         self.start_error: str | None = None
+        self.first_error: Exception | None = None  # what NATS said to the first connect (a refused password)
         self.closing = False
         self.stopped: asyncio.Event | None = None
 
@@ -88,7 +105,7 @@ class NatsBridge:
         self.thread = threading.Thread(target=self.thread_main, name="mqks-nats", daemon=True)
         self.thread.start()
         if not self.started.wait(self.connect_timeout + START_SECONDS):
-            raise BridgeError(f"no answer from NATS at {','.join(self.servers)} within {self.connect_timeout:g} s")
+            raise BridgeError(f"no answer from NATS at {shown(self.servers)} within {self.connect_timeout:g} s")
         if self.start_error is not None:
             self.stop_watcher()
             raise BridgeError(self.start_error)
@@ -189,8 +206,10 @@ class NatsBridge:
                                    timeout=self.connect_timeout)
             self.nc = nc
         except Exception as e:  # no servers, refused, timeout: one clear line for the operator
-            reason = "no answer" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
-            self.start_error = f"cannot reach NATS at {','.join(self.servers)}: {reason}"
+            # nats-py retries a refused connect until the timeout: what NATS said is in the first error
+            cause = self.first_error if isinstance(e, asyncio.TimeoutError) else e
+            reason = "no answer" if cause is None else f"{type(cause).__name__}: {cause}"
+            self.start_error = f"cannot connect to NATS at {shown(self.servers)}: {reason}"
             try:
                 await nc.close()
             except Exception:
@@ -215,5 +234,7 @@ class NatsBridge:
             log.warning("NATS bridge: drain at close failed: %s", e)
 
     async def on_error(self, error: Exception) -> None:
-        if self.nc is not None:  # before the first connect, `start` reports one error, not one per retry
+        if self.nc is not None:
             log.warning("NATS: %s", error)
+        elif self.first_error is None:  # before the first connect, `start` reports one error, not one per retry
+            self.first_error = error

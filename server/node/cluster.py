@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..journal.jetstream_log import Candidacy
-from ..journal.nats_bridge import NatsBridge
+from ..journal.nats_bridge import NatsBridge, shown
 
 log = logging.getLogger("mqks.cluster")
 
@@ -309,7 +309,7 @@ async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
             values = await read_bucket(js, f"mqks-{cluster}")
         except BucketNotFoundError:
             if not streams:
-                raise ValueError(f"no cluster {cluster!r} on NATS at {','.join(urls)}") from None
+                raise ValueError(f"no cluster {cluster!r} on NATS at {shown(urls)}") from None
             values = {}  # streams and no bucket: no owner has put its entry yet
         for key, value in values.items():
             if key.startswith("pin."):
