@@ -158,7 +158,8 @@ class Client:
             if consumer.greenlet is not None and consumer.greenlet is not gevent.getcurrent():
                 greenlets.append(consumer.greenlet)
         self._homeless = []
-        for _, session in self._direct.values():
+        while self._direct:  # closing a link yields: a consume moving meanwhile may open another (CI saw it)
+            _, (_, session) = self._direct.popitem()
             if session.link is not None:
                 session.link.close([])
         self._link.close(greenlets)
