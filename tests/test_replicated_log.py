@@ -437,6 +437,38 @@ def start_one_nats(config) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL)
 
 
+def test_a_start_waits_while_jetstream_does_not_answer_yet(tmp_path):
+    """A NATS cluster started moments before the broker (Compose, CI) may not answer JetStream calls yet: the
+    broker asks again (bounded) instead of failing its start with "nats: timeout", as CI saw once. Here the
+    calls time out for real (user mqks may not ask for stream info) until a reload lifts that."""
+    port, broker_port = free_port(), free_port()
+    config = tmp_path / "nats.conf"
+    config.write_text(one_nats(tmp_path, port, denied="$JS.API.STREAM.INFO.>"))
+    nats = start_one_nats(config)
+    log_path = tmp_path / "mqksd.log"
+    broker = None
+    try:
+        wait_for(lambda: listening(port), "the NATS server to listen")
+        with open(log_path, "wb") as log_file:
+            broker = subprocess.Popen([sys.executable, "-m", "mqks.server", "--port", str(broker_port), "--log",
+                                       f"nats://mqks:secret@127.0.0.1:{port}", "--log-replicas", "1"],
+                                      stdout=subprocess.DEVNULL, stderr=log_file)
+        wait_for(lambda: "JetStream does not answer yet" in log_path.read_text() or broker.poll() is not None,
+                 "the broker to ask again", 30)
+        assert broker.poll() is None, log_path.read_text()
+        config.write_text(one_nats(tmp_path, port))
+        nats.send_signal(signal.SIGHUP)
+        wait_for(lambda: "mqksd listening on" in log_path.read_text() or broker.poll() is not None,
+                 "the broker to start once JetStream answers", 60)
+        assert broker.poll() is None, log_path.read_text()
+    finally:
+        if broker is not None:
+            broker.kill()
+            broker.wait()
+        nats.kill()
+        nats.wait()
+
+
 def test_no_nats_password_in_the_log_and_a_refused_one_says_so(make_broker, tmp_path):
     """`--log nats://user:password@...`: the start-up lines show `user:***`; a wrong password stops mqksd with
     what NATS answered (Authorization Violation), not "no answer", and without the password either."""
@@ -455,7 +487,7 @@ def test_no_nats_password_in_the_log_and_a_refused_one_says_so(make_broker, tmp_
                                  capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0
         assert "Authorization Violation" in refused.stderr and "wrong-pw" not in refused.stderr, refused.stderr
-        assert f"nats://mqks:***@127.0.0.1:{port}" in refused.stderr, refused.stderr
+        assert f"cannot reach NATS at nats://mqks:***@127.0.0.1:{port}" in refused.stderr, refused.stderr
     finally:
         nats.kill()
         nats.wait()

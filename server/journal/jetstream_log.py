@@ -67,6 +67,7 @@ TAIL_CHECK_SECONDS = 1.0  # idle: look at the stream's last sequence this often 
 RETRY_SECONDS = 0.5  # NATS has no answer: read the tail again after this
 REPLAY_BATCH = 256
 REPLAY_RETRY_SECONDS = 30.0  # replay: a read that keeps failing this long (NATS away) ends the start
+STARTING_NATS_SECONDS = 30.0  # open: JetStream calls that time out this long (a NATS just started) end the start
 OWNER_PING_SECONDS = 1.5
 PUBACK_SAMPLES = 1024
 REPLICAS_FALLBACK_ERRORS = (10074, 10005)  # insufficient resources, R>1 on a single server
@@ -562,15 +563,29 @@ class JetStreamLog:
     # -- the asyncio thread's side: stream management -------------------------------------------
 
     async def _ensure_stream(self, nc: Any) -> None:
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
         from nats.js.api import DiscardPolicy, StorageType, StreamConfig
-        from nats.js.errors import APIError, NotFoundError
+        from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
         js = nc.jetstream(timeout=5)
         self.max_payload = min(FRAME_BYTES, nc.max_payload) if nc.max_payload else FRAME_BYTES
-        try:
-            info = await js.stream_info(self.stream)
-        except NotFoundError:
-            info = None
+        # a NATS cluster started moments ago (Compose, CI) answers JetStream calls only once its meta leader is
+        # elected: until then a call times out or finds no responder (CI: "cannot start: nats: timeout")
+        deadline = time.monotonic() + STARTING_NATS_SECONDS
+        while True:
+            try:
+                info = await js.stream_info(self.stream)
+                break
+            except NotFoundError:
+                info = None
+                break
+            except (NatsTimeout, NoRespondersError, ServiceUnavailableError) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("stream %s: JetStream does not answer yet (%s); asking again", self.stream,
+                            type(e).__name__)
+                await asyncio.sleep(RETRY_SECONDS)
         if info is None:
             replicas = self.replicas
             while True:
@@ -580,6 +595,17 @@ class JetStreamLog:
                 try:
                     info = await js.add_stream(config)
                     break
+                except (NatsTimeout, NoRespondersError, ServiceUnavailableError) as e:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.warning("stream %s: JetStream does not answer yet (%s); asking again", self.stream,
+                                type(e).__name__)
+                    await asyncio.sleep(RETRY_SECONDS)
+                    try:  # a create that timed out may have been made meanwhile
+                        info = await js.stream_info(self.stream)
+                        break
+                    except (NotFoundError, NatsTimeout, NoRespondersError, ServiceUnavailableError):
+                        continue
                 except APIError as e:
                     if replicas > 1 and e.err_code in REPLICAS_FALLBACK_ERRORS:
                         log.warning("stream %s: NATS cannot place %d replicas (%s): trying %d", self.stream,

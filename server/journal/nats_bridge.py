@@ -209,7 +209,7 @@ class NatsBridge:
             # nats-py retries a refused connect until the timeout: what NATS said is in the first error
             cause = self.first_error if isinstance(e, asyncio.TimeoutError) else e
             reason = "no answer" if cause is None else f"{type(cause).__name__}: {cause}"
-            self.start_error = f"cannot connect to NATS at {shown(self.servers)}: {reason}"
+            self.start_error = f"cannot reach NATS at {shown(self.servers)}: {reason}"
             try:
                 await nc.close()
             except Exception:
