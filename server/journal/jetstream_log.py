@@ -44,6 +44,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import gevent
+from gevent.event import Event
 
 from .nats_bridge import BridgeError, NatsBridge, parse_puback
 
@@ -66,6 +67,7 @@ ACK_SECONDS = 2.0  # a frame with no answer after this: read the tail (an electi
 TAIL_CHECK_SECONDS = 1.0  # idle: look at the stream's last sequence this often (a rival, the figures)
 RETRY_SECONDS = 0.5  # NATS has no answer: read the tail again after this
 REPLAY_BATCH = 256
+FOLLOW_IDLE_SECONDS = 10.0  # NATS drops a standby's push consumer this long after its subscription went
 REPLAY_RETRY_SECONDS = 30.0  # replay: a read that keeps failing this long (NATS away) ends the start
 STARTING_NATS_SECONDS = 30.0  # open: JetStream calls that time out this long (a NATS just started) end the start
 OWNER_PING_SECONDS = 1.5
@@ -266,6 +268,14 @@ class JetStreamLog:
         self._read_seq = 0  # a standby: the last sequence read
         self._reader: Any = None  # replay's pull consumer
         self._next_seq = 1  # the next sequence it reads
+        # a standby follows the tail on a push consumer: NATS sends each frame as it is stored, with no request per
+        # frame (a pull per frame was most of a standby's CPU and of NATS's API load, issue 40)
+        self._follower: Any = None  # the subscription on the push consumer's deliver subject
+        self._followed: deque[tuple[int, dict[str, str] | None, bytes]] = deque()  # asyncio appends, hub pops
+        self._follow_next = 0  # the sequence the follower expects next (asyncio side)
+        self._follow_generation = 0  # frames from a follower of another generation are a replaced one's
+        self._follow_event = Event()  # hub side: set when frames wait in _followed
+        self._refollowing: asyncio.Future[None] | None = None
         # figures
         self._puback_ms: deque[float] = deque(maxlen=PUBACK_SAMPLES)
         self._stream_bytes = 0
@@ -370,11 +380,13 @@ class JetStreamLog:
             expires = now + lease
             log.info("stream %s: owned by %s; standing by (lease %g s)", self.stream, owner, lease)
         reported = claimed_at = tail_checked_at = 0.0
-        balanced_at = time.monotonic()
+        balanced_at = heard_at = time.monotonic()  # heard_at: the last frame followed (the owner's heartbeat)
+        following = False
         replayer.handoff = None  # a hand-off read before this node stood by was meant for the standbys of then
         while True:
             if replayer.handoff in (candidacy.node, "*"):
                 log.info("stream %s: handed to this node by %s", self.stream, replayer.owner)
+                self._stop_standing_by(read)
                 return read
             now = time.monotonic()
             if now >= expires:
@@ -389,24 +401,30 @@ class JetStreamLog:
                 if owner is not None:
                     log.warning("stream %s: nothing from its owner %s for %g s: taking it over", self.stream,
                                 replayer.owner or "?", lease)
+                self._stop_standing_by(read)
                 return read
             if now - reported >= STANDBY_REPORT_SECONDS:
                 reported = now
                 self._read_seq = read
                 self.bridge.spawn(self._report_standby)
             try:
-                batch = run(functools.partial(self._read_batch, timeout=min(1.0, max(0.05, expires - now))),
-                            timeout=30)
-                if not batch and now - tail_checked_at >= candidacy.heartbeat_seconds:
-                    # a quiet stream, or a reader that lost its NATS node? The owner's heartbeat comes this
+                if not following:
+                    run(functools.partial(self._follow, start_seq=read + 1), timeout=30)
+                    following = True
+                self._follow_event.wait(min(1.0, max(0.05, expires - now)))
+                batch = self._take_followed()
+                if (not batch and now - heard_at >= candidacy.heartbeat_seconds * 1.5
+                        and now - tail_checked_at >= candidacy.heartbeat_seconds):
+                    # a quiet stream, or a follower that lost its NATS node? The owner's heartbeat comes this
                     # often; a check per empty read was a stream info a second per standby (issue 39)
                     tail_checked_at = now
                     last = run(self._last_seq, timeout=30)
-                    if last > read:  # frames the reader does not bring (its NATS node went): read anew after them
-                        run(functools.partial(self._open_reader, start_seq=read + 1), timeout=30)
+                    if last > read:  # frames the follower does not bring (its NATS node went): follow anew
+                        following = False
                         expires = time.monotonic() + lease
             except (BridgeError, gevent.Timeout, Exception) as e:  # NATS unreachable: this node could not take over
                 log.warning("stream %s: following it failed (%r); again", self.stream, e)
+                following = False
                 gevent.sleep(RETRY_SECONDS)
                 continue
             for seq, headers, data in batch:
@@ -416,11 +434,26 @@ class JetStreamLog:
                 yield from lines
             if batch:
                 owner = replayer.owner or owner
-                expires = time.monotonic() + lease
+                heard_at = time.monotonic()
+                expires = heard_at + lease
                 claimed_at = 0.0
             elif now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
                 balanced_at = now
                 self._balance()
+
+    def _stop_standing_by(self, read: int) -> None:
+        """No more following: the replay reads on from after `read` (a claim that loses reads what the winner
+        appended) with its pull reader."""
+        self._next_seq = read + 1
+
+        async def stop(nc: Any) -> None:
+            await self._stop_following(nc)
+            self._followed.clear()
+
+        try:
+            self.bridge.run(stop, timeout=30)
+        except (BridgeError, gevent.Timeout) as e:
+            log.warning("stream %s: stopping its follower failed (%r)", self.stream, e)
 
     def _balance(self) -> None:
         """Ask for this group when it is pinned here (`mqks cluster move` put it on this node, and a failover took it
@@ -481,8 +514,10 @@ class JetStreamLog:
         self._handed_bytes += len(payload)
         self.unsynced_bytes = self._handed_bytes - self._durable_bytes
         self._handed.append((number, payload, new_segment, completes, time.monotonic()))
-        if not self._writer_done:
-            self.bridge.call_soon(self._poke)  # once per commit: once per loop turn that wrote
+        if len(self._handed) == 1 and not self._writer_done:
+            # once per batch the writer has not taken: it takes every commit waiting when it wakes (a
+            # call_soon_threadsafe per commit was a pipe write each)
+            self.bridge.call_soon(self._poke)
         return number
 
     @property
@@ -658,7 +693,8 @@ class JetStreamLog:
             deliver_policy=DeliverPolicy.ALL)
         self._reader = await nc.jetstream(timeout=self.timeout_seconds).pull_subscribe(
             self.subject, durable=None, stream=self.stream,
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=60.0, **policy))
+            config=ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1, inactive_threshold=60.0,
+                                  **policy))
 
     async def _read_batch(self, nc: Any, timeout: float = 5.0) -> list[tuple[int, dict[str, str] | None, bytes]]:
         """The next messages in order ([] when none came within `timeout`); after a failure the next call reads on
@@ -677,6 +713,61 @@ class JetStreamLog:
         batch = [(msg.metadata.sequence.stream, msg.headers, msg.data) for msg in msgs]
         if batch:
             self._next_seq = batch[-1][0] + 1
+        return batch
+
+    async def _follow(self, nc: Any, start_seq: int, keep: bool = False) -> None:
+        """Follow the stream from `start_seq` on a push consumer (memory, one replica, no acks): frames come to
+        `_on_followed` as they are stored. Replaces the replay's pull reader and any earlier follower; the frames
+        the hub has not taken yet are dropped unless `keep` (they come before `start_seq`)."""
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        await self._close_reader(nc)
+        await self._stop_following(nc)
+        if not keep:
+            self._followed.clear()
+        self._follow_next = start_seq
+        self._follow_generation += 1
+        inbox = nc.new_inbox()
+        # the subscription first: the consumer starts sending as soon as it exists
+        self._follower = await nc.subscribe(inbox, cb=functools.partial(self._on_followed, self._follow_generation))
+        await nc.jetstream(timeout=self.timeout_seconds)._jsm.add_consumer(self.stream, config=ConsumerConfig(
+            deliver_subject=inbox, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
+            ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1, inactive_threshold=FOLLOW_IDLE_SECONDS))
+
+    async def _on_followed(self, generation: int, msg: Any) -> None:
+        if generation != self._follow_generation:  # a replaced follower's last frames
+            return
+        if not msg.data and msg.headers and "Status" in msg.headers:  # an idle heartbeat or a flow control request
+            return
+        seq = msg.metadata.sequence.stream
+        expected = self._follow_next
+        if seq != expected:
+            if seq > expected:  # a frame was lost on the way (a slow consumer): follow again from the gap
+                log.warning("stream %s: following it skipped %d frames; following again from %d", self.stream,
+                            seq - expected, expected)
+                self._follow_generation += 1
+                self._refollowing = asyncio.ensure_future(self._follow(self.bridge.nc, expected, keep=True))
+            return
+        self._follow_next = seq + 1
+        self._followed.append((seq, msg.headers, msg.data))
+        if len(self._followed) == 1:  # the hub is told once per batch it has not taken yet
+            self.bridge.to_hub(self._follow_event.set)
+
+    async def _stop_following(self, nc: Any) -> None:
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            try:
+                await follower.unsubscribe()  # NATS drops the consumer once no one listens (FOLLOW_IDLE_SECONDS)
+            except Exception:
+                pass
+
+    def _take_followed(self) -> list[tuple[int, dict[str, str] | None, bytes]]:
+        """Hub side: the frames the follower brought since the last call, in order."""
+        self._follow_event.clear()
+        followed = self._followed
+        batch = []
+        while followed:
+            batch.append(followed.popleft())
         return batch
 
     async def _close_reader(self, nc: Any) -> None:
@@ -750,30 +841,41 @@ class JetStreamLog:
         wake.set()  # commits handed during the replay's end
         last_check = self._last_sent_at = time.monotonic()
         checking: asyncio.Future[None] | None = None
-        while not self._stopping and self.fenced_by is None:
-            try:
-                await asyncio.wait_for(wake.wait(), TAIL_CHECK_SECONDS)
-            except TimeoutError:
-                pass
-            wake.clear()
-            self._take_handed()
-            now = time.monotonic()
-            if self._in_flight and self._trouble is None:
-                oldest = min((f.sent_at for f in self._by_token.values()), default=now)
-                if now - oldest > ACK_SECONDS:
-                    self._in_trouble(f"no PubAck within {ACK_SECONDS:g} s")
-            if self._stalled_since is not None and now - self._stalled_since > self.timeout_seconds:
-                self._stall_too_long(f"the replicated log has stored nothing for {self.timeout_seconds:g} s")
-            if self._trouble is not None:
-                await self._read_tail(nc)
-                continue
-            if (candidacy is not None and not self._unsent and not self._in_flight
-                    and now - self._last_sent_at >= candidacy.heartbeat_seconds):
-                self._add_frame(b"", False, 0, False, False)  # the lease: standbys take over after silence
-            await self._send(nc)
-            if now - last_check >= TAIL_CHECK_SECONDS and (checking is None or checking.done()):
-                last_check = now
-                checking = asyncio.ensure_future(self._check_tail(nc))
+        # a cluster's owner appends a heartbeat, expecting the last sequence, as often: a rival shows there too,
+        # and sixteen groups' checks each second were a third of an idle NATS's API calls
+        tail_check_seconds = TAIL_CHECK_SECONDS if candidacy is None else candidacy.heartbeat_seconds
+        ticker = asyncio.ensure_future(self._tick(wake))
+        try:
+            while not self._stopping and self.fenced_by is None:
+                await wake.wait()
+                wake.clear()
+                self._take_handed()
+                now = time.monotonic()
+                if self._in_flight and self._trouble is None:
+                    oldest = min((f.sent_at for f in self._by_token.values()), default=now)
+                    if now - oldest > ACK_SECONDS:
+                        self._in_trouble(f"no PubAck within {ACK_SECONDS:g} s")
+                if self._stalled_since is not None and now - self._stalled_since > self.timeout_seconds:
+                    self._stall_too_long(f"the replicated log has stored nothing for {self.timeout_seconds:g} s")
+                if self._trouble is not None:
+                    await self._read_tail(nc)
+                    continue
+                if (candidacy is not None and not self._unsent and not self._in_flight
+                        and now - self._last_sent_at >= candidacy.heartbeat_seconds):
+                    self._add_frame(b"", False, 0, False, False)  # the lease: standbys take over after silence
+                await self._send(nc)
+                if now - last_check >= tail_check_seconds and (checking is None or checking.done()):
+                    last_check = now
+                    checking = asyncio.ensure_future(self._check_tail(nc))
+        finally:
+            ticker.cancel()
+
+    async def _tick(self, wake: asyncio.Event) -> None:
+        """The writer's clock: its checks (an unanswered frame, a stall, the heartbeat, the tail) run at least this
+        often; a timer of its own, not a timeout on each wait (a task and a timer per frame under load)."""
+        while True:
+            await asyncio.sleep(TAIL_CHECK_SECONDS)
+            wake.set()
 
     def _take_handed(self) -> None:
         """The hub's commits into frames: merged up to the frame size, split over max_payload."""
