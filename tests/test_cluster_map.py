@@ -170,3 +170,35 @@ def test_a_stream_name_is_read_as_its_group_and_group_count(stream, cluster, exp
     from mqks.server.node.cluster import group_count_of
 
     assert group_count_of(stream, cluster) == expected
+
+
+def test_a_node_id_in_use_by_a_running_node_is_refused(shared_nats_cluster):
+    """Two nodes started with one --node id would each count the other's groups as their own: the second refuses
+    to start and names the node that answers as that id; once that node stopped, the id is free again."""
+    _, urls = shared_nats_cluster
+    name = unique("same_id").replace("-", "_")
+    first = Cluster(name, urls, nodes=("A",), groups=2, lease=6.0)
+    try:
+        first.wait_owned()
+
+        def start_another_a() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "mqks.server", "--port", str(free_port()),
+                                   *Cluster.args_for(name, 2, 6.0), "--log", ",".join(urls), "--node", "A"],
+                                  capture_output=True, text=True, timeout=60)
+
+        stray = start_another_a()
+        assert stray.returncode == 1, stray.stderr
+        assert f"node id 'A' is in use in cluster {name!r}: node A (" in stray.stderr, stray.stderr
+        assert "answers for 2 of its groups; give this node another --node" in stray.stderr, stray.stderr
+        first.stop()
+        second = Cluster(name, urls, nodes=("A",), groups=2, lease=6.0)  # the same id, once free, starts
+
+        def answered_by_second() -> bool:
+            done = mqks_cluster("status", "--json", "--cluster", name, "--log", ",".join(urls))
+            return done.returncode == 0 and all(row["answering"] == "A" for row in json.loads(done.stdout))
+        try:
+            wait_for(answered_by_second, "the second node A to answer for both groups", 90, interval=0.5)
+        finally:
+            second.stop()
+    finally:
+        first.stop()

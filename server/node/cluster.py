@@ -245,8 +245,10 @@ def group_count_of(stream: str, cluster: str) -> tuple[int, int] | None:
     return int(group), int(size)
 
 
-async def layouts_on_nats(urls: list[str], cluster: str) -> dict[int, list[str]]:
-    """The cluster's streams already on NATS, by the group count in their names."""
+async def layouts_on_nats(urls: list[str], cluster: str, node: str | None = None,
+                          ) -> tuple[dict[int, list[str]], list[dict[str, Any]]]:
+    """The cluster's streams already on NATS, by the group count in their names; and, given a `node` id, the
+    running owners that answer for its streams under that id (another live node started with it)."""
     import nats
 
     nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
@@ -257,20 +259,36 @@ async def layouts_on_nats(urls: list[str], cluster: str) -> dict[int, list[str]]
             found = group_count_of(name, cluster)
             if found is not None:
                 layouts.setdefault(found[1], []).append(name)
-        return layouts
+        if node is None:
+            return layouts, []
+
+        async def owner_of(stream: str) -> dict[str, Any] | None:
+            try:
+                answer = await nc.request(f"mqks.owner.{stream}", b"", timeout=1.0)
+                return dict(json.loads(answer.data))
+            except Exception:  # nobody answers (no owner, or a paused one): nothing to say about the id
+                return None
+
+        streams = [name for names in layouts.values() for name in names]
+        owners = await asyncio.gather(*(owner_of(stream) for stream in streams))
+        return layouts, [owner for owner in owners if owner is not None and owner.get("node") == node]
     finally:
         await nc.close()
 
 
-def check_layout(urls: list[str], cluster: str, groups: int) -> str | None:
-    """Why a node of `cluster` with `groups` groups must not start on this NATS (its streams were made with
-    another --groups: two layouts would share one name, and nodes of each would take the other's groups
-    over); None when it may, or when NATS cannot be asked now (the group processes wait for it)."""
+def check_layout(urls: list[str], cluster: str, groups: int, node: str | None = None) -> str | None:
+    """Why a node of `cluster` with `groups` groups must not start on this NATS: its streams were made with
+    another --groups (two layouts would share one name, and nodes of each would take the other's groups over),
+    or a running node already answers as `node` (two nodes with one id would each count the other's groups as
+    their own). None when it may, or when NATS cannot be asked now (the group processes wait for it)."""
     try:
-        layouts = asyncio.run(layouts_on_nats(urls, cluster))
+        layouts, same_id = asyncio.run(layouts_on_nats(urls, cluster, node))
     except Exception as e:
         log.warning("cannot check cluster %s's group count on NATS now (%s); starting", cluster, e)
         return None
+    if same_id:
+        return (f"node id {node!r} is in use in cluster {cluster!r}: {same_id[0].get('owner', '?')} answers for "
+                f"{len(same_id)} of its groups; give this node another --node, or stop that one first")
     others = sorted(count for count in layouts if count != groups)
     if not others:
         return None

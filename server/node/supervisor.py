@@ -95,14 +95,15 @@ class Supervisor:
                 probe.close()
 
     def check_cluster_layout(self) -> None:
-        """A cluster node refuses a name whose streams on NATS were made with another --groups."""
+        """A cluster node refuses a name whose streams on NATS were made with another --groups, and a --node id a
+        running node answers as."""
         config = self.config
         if not config.cluster or config.log is None:
             return
         from ..journal.jetstream_log import log_urls
         from .cluster import check_layout
 
-        reason = check_layout(log_urls(config.log), config.cluster, self.count)
+        reason = check_layout(log_urls(config.log), config.cluster, self.count, config.node)
         if reason is not None:
             log.error("cannot start: %s", reason)
             raise SystemExit(1)
