@@ -22,6 +22,8 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -75,6 +77,25 @@ def read_answers(sock: socket.socket, at_least: int, pending: bytearray) -> int:
             got += complete.count(b"\n") + 1
         if got >= at_least:
             return got
+
+
+def wait_settled(cluster: str, urls: str, nodes: int, timeout: float = 120.0) -> None:
+    """Until every group's owner answers and the groups are spread within one over the nodes (balancing hands
+    groups over for a while after a start: a cell measured meanwhile measures the hand-overs)."""
+    mqks = os.path.join(os.path.dirname(sys.executable), "mqks")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = subprocess.run([mqks, "cluster", "status", "--json", "--cluster", cluster, "--log", urls],
+                              capture_output=True, text=True, timeout=60)
+        if done.returncode == 0:
+            rows = json.loads(done.stdout)
+            owners = [row["owner"] for row in rows]
+            counts = [owners.count(owner) for owner in set(owners)]
+            if (all(row["owner"] and row["answering"] == row["owner"] for row in rows) and len(counts) == nodes
+                    and max(counts) - min(counts) <= 1):
+                return
+        time.sleep(1.0)
+    raise RuntimeError(f"cluster {cluster} did not settle within {timeout:g} s")
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -134,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 broker.stop()
             for groups in (16, 4):
-                nodes = start_nodes(["a", "b", "c"], f"c{groups}r{rep}p{os.getpid()}", urls, groups)
+                name = f"c{groups}r{rep}p{os.getpid()}"
+                nodes = start_nodes(["a", "b", "c"], name, urls, groups)
                 try:
-                    time.sleep(5)  # the standbys catch up and the balance settles: the cell measures a calm cluster
+                    wait_settled(name, urls, len(nodes))
                     cells[f"3 nodes, {groups} groups"].append(
                         measured(nodes[0].port, [node.pid for node in nodes], nats_pids, args))
                     if groups == 16 and rep == 0:
