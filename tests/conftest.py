@@ -208,6 +208,30 @@ class BrokerProcess:
 
 CALL_FAILED = pytest.StashKey[bool]()
 
+# The tiers (pytest.ini's markers): `pytest -m unit` runs in process in seconds, the others need real parts.
+CLUSTER_FIXTURES = {"nats_cluster", "shared_nats_cluster", "cluster"}
+CLUSTER_MODULES = {"test_cluster", "test_cluster_clients", "test_cluster_map", "test_replicated_log",
+                   "test_nats_bridge", "test_nats_local"}
+
+
+def tier_of(item: pytest.Item) -> str:
+    """unit (tests/unit/), cluster (NATS servers and nodes), spark (a JVM), browser (Chromium), or e2e."""
+    path = Path(str(item.fspath))
+    if "unit" in path.relative_to(Path(__file__).parent).parts[:1]:
+        return "unit"
+    if path.stem in CLUSTER_MODULES or CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return "cluster"
+    if path.stem == "test_spark":
+        return "spark"
+    if path.stem == "test_console":
+        return "browser"
+    return "e2e"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(tier_of(item))
+
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[pytest.TestReport]:

@@ -548,3 +548,11 @@ def test_sigstop_is_detected_by_missed_pong_then_resumed(make_broker: Callable[.
         assert [message.data for message in inbox.wait(1)] == ["after resume"]
     finally:
         client.close()
+
+
+def test_the_line_helpers_import_without_gevent() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, mqks.client.wire; assert 'gevent' not in sys.modules, 'gevent was imported'"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

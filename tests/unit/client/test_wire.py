@@ -104,11 +104,3 @@ def test_spark_source_reads_headers_as_the_clients_parser_does() -> None:
             got = to_record_batch(lines, "q", schema.fieldNames(), arrow_schema, pa).to_pydict()
             assert (got["event"][0], got["retry"][0], got["data"][0]) == expected
             assert got["seq"][0] == int(line.split(b"seq=")[1].split(b" ")[0])
-
-
-def test_the_line_helpers_import_without_gevent() -> None:
-    import subprocess
-    import sys
-
-    code = "import sys, mqks.client.wire; assert 'gevent' not in sys.modules, 'gevent was imported'"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

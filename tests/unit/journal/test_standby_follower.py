@@ -14,7 +14,7 @@ pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster
 
 from mqks.server.journal.jetstream_log import JetStreamLog
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
+pytestmark = pytest.mark.timeout(10)
 
 
 class FakeNats:
