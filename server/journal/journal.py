@@ -139,6 +139,7 @@ class Journal:
         self.durable = max(self.durable, durable)
         waiting = self.waiting
         if failed:
+            # in the order they were owed: a durable commit before a failed one is answered first
             failed_commits = set(failed)
             kept: deque[tuple[int, list[tuple[Outbox, bytes]]]] = deque()
             for commit, confirms in waiting:
@@ -147,6 +148,8 @@ class Journal:
                               f"{self.log.where}")
                     for outbox, rid in confirms:
                         outbox.write(self.error_line(rid, reason))
+                elif commit <= self.durable and not kept:
+                    answer_ok(confirms)
                 else:
                     kept.append((commit, confirms))
             self.waiting = waiting = kept
