@@ -248,7 +248,8 @@ class Server:
 
             node_dir = NodeDir(config.run_dir or ".")
             candidacy = Candidacy(config.cluster, config.node, config.worker_index or 0, config.lease_seconds,
-                                  owned_here=node_dir.owned, may_pull=node_dir.take_pull_turn)
+                                  owned_here=node_dir.owned, may_pull=node_dir.take_pull_turn,
+                                  end_pull=node_dir.end_pull_turn)
         assert config.log is not None
         log_ = JetStreamLog(log_urls(config.log), stream, owner, replicas=config.log_replicas,
                             takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,

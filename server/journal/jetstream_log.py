@@ -87,12 +87,14 @@ class Candidacy:
     over when its owner has appended nothing for `lease_seconds` (the owner appends a heartbeat when idle)."""
 
     __slots__ = ("cluster", "node", "group", "lease_seconds", "spread_seconds", "owned_here", "may_pull",
-                 "balance_view")
+                 "end_pull", "balance_view")
 
     def __init__(self, cluster: str, node: str, group: int, lease_seconds: float, spread_seconds: float = 3.0,
-                 owned_here: Callable[[], int] = lambda: 0, may_pull: Callable[[], bool] = lambda: False) -> None:
+                 owned_here: Callable[[], int] = lambda: 0, may_pull: Callable[[], bool] = lambda: False,
+                 end_pull: Callable[[], None] = lambda: None) -> None:
         self.owned_here = owned_here  # groups this node owns now (its processes tell each other in its run dir)
         self.may_pull = may_pull  # True once per node at a time: this standby may ask for its group (balance)
+        self.end_pull = end_pull  # the group this standby asked for will not come: another standby may ask
         # groups owned by each node, this group's owner node, the node it is pinned to: the cluster map's view,
         # given by the node layer (which watches the map); nothing known until it does
         self.balance_view: Callable[[], tuple[dict[str, int], str | None, str | None]] = lambda: ({}, None, None)
@@ -480,10 +482,16 @@ class JetStreamLog:
             return
         log.info("stream %s: %s: asking for it", self.stream, why)
         try:
-            self.bridge.run(lambda nc: nc.request(f"mqks.move.{self.stream}", candidacy.node.encode(), timeout=5),
-                            timeout=10)
+            reply = self.bridge.run(lambda nc: nc.request(f"mqks.move.{self.stream}", candidacy.node.encode(),
+                                                          timeout=5), timeout=10)
+            answer = json.loads(reply.data)
         except Exception as e:
             log.info("stream %s: its owner did not take the request (%s)", self.stream, e)
+            candidacy.end_pull()
+            return
+        if not answer.get("ok"):  # another node's standby asked first: this node's turn to pull is over
+            log.info("stream %s: its owner hands it to node %s instead", self.stream, answer.get("to"))
+            candidacy.end_pull()
 
     async def _report_standby(self, nc: Any) -> None:
         candidacy = self.candidacy
@@ -1142,8 +1150,9 @@ class JetStreamLog:
             log.warning("stream %s: asked to hand the group over to node %s", self.stream, node)
             self.move_to = node
             self.wake()
-        if msg.reply:
-            await self.bridge.nc.publish(msg.reply, json.dumps({"ok": True, "from": self.owner, "to": node}).encode())
+        if msg.reply:  # not ok: it goes to another node already (two standbys asked at once), not to this one
+            answer = {"ok": self.move_to == node, "from": self.owner, "to": self.move_to or node}
+            await self.bridge.nc.publish(msg.reply, json.dumps(answer).encode())
 
     def _add_handoff(self) -> None:
         """The owner's last frame: after everything it wrote, it names the node that takes the group over."""

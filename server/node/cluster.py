@@ -76,6 +76,10 @@ class NodeDir:
         """This process owns `group`; the pull that brought it here (if one did) is over."""
         with open(os.path.join(self.path, f"owns-{group}"), "w", encoding="utf-8") as f:
             f.write(str(os.getpid()))
+        self.end_pull_turn()
+
+    def end_pull_turn(self) -> None:
+        """The group asked for goes elsewhere (or its owner did not answer): another standby may ask now."""
         try:
             os.unlink(os.path.join(self.path, PULL_TURN))
         except FileNotFoundError:
