@@ -9,12 +9,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from conftest import BrokerProcess
-from helpers import WAIT_SECONDS
+from waiting import WAIT_SECONDS
 
 from mqks import aio
 
 T = TypeVar("T")
-POLL_SECONDS = 0.01
 
 
 def run(main: Callable[[], Awaitable[T]], loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> T:
@@ -45,16 +44,6 @@ def client_of(server: BrokerProcess | int, **options: Any) -> aio.Client:
     settings.update(options)
     port = server if isinstance(server, int) else server.port
     return aio.Client("127.0.0.1", port, **settings)
-
-
-async def until(predicate: Callable[[], object], what: str, timeout: float = WAIT_SECONDS) -> None:
-    """Poll `predicate` on the loop until true, or fail after `timeout`."""
-    try:
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                await asyncio.sleep(POLL_SECONDS)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
 
 
 async def take(consumer: aio.Consumer, count: int) -> list[aio.Message]:

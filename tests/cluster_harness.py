@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,6 +23,7 @@ import gevent.server
 import gevent.socket
 from conftest import READY_TIMEOUT_SECONDS, BrokerProcess, child_pids
 from helpers import free_port
+from waiting import wait_for
 
 from mqks.server.dispatch.slots import owner_of
 
@@ -56,18 +56,6 @@ class ClusterNode(BrokerProcess):
     def group_pids(self) -> list[int]:
         assert self.proc is not None
         return child_pids(self.proc.pid)
-
-
-def wait_for(condition: Callable[[], T], what: str, timeout: float, interval: float = 0.05) -> T:
-    """helpers.wait_for that lets the test's gevent clients run while it waits."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        gevent.sleep(interval)
 
 
 def ask(port: int, *lines: bytes, timeout: float = 3.0) -> list[bytes]:

@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import free_port, mqks_nats, wait_for
+from helpers import free_port, mqks_nats
 from tls_certs import Certs, make_certs
+from waiting import wait_for
 
 __all__ = ["READY_TIMEOUT_SECONDS", "REPLY_TIMEOUT_SECONDS", "BrokerProcess", "Wire", "free_port"]
 

@@ -1,8 +1,8 @@
 """Helpers the test modules share: free ports, unique names, polling with a deadline, `stats` and `queues`
 readings, `_eval`, RSS, and the Python client's test doubles (an inbox callback, a client with test timeouts).
 
-Nothing here sleeps and hopes: `wait_for` polls a condition until a deadline and fails naming
-what it waited for. Readings that can be missing (an RSS, an `_eval` answer) fail loudly
+Nothing here sleeps and hopes: how to wait is waiting.py's (`wait_for`, re-exported here with
+WAIT_SECONDS and `wait_until`). Readings that can be missing (an RSS, an `_eval` answer) fail loudly
 instead of returning a default that an assertion would accept.
 """
 
@@ -15,14 +15,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import gevent
+from waiting import wait_until
 
 from mqks.client import Client, Message
 from mqks.server.dispatch.slots import owner_of
@@ -33,24 +32,34 @@ REPO = Path(__file__).resolve().parent.parent
 MQKS = Path(sys.executable).parent / "mqks"  # the console script pip installed beside this Python
 RUN_TIMEOUT_SECONDS = 30.0
 
-WAIT_SECONDS = 10.0
 
 _names = itertools.count()
 
 
 _handed_out: set[int] = set()
+# tests/run.sh runs two pytest processes side by side and gives them this directory: a port handed out by one is a
+# file there, so the other never hands it out too (between the ask and the broker's bind, the port is free)
+PORTS_DIR_ENV = "MQKS_TEST_PORTS_DIR"
 
 
 def free_port() -> int:
     """Ask the kernel for a port nobody listens on right now, and never the same one twice in a run: two asks
-    in a row may get the same port back (CI once got --tls-port equal to --port)."""
+    in a row may get the same port back (CI once got --tls-port equal to --port), and two runs side by side may
+    too (PORTS_DIR_ENV)."""
+    shared = os.environ.get(PORTS_DIR_ENV)
     while True:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
+        if port in _handed_out:
+            continue
+        _handed_out.add(port)
+        if shared:
+            try:
+                os.close(os.open(os.path.join(shared, str(port)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+        return port
 
 
 def unique(prefix: str) -> str:
@@ -61,28 +70,6 @@ def unique(prefix: str) -> str:
 def unique_bytes(prefix: str) -> bytes:
     """`unique` as bytes, for wire transcripts."""
     return unique(prefix).encode()
-
-
-def wait_for(condition: Callable[[], T], what: str, timeout: float = WAIT_SECONDS, interval: float = 0.05) -> T:
-    """Poll `condition()` until it returns something truthy and return that; fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
-
-
-def wait_until(predicate: Callable[[], object], what: str, timeout: float = WAIT_SECONDS,
-               interval: float = 0.01) -> None:
-    """`wait_for` for code beside the Python client: poll yielding to gevent, so its greenlets run meanwhile."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        gevent.sleep(interval)
 
 
 def queue_owned_by(worker: int, workers: int, prefix: str = "q") -> str:

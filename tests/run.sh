@@ -13,7 +13,9 @@ pytest=.venv/bin/pytest
 "$pytest" -m unit "$@" || exit 1
 
 cluster_log=$(mktemp)
-trap 'rm -f "$cluster_log"' EXIT
+MQKS_TEST_PORTS_DIR=$(mktemp -d)  # the two runs below never hand out one port twice (tests/helpers.py)
+export MQKS_TEST_PORTS_DIR
+trap 'rm -rf "$cluster_log" "$MQKS_TEST_PORTS_DIR"' EXIT
 "$pytest" -m cluster -p no:cacheprovider "$@" > "$cluster_log" 2>&1 &
 cluster_pid=$!
 "$pytest" -m "not unit and not cluster" "$@"

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aio_helpers import client_of, run, take, until
+from aio_helpers import client_of, run, take
 from conftest import BrokerProcess
-from helpers import WAIT_SECONDS, free_port, queue_owned_by, unique
+from helpers import free_port, queue_owned_by, unique
+from waiting import WAIT_SECONDS, until
 
 from mqks import aio
 from mqks.client.errors import MqksConnectionError, MqksError, MqksTimeoutError

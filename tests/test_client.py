@@ -13,7 +13,8 @@ import gevent
 import pytest
 from conftest import BrokerProcess, free_port
 from gevent.event import Event
-from helpers import Inbox, make_client, unique, wait_until
+from helpers import Inbox, make_client, unique
+from waiting import wait_until
 
 from mqks.client import Client, Message, MqksError
 from mqks.client.client import MqksConnectionError, MqksTimeoutError

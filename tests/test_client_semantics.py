@@ -16,7 +16,8 @@ import gevent
 import pytest
 from conftest import BrokerProcess
 from gevent.event import Event
-from helpers import Inbox, make_client, unique, wait_until
+from helpers import Inbox, make_client, unique
+from waiting import wait_until
 
 from mqks.client import Client, Message, MqksConnectionError, MqksError, MqksTimeoutError, wire
 from mqks.server.dispatch.slots import owner_of

@@ -17,8 +17,9 @@ from pathlib import Path
 import gevent
 import pytest
 from conftest import BrokerProcess
-from helpers import Inbox, free_port, unique, wait_until
+from helpers import Inbox, free_port, unique
 from tls_certs import Certs
+from waiting import wait_until
 
 from mqks.client import Client, Message
 from mqks.client.client import MqksConnectionError

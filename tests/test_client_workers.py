@@ -18,8 +18,9 @@ import pytest
 import ujson
 from conftest import BrokerProcess
 from gevent.event import Event
-from helpers import Inbox, free_port, make_client, queue_owned_by, wait_until
+from helpers import Inbox, free_port, make_client, queue_owned_by
 from tls_certs import make_certs
+from waiting import wait_until
 
 from mqks.client import Client
 from mqks.client.placement import Placement, Route

@@ -20,9 +20,10 @@ from collections import Counter
 
 import gevent
 import pytest
-from cluster_harness import Cluster, History, ask, percentile, wait_for
+from cluster_harness import Cluster, History, ask, percentile
 from conftest import CALL_FAILED
 from helpers import MQKS, unique
+from waiting import wait_for, wait_until
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
@@ -349,17 +350,15 @@ def publish_until_confirmed(client: Client, event: str, data: str, timeout: floa
 
 
 def drain(cluster: Cluster, queue: str) -> list[str]:
-    """Every message body `queue` holds, through a client that follows the map."""
+    """Every message body `queue` holds, through a client that follows the map: as many as its row says it holds
+    (read before consuming, so a late delivery is waited for, never taken for the end)."""
     client = client_for(cluster)
     bodies: list[str] = []
     try:
+        rows = client.queues(queue)
+        depth = rows[0]["depth"] if rows else 0
         client.consume(queue, None, lambda msg: bodies.append(msg.data))
-        quiet_since = time.monotonic()
-        count = 0
-        while time.monotonic() - quiet_since < 1.5:
-            gevent.sleep(0.1)
-            if len(bodies) != count:
-                count, quiet_since = len(bodies), time.monotonic()
+        wait_until(lambda: len(bodies) >= depth, f"the {depth} messages {queue} holds", 60)
     finally:
         client.close()
     return bodies

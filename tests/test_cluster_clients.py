@@ -10,9 +10,10 @@ import socket
 import threading
 
 import pytest
-from cluster_harness import Cluster, wait_for
+from cluster_harness import Cluster
 from conftest import CALL_FAILED
 from helpers import unique
+from waiting import wait_for
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 

@@ -13,9 +13,10 @@ import sys
 import time
 
 import pytest
-from cluster_harness import Cluster, wait_for
+from cluster_harness import Cluster
 from conftest import CALL_FAILED
 from helpers import MQKS, free_port, unique
+from waiting import wait_for
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 

@@ -11,7 +11,8 @@ import threading
 
 import pytest
 from conftest import READY_TIMEOUT_SECONDS
-from helpers import queue_row, server_stats, unique, wait_for
+from helpers import queue_row, server_stats, unique
+from waiting import wait_for
 
 from mqks.server.journal.log import Log
 from mqks.server.journal.recovery import recover

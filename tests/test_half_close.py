@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import BrokerProcess
 from helpers import unique_bytes as unique
-from helpers import wait_for
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,8 +10,9 @@ import time
 
 import pytest
 from conftest import READY_TIMEOUT_SECONDS, Wire, free_port
-from helpers import eval_on, queue_row_on, rss_bytes, stats_on, wait_for
+from helpers import eval_on, queue_row_on, rss_bytes, stats_on
 from helpers import unique_bytes as unique
+from waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.core]
 

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, http_get, unique_bytes, wait_for
+from helpers import free_port, http_get, unique_bytes
+from waiting import wait_for
 
 
 def publish(wire, event: bytes, count: int, data: bytes = b"x", prefix: bytes = b"m") -> None:

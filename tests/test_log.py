@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import WAIT_SECONDS
+from waiting import WAIT_SECONDS
 
 from mqks.server.journal.log import Log
 

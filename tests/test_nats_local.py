@@ -14,7 +14,8 @@ import subprocess
 import time
 
 import pytest
-from helpers import mqks_nats, wait_for
+from helpers import mqks_nats
+from waiting import wait_for
 
 nats = pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 

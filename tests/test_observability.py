@@ -11,8 +11,9 @@ import sys
 
 import pytest
 from conftest import Wire
-from helpers import free_port, http_get, unique, wait_for
+from helpers import free_port, http_get, unique
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

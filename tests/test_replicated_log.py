@@ -21,7 +21,8 @@ import time
 
 import gevent
 import pytest
-from helpers import free_port, http_get, server_stats, unique, wait_for
+from helpers import free_port, http_get, server_stats, unique
+from waiting import wait_for
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
@@ -315,14 +316,8 @@ def commit_and_wait(log_: JetStreamLog, *lines: bytes) -> int:
         log_.append(line)
     number = log_.commit()
     assert number is not None
-    wait_greenlet(lambda: log_.poll()[0] >= number, f"commit {number} to be durable")
+    wait_for(lambda: log_.poll()[0] >= number, f"commit {number} to be durable", 30)
     return number
-
-
-def wait_greenlet(condition, what: str, timeout: float = 30.0) -> None:
-    with gevent.Timeout(timeout, AssertionError(f"timed out after {timeout:g}s waiting for {what}")):
-        while not condition():
-            gevent.sleep(0.01)
 
 
 def published(name: bytes, seq: int, body: bytes) -> bytes:
@@ -343,7 +338,7 @@ def test_frames_of_a_fenced_writer_and_its_unfinished_snapshot_are_ignored(nats_
     for i in range(20):
         first.append(published(b"q", 100 + i, b"zombie"))
         first.commit()
-    wait_greenlet(lambda: first.fenced_by is not None, "the first writer to find it was taken over")
+    wait_for(lambda: first.fenced_by is not None, "the first writer to find it was taken over", 30)
     assert "taken over by second" in first.fenced_by
     durable, failed = first.poll()
     assert durable < first._commits and failed
@@ -380,8 +375,8 @@ def test_two_takeovers_at_once_make_one_owner_per_epoch(nats_cluster):
         rival.commit()
     older = min(rivals, key=lambda rival: rival.epoch)
     newer = max(rivals, key=lambda rival: rival.epoch)
-    wait_greenlet(lambda: older.fenced_by is not None, "the older owner to be fenced")
-    wait_greenlet(lambda: newer.poll()[0] >= 1, "the newer owner's commit")
+    wait_for(lambda: older.fenced_by is not None, "the older owner to be fenced", 30)
+    wait_for(lambda: newer.poll()[0] >= 1, "the newer owner's commit", 30)
     assert newer.fenced_by is None
     for rival in rivals:
         rival.close(5)
@@ -510,13 +505,13 @@ def test_a_failed_purge_is_tried_again_until_it_is_made(tmp_path):
         log_.append(queue_record)
         log_.append(records.SNAPSHOT_END)
         snapshot = log_.commit(new_segment=True)
-        wait_greenlet(lambda: log_.poll()[0] >= snapshot, "the snapshot to be stored")
-        wait_greenlet(lambda: log_.stats()["purge_failures"] >= 1, "the refused purge")
+        wait_for(lambda: log_.poll()[0] >= snapshot, "the snapshot to be stored", 30)
+        wait_for(lambda: log_.stats()["purge_failures"] >= 1, "the refused purge", 30)
         assert log_.stats()["purges"] == 0
         config.write_text(one_nats(tmp_path, port))
         nats.send_signal(signal.SIGHUP)  # the permission is lifted; the broker writes nothing more
-        wait_greenlet(lambda: log_.stats()["purges"] == 1, "the purge tried again", timeout=60)
-        wait_greenlet(lambda: log_.stats()["stream_messages"] <= 2, "the stream's figures after the purge")
+        wait_for(lambda: log_.stats()["purges"] == 1, "the purge tried again", timeout=60)
+        wait_for(lambda: log_.stats()["stream_messages"] <= 2, "the stream's figures after the purge", 30)
         log_.close(10)
         reader, lines = open_log([f"nats://mqks:secret@127.0.0.1:{port}"], stream, "reader")
         assert recover(lines).queues[b"q"].messages == {}  # the snapshot stands for the purged frames
@@ -546,7 +541,7 @@ def test_a_start_waits_for_a_reader_that_nats_cannot_make_yet(tmp_path, caplog):
         reader.open()
         with caplog.at_level("WARNING", logger="mqks.journal"):
             replaying = gevent.spawn(lambda: list(reader.replay()))
-            wait_greenlet(lambda: "no reader yet" in caplog.text or replaying.ready(), "the refused reader", 30)
+            wait_for(lambda: "no reader yet" in caplog.text or replaying.ready(), "the refused reader", 30)
             config.write_text(one_nats(tmp_path, port))
             nats.send_signal(signal.SIGHUP)
             lines = replaying.get(timeout=60)  # raised nats' TimeoutError before

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-import gevent
 import pytest
 from conftest import BrokerProcess, Wire
 from helpers import unique_bytes as unique
-from helpers import wait_for
+from waiting import wait_for
 
 from mqks.client import Client
 from mqks.server.core.messages import PACK_MIN_DEPTH, PACK_TAILS
@@ -114,14 +112,6 @@ def hold_then_requeue(server: BrokerProcess, queue: bytes, event: bytes, how: st
     return None
 
 
-def wait_for_greenlets(condition: Callable[[], object], what: str, timeout: float = 30.0) -> None:
-    """Poll `condition` while the client's greenlets run (a plain sleep would block them)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
-        gevent.sleep(0.01)
-
-
 def hold_with_the_client(server: BrokerProcess, queue: bytes, event: bytes) -> None:
     """The Python client holds HELD messages, loses its connection, reconnects and replays its consume;
     its replayed consumer is then removed, so the requeued messages wait."""
@@ -131,13 +121,13 @@ def hold_with_the_client(server: BrokerProcess, queue: bytes, event: bytes) -> N
     try:
         consumer_id = client.consume(queue.decode(), None, lambda message: got.append(message.id), manual_ack=True,
                                      prefetch=HELD)
-        wait_for_greenlets(lambda: len(got) >= HELD, "the client to hold every message")
+        wait_for(lambda: len(got) >= HELD, "the client to hold every message", 30)
         # drop every link the client has (with workers the consume went to its owner's direct link)
         links = [session.link for session in client._sessions() if session.link is not None]
         for link in links:
             if link.conn is not None:
                 link.lose(link.conn, "dropped by the test")
-        wait_for_greenlets(lambda: len(got) >= 2 * HELD, "every message again after the reconnect")
+        wait_for(lambda: len(got) >= 2 * HELD, "every message again after the reconnect", 30)
         assert sum(link.reconnects for link in links) >= 1
         client.delete_consumer(consumer_id)
     finally:

@@ -5,8 +5,9 @@ import json
 import time
 
 import pytest
-from helpers import queue_row_on, read_a_while, rss_bytes, wait_for
+from helpers import queue_row_on, read_a_while, rss_bytes
 from helpers import unique_bytes as unique
+from waiting import wait_for
 
 from mqks.server.dispatch.slots import owner_of
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPLY_TIMEOUT_SECONDS, BrokerProcess, Wire
-from helpers import free_port, unique_bytes, wait_for
+from helpers import free_port, unique_bytes
 from tls_certs import Certs
+from waiting import wait_for
 
 TOKEN = "s3cret-token-0123456789"
 OTHER_TOKEN = "an0ther-token-9876543210"

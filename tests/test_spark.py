@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 from conftest import BrokerProcess
-from helpers import free_port, queue_row, queue_row_on, wait_for
+from helpers import free_port, queue_row, queue_row_on
+from waiting import wait_for
 
 pytest.importorskip("pyspark", reason="pyspark is not installed: pip install -e '.[spark]'")
 pytest.importorskip("pyarrow", reason="pyarrow is not installed: pip install -e '.[spark]'")

@@ -3,8 +3,9 @@
 import time
 
 import pytest
-from helpers import queue_row_on, wait_for
+from helpers import queue_row_on
 from helpers import unique_bytes as unique
+from waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.core]
 

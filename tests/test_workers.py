@@ -28,8 +28,8 @@ from helpers import (
     read_a_while,
     rss_bytes,
     unique_bytes,
-    wait_for,
 )
+from waiting import wait_for
 
 from mqks.server.core.routing import MAX_CACHED_EVENTS
 from mqks.server.dispatch.slots import owner_of, slot_ranges

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import WAIT_SECONDS, wait_for
+from waiting import WAIT_SECONDS, wait_for
 
 from mqks.server.journal.log import HEADER_BYTES, Log, LogCorrupt
 
