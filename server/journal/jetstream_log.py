@@ -701,8 +701,7 @@ class JetStreamLog:
             deliver_policy=DeliverPolicy.ALL)
         self._reader = await nc.jetstream(timeout=self.timeout_seconds).pull_subscribe(
             self.subject, durable=None, stream=self.stream,
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1, inactive_threshold=60.0,
-                                  **policy))
+            config=ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=60.0, **policy))
 
     async def _read_batch(self, nc: Any, timeout: float = 5.0) -> list[tuple[int, dict[str, str] | None, bytes]]:
         """The next messages in order ([] when none came within `timeout`); after a failure the next call reads on
