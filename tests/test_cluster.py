@@ -175,7 +175,8 @@ def test_the_asyncio_client_rides_a_kill_9_of_an_owner_node(cluster):
     goes on, and every confirmed publish arrives (at least once)."""
     import asyncio
 
-    from aio_helpers import run, until
+    from aio_helpers import run
+    from waiting import until
 
     from mqks import aio
 
