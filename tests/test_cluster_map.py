@@ -112,6 +112,15 @@ def test_a_standby_of_a_killed_node_is_shown_down(shared_nats_cluster):
     try:
         owners = cluster.wait_balanced()
         idle = next(name for name in cluster.nodes if name not in owners.values())  # stands by for every group
+
+        def reported() -> bool:
+            """The idle node's standbys are in the status, up: there is something to show down after the kill
+            (CI: once the groups spread in seconds, a slow node was killed before its standbys ever reported)."""
+            done = mqks_cluster("status", "--json", "--cluster", cluster.name, "--log", ",".join(urls))
+            rows = json.loads(done.stdout) if done.returncode == 0 else []
+            return bool(rows) and all(any(s["node"] == idle and not s["down"] for s in row["standbys"])
+                                      for row in rows)
+        wait_for(reported, f"node {idle}'s standbys to report", 60, interval=0.5)
         cluster.kill(idle)
 
         def shown_down() -> str | None:
