@@ -97,7 +97,8 @@ class Candidacy:
         self.end_pull = end_pull  # the group this standby asked for will not come: another standby may ask
         # groups owned by each node, this group's owner node, the node it is pinned to: the cluster map's view,
         # given by the node layer (which watches the map); nothing known until it does
-        self.balance_view: Callable[[], tuple[dict[str, int], str | None, str | None]] = lambda: ({}, None, None)
+        self.balance_view: Callable[[bool], tuple[dict[str, int], str | None, str | None]] = \
+            lambda fresh_pin: ({}, None, None)
         self.cluster = cluster
         self.node = node
         self.group = group
@@ -268,6 +269,7 @@ class JetStreamLog:
         self._wake_event: asyncio.Event | None = None
         self._last_sent_at = 0.0
         self._read_seq = 0  # a standby: the last sequence read
+        self._report_kv: Any = None  # a standby: the cluster's bucket its reports go to
         self._reader: Any = None  # replay's pull consumer
         self._next_seq = 1  # the next sequence it reads
         # a standby follows the tail on a push consumer: NATS sends each frame as it is stored, with no request per
@@ -465,7 +467,11 @@ class JetStreamLog:
         candidacy = self.candidacy
         assert candidacy is not None
         try:
-            counts, owner, pin = candidacy.balance_view()
+            counts, owner, pin = candidacy.balance_view(False)
+            if owner is None or owner == candidacy.node:
+                return
+            if pin is None and counts.get(owner, 0) - candidacy.owned_here() >= 2:
+                counts, owner, pin = candidacy.balance_view(True)  # about to ask: a pin made since counts
         except OSError:  # NATS out of reach: nothing to balance now
             return
         if owner is None or owner == candidacy.node:
@@ -497,11 +503,14 @@ class JetStreamLog:
         candidacy = self.candidacy
         assert candidacy is not None
         try:
-            kv = await nc.jetstream(timeout=5).key_value(candidacy.bucket)
+            if self._report_kv is None:  # opened once: each open is a stream info, an API call on NATS
+                self._report_kv = await nc.jetstream(timeout=5).key_value(candidacy.bucket)
+            kv = self._report_kv
             await kv.put(f"standby.{candidacy.group}.{candidacy.node}", json.dumps(
                 {"node": candidacy.node, "group": candidacy.group, "seq": self._read_seq, "pid": os.getpid(),
                  "at": time.time()}).encode())
         except Exception as e:
+            self._report_kv = None
             log.debug("stream %s: standby report failed: %s", self.stream, e)
 
     def commit(self, new_segment: bool = False, completes: bool | None = None) -> int | None:

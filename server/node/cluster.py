@@ -35,6 +35,9 @@ WATCHER_INACTIVE_SECONDS = 30.0
 RETRY_SECONDS = 1.0
 # a standby reports every 10 s (STANDBY_REPORT_SECONDS); silent for three reports, `mqks cluster status` calls it down
 STANDBY_DOWN_SECONDS = 30.0
+# a standby reads its group's pin again after this (a failover took a pinned group away: it asks for it back
+# within this); one read every 5 s per standby was a quarter of an idle cluster's API calls on NATS
+PIN_READ_SECONDS = 30.0
 
 
 async def open_bucket(nc: Any, candidacy: Candidacy, replicas: int) -> Any:
@@ -111,6 +114,9 @@ class ClusterMap:
         self.on_change = on_change  # called in the hub with the group whose entry changed
         self.entries: dict[int, dict[str, Any]] = {}  # written in the hub only
         self.serving = False  # an owner logs the map's changes; a standby only keeps them
+        self._kv: Any = None  # the bucket, opened once (each open is a stream info: an API call on NATS)
+        self._pin: str | None = None  # this group's pin as last read, and when (monotonic)
+        self._pin_read_at = -PIN_READ_SECONDS
 
     def watch(self) -> None:
         """Follow every group's entry from now on: a standby balances by it, an owner links by it."""
@@ -121,29 +127,42 @@ class ClusterMap:
         self.serving = True
         self.bridge.spawn(lambda nc: self._put(nc, about))
 
-    def balance_view(self) -> tuple[dict[str, int], str | None, str | None]:
+    def balance_view(self, fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]:
         """In the hub: how many groups each node owns as the map says, this group's owner, and the node it is
-        pinned to (None: not pinned). The pin is one direct get (no consumer); OSError when NATS does not answer."""
+        pinned to (None: not pinned). The pin is one direct get (no consumer), read again once it is
+        PIN_READ_SECONDS old or when `fresh_pin` (a standby about to ask for its group); OSError when NATS does
+        not answer."""
         counts: dict[str, int] = {}
         for entry in self.entries.values():
             node = entry.get("node")
             if node is not None:
                 counts[node] = counts.get(node, 0) + 1
         owner = self.entries.get(self.candidacy.group, {}).get("node")
-        try:
-            pin = self.bridge.run(self._read_pin, timeout=10)
-        except Exception as e:
-            raise OSError(f"cannot read the pin of group {self.candidacy.group}: {e}") from None
-        return counts, owner, pin
+        now = time.monotonic()
+        if fresh_pin or now - self._pin_read_at >= PIN_READ_SECONDS:
+            try:
+                self._pin = self.bridge.run(self._read_pin, timeout=10)
+            except Exception as e:
+                raise OSError(f"cannot read the pin of group {self.candidacy.group}: {e}") from None
+            self._pin_read_at = now
+        return counts, owner, self._pin
+
+    async def _bucket(self, nc: Any) -> Any:
+        if self._kv is None:
+            self._kv = await open_bucket(nc, self.candidacy, self.replicas)
+        return self._kv
 
     async def _read_pin(self, nc: Any) -> str | None:
         from nats.js.errors import KeyNotFoundError
 
-        kv = await open_bucket(nc, self.candidacy, self.replicas)
+        kv = await self._bucket(nc)
         try:
             return ((await kv.get(f"pin.{self.candidacy.group}")).value or b"").decode() or None
         except KeyNotFoundError:  # KeyDeletedError too: `mqks cluster unpin`
             return None
+        except Exception:
+            self._kv = None  # the bucket was removed, or NATS moved it: open it again next time
+            raise
 
     def address(self, group: int) -> tuple[str, int] | None:
         """Where the owner of `group` takes links; None while no owner is known."""
@@ -179,10 +198,11 @@ class ClusterMap:
     async def _put(self, nc: Any, about: dict[str, Any]) -> None:
         while True:
             try:
-                kv = await open_bucket(nc, self.candidacy, self.replicas)
+                kv = await self._bucket(nc)
                 await kv.put(f"owner.{self.candidacy.group}", json.dumps(about).encode())
                 return
             except Exception as e:
+                self._kv = None
                 log.warning("cluster map: cannot publish this owner's entry (%s); again", e)
                 await asyncio.sleep(RETRY_SECONDS)
 

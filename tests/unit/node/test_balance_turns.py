@@ -50,3 +50,25 @@ def test_a_nodes_turn_to_pull_is_one_at_a_time_and_ends_when_told(tmp_path):
     assert node_dir.take_pull_turn()
     node_dir.owner_of(3)  # the group came: the turn is over, and the node owns one group more
     assert node_dir.owned() == 1 and node_dir.take_pull_turn()
+
+
+def test_a_standby_reads_its_pin_again_only_when_old_or_about_to_ask():
+    """A pin read is an API call on NATS: every 5 s for every standby was a quarter of an idle cluster's calls."""
+    from mqks.server.node.cluster import ClusterMap
+
+    reads: list[str] = []
+
+    def run(make, timeout: float = 10.0):
+        reads.append("pin")
+        return "b"
+
+    bridge = SimpleNamespace(run=run)
+    cluster_map = ClusterMap(bridge, Candidacy("c", "a", 1, lease_seconds=12.0), 3, lambda group: None)
+    cluster_map.entries = {0: {"node": "b"}, 1: {"node": "b"}, 2: {"node": "c"}}
+    assert cluster_map.balance_view(False) == ({"b": 2, "c": 1}, "b", "b")
+    assert cluster_map.balance_view(False)[2] == "b" and len(reads) == 1  # the pin as read moments ago
+    cluster_map.balance_view(True)  # about to ask for the group: read now
+    assert len(reads) == 2
+    cluster_map._pin_read_at -= 31  # as if 31 s had passed
+    cluster_map.balance_view(False)
+    assert len(reads) == 3
