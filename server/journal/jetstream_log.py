@@ -1146,6 +1146,10 @@ class JetStreamLog:
         self.wake()
 
     async def _on_owner_ping(self, msg: Any) -> None:
+        if self._handoff_k == -1 or self.fenced_by is not None:
+            # handed over or taken over: the new owner answers; this process still listens until it exits, and an
+            # answer from it made `mqks cluster move` report the group on the node it had just left (CI)
+            return
         if msg.reply:
             node = self.candidacy.node if self.candidacy is not None else None
             await self.bridge.nc.publish(msg.reply, json.dumps(

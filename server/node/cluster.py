@@ -456,7 +456,7 @@ async def move_group(urls: list[str], cluster: str, group: int, node: str, timeo
         row = rows.get(group)
         if row is None:
             raise ValueError(f"cluster {cluster!r} has no group {group} (groups: {sorted(rows)})")
-        if row["answering"] == node:
+        if row["answering"] == node and row["owner"] == node:
             return row
         if node in {standby["node"] for standby in row["standbys"]}:
             break

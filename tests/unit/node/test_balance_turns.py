@@ -72,3 +72,27 @@ def test_a_standby_reads_its_pin_again_only_when_old_or_about_to_ask():
     cluster_map._pin_read_at -= 31  # as if 31 s had passed
     cluster_map.balance_view(False)
     assert len(reads) == 3
+
+
+def test_an_owner_that_handed_its_group_over_no_longer_answers_for_it():
+    """Until it exits, the old owner still listens on the owner subject: an answer from it made `mqks cluster move`
+    report the group on the node it had just left (CI). Fenced, it is silent too."""
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "c-0-of-4", "node a",
+                              candidacy=Candidacy("c", "a", 0, lease_seconds=12.0))
+    answers: list[str] = []
+
+    async def publish(subject: str, data: bytes) -> None:
+        answers.append(subject)
+
+    stream_log.bridge.nc = SimpleNamespace(publish=publish)
+
+    def ping(reply: str) -> None:
+        asyncio.run(stream_log._on_owner_ping(SimpleNamespace(reply=reply)))
+
+    ping("r1")
+    stream_log._handoff_k = -1  # its hand-off frame is stored
+    ping("r2")
+    stream_log._handoff_k = 0
+    stream_log.fenced_by = "node b"
+    ping("r3")
+    assert answers == ["r1"]
