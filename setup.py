@@ -1,9 +1,9 @@
 """MQKS: Message Queue Kept Simple.
 
-The top-level folders `server/`, `client/` and `spark/` install as the packages
-`mqks.server`, `mqks.client` and `mqks.spark`. `mqks` itself is a namespace package
-assembled by `package_dir`: no `mqks/` folder in the checkout can shadow the installed
-code when a command runs from inside it.
+The top-level folders `server/`, `client/`, `spark/` and `common/` install as the packages
+`mqks.server`, `mqks.client`, `mqks.spark` and `mqks.common` (what the first two both read).
+`mqks` itself is a namespace package assembled by `package_dir`: no `mqks/` folder in the
+checkout can shadow the installed code when a command runs from inside it.
 """
 
 import os
@@ -56,15 +56,18 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=["mqks.server", "mqks.server.wire", "mqks.server.journal", "mqks.server.core", "mqks.server.dispatch",
-              "mqks.server.workers", "mqks.server.node", "mqks.client", "mqks.aio", "mqks.spark"],
+              "mqks.server.workers", "mqks.server.node", "mqks.server.cluster", "mqks.client", "mqks.aio", "mqks.spark",
+              "mqks.common"],
     package_dir={
         "mqks.server": "server",  # its subpackages follow the folders: server/wire is mqks.server.wire
         "mqks.client": "client",
         "mqks.aio": "client/aio",  # the asyncio client: `from mqks import aio`
         "mqks.spark": "spark",
+        "mqks.common": "common",  # what the broker and its clients both read
     },
     package_data={"mqks.server": ["py.typed"], "mqks.server.node": ["console/*.html", "console/*.js", "console/*.css"],
-                  "mqks.client": ["py.typed"], "mqks.aio": ["py.typed"], "mqks.spark": ["py.typed"]},
+                  "mqks.client": ["py.typed"], "mqks.aio": ["py.typed"], "mqks.spark": ["py.typed"],
+                  "mqks.common": ["py.typed"]},
     ext_modules=compiled_extensions(),
     install_requires=["gevent>=24.2", "mypy_extensions>=1.0", "ujson>=5.9", "prometheus_client>=0.20", "cronsim>=2.6"],
     extras_require={

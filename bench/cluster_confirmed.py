@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from mqks.server.journal import nats_local
+from mqks.client import nats_local
 
 from . import peers
 from .cluster import start_nodes

@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 
-from mqks.server.journal import nats_local
+from mqks.client import nats_local
 
 from . import loadgen, peers
 from .run import mqks_check, process_cpu_seconds

@@ -503,8 +503,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     """`mqks cluster status|move`: read from NATS (the groups' streams and the cluster's bucket), not from a broker."""
     import asyncio
 
-    from mqks.server.journal.jetstream_log import log_urls
-    from mqks.server.node.cluster import move_group, read_cluster, remove_cluster, unpin_groups
+    from mqks.client.cluster import move_group, read_cluster, remove_cluster, unpin_groups
+    from mqks.common.nats_urls import log_urls
 
     urls = log_urls(args.log)
     try:
@@ -543,8 +543,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
-    """`mqks nats up|down|status`: no broker involved, only nats-server processes (server/journal/nats_local.py)."""
-    from mqks.server.journal import nats_local
+    """`mqks nats up|down|status`: no broker involved, only nats-server processes (client/nats_local.py)."""
+    from mqks.client import nats_local
 
     try:
         if args.nats_action == "up":

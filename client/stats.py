@@ -21,8 +21,8 @@ from typing import Any, NoReturn
 import gevent
 from gevent.event import Event
 
-from mqks.server.dispatch.figures import FIGURES as ALL_FIGURES
-from mqks.server.dispatch.figures import TOP_QUEUES
+from mqks.common.figures import FIGURES as ALL_FIGURES
+from mqks.common.figures import TOP_QUEUES
 
 from .client import Client
 from .errors import MqksError

@@ -44,8 +44,8 @@ from .wire.protocol import format_error
 if TYPE_CHECKING:
     from gevent.pywsgi import WSGIServer
 
+    from .cluster.node import ClusterGroup
     from .journal.jetstream_log import JetStreamLog
-    from .node.cluster import ClusterMap
     from .workers.peers import Peers
 
 log = logging.getLogger("mqks.server")
@@ -90,7 +90,7 @@ class Server:
         self.timers_due = Event()
         self.timers = Timers(on_earlier=self.timers_due.set)
         self.next_error_id = ErrorIds()
-        self.cluster_map: ClusterMap | None = None
+        self.cluster: ClusterGroup | None = None  # with --cluster: this process's group, standby or owner
         self.stream_log: JetStreamLog | None = None  # with --log: the journal's log, which a cluster's node steers
         self.journal = self.open_journal() if config.data_dir or config.log else None
         self.peers: Peers | None = None
@@ -141,10 +141,10 @@ class Server:
         process.link(self.peers)
         process.requests.prefix = f"{process.worker}w{process.requests.prefix}"  # a reply finds its worker
         self.tables = HandlerTables(place)
-        if self.cluster_map is not None:  # the groups' owners are on any node: links go over TCP
-            self.peers.dial = self.cluster_map.dial
+        if self.cluster is not None:  # the groups' owners are on any node: links go over TCP
+            self.peers.dial = self.cluster.dial
             self.peers.unit = "group"
-            self.peers.address_of = self.cluster_map.address
+            self.peers.address_of = self.cluster.address
             self.peers.connect_retry_seconds = CLUSTER_DIAL_RETRY_SECONDS
             token = self.tokens_for_links()
             if token is not None:
@@ -166,15 +166,9 @@ class Server:
         config = self.config
         count, worker = self.process.worker_count, self.process.worker
         fields: dict[str, Any] = {"worker": worker, "slots": SLOTS, "slot_map": slot_ranges(count)}
-        if self.cluster_map is not None:
+        if self.cluster is not None:
             fields["cluster"], fields["node"] = config.cluster, config.node
-            direct = []
-            for group in range(count):
-                entry = self.cluster_map.entries.get(group, {})
-                direct.append({"worker": group, "host": entry.get("host"), "port": entry.get("port"), "unix": None,
-                               "tls_port": entry.get("tls_port"), "node": entry.get("node"),
-                               "epoch": entry.get("epoch")})
-            fields["direct"] = direct
+            fields["direct"] = self.cluster.topology(count)
             return fields
         if self.peers is None:
             listener = self.stream_server
@@ -205,12 +199,11 @@ class Server:
         self.log_wake = gevent.get_hub().loop.async_()
         if config.log is not None:
             stream = self.stream_log = self.open_stream()
-            if stream.candidacy is not None:
-                from .node.cluster import ClusterMap
+            if config.cluster is not None:
+                from .cluster.node import ClusterGroup
 
-                self.cluster_map = ClusterMap(stream.bridge, stream.candidacy, config.log_replicas, self.on_map_change)
-                stream.candidacy.balance_view = self.cluster_map.balance_view
-                self.cluster_map.watch()
+                self.cluster = ClusterGroup(config, stream, self.on_map_change)
+                self.cluster.start()
             return Journal(stream, self.error_line, config.compact_min_bytes)
         from .journal.log import Log  # only durable servers load the storage layer
 
@@ -233,27 +226,24 @@ class Server:
 
     def open_stream(self) -> JetStreamLog:
         """--log: this worker's stream on the NATS cluster (the cluster extra is imported only here)."""
-        from .journal.jetstream_log import Candidacy, JetStreamLog, log_urls
+        from ..common.cluster_names import stream_of
+        from ..common.nats_urls import log_urls
+        from .journal.jetstream_log import JetStreamLog
         from .journal.nats_bridge import BridgeError
 
         config = self.config
         stream = config.log_stream if config.workers == 1 and not config.cluster else (
-            f"{config.log_stream}-{config.worker_index or 0}-of-{config.workers}")
+            stream_of(config.log_stream, config.worker_index or 0, config.workers))
         owner = f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
-        candidacy = None
         if config.cluster is not None:
-            assert config.node is not None
-            owner = f"node {config.node} ({config.advertise or config.host}:{config.port} pid {os.getpid()})"
-            from .node.cluster import NodeDir
+            from .cluster.node import owner_description
 
-            node_dir = NodeDir(config.run_dir or ".")
-            candidacy = Candidacy(config.cluster, config.node, config.worker_index or 0, config.lease_seconds,
-                                  owned_here=node_dir.owned, may_pull=node_dir.take_pull_turn,
-                                  end_pull=node_dir.end_pull_turn)
+            owner = owner_description(config)
         assert config.log is not None
+        # a cluster's group is leased: an idle owner appends heartbeats, and steps down after a lease of no writes
         log_ = JetStreamLog(log_urls(config.log), stream, owner, replicas=config.log_replicas,
                             takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
-                            candidacy=candidacy)
+                            lease_seconds=config.lease_seconds if config.cluster else None, node=config.node)
         try:
             log_.open()
         except BridgeError as e:
@@ -262,8 +252,7 @@ class Server:
 
     def log_shown(self) -> str:
         """--log's NATS URLs as the log may show them: no password or token."""
-        from .journal.jetstream_log import log_urls
-        from .journal.nats_bridge import shown
+        from ..common.nats_urls import log_urls, shown
 
         return shown(log_urls(self.config.log or ""))
 
@@ -288,14 +277,14 @@ class Server:
 
             cannot_start = (LogCorrupt,)
         started = time.monotonic()
-        lines = journal.log.replay(repair=self.config.repair)
+        lines = self.cluster.replay() if self.cluster is not None else journal.log.replay(repair=self.config.repair)
         try:
             recovery = recover(lines)
             queues, messages = rebuild(recovery.queues, lambda name: self.process.broker)
             self.process.restore(recovery)
         except cannot_start as e:
             log.error("cannot start: %s", e)  # names the file and offset and --repair, or the stream's owner
-            if self.cluster_map is not None:  # NATS went away while standing by: the node starts this one again
+            if self.cluster is not None:  # NATS went away while standing by: the node starts this one again
                 sys.exit(FENCED_EXIT_CODE)
             sys.exit(1 if self.config.worker_index is None else CANNOT_START_EXIT_CODE)
         stats = journal.log.stats()
@@ -310,10 +299,11 @@ class Server:
         assert self.journal is not None
         self.journal.settle()
         self.process.flush_pending()
-        stream_log = self.stream_log
-        if stream_log is not None and stream_log.move_to is not None and not self.stopping:
-            log.warning("handing this group over to node %s: draining, then stopping", stream_log.move_to)
-            stream_log.handoff_to = stream_log.move_to
+        cluster = self.cluster
+        if cluster is not None and cluster.move_to is not None and not self.stopping:
+            assert self.stream_log is not None
+            log.warning("handing this group over to node %s: draining, then stopping", cluster.move_to)
+            self.stream_log.handoff_to = cluster.move_to
             self.exit_code = FENCED_EXIT_CODE  # the node starts this process again, as a standby
             gevent.spawn(self.shutdown)
         fenced_by = self.journal.fenced_by
@@ -417,7 +407,7 @@ class Server:
             if unlinked:
                 return (f"{self.peers.unit} {', '.join(map(str, unlinked))} not linked (restarting, or not reading): "
                         "lines for its queues get an error")
-            from .dispatch.figures import log_trouble
+            from ..common.figures import log_trouble
 
             for answer in self.peers.ask_all(b"h stats"):
                 stats = json.loads(answer.partition(b" ok ")[2])
@@ -468,7 +458,7 @@ class Server:
         assert peers is not None
         port = config.direct_port + peers.worker if config.direct_port else 0
         direct = tcp_listener(config.host, port, self.handle, " (this worker's own port)")
-        if self.cluster_map is not None:
+        if self.cluster is not None:
             self.listen_as_owner(direct)
             return
         unix_path = os.path.join(peers.run_dir, f"worker-{peers.worker}.sock")
@@ -487,26 +477,18 @@ class Server:
 
     def listen_as_owner(self, direct: Listener) -> None:
         """A cluster's group owner: its own port for clients, and one for the other groups' links, both over TCP and
-        published in the cluster map (the other owners link here once they read it)."""
-        config, peers, cluster_map = self.config, self.peers, self.cluster_map
-        assert peers is not None and cluster_map is not None and self.stream_log is not None
+        published in the cluster map."""
+        config, peers, cluster = self.config, self.peers, self.cluster
+        assert peers is not None and cluster is not None
         self.direct_listeners = [direct]
         link_port = config.direct_port + config.workers + peers.worker if config.direct_port else 0
         self.link_listener = tcp_listener(config.host, link_port, self.handle_link, " for links from other nodes")
-        host = config.advertise or config.host
-        about: dict[str, Any] = {"group": peers.worker, "node": config.node, "epoch": self.stream_log.epoch,
-                                 "host": host, "port": direct.server_port, "link_port": self.link_listener.server_port,
-                                 "public_port": config.port or None, "pid": os.getpid()}
+        tls_port = None
         if self.tls_context is not None:
             direct_tls = tcp_listener(config.host, 0, self.handle_tls, " for TLS (this worker's own port)")
             self.direct_listeners.append(direct_tls)
-            about["tls_port"] = direct_tls.server_port
-        cluster_map.entries[peers.worker] = about
-        cluster_map.start(about)
-        if config.run_dir is not None:
-            from .node.cluster import NodeDir
-
-            NodeDir(config.run_dir).owner_of(peers.worker)
+            tls_port = direct_tls.server_port
+        cluster.serve(direct.server_port, self.link_listener.server_port, tls_port)
 
     def handle_link(self, sock: socket.socket, address: object) -> None:
         """Another worker's link: its first line says which worker it is."""
@@ -520,7 +502,7 @@ class Server:
             data += chunk
         line, _, rest = data.partition(b"\n")
         parts = line.split()
-        if self.cluster_map is not None and self.tokens is not None:  # links cross hosts: as a client, a token
+        if self.cluster is not None and self.tokens is not None:  # links cross hosts: as a client, a token
             if len(parts) != 4 or not self.tokens.check(parts[3]):
                 log.warning("closing a link from %s: no valid token", address)
                 sock.close()
@@ -588,7 +570,7 @@ class Server:
         log.info("stopping: no new connections, draining %d clients for up to %g s", len(self.connections),
                  self.config.drain_seconds)
         stream_log = self.stream_log
-        if (self.cluster_map is not None and stream_log is not None and stream_log.fenced_by is None
+        if (self.cluster is not None and stream_log is not None and stream_log.fenced_by is None
                 and stream_log.handoff_to is None):
             stream_log.handoff_to = "*"  # a planned stop: any standby may take over at once, not after the lease
         for listener in listeners:

@@ -434,7 +434,7 @@ def test_a_nats_leader_kill_stalls_owners_but_fails_nothing_over(nats_cluster):
     The lease is ELECTION_LEASE, not the default 12 s: with the suite's other tiers on the same two cores, a
     stream's election once took more than 12 s (CI), and a standby rightly took its group over; what this test
     checks is that an election shorter than the lease moves nothing."""
-    from mqks.server.journal.nats_local import load, restart
+    from mqks.client.nats_local import load, restart
 
     directory, urls = nats_cluster
     cluster = Cluster(unique("c").replace("-", "_"), urls, lease=ELECTION_LEASE)

@@ -20,7 +20,7 @@ from waiting import wait_for
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
-from mqks.server.node.cluster import STANDBY_DOWN_SECONDS
+from mqks.client.cluster import STANDBY_DOWN_SECONDS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -177,7 +177,7 @@ def test_a_cluster_name_reused_with_other_groups_is_refused_until_removed(shared
     ("KV_mqks-demo", "demo", None), ("demo", "demo", None), ("demo-a-of-4", "demo", None)])
 def test_a_stream_name_is_read_as_its_group_and_group_count(stream, cluster, expected):
     """The layout check and status tell a cluster's streams (and their --groups) from every other stream."""
-    from mqks.server.node.cluster import group_count_of
+    from mqks.common.cluster_names import group_count_of
 
     assert group_count_of(stream, cluster) == expected
 

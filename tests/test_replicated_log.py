@@ -26,9 +26,9 @@ from waiting import wait_for
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
+from mqks.client.nats_local import load, restart
 from mqks.server.journal import records
 from mqks.server.journal.jetstream_log import JetStreamLog
-from mqks.server.journal.nats_local import load, restart
 from mqks.server.journal.recovery import recover
 
 pytestmark = pytest.mark.timeout(240)
@@ -426,7 +426,7 @@ def one_nats(directory, port: int, denied: str = "") -> str:
 
 
 def start_one_nats(config) -> subprocess.Popen:
-    from mqks.server.journal.nats_local import nats_server_binary
+    from mqks.client.nats_local import nats_server_binary
 
     return subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

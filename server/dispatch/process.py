@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ...common.figures import ranked
 from ..core.leases import Leases
 from ..core.messages import Message as StoredMessage
 from ..core.messages import Packed
@@ -35,7 +36,6 @@ from ..journal import records
 from ..journal.journal import Journal
 from ..wire.outbox import Outbox
 from ..wire.protocol import event_of, msg_id_of
-from .figures import ranked
 
 if TYPE_CHECKING:
     from ..journal.recovery import Recovery

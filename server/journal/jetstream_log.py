@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gevent
@@ -73,64 +73,13 @@ STARTING_NATS_SECONDS = 30.0  # open: JetStream calls that time out this long (a
 OWNER_PING_SECONDS = 1.5
 PUBACK_SAMPLES = 1024
 REPLICAS_FALLBACK_ERRORS = (10074, 10005)  # insufficient resources, R>1 on a single server
-STANDBY_REPORT_SECONDS = 10.0  # a standby tells `mqks cluster status` how far it has read this often (a KV put, R3)
 PURGE_RETRY_FIRST_SECONDS = 1.0  # a failed purge is tried again after this, doubling up to the next
 PURGE_RETRY_MAX_SECONDS = 30.0
 STEP_DOWN_MARGIN_SECONDS = 2.0  # an owner that stored nothing for lease minus this stops confirming
-CLAIM_DELAY_PER_GROUP_SECONDS = 0.7  # a claim waits this long per group its node owns already
-CLAIM_DELAY_CAP_SECONDS = 3.0
-BALANCE_SECONDS = 5.0  # a caught-up standby looks this often whether its node should own this group instead
-
-
-class Candidacy:
-    """A cluster node's claim on one slot group's stream: it follows the stream as a warm standby and takes it
-    over when its owner has appended nothing for `lease_seconds` (the owner appends a heartbeat when idle)."""
-
-    __slots__ = ("cluster", "node", "group", "lease_seconds", "spread_seconds", "owned_here", "may_pull",
-                 "end_pull", "balance_view")
-
-    def __init__(self, cluster: str, node: str, group: int, lease_seconds: float, spread_seconds: float = 3.0,
-                 owned_here: Callable[[], int] = lambda: 0, may_pull: Callable[[], bool] = lambda: False,
-                 end_pull: Callable[[], None] = lambda: None) -> None:
-        self.owned_here = owned_here  # groups this node owns now (its processes tell each other in its run dir)
-        self.may_pull = may_pull  # True once per node at a time: this standby may ask for its group (balance)
-        self.end_pull = end_pull  # the group this standby asked for will not come: another standby may ask
-        # groups owned by each node, this group's owner node, the node it is pinned to: the cluster map's view,
-        # given by the node layer (which watches the map); nothing known until it does
-        self.balance_view: Callable[[bool], tuple[dict[str, int], str | None, str | None]] = \
-            lambda fresh_pin: ({}, None, None)
-        self.cluster = cluster
-        self.node = node
-        self.group = group
-        self.lease_seconds = lease_seconds
-        self.spread_seconds = spread_seconds
-
-    @property
-    def bucket(self) -> str:
-        """The cluster's key-value bucket: who owns each group (for clients and links), how far standbys are."""
-        return f"mqks-{self.cluster}"
-
-    @property
-    def heartbeat_seconds(self) -> float:
-        return self.lease_seconds / 4
-
-    @property
-    def first_claim_delay(self) -> float:
-        """A group nobody owns goes to the node whose delay is shortest: spread by a stable hash, so nodes started
-        together share the groups instead of the first one taking all."""
-        import zlib
-
-        return zlib.crc32(f"{self.group}:{self.node}".encode()) % 1000 / 1000 * self.spread_seconds
 
 
 class LogOwned(Exception):
     """Another broker owns the stream and answers: name it, and say how to take over."""
-
-
-def log_urls(text: str) -> list[str]:
-    """`nats://a:4222,b:4223` (or hosts without a scheme) as nats-py's server list."""
-    urls = [url.strip() for url in text.split(",") if url.strip()]
-    return [url if "://" in url else f"nats://{url}" for url in urls]
 
 
 class _Frame:
@@ -200,6 +149,19 @@ class Replayer:
         return lines
 
 
+class StreamReading:
+    """How far one reading of the stream has come: the records of the frames fed so far (their owner, epoch and any
+    hand-off), the last sequence read, and the tail it reads to."""
+
+    __slots__ = ("replayer", "read", "last_seq", "started")
+
+    def __init__(self) -> None:
+        self.replayer = Replayer()
+        self.read = 0
+        self.last_seq = 0
+        self.started = time.perf_counter()
+
+
 class JetStreamLog:
     """The journal's Log on a JetStream stream; `open()`, then `replay()` to the end (which takes the stream
     over), then commits. The writer runs in the NATS bridge's asyncio thread."""
@@ -209,7 +171,7 @@ class JetStreamLog:
 
     def __init__(self, servers: list[str], stream: str, owner: str, replicas: int = 3, takeover: bool = False,
                  timeout_seconds: float = 15.0, wake: Callable[[], None] = lambda: None,
-                 connect_timeout: float = 5.0, candidacy: Candidacy | None = None) -> None:
+                 connect_timeout: float = 5.0, lease_seconds: float | None = None, node: str | None = None) -> None:
         self.servers = servers
         self.stream = stream
         self.subject = f"mqks.log.{stream}"
@@ -217,11 +179,14 @@ class JetStreamLog:
         self.owner = owner
         self.replicas = replicas
         self.takeover = takeover
-        self.candidacy = candidacy
-        if candidacy is not None:  # stop confirming before a standby may take over; step down after the lease
-            timeout_seconds = min(timeout_seconds, candidacy.lease_seconds - STEP_DOWN_MARGIN_SECONDS)
+        # a cluster's group: an idle owner appends a heartbeat every quarter lease (standbys take over after a lease
+        # of silence), stops confirming before a standby may take over, and steps down after the lease
+        self.lease_seconds = lease_seconds
+        self.heartbeat_seconds = lease_seconds / 4 if lease_seconds is not None else None
+        self.node = node  # the cluster node this broker is, as its owner ping answers
+        if lease_seconds is not None:
+            timeout_seconds = min(timeout_seconds, lease_seconds - STEP_DOWN_MARGIN_SECONDS)
         self.timeout_seconds = timeout_seconds
-        self.move_to: str | None = None  # `mqks cluster move` asked this owner to hand its group to that node
         self.handoff_to: str | None = None  # set by the hub before close(): the last frame names that node
         self._handoff_k = 0
         self.wake = wake
@@ -268,8 +233,6 @@ class JetStreamLog:
         self._inbox = ""
         self._wake_event: asyncio.Event | None = None
         self._last_sent_at = 0.0
-        self._read_seq = 0  # a standby: the last sequence read
-        self._report_kv: Any = None  # a standby: the cluster's bucket its reports go to
         self._reader: Any = None  # replay's pull consumer
         self._next_seq = 1  # the next sequence it reads
         # a standby follows the tail on a push consumer: NATS sends each frame as it is stored, with no request per
@@ -302,153 +265,112 @@ class JetStreamLog:
 
     def replay(self, repair: bool = False) -> Iterator[bytes]:
         """Every record the stream holds, in order; then take the stream over (a takeover message with epoch+1,
-        expecting the last sequence read), whose record ends the replay. `repair` has no meaning here."""
-        started = time.perf_counter()
-        replayer = Replayer()
-        self._replayed_records = 0
-        run = self.bridge.run
-        last_seq = run(self._open_reader, timeout=60)
-        read = 0
+        expecting the last sequence read), whose record ends the replay. Refuses (LogOwned) while another broker
+        answers for the stream, unless --takeover. `repair` has no meaning here. A cluster node does not call this:
+        its cluster layer (server/cluster/election.py) reads, follows and takes over with the calls below."""
+        reading = self.start_reading()
         while True:
-            failing_since = 0.0
-            while read < last_seq:
-                try:
-                    batch = run(self._read_batch, timeout=60)
-                except (BridgeError, gevent.Timeout):
-                    raise
-                except Exception as e:  # 503 while a new reader or the stream's leader settles: read on from `read`
-                    now = time.monotonic()
-                    failing_since = failing_since or now
-                    if now - failing_since > REPLAY_RETRY_SECONDS:
-                        raise
-                    log.warning("stream %s: reading it failed (%r); again", self.stream, e)
-                    gevent.sleep(RETRY_SECONDS)
-                    continue
-                failing_since = 0.0
-                if not batch:
-                    raise BridgeError(f"stream {self.stream}: no message after sequence {read} of {last_seq}")
-                for seq, headers, data in batch:
-                    read = seq
-                    lines = replayer.feed(headers, data)
-                    self._replayed_records += len(lines)
-                    yield from lines
-            if self.candidacy is not None:
-                last_seq = read = yield from self._stand_by(replayer, read)
-            elif not self.takeover:
-                owner = run(self._ask_owner, timeout=30)
+            yield from self.read_to_tail(reading)
+            if not self.takeover:
+                owner = self.ask_owner()
                 if owner is not None:
                     raise LogOwned(f"stream {self.stream} is owned by {owner}, which is running: stop it first, "
                                    "or start with --takeover to fence it off")
-            self.epoch = replayer.epoch + 1
-            record = b"W %d %b" % (self.epoch, self.owner.encode())
-            answer = run(functools.partial(self._append_takeover, record=record, last_seq=last_seq), timeout=60)
-            if answer.error_code == WRONG_LAST_SEQUENCE:  # someone appended after what was read: read on
-                last_seq = run(self._last_seq, timeout=60)
-                if self.candidacy is not None:
-                    log.info("stream %s: another node took it over first; standing by again", self.stream)
+            record = self.take_over(reading)
+            if record is not None:
+                yield record
+                return
+
+    def start_reading(self) -> StreamReading:
+        """A reading of the stream from its first message (a pull reader on NATS), up to its tail as of now."""
+        reading = StreamReading()
+        self._replayed_records = 0
+        reading.last_seq = self.bridge.run(self._open_reader, timeout=60)
+        return reading
+
+    def read_to_tail(self, reading: StreamReading) -> Iterator[bytes]:
+        """The records of every message after `reading.read` up to `reading.last_seq`."""
+        run = self.bridge.run
+        failing_since = 0.0
+        while reading.read < reading.last_seq:
+            try:
+                batch = run(self._read_batch, timeout=60)
+            except (BridgeError, gevent.Timeout):
+                raise
+            except Exception as e:  # 503 while a new reader or the stream's leader settles: read on from `read`
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > REPLAY_RETRY_SECONDS:
+                    raise
+                log.warning("stream %s: reading it failed (%r); again", self.stream, e)
+                gevent.sleep(RETRY_SECONDS)
                 continue
-            if answer.error:
-                raise BridgeError(f"stream {self.stream}: the takeover was refused: {answer.error}")
-            break
+            failing_since = 0.0
+            if not batch:
+                raise BridgeError(f"stream {self.stream}: no message after sequence {reading.read} of "
+                                  f"{reading.last_seq}")
+            yield from self._feed(reading, batch)
+
+    def _feed(self, reading: StreamReading, batch: list[tuple[int, dict[str, str] | None, bytes]]) -> list[bytes]:
+        lines: list[bytes] = []
+        replayer = reading.replayer
+        for seq, headers, data in batch:
+            reading.read = seq
+            lines += replayer.feed(headers, data)
+        self._replayed_records += len(lines)
+        return lines
+
+    def take_over(self, reading: StreamReading) -> bytes | None:
+        """Append the takeover message (epoch + 1), expecting the stream's last sequence to be `reading.read`: its
+        record once stored, and the writer starts. None when something came after what was read (another writer
+        took it over first, or an owner appended): `reading.last_seq` is the tail then, read on to it."""
+        run = self.bridge.run
+        replayer = reading.replayer
+        self.epoch = replayer.epoch + 1
+        record = b"W %d %b" % (self.epoch, self.owner.encode())
+        answer = run(functools.partial(self._append_takeover, record=record, last_seq=reading.read), timeout=60)
+        if answer.error_code == WRONG_LAST_SEQUENCE:
+            reading.last_seq = run(self._last_seq, timeout=60)
+            return None
+        if answer.error:
+            raise BridgeError(f"stream {self.stream}: the takeover was refused: {answer.error}")
         if replayer.epoch:
             log.info("stream %s: taken over from %s (epoch %d -> %d)", self.stream, replayer.owner or "?",
                      replayer.epoch, self.epoch)
-        elif self.candidacy is not None:
+        else:
             log.info("stream %s: taken (epoch %d)", self.stream, self.epoch)
         self._ignored_frames = replayer.ignored
         self._tail_seq = self._stored_seq = answer.seq
         self._k = 0
         run(self._close_reader, timeout=30)
         self._refuse = None
-        self._recovery_seconds = time.perf_counter() - started
+        self._recovery_seconds = time.perf_counter() - reading.started
         self.bridge.spawn(self._write)
-        yield record
+        return record
 
-    def _stand_by(self, replayer: Replayer, read: int) -> Generator[bytes, None, int]:
-        """A cluster node's standby: follow the stream, applying every frame as the owner stores it, until the owner
-        has appended nothing for the lease (or handed the group to this node); the last sequence read."""
-        candidacy = self.candidacy
-        assert candidacy is not None
-        run = self.bridge.run
-        lease = candidacy.lease_seconds
-        try:
-            owner = run(functools.partial(self._ask_owner, silent_is_owner=True), timeout=30)
-        except BridgeError:
-            owner = "?"
-        now = time.monotonic()
-        if owner is None:  # nobody answers for it: a new cluster, or its owner is gone
-            expires = now + candidacy.first_claim_delay
-            log.info("stream %s: no owner answers; claiming it in %.1f s unless another node does first",
-                     self.stream, expires - now)
-        else:
-            expires = now + lease
-            log.info("stream %s: owned by %s; standing by (lease %g s)", self.stream, owner, lease)
-        reported = claimed_at = tail_checked_at = 0.0
-        balanced_at = heard_at = time.monotonic()  # heard_at: the last frame followed (the owner's heartbeat)
-        following = False
-        replayer.handoff = None  # a hand-off read before this node stood by was meant for the standbys of then
-        while True:
-            if replayer.handoff in (candidacy.node, "*"):
-                log.info("stream %s: handed to this node by %s", self.stream, replayer.owner)
-                self._stop_standing_by(read)
-                return read
-            now = time.monotonic()
-            if now >= expires:
-                if not claimed_at:
-                    # the node that owns fewer groups claims first: nodes started together share the groups,
-                    # and the groups of a lost node spread over the others
-                    claimed_at = now
-                    owned = candidacy.owned_here()
-                    expires = now + min(CLAIM_DELAY_CAP_SECONDS, owned * CLAIM_DELAY_PER_GROUP_SECONDS)
-                    if expires > now:
-                        continue
-                if owner is not None:
-                    log.warning("stream %s: nothing from its owner %s for %g s: taking it over", self.stream,
-                                replayer.owner or "?", lease)
-                self._stop_standing_by(read)
-                return read
-            if now - reported >= STANDBY_REPORT_SECONDS:
-                reported = now
-                self._read_seq = read
-                self.bridge.spawn(self._report_standby)
-            try:
-                if not following:
-                    run(functools.partial(self._follow, start_seq=read + 1), timeout=30)
-                    following = True
-                self._follow_event.wait(min(1.0, max(0.05, expires - now)))
-                batch = self._take_followed()
-                if (not batch and now - heard_at >= candidacy.heartbeat_seconds * 1.5
-                        and now - tail_checked_at >= candidacy.heartbeat_seconds):
-                    # a quiet stream, or a follower that lost its NATS node? The owner's heartbeat comes this
-                    # often; a check per empty read was a stream info a second per standby (issue 39)
-                    tail_checked_at = now
-                    last = run(self._last_seq, timeout=30)
-                    if last > read:  # frames the follower does not bring (its NATS node went): follow anew
-                        following = False
-                        expires = time.monotonic() + lease
-            except (BridgeError, gevent.Timeout, Exception) as e:  # NATS unreachable: this node could not take over
-                log.warning("stream %s: following it failed (%r); again", self.stream, e)
-                following = False
-                gevent.sleep(RETRY_SECONDS)
-                continue
-            for seq, headers, data in batch:
-                read = seq
-                lines = replayer.feed(headers, data)
-                self._replayed_records += len(lines)
-                yield from lines
-            if batch:
-                owner = replayer.owner or owner
-                heard_at = time.monotonic()
-                expires = heard_at + lease
-                claimed_at = 0.0
-            elif now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
-                balanced_at = now
-                self._balance()
+    def ask_owner(self, silent_is_owner: bool = False) -> str | None:
+        """The running owner's description, or None when no broker answers for the stream (with `silent_is_owner`,
+        only when none listens: one that listens and does not answer may be paused, not gone)."""
+        return self.bridge.run(functools.partial(self._ask_owner, silent_is_owner=silent_is_owner), timeout=30)
 
-    def _stop_standing_by(self, read: int) -> None:
-        """No more following: the replay reads on from after `read` (a claim that loses reads what the winner
-        appended) with its pull reader."""
-        self._next_seq = read + 1
+    def last_seq(self) -> int:
+        """The stream's last sequence now (one stream info)."""
+        return self.bridge.run(self._last_seq, timeout=30)
+
+    def follow(self, reading: StreamReading) -> None:
+        """Follow the tail after `reading.read` on a push consumer: NATS sends each message as it is stored."""
+        self.bridge.run(functools.partial(self._follow, start_seq=reading.read + 1), timeout=30)
+
+    def read_followed(self, reading: StreamReading, timeout: float) -> tuple[bool, list[bytes]]:
+        """Wait up to `timeout` for followed messages: whether any came (an idle owner's heartbeat has no record),
+        and the records they complete."""
+        self._follow_event.wait(timeout)
+        batch = self._take_followed()
+        return bool(batch), self._feed(reading, batch)
+
+    def stop_following(self, reading: StreamReading) -> None:
+        """No more following: read_to_tail reads on from after `reading.read` with the pull reader."""
+        self._next_seq = reading.read + 1
 
         async def stop(nc: Any) -> None:
             await self._stop_following(nc)
@@ -458,60 +380,6 @@ class JetStreamLog:
             self.bridge.run(stop, timeout=30)
         except (BridgeError, gevent.Timeout) as e:
             log.warning("stream %s: stopping its follower failed (%r)", self.stream, e)
-
-    def _balance(self) -> None:
-        """Ask for this group when it is pinned here (`mqks cluster move` put it on this node, and a failover took it
-        away), or when it is not pinned and this node owns at least two groups fewer than its owner's node: nodes
-        that restarted or joined get work back. One request at a time per node, so two of its standbys never both
-        pull; a pinned group is never pulled elsewhere, so an operator's moves (draining a node) stay."""
-        candidacy = self.candidacy
-        assert candidacy is not None
-        try:
-            counts, owner, pin = candidacy.balance_view(False)
-            if owner is None or owner == candidacy.node:
-                return
-            if pin is None and counts.get(owner, 0) - candidacy.owned_here() >= 2:
-                counts, owner, pin = candidacy.balance_view(True)  # about to ask: a pin made since counts
-        except OSError:  # NATS out of reach: nothing to balance now
-            return
-        if owner is None or owner == candidacy.node:
-            return
-        if pin is not None:
-            if pin != candidacy.node:
-                return
-            why = f"it is pinned to this node (mqks cluster move) and node {owner} has it"
-        elif counts.get(owner, 0) - candidacy.owned_here() >= 2:
-            why = f"node {owner} owns {counts[owner]} groups, this node {candidacy.owned_here()}"
-        else:
-            return
-        if not candidacy.may_pull():
-            return
-        log.info("stream %s: %s: asking for it", self.stream, why)
-        try:
-            reply = self.bridge.run(lambda nc: nc.request(f"mqks.move.{self.stream}", candidacy.node.encode(),
-                                                          timeout=5), timeout=10)
-            answer = json.loads(reply.data)
-        except Exception as e:
-            log.info("stream %s: its owner did not take the request (%s)", self.stream, e)
-            candidacy.end_pull()
-            return
-        if not answer.get("ok"):  # another node's standby asked first: this node's turn to pull is over
-            log.info("stream %s: its owner hands it to node %s instead", self.stream, answer.get("to"))
-            candidacy.end_pull()
-
-    async def _report_standby(self, nc: Any) -> None:
-        candidacy = self.candidacy
-        assert candidacy is not None
-        try:
-            if self._report_kv is None:  # opened once: each open is a stream info, an API call on NATS
-                self._report_kv = await nc.jetstream(timeout=5).key_value(candidacy.bucket)
-            kv = self._report_kv
-            await kv.put(f"standby.{candidacy.group}.{candidacy.node}", json.dumps(
-                {"node": candidacy.node, "group": candidacy.group, "seq": self._read_seq, "pid": os.getpid(),
-                 "at": time.time()}).encode())
-        except Exception as e:
-            self._report_kv = None
-            log.debug("stream %s: standby report failed: %s", self.stream, e)
 
     def commit(self, new_segment: bool = False, completes: bool | None = None) -> int | None:
         """Close the open batch into one commit for the writer; its number, or None when empty.
@@ -851,15 +719,13 @@ class JetStreamLog:
         self._inbox = nc.new_inbox()
         await nc.subscribe(self._inbox + ".*", cb=self._on_puback)
         await nc.subscribe(self.owner_subject, cb=self._on_owner_ping)
-        candidacy = self.candidacy
-        if candidacy is not None:
-            await nc.subscribe(f"mqks.move.{self.stream}", cb=self._on_move)
+        heartbeat_seconds = self.heartbeat_seconds
         wake.set()  # commits handed during the replay's end
         last_check = self._last_sent_at = time.monotonic()
         checking: asyncio.Future[None] | None = None
         # a cluster's owner appends a heartbeat, expecting the last sequence, as often: a rival shows there too,
         # and sixteen groups' checks each second were a third of an idle NATS's API calls
-        tail_check_seconds = TAIL_CHECK_SECONDS if candidacy is None else candidacy.heartbeat_seconds
+        tail_check_seconds = TAIL_CHECK_SECONDS if heartbeat_seconds is None else heartbeat_seconds
         ticker = asyncio.ensure_future(self._tick(wake))
         try:
             while not self._stopping and self.fenced_by is None:
@@ -876,8 +742,8 @@ class JetStreamLog:
                 if self._trouble is not None:
                     await self._read_tail(nc)
                     continue
-                if (candidacy is not None and not self._unsent and not self._in_flight
-                        and now - self._last_sent_at >= candidacy.heartbeat_seconds):
+                if (heartbeat_seconds is not None and not self._unsent and not self._in_flight
+                        and now - self._last_sent_at >= heartbeat_seconds):
                     self._add_frame(b"", False, 0, False, False)  # the lease: standbys take over after silence
                 await self._send(nc)
                 if now - last_check >= tail_check_seconds and (checking is None or checking.done()):
@@ -1114,11 +980,10 @@ class JetStreamLog:
 
         A cluster node's owner that has stored nothing for the whole lease steps down: a standby that can reach
         NATS takes the group over now, and this owner's clients must move there."""
-        candidacy = self.candidacy
-        if (candidacy is not None and self._stalled_since is not None
-                and time.monotonic() - self._stalled_since > candidacy.lease_seconds):
+        lease = self.lease_seconds
+        if lease is not None and self._stalled_since is not None and time.monotonic() - self._stalled_since > lease:
             log.error("stream %s: %s: this node steps down as its owner", self.stream, reason)
-            self._stop_with(f"the replicated log has stored nothing for {candidacy.lease_seconds:g} s: this node "
+            self._stop_with(f"the replicated log has stored nothing for {lease:g} s: this node "
                             f"stepped down as the owner of stream {self.stream}")
             return
         if self.blocked is None:
@@ -1151,20 +1016,8 @@ class JetStreamLog:
             # answer from it made `mqks cluster move` report the group on the node it had just left (CI)
             return
         if msg.reply:
-            node = self.candidacy.node if self.candidacy is not None else None
             await self.bridge.nc.publish(msg.reply, json.dumps(
-                {"owner": self.owner, "epoch": self.epoch, "pid": os.getpid(), "node": node}).encode())
-
-    async def _on_move(self, msg: Any) -> None:
-        """`mqks cluster move`: hand the group to the node named, once every client is drained (the hub stops)."""
-        node = msg.data.decode(errors="replace").strip()
-        if self.move_to is None and node != (self.candidacy.node if self.candidacy is not None else None):
-            log.warning("stream %s: asked to hand the group over to node %s", self.stream, node)
-            self.move_to = node
-            self.wake()
-        if msg.reply:  # not ok: it goes to another node already (two standbys asked at once), not to this one
-            answer = {"ok": self.move_to == node, "from": self.owner, "to": self.move_to or node}
-            await self.bridge.nc.publish(msg.reply, json.dumps(answer).encode())
+                {"owner": self.owner, "epoch": self.epoch, "pid": os.getpid(), "node": self.node}).encode())
 
     def _add_handoff(self) -> None:
         """The owner's last frame: after everything it wrote, it names the node that takes the group over."""

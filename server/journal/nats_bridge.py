@@ -15,13 +15,14 @@ import asyncio
 import json
 import logging
 import threading
-import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import gevent
 from gevent.event import AsyncResult, Event
+
+from ...common.nats_urls import shown
 
 log = logging.getLogger("mqks.journal")
 
@@ -62,21 +63,6 @@ def parse_puback(frame: int, data: bytes) -> PubAck:
     if error:
         return PubAck(frame, error_code=int(error.get("err_code", 0)), error=str(error.get("description", error)))
     return PubAck(frame, seq=int(answer["seq"]), duplicate=bool(answer.get("duplicate")))
-
-
-def shown(servers: list[str]) -> str:
-    """NATS URLs as a log line or an error may show them: a password or a token in one is never shown
-    (`nats://mqks:***@host:4222`; a user part alone is a token to NATS: `nats://***@host:4222`)."""
-    return ",".join(_shown_url(url) for url in servers)
-
-
-def _shown_url(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    user_info, _, host = parts.netloc.rpartition("@")
-    user, colon, _ = user_info.partition(":")
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}" if colon else f"***@{host}"))
 
 
 class NatsBridge:

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from ..dispatch.figures import COUNTER, FIGURES, GAUGE, LOG_FIGURES, Figure
+from ...common.figures import COUNTER, FIGURES, GAUGE, LOG_FIGURES, Figure
 from ..dispatch.process import Process
 from .console import Console
 

@@ -100,8 +100,8 @@ class Supervisor:
         config = self.config
         if not config.cluster or config.log is None:
             return
-        from ..journal.jetstream_log import log_urls
-        from .cluster import check_layout
+        from ...common.nats_urls import log_urls
+        from ..cluster.layout import check_layout
 
         reason = check_layout(log_urls(config.log), config.cluster, self.count, config.node)
         if reason is not None:

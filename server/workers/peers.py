@@ -32,10 +32,10 @@ import gevent
 import gevent.socket
 from gevent.event import Event
 
+from ...common.figures import merge_stats
 from ..core import dead_letters
 from ..core.routing import Routing, cache_put
 from ..core.state import Broker, Queue
-from ..dispatch.figures import merge_stats
 from ..dispatch.slots import owner_of
 from ..wire.outbox import Outbox
 from ..wire.protocol import format_ok, msg_id_of

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from gevent.event import Event
 
+from ...common.figures import merge_stats
 from ..core.state import Consumer
 from ..dispatch.actions import (
     Action,
@@ -36,7 +37,6 @@ from ..dispatch.actions import (
     run_lines,
     to_json,
 )
-from ..dispatch.figures import merge_stats
 from ..wire.protocol import Held, ProtocolError, format_ok, parse_flag_value, text
 from .frames import Frame
 

@@ -9,7 +9,7 @@ import json
 import pytest
 from prometheus_client.core import CounterMetricFamily
 
-from mqks.server.dispatch.figures import ANY, FIGURES, LOG_FIGURES, OWN, THIS, merge_log_stats, merge_stats, ranked
+from mqks.common.figures import ANY, FIGURES, LOG_FIGURES, OWN, THIS, merge_log_stats, merge_stats, ranked
 from mqks.server.dispatch.process import Process
 from mqks.server.node.metrics import StatsCollector
 

@@ -1,6 +1,7 @@
-"""A group's owner asked for its group by two nodes' standbys at once (balancing) hands it to the first and tells
-the second no, so the second node's turn to pull ends at once instead of after PULL_TURN_SECONDS (issue 40: a
-new three-node cluster spread its groups in 35 s, two of them spent waiting for that turn). In process."""
+"""Hand-offs (server/cluster/election.py, map.py): a group's owner asked for its group by two nodes' standbys at once
+(balancing) hands it to the first and tells the second no, so the second node's turn to pull ends at once instead of
+after PULL_TURN_SECONDS (issue 40: a new three-node cluster spread its groups in 35 s, two of them spent waiting for
+that turn); pins are read sparingly; an owner that handed its group over is silent. In process."""
 
 from __future__ import annotations
 
@@ -12,34 +13,47 @@ import pytest
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
-from mqks.server.journal.jetstream_log import Candidacy, JetStreamLog
-from mqks.server.node.cluster import NodeDir
+from mqks.server.cluster.candidacy import Candidacy
+from mqks.server.cluster.election import HandOffRequests
+from mqks.server.cluster.map import ClusterMap, NodeDir
+from mqks.server.journal.jetstream_log import JetStreamLog
 
 pytestmark = pytest.mark.timeout(10)
 
 
 def test_the_first_node_to_ask_gets_the_group_and_the_next_is_told_where_it_goes():
-    candidacy = Candidacy("c", "a", 0, lease_seconds=12.0)
-    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "c-0-of-4", "node a", candidacy=candidacy)
+    woken: list[str] = []
+    hand_offs = HandOffRequests("a", "node a", lambda: woken.append("hub"))
+    answers = [json.loads(hand_offs.answer("c-0-of-4", node)) for node in ("b", "c", "b")]  # b asks again: still its
+    assert hand_offs.move_to == "b" and woken == ["hub"]
+    assert [(answer["ok"], answer["to"]) for answer in answers] == [(True, "b"), (False, "b"), (True, "b")]
+    assert json.loads(HandOffRequests("a", "node a", lambda: None).answer("c-0-of-4", "a"))["ok"] is False
+
+
+def test_the_owner_answers_a_request_on_nats_with_the_hand_offs_answer():
+    """map.py's subscription: the request's node in, HandOffRequests' answer out on the reply subject."""
+    subscribed: dict[str, object] = {}
     replies: list[tuple[str, dict]] = []
+
+    async def subscribe(subject: str, cb: object) -> None:
+        subscribed[subject] = cb
 
     async def publish(subject: str, data: bytes) -> None:
         replies.append((subject, json.loads(data)))
 
-    stream_log.bridge.nc = SimpleNamespace(publish=publish)
-
-    async def ask(node: str, reply: str) -> None:
-        await stream_log._on_move(SimpleNamespace(data=node.encode(), reply=reply))
+    nc = SimpleNamespace(subscribe=subscribe, publish=publish)
+    spawned: list[object] = []
+    bridge = SimpleNamespace(spawn=spawned.append)
+    cluster_map = ClusterMap(bridge, Candidacy("c", "a", 0, lease_seconds=12.0), 3, lambda group: None)
+    hand_offs = HandOffRequests("a", "node a", lambda: None)
+    cluster_map.serve_hand_offs("c-0-of-4", hand_offs)
 
     async def scenario() -> None:
-        await ask("b", "r1")
-        await ask("c", "r2")
-        await ask("b", "r3")  # asked again (a retry): still its
+        await spawned[0](nc)  # type: ignore[operator]
+        await subscribed["mqks.move.c-0-of-4"](SimpleNamespace(data=b"b", reply="r1"))  # type: ignore[operator]
 
     asyncio.run(scenario())
-    assert stream_log.move_to == "b"
-    assert [(subject, answer["ok"], answer["to"]) for subject, answer in replies] == [
-        ("r1", True, "b"), ("r2", False, "b"), ("r3", True, "b")]
+    assert hand_offs.move_to == "b" and replies == [("r1", {"ok": True, "from": "node a", "to": "b"})]
 
 
 def test_a_nodes_turn_to_pull_is_one_at_a_time_and_ends_when_told(tmp_path):
@@ -54,8 +68,6 @@ def test_a_nodes_turn_to_pull_is_one_at_a_time_and_ends_when_told(tmp_path):
 
 def test_a_standby_reads_its_pin_again_only_when_old_or_about_to_ask():
     """A pin read is an API call on NATS: every 5 s for every standby was a quarter of an idle cluster's calls."""
-    from mqks.server.node.cluster import ClusterMap
-
     reads: list[str] = []
 
     def run(make, timeout: float = 10.0):
@@ -77,8 +89,7 @@ def test_a_standby_reads_its_pin_again_only_when_old_or_about_to_ask():
 def test_an_owner_that_handed_its_group_over_no_longer_answers_for_it():
     """Until it exits, the old owner still listens on the owner subject: an answer from it made `mqks cluster move`
     report the group on the node it had just left (CI). Fenced, it is silent too."""
-    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "c-0-of-4", "node a",
-                              candidacy=Candidacy("c", "a", 0, lease_seconds=12.0))
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "c-0-of-4", "node a", lease_seconds=12.0, node="a")
     answers: list[str] = []
 
     async def publish(subject: str, data: bytes) -> None:

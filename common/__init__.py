@@ -1,0 +1,2 @@
+"""What the broker and its clients both read, so neither imports the other: the figures table (`stats`), how
+NATS URLs are written and shown, and the names a cluster gives its streams and bucket."""

@@ -1,0 +1,223 @@
+"""Who owns a group: a standby follows its stream, claims it after a lease of silence (or when handed it), and
+takes it over by a conditional append; an owner hands it over when asked.
+
+The stream decides, never a clock: a takeover appends epoch + 1 expecting the last sequence this node read,
+so of two claims at once one is refused (it reads on and stands by again), and an owner that was taken over
+is fenced by its next append. Timing only decides when to try: the lease (an idle owner appends a heartbeat
+every quarter of it), a claim delay that grows with the groups a node owns (nodes share the groups), and
+balancing (a caught-up standby asks for its group when its node owns two fewer than the owner's, or when an
+operator pinned it here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import gevent
+
+from .candidacy import Candidacy
+
+log = logging.getLogger("mqks.log")
+
+STANDBY_REPORT_SECONDS = 10.0  # a standby tells `mqks cluster status` how far it has read this often (a KV put, R3)
+BALANCE_SECONDS = 5.0  # a caught-up standby looks this often whether its node should own this group instead
+RETRY_SECONDS = 0.5  # following failed (NATS unreachable): try again after this
+FOLLOW_WAIT_SECONDS = 1.0  # the longest wait for followed frames: the clock is looked at this often at least
+
+
+class Reading(Protocol):
+    """How far a reading of the stream has come (server/journal/jetstream_log.py's StreamReading)."""
+
+    read: int
+    replayer: Any  # .owner, .handoff: what the frames read so far say
+
+
+class FollowedStream(Protocol):
+    """What the election needs of the storage log: read, follow, look at the tail, append conditionally."""
+
+    stream: str
+
+    def start_reading(self) -> Any: ...
+
+    def read_to_tail(self, reading: Any) -> Iterator[bytes]: ...
+
+    def ask_owner(self, silent_is_owner: bool = False) -> str | None: ...
+
+    def follow(self, reading: Any) -> None: ...
+
+    def read_followed(self, reading: Any, timeout: float) -> tuple[bool, list[bytes]]: ...
+
+    def last_seq(self) -> int: ...
+
+    def stop_following(self, reading: Any) -> None: ...
+
+    def take_over(self, reading: Any) -> bytes | None: ...
+
+
+class StandbyMap(Protocol):
+    """What the election needs of the cluster map (map.py's ClusterMap)."""
+
+    def balance_view(self, fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]: ...
+
+    def report_standby(self, seq: int) -> None: ...
+
+    def ask_for_group(self, stream: str, node: str) -> dict[str, Any]: ...
+
+
+def replay_as_candidate(stream: FollowedStream, standby: Standby) -> Iterator[bytes]:
+    """The records of the group's stream up to this node's takeover, whose record ends them: read to the tail,
+    stand by until this node should claim, take over; a claim that loses reads on and stands by again."""
+    reading = stream.start_reading()
+    while True:
+        yield from stream.read_to_tail(reading)
+        yield from standby.stand_by(reading)
+        record = stream.take_over(reading)
+        if record is not None:
+            yield record
+            return
+        log.info("stream %s: another node took it over first; standing by again", stream.stream)
+
+
+class Standby:
+    """A node's warm standby for one group: follows the stream, applying every frame as the owner stores it."""
+
+    def __init__(self, candidacy: Candidacy, stream: FollowedStream, cluster_map: StandbyMap,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = gevent.sleep) -> None:
+        self.candidacy = candidacy
+        self.stream = stream
+        self.cluster_map = cluster_map
+        self.clock = clock
+        self.sleep = sleep
+
+    def stand_by(self, reading: Reading) -> Iterator[bytes]:
+        """The records of the frames the owner stores, until this node should claim the group: its owner has
+        appended nothing for the lease (then the claim delay), or handed the group to this node (or to any)."""
+        candidacy, stream, clock = self.candidacy, self.stream, self.clock
+        lease = candidacy.lease_seconds
+        try:
+            owner = stream.ask_owner(silent_is_owner=True)
+        except Exception:  # NATS out of reach: as if an owner answered, so nobody claims in a hurry
+            owner = "?"
+        now = clock()
+        if owner is None:  # nobody answers for it: a new cluster, or its owner is gone
+            expires = now + candidacy.first_claim_delay
+            log.info("stream %s: no owner answers; claiming it in %.1f s unless another node does first",
+                     stream.stream, expires - now)
+        else:
+            expires = now + lease
+            log.info("stream %s: owned by %s; standing by (lease %g s)", stream.stream, owner, lease)
+        reported = claimed_at = tail_checked_at = -1e9
+        balanced_at = heard_at = now  # heard_at: the last frame followed (the owner's heartbeat)
+        following = False
+        replayer = reading.replayer
+        replayer.handoff = None  # a hand-off read before this node stood by was meant for the standbys of then
+        while True:
+            if replayer.handoff in (candidacy.node, "*"):
+                log.info("stream %s: handed to this node by %s", stream.stream, replayer.owner)
+                stream.stop_following(reading)
+                return
+            now = clock()
+            if now >= expires:
+                if claimed_at < 0:
+                    claimed_at = now
+                    expires = now + candidacy.claim_delay()
+                    if expires > now:
+                        continue
+                if owner is not None:
+                    log.warning("stream %s: nothing from its owner %s for %g s: taking it over", stream.stream,
+                                replayer.owner or "?", lease)
+                stream.stop_following(reading)
+                return
+            if now - reported >= STANDBY_REPORT_SECONDS:
+                reported = now
+                self.cluster_map.report_standby(reading.read)
+            try:
+                if not following:
+                    stream.follow(reading)
+                    following = True
+                heard, records = stream.read_followed(reading, min(FOLLOW_WAIT_SECONDS, max(0.05, expires - now)))
+                if (not heard and now - heard_at >= candidacy.heartbeat_seconds * 1.5
+                        and now - tail_checked_at >= candidacy.heartbeat_seconds):
+                    # a quiet stream, or a follower that lost its NATS node? The owner's heartbeat comes this
+                    # often; a check per empty read was a stream info a second per standby (issue 39)
+                    tail_checked_at = now
+                    if stream.last_seq() > reading.read:  # frames the follower does not bring: follow anew
+                        following = False
+                        expires = clock() + lease
+            except (gevent.Timeout, Exception) as e:  # NATS unreachable: this node could not take over either
+                log.warning("stream %s: following it failed (%r); again", stream.stream, e)
+                following = False
+                self.sleep(RETRY_SECONDS)
+                continue
+            yield from records
+            if heard:
+                owner = replayer.owner or owner
+                heard_at = clock()
+                expires = heard_at + lease
+                claimed_at = -1e9
+            elif now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
+                balanced_at = now
+                self.balance()
+
+    def balance(self) -> None:
+        """Ask for this group when it is pinned here (`mqks cluster move` put it on this node, and a failover took it
+        away), or when it is not pinned and this node owns at least two groups fewer than its owner's node: nodes
+        that restarted or joined get work back. One request at a time per node, so two of its standbys never both
+        pull; a pinned group is never pulled elsewhere, so an operator's moves (draining a node) stay."""
+        candidacy, cluster_map = self.candidacy, self.cluster_map
+        try:
+            counts, owner, pin = cluster_map.balance_view(False)
+            if owner is None or owner == candidacy.node:
+                return
+            if pin is None and counts.get(owner, 0) - candidacy.owned_here() >= 2:
+                counts, owner, pin = cluster_map.balance_view(True)  # about to ask: a pin made since counts
+        except OSError:  # NATS out of reach: nothing to balance now
+            return
+        if owner is None or owner == candidacy.node:
+            return
+        if pin is not None:
+            if pin != candidacy.node:
+                return
+            why = f"it is pinned to this node (mqks cluster move) and node {owner} has it"
+        elif counts.get(owner, 0) - candidacy.owned_here() >= 2:
+            why = f"node {owner} owns {counts[owner]} groups, this node {candidacy.owned_here()}"
+        else:
+            return
+        if not candidacy.may_pull():
+            return
+        stream = self.stream.stream
+        log.info("stream %s: %s: asking for it", stream, why)
+        try:
+            answer = cluster_map.ask_for_group(stream, candidacy.node)
+        except Exception as e:
+            log.info("stream %s: its owner did not take the request (%s)", stream, e)
+            candidacy.end_pull()
+            return
+        if not answer.get("ok"):  # another node's standby asked first: this node's turn to pull is over
+            log.info("stream %s: its owner hands it to node %s instead", stream, answer.get("to"))
+            candidacy.end_pull()
+
+
+class HandOffRequests:
+    """An owner's side of a hand-off: `mqks cluster move`, or a balancing standby, asks it to hand its group to a
+    node; the first node asked for gets it (later askers hear where it goes), and the hub drains and stops."""
+
+    def __init__(self, node: str, owner: str, wake: Callable[[], None]) -> None:
+        self.node = node
+        self.owner = owner  # as the stream's owner describes itself
+        self.wake = wake  # tells the hub (Server.on_log_wake), from the asyncio thread
+        self.move_to: str | None = None
+
+    def answer(self, stream: str, asked_for: str) -> bytes:
+        """The answer to one request (in the asyncio thread): ok when the group goes to the node asked for."""
+        if self.move_to is None and asked_for != self.node:
+            log.warning("stream %s: asked to hand the group over to node %s", stream, asked_for)
+            self.move_to = asked_for
+            self.wake()
+        # not ok: it goes to another node already (two standbys asked at once), not to this one
+        return json.dumps({"ok": self.move_to == asked_for, "from": self.owner,
+                           "to": self.move_to or asked_for}).encode()

@@ -1,0 +1,269 @@
+"""Where each slot group's owner listens, and what a node's processes tell each other.
+
+Who owns a group is decided in its stream alone (election.py); this map only tells clients (through `hello`)
+and the other groups' links where the owner of each group listens. Each owner puts its entry in the cluster's
+key-value bucket once it listens; every process watches the bucket. An entry can be stale for as long as a
+takeover takes: a link or client that dials it fails and dials again once the entry changes, and an entry of a
+lower epoch never replaces a higher one here. The bucket also holds the operators' pins (`pin.G`) and each
+standby's report of how far it has read (`standby.G.NODE`), which `mqks cluster status` shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..journal.nats_bridge import NatsBridge
+from .candidacy import Candidacy
+from .election import HandOffRequests
+
+log = logging.getLogger("mqks.cluster")
+
+PULL_TURN = "pulling"  # in a node's run dir while one of its standbys has asked for its group
+PULL_TURN_SECONDS = 30.0  # a turn whose group never came (its owner refused or died) ends after this
+# a stopped watcher's consumer goes from NATS after this (nats-py's default is 300 s); a live one never idles
+# this long: NATS sends it a heartbeat every 5 s
+WATCHER_INACTIVE_SECONDS = 30.0
+RETRY_SECONDS = 1.0
+# a standby reads its group's pin again after this (a failover took a pinned group away: it asks for it back
+# within this); one read every 5 s per standby was a quarter of an idle cluster's API calls on NATS
+PIN_READ_SECONDS = 30.0
+ASK_SECONDS = 5.0  # a standby's request for its group waits this long for the owner's answer
+
+
+async def open_bucket(nc: Any, candidacy: Candidacy, replicas: int) -> Any:
+    """The cluster's bucket, made by the first node that needs it."""
+    from nats.js.api import KeyValueConfig, StorageType
+    from nats.js.errors import BucketNotFoundError
+
+    js = nc.jetstream(timeout=5)
+    try:
+        return await js.key_value(candidacy.bucket)
+    except BucketNotFoundError:
+        pass
+    for tries in range(replicas, 0, -1):
+        try:
+            return await js.create_key_value(KeyValueConfig(bucket=candidacy.bucket, history=1, replicas=tries,
+                                                            storage=StorageType.FILE))
+        except Exception as e:  # fewer NATS servers than replicas; or made by another node meanwhile
+            try:
+                return await js.key_value(candidacy.bucket)
+            except BucketNotFoundError:
+                if tries == 1:
+                    raise
+                log.warning("bucket %s: %s; trying %d replicas", candidacy.bucket, e, tries - 1)
+    raise AssertionError("unreachable")
+
+
+class NodeDir:
+    """What a node's processes tell each other through its run dir: which groups they own (`owns-g`, removed by
+    the node's supervisor when the process ends), and whether one of them is pulling a group now."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def owned(self) -> int:
+        """Groups this node owns now."""
+        return sum(name.startswith("owns-") for name in os.listdir(self.path))
+
+    def owner_of(self, group: int) -> None:
+        """This process owns `group`; the pull that brought it here (if one did) is over."""
+        with open(os.path.join(self.path, f"owns-{group}"), "w", encoding="utf-8") as f:
+            f.write(str(os.getpid()))
+        self.end_pull_turn()
+
+    def end_pull_turn(self) -> None:
+        """The group asked for goes elsewhere (or its owner did not answer): another standby may ask now."""
+        try:
+            os.unlink(os.path.join(self.path, PULL_TURN))
+        except FileNotFoundError:
+            pass
+
+    def take_pull_turn(self) -> bool:
+        """True if no other standby of this node is pulling a group now (one balance move at a time per node)."""
+        path = os.path.join(self.path, PULL_TURN)
+        try:
+            if time.time() - os.stat(path).st_mtime > PULL_TURN_SECONDS:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+
+class ClusterMap:
+    """Each group's owner as its entry in the bucket says: node, epoch, and the addresses it listens on."""
+
+    def __init__(self, bridge: NatsBridge, candidacy: Candidacy, replicas: int,
+                 on_change: Callable[[int], None]) -> None:
+        self.bridge = bridge
+        self.candidacy = candidacy
+        self.replicas = replicas
+        self.on_change = on_change  # called in the hub with the group whose entry changed
+        self.entries: dict[int, dict[str, Any]] = {}  # written in the hub only
+        self.serving = False  # an owner logs the map's changes; a standby only keeps them
+        self._kv: Any = None  # the bucket, opened once (each open is a stream info: an API call on NATS)
+        self._pin: str | None = None  # this group's pin as last read, and when (monotonic)
+        self._pin_read_at = -PIN_READ_SECONDS
+
+    def watch(self) -> None:
+        """Follow every group's entry from now on: a standby balances by it, an owner links by it."""
+        self.bridge.spawn(self._watch)
+
+    def start(self, about: dict[str, Any]) -> None:
+        """This process owns its group now: put its entry (the watch runs since watch())."""
+        self.serving = True
+        self.bridge.spawn(lambda nc: self._put(nc, about))
+
+    def balance_view(self, fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]:
+        """In the hub: how many groups each node owns as the map says, this group's owner, and the node it is
+        pinned to (None: not pinned). The pin is one direct get (no consumer), read again once it is
+        PIN_READ_SECONDS old or when `fresh_pin` (a standby about to ask for its group); OSError when NATS does
+        not answer."""
+        counts: dict[str, int] = {}
+        for entry in self.entries.values():
+            node = entry.get("node")
+            if node is not None:
+                counts[node] = counts.get(node, 0) + 1
+        owner = self.entries.get(self.candidacy.group, {}).get("node")
+        now = time.monotonic()
+        if fresh_pin or now - self._pin_read_at >= PIN_READ_SECONDS:
+            try:
+                self._pin = self.bridge.run(self._read_pin, timeout=10)
+            except Exception as e:
+                raise OSError(f"cannot read the pin of group {self.candidacy.group}: {e}") from None
+            self._pin_read_at = now
+        return counts, owner, self._pin
+
+    async def _bucket(self, nc: Any) -> Any:
+        if self._kv is None:
+            self._kv = await open_bucket(nc, self.candidacy, self.replicas)
+        return self._kv
+
+    async def _read_pin(self, nc: Any) -> str | None:
+        from nats.js.errors import KeyNotFoundError
+
+        kv = await self._bucket(nc)
+        try:
+            return ((await kv.get(f"pin.{self.candidacy.group}")).value or b"").decode() or None
+        except KeyNotFoundError:  # KeyDeletedError too: `mqks cluster unpin`
+            return None
+        except Exception:
+            self._kv = None  # the bucket was removed, or NATS moved it: open it again next time
+            raise
+
+    def report_standby(self, seq: int) -> None:
+        """A standby tells `mqks cluster status` how far it has read (a put in the background)."""
+        self.bridge.spawn(functools.partial(self._report_standby, seq=seq))
+
+    async def _report_standby(self, nc: Any, seq: int) -> None:
+        candidacy = self.candidacy
+        try:
+            kv = await self._bucket(nc)
+            await kv.put(f"standby.{candidacy.group}.{candidacy.node}", json.dumps(
+                {"node": candidacy.node, "group": candidacy.group, "seq": seq, "pid": os.getpid(),
+                 "at": time.time()}).encode())
+        except Exception as e:
+            self._kv = None
+            log.debug("group %d: standby report failed: %s", candidacy.group, e)
+
+    def ask_for_group(self, stream: str, node: str) -> dict[str, Any]:
+        """Ask the owner of `stream` to hand it to `node`; its answer (`ok`, and the node it goes `to`)."""
+        reply = self.bridge.run(lambda nc: nc.request(f"mqks.move.{stream}", node.encode(), timeout=ASK_SECONDS),
+                                timeout=ASK_SECONDS * 2)
+        return dict(json.loads(reply.data))
+
+    def serve_hand_offs(self, stream: str, hand_offs: HandOffRequests) -> None:
+        """This process owns `stream`'s group now: answer the requests to hand it over."""
+
+        async def subscribe(nc: Any) -> None:
+            async def on_request(msg: Any) -> None:
+                answer = hand_offs.answer(stream, msg.data.decode(errors="replace").strip())
+                if msg.reply:
+                    await nc.publish(msg.reply, answer)
+
+            await nc.subscribe(f"mqks.move.{stream}", cb=on_request)
+
+        self.bridge.spawn(subscribe)
+
+    def address(self, group: int) -> tuple[str, int] | None:
+        """Where the owner of `group` takes links; None while no owner is known."""
+        entry = self.entries.get(group)
+        if entry is None or not entry.get("link_port"):
+            return None
+        return entry["host"], entry["link_port"]
+
+    def dial(self, group: int) -> socket.socket:
+        """A connected link socket to the owner of `group` (gevent's); OSError when none is known or it refuses."""
+        import gevent.socket
+
+        address = self.address(group)
+        if address is None:
+            raise OSError(f"no owner of group {group} is known yet")
+        sock = gevent.socket.create_connection(address, timeout=5)
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _learn(self, group: int, entry: dict[str, Any]) -> None:
+        """In the hub: a newer entry for `group` replaces what was known."""
+        known = self.entries.get(group)
+        if known is not None and known.get("epoch", 0) > entry.get("epoch", 0):
+            return
+        if known != entry:
+            self.entries[group] = entry
+            log.log(logging.INFO if self.serving else logging.DEBUG, "group %d: owned by node %s (epoch %s) at %s:%s",
+                    group, entry.get("node"), entry.get("epoch"), entry.get("host"), entry.get("port"))
+            self.on_change(group)
+
+    async def _put(self, nc: Any, about: dict[str, Any]) -> None:
+        while True:
+            try:
+                kv = await self._bucket(nc)
+                await kv.put(f"owner.{self.candidacy.group}", json.dumps(about).encode())
+                return
+            except Exception as e:
+                self._kv = None
+                log.warning("cluster map: cannot publish this owner's entry (%s); again", e)
+                await asyncio.sleep(RETRY_SECONDS)
+
+    async def _watch(self, nc: Any) -> None:
+        """One watcher for the life of the process. nats-py's ordered consumer checks its heartbeats and makes
+        itself again when its NATS node goes, so an idle watch is not renewed: each renewal was a new consumer
+        that NATS kept for its inactivity threshold, and 48 processes renewing filled the bucket's consumer
+        limit in minutes (issue 39)."""
+        while True:
+            watcher = None
+            try:
+                kv = await open_bucket(nc, self.candidacy, self.replicas)
+                watcher = await kv.watch("owner.*", inactive_threshold=WATCHER_INACTIVE_SECONDS)
+                while True:
+                    entry = await watcher.updates(timeout=None)
+                    if entry is None or not entry.value:
+                        continue
+                    try:
+                        group = int(entry.key.rpartition(".")[2])
+                        value = json.loads(entry.value)
+                    except ValueError:
+                        continue
+                    self.bridge.to_hub(functools.partial(self._learn, group, value))
+            except Exception as e:  # NATS went away for longer than the watcher's own recovery: make it again
+                log.debug("cluster map: watch ended (%s); again", e)
+                await asyncio.sleep(RETRY_SECONDS)
+            finally:
+                if watcher is not None:
+                    try:
+                        await watcher.stop()
+                    except Exception:
+                        pass

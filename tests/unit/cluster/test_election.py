@@ -1,0 +1,381 @@
+"""The election's decisions (server/cluster/election.py) over a fake storage log and a fake clock: when a standby
+claims its group, when it waits, what a hand-off, a lost claim, a follower that lost its NATS node and balancing
+do. In process and in fake time: a lease of 12 s passes in microseconds, and every wait is the code's own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mqks.server.cluster.candidacy import CLAIM_DELAY_PER_GROUP_SECONDS, Candidacy
+from mqks.server.cluster.election import BALANCE_SECONDS, STANDBY_REPORT_SECONDS, Standby, replay_as_candidate
+from mqks.server.journal.jetstream_log import EPOCH, FRAME, HANDOFF, OWNER, Replayer
+
+pytestmark = pytest.mark.timeout(10)
+
+LEASE = 12.0
+
+
+class Clock:
+    """Fake time: the stream's waits and the standby's sleeps move it forward."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Reading:
+    def __init__(self) -> None:
+        self.replayer = Replayer()
+        self.read = 0
+        self.last_seq = 0
+
+
+def frame(epoch: int, k: int, data: bytes, owner: str = "", handoff: str = "") -> tuple[dict[str, str], bytes]:
+    headers = {EPOCH: str(epoch), FRAME: str(k)}
+    if owner:
+        headers[OWNER] = owner
+    if handoff:
+        headers[HANDOFF] = handoff
+    return headers, data
+
+
+class FakeStream:
+    """A group's stream as the election sees it (election.py's FollowedStream): messages stored so far, messages
+    a writer will store at given (fake) times, an owner that answers its ping or not."""
+
+    stream = "c-0-of-4"
+
+    def __init__(self, clock: Clock, owner: str | None = None) -> None:
+        self.clock = clock
+        self.owner = owner  # what the owner ping answers (None: nobody listens)
+        self.messages: list[tuple[dict[str, str], bytes]] = []
+        self.arrivals: list[tuple[float, tuple[dict[str, str], bytes]]] = []  # (at, message), in time order
+        self.following_from = 0  # 0: not following
+        self.follower_lost = False  # the follower's NATS node went: it brings nothing more until followed anew
+        self.follows = 0
+        self.takeovers: list[int] = []  # the sequence each takeover expected
+        self.rival_before_claim: tuple[dict[str, str], bytes] | None = None  # another node claims first, once
+
+    def store(self, message: tuple[dict[str, str], bytes]) -> None:
+        self.messages.append(message)
+
+    def at(self, seconds: float, message: tuple[dict[str, str], bytes]) -> None:
+        self.arrivals.append((self.clock.now + seconds, message))
+
+    def _arrive(self) -> None:
+        while self.arrivals and self.arrivals[0][0] <= self.clock.now:
+            self.messages.append(self.arrivals.pop(0)[1])
+
+    def _feed(self, reading: Reading, up_to: int) -> list[bytes]:
+        lines: list[bytes] = []
+        while reading.read < up_to:
+            headers, data = self.messages[reading.read]
+            reading.read += 1
+            lines += reading.replayer.feed(headers, data)
+        return lines
+
+    # -- FollowedStream
+    def start_reading(self) -> Reading:
+        reading = Reading()
+        reading.last_seq = len(self.messages)
+        return reading
+
+    def read_to_tail(self, reading: Reading) -> Iterator[bytes]:
+        yield from self._feed(reading, reading.last_seq)
+
+    def ask_owner(self, silent_is_owner: bool = False) -> str | None:
+        return self.owner
+
+    def follow(self, reading: Reading) -> None:
+        self.following_from = reading.read + 1
+        self.follower_lost = False
+        self.follows += 1
+
+    def read_followed(self, reading: Reading, timeout: float) -> tuple[bool, list[bytes]]:
+        assert self.following_from, "read_followed before follow"
+        self._arrive()
+        if len(self.messages) == reading.read or self.follower_lost:
+            next_at = self.arrivals[0][0] if self.arrivals else float("inf")
+            self.clock.now = min(self.clock.now + timeout, next_at)
+            self._arrive()
+        if self.follower_lost or len(self.messages) == reading.read:
+            return False, []
+        return True, self._feed(reading, len(self.messages))
+
+    def last_seq(self) -> int:
+        self._arrive()
+        return len(self.messages)
+
+    def stop_following(self, reading: Reading) -> None:
+        self.following_from = 0
+
+    def take_over(self, reading: Reading) -> bytes | None:
+        self.takeovers.append(reading.read)
+        if self.rival_before_claim is not None:
+            self.messages.append(self.rival_before_claim)
+            self.owner = f"{self.rival_before_claim[0][OWNER]} (epoch {self.rival_before_claim[0][EPOCH]})"
+            self.rival_before_claim = None
+        if reading.read != len(self.messages):
+            reading.last_seq = len(self.messages)
+            return None
+        epoch = reading.replayer.epoch + 1
+        record = b"W %d node a" % epoch
+        self.messages.append(frame(epoch, 0, record, owner="node a"))
+        return record
+
+
+class FakeMap:
+    """The cluster map as the election sees it (election.py's StandbyMap)."""
+
+    def __init__(self, counts: dict[str, int] | None = None, owner: str | None = None, pin: str | None = None,
+                 answer: dict[str, Any] | None = None) -> None:
+        self.view = (counts or {}, owner, pin)
+        self.answer = answer if answer is not None else {"ok": True}
+        self.reports: list[int] = []
+        self.asked: list[tuple[str, str]] = []
+        self.fresh_reads = 0
+
+    def balance_view(self, fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]:
+        self.fresh_reads += fresh_pin
+        return self.view
+
+    def report_standby(self, seq: int) -> None:
+        self.reports.append(seq)
+
+    def ask_for_group(self, stream: str, node: str) -> dict[str, Any]:
+        self.asked.append((stream, node))
+        return self.answer
+
+
+class Node:
+    """What a node's other processes tell a candidacy: groups owned, one pull turn at a time."""
+
+    def __init__(self, owned: int = 0) -> None:
+        self.owned = owned
+        self.turn_taken = False
+        self.turns_ended = 0
+
+    def may_pull(self) -> bool:
+        if self.turn_taken:
+            return False
+        self.turn_taken = True
+        return True
+
+    def end_pull(self) -> None:
+        self.turn_taken = False
+        self.turns_ended += 1
+
+
+def standby(clock: Clock, stream: FakeStream, cluster_map: FakeMap | None = None, node: Node | None = None,
+            name: str = "a") -> Standby:
+    node = node or Node()
+    candidacy = Candidacy("c", name, 0, LEASE, owned_here=lambda: node.owned, may_pull=node.may_pull,
+                          end_pull=node.end_pull)
+    return Standby(candidacy, stream, cluster_map or FakeMap(), clock=clock, sleep=clock.sleep)
+
+
+def owned_by_b(stream: FakeStream) -> None:
+    """Node b took the group over (epoch 1) and stored one publish."""
+    stream.store(frame(1, 0, b"W 1 node b", owner="node b"))
+    stream.store(frame(1, 1, b"P one"))
+
+
+def heartbeats(stream: FakeStream, every: float, until: float, epoch: int = 1, first_k: int = 2) -> None:
+    k = first_k
+    t = every
+    while t <= until:
+        stream.at(t, frame(epoch, k, b""))
+        k += 1
+        t += every
+
+
+def test_a_new_group_nobody_answers_for_is_claimed_after_its_spread_delay():
+    clock = Clock()
+    stream = FakeStream(clock, owner=None)
+    candidacy_delay = Candidacy("c", "a", 0, LEASE).first_claim_delay
+    started = clock.now
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    assert records == [b"W 1 node a"]  # its own takeover record ends the replay
+    assert stream.takeovers == [0]
+    assert clock.now - started == pytest.approx(candidacy_delay, abs=0.06)
+
+
+def test_a_standby_applies_what_the_owner_stores_and_never_claims_while_it_hears_heartbeats():
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    stream.at(1.0, frame(1, 2, b"P two\nP three"))
+    heartbeats(stream, LEASE / 4, 10 * LEASE, first_k=3)
+    started = clock.now
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    # the owner fell silent after its last heartbeat at 10 leases: claimed one lease later, not before
+    assert clock.now - started >= 11 * LEASE
+    assert records[:4] == [b"W 1 node b", b"P one", b"P two", b"P three"]
+    assert records[-1] == b"W 2 node a" and stream.takeovers == [len(stream.messages) - 1]
+
+
+def test_a_node_that_owns_groups_claims_later_by_its_claim_delay():
+    def claimed_after(owned: int) -> float:
+        clock = Clock()
+        stream = FakeStream(clock, owner="node b (epoch 1)")
+        owned_by_b(stream)
+        started = clock.now
+        list(replay_as_candidate(stream, standby(clock, stream, node=Node(owned=owned))))
+        return clock.now - started
+
+    assert claimed_after(0) == pytest.approx(LEASE, abs=0.06)
+    assert claimed_after(2) == pytest.approx(LEASE + 2 * CLAIM_DELAY_PER_GROUP_SECONDS, abs=0.06)
+    assert claimed_after(10) == pytest.approx(LEASE + 3.0, abs=0.06)  # capped
+
+
+def test_a_hand_off_to_this_node_is_claimed_at_once_and_one_to_another_node_is_not():
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    stream.at(2.0, frame(1, 2, b"", handoff="a"))
+    started = clock.now
+    assert list(replay_as_candidate(stream, standby(clock, stream)))[-1] == b"W 2 node a"
+    assert clock.now - started == pytest.approx(2.0, abs=0.06)
+
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    stream.at(2.0, frame(1, 2, b"", handoff="c"))  # node c takes it: this standby waits for c's writes
+    stream.at(3.0, frame(2, 0, b"W 2 node c", owner="node c"))
+    heartbeats(stream, LEASE / 4, 5 * LEASE, epoch=2, first_k=1)
+    started = clock.now
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    assert b"W 2 node c" in records and records[-1] == b"W 3 node a"
+    assert clock.now - started >= 5 * LEASE
+
+
+def test_a_hand_off_to_any_node_after_a_planned_stop_is_claimed_at_once():
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    stream.at(1.0, frame(1, 2, b"", handoff="*"))
+    started = clock.now
+    list(replay_as_candidate(stream, standby(clock, stream)))
+    assert clock.now - started == pytest.approx(1.0, abs=0.06)
+
+
+def test_a_hand_off_read_before_standing_by_was_for_the_standbys_of_then():
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 2)")
+    owned_by_b(stream)
+    stream.store(frame(1, 2, b"", handoff="a"))  # to this node, long ago: another process of it took the group then
+    stream.store(frame(2, 0, b"W 2 node b", owner="node b"))
+    started = clock.now
+    list(replay_as_candidate(stream, standby(clock, stream)))
+    assert clock.now - started == pytest.approx(LEASE, abs=0.06)  # not at once: it waited out b's lease
+
+
+def test_a_claim_that_loses_reads_the_winners_records_and_stands_by_again():
+    clock = Clock()
+    stream = FakeStream(clock, owner=None)
+    owned_by_b(stream)
+    stream.rival_before_claim = frame(2, 0, b"W 2 node c", owner="node c")
+    stream.at(5.0, frame(2, 1, b"P from c"))
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    assert len(stream.takeovers) == 2  # refused once (c appended first), then won after c's lease
+    assert records[-3:] == [b"W 2 node c", b"P from c", b"W 3 node a"]
+
+
+def test_a_follower_that_lost_its_nats_node_is_noticed_by_the_tail_and_made_again():
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    heartbeats(stream, LEASE / 4, 4 * LEASE)
+    original_follow = stream.follow
+
+    def follow_then_lose(reading: Reading) -> None:
+        original_follow(reading)
+        if stream.follows == 1:
+            stream.follower_lost = True  # the first follower brings nothing: its NATS node went
+
+    stream.follow = follow_then_lose  # type: ignore[method-assign]
+    started = clock.now
+    list(replay_as_candidate(stream, standby(clock, stream)))
+    assert stream.follows == 2
+    # heard again through the new follower: claimed one lease after the owner's last heartbeat, not after the first
+    assert clock.now - started >= 4 * LEASE + LEASE
+
+
+def test_following_that_fails_is_tried_again_and_the_owner_is_not_claimed_meanwhile():
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    failures = iter([True, True, True])
+
+    original_follow = stream.follow
+
+    def flaky_follow(reading: Reading) -> None:
+        if next(failures, False):
+            raise OSError("nats: no servers available for connection")
+        original_follow(reading)
+
+    stream.follow = flaky_follow  # type: ignore[method-assign]
+    started = clock.now
+    list(replay_as_candidate(stream, standby(clock, stream)))
+    assert stream.follows == 1
+    assert clock.now - started == pytest.approx(LEASE, abs=0.06)
+
+
+def test_a_standby_reports_how_far_it_has_read():
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    heartbeats(stream, LEASE / 4, 3 * LEASE)
+    cluster_map = FakeMap()
+    list(replay_as_candidate(stream, standby(clock, stream, cluster_map)))
+    assert cluster_map.reports[0] == 2  # at once: what the replay read
+    assert len(cluster_map.reports) >= (3 * LEASE) // STANDBY_REPORT_SECONDS
+    assert cluster_map.reports == sorted(cluster_map.reports) and cluster_map.reports[-1] > 2
+
+
+def balancing(cluster_map: FakeMap, node: Node) -> FakeStream:
+    """A standby of node a, caught up, for long enough to balance a few times; the owner stays."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    heartbeats(stream, LEASE / 4, 4 * BALANCE_SECONDS)
+    list(replay_as_candidate(stream, standby(clock, stream, cluster_map, node)))
+    return stream
+
+
+def test_a_node_that_owns_two_groups_fewer_than_the_owners_asks_for_the_group_once_per_turn():
+    node = Node(owned=1)
+    cluster_map = FakeMap(counts={"b": 3, "a": 1}, owner="b")
+    balancing(cluster_map, node)
+    assert cluster_map.asked == [("c-0-of-4", "a")]  # one ask: the node's turn is held until the group comes
+    assert cluster_map.fresh_reads >= 1  # the pin read again right before asking
+
+
+def test_a_refused_ask_ends_the_nodes_turn_so_it_may_ask_again():
+    node = Node(owned=0)
+    cluster_map = FakeMap(counts={"b": 2}, owner="b", answer={"ok": False, "to": "c"})
+    balancing(cluster_map, node)
+    assert len(cluster_map.asked) >= 2 and node.turns_ended == len(cluster_map.asked)
+
+
+def test_no_ask_when_the_counts_are_close_or_the_group_is_pinned_elsewhere_or_owned_here():
+    for cluster_map, node in ((FakeMap(counts={"b": 2, "a": 1}, owner="b"), Node(owned=1)),
+                              (FakeMap(counts={"b": 5}, owner="b", pin="b"), Node(owned=0)),
+                              (FakeMap(counts={"a": 1}, owner="a"), Node(owned=1)),
+                              (FakeMap(), Node())):
+        balancing(cluster_map, node)
+        assert cluster_map.asked == [], cluster_map.view
+
+
+def test_a_group_pinned_to_this_node_is_asked_for_whatever_the_counts():
+    cluster_map = FakeMap(counts={"b": 1, "a": 4}, owner="b", pin="a")
+    balancing(cluster_map, Node(owned=4))
+    assert cluster_map.asked == [("c-0-of-4", "a")]
