@@ -47,8 +47,9 @@ def node_logs_on_failure(request):
 
 
 @pytest.fixture
-def cluster(nats_cluster):
-    _, urls = nats_cluster
+def cluster(shared_nats_cluster):
+    """A three-node MQKS cluster of its own, on the module's NATS (the scenarios that use it kill no NATS node)."""
+    _, urls = shared_nats_cluster
     made = Cluster(unique("c").replace("-", "_"), urls, lease=LEASE)
     made.wait_balanced()
     yield made
@@ -366,10 +367,10 @@ def drain(cluster: Cluster, queue: str) -> list[str]:
     return bodies
 
 
-def test_cluster_move_under_load_loses_nothing(cluster, nats_cluster):
+def test_cluster_move_under_load_loses_nothing(cluster, shared_nats_cluster):
     """`mqks cluster move GROUP NODE` while producers and consumers run: the group changes owner with no loss,
     and `mqks cluster status` shows it."""
-    _, urls = nats_cluster
+    _, urls = shared_nats_cluster
     history = History()
     work = Workload(cluster, history)
     moves = []

@@ -81,11 +81,11 @@ def bind(server, queue: bytes, event: bytes) -> None:
     wire.close()
 
 
-def test_a_confirmed_message_survives_the_loss_of_its_broker(make_broker, nats_cluster):
+def test_a_confirmed_message_survives_the_loss_of_its_broker(make_broker, shared_nats_cluster):
     """kill -9 under pipelined confirmed publishes and per-message acks; a fresh broker (no local data) restores
     every confirmed message from the stream, and no message whose ack was committed comes back."""
     stream = unique("s").replace("-", "_")
-    server = replicated(make_broker, nats_cluster, stream)
+    server = replicated(make_broker, shared_nats_cluster, stream)
     queue, event = b(unique("q")), b(unique("e"))
     bind(server, queue, event)
     confirmed: set[bytes] = set()
@@ -109,7 +109,7 @@ def test_a_confirmed_message_survives_the_loss_of_its_broker(make_broker, nats_c
     producer.close()
     consumer.close()
     # another "host": a new broker on another port, with no data dir at all
-    fresh = replicated(make_broker, nats_cluster, stream)
+    fresh = replicated(make_broker, shared_nats_cluster, stream)
     assert "taken over from" in fresh.log()
     restored = drain(fresh, queue)
     lost = confirmed - acked_committed - acked_after - set(restored)
@@ -123,11 +123,11 @@ def test_a_confirmed_message_survives_the_loss_of_its_broker(make_broker, nats_c
     assert len(restored) == len(set(restored))
 
 
-def test_a_running_owner_makes_a_second_broker_refuse_and_takeover_fences_it(make_broker, nats_cluster):
+def test_a_running_owner_makes_a_second_broker_refuse_and_takeover_fences_it(make_broker, shared_nats_cluster):
     """The zombie: SIGSTOP the owner, --takeover from another broker, SIGCONT the old one: it confirms nothing
     after the takeover, its clients get an error naming the new owner, and it exits."""
     stream = unique("s").replace("-", "_")
-    old = replicated(make_broker, nats_cluster, stream)
+    old = replicated(make_broker, shared_nats_cluster, stream)
     queue, event = b(unique("q")), b(unique("e"))
     bind(old, queue, event)
     wire = old.wire()
@@ -136,9 +136,9 @@ def test_a_running_owner_makes_a_second_broker_refuse_and_takeover_fences_it(mak
     for i in range(20):
         wire.expect(b"m%d ok " % i)
     with pytest.raises(RuntimeError, match=r"is owned by .* which is running: stop it first, or start with --takeover"):
-        replicated(make_broker, nats_cluster, stream)
+        replicated(make_broker, shared_nats_cluster, stream)
     old.signal(signal.SIGSTOP)
-    new = replicated(make_broker, nats_cluster, stream, "--takeover")
+    new = replicated(make_broker, shared_nats_cluster, stream, "--takeover")
     # the old owner's client sends while it is stopped; it reads them after SIGCONT
     wire.send(*(b"z%d publish --confirm %b zombie-%d" % (i, event, i) for i in range(10)))
     old.signal(signal.SIGCONT)
@@ -267,9 +267,9 @@ def test_killing_the_stream_leader_under_load_stalls_confirms_but_loses_none(mak
     assert not confirmed - restored, sorted(confirmed - restored)[:20]
 
 
-def test_compaction_under_load_keeps_the_stream_small_and_the_state_exact(make_broker, nats_cluster):
+def test_compaction_under_load_keeps_the_stream_small_and_the_state_exact(make_broker, shared_nats_cluster):
     stream = unique("s").replace("-", "_")
-    server = replicated(make_broker, nats_cluster, stream, "--compact-min-bytes", "200000")
+    server = replicated(make_broker, shared_nats_cluster, stream, "--compact-min-bytes", "200000")
     queue, event = b(unique("q")), b(unique("e"))
     bind(server, queue, event)
     wire = server.wire()
@@ -296,7 +296,7 @@ def test_compaction_under_load_keeps_the_stream_small_and_the_state_exact(make_b
           f"messages, live about {live_bytes} bytes")
     assert stats["log_bytes"] < 40 * 100 * 230  # well under everything ever written
     server.kill()
-    fresh = replicated(make_broker, nats_cluster, stream)
+    fresh = replicated(make_broker, shared_nats_cluster, stream)
     # the unacked ones come back (retry raised), the acked ones do not
     restored = drain(fresh, queue)
     assert len(restored) == len(kept) and set(restored) == kept
@@ -324,8 +324,8 @@ def published(name: bytes, seq: int, body: bytes) -> bytes:
     return records.published_one(name, seq, False, b" " + body)
 
 
-def test_frames_of_a_fenced_writer_and_its_unfinished_snapshot_are_ignored(nats_cluster):
-    _, urls = nats_cluster
+def test_frames_of_a_fenced_writer_and_its_unfinished_snapshot_are_ignored(shared_nats_cluster):
+    _, urls = shared_nats_cluster
     stream = unique("s").replace("-", "_")
     queue_record = records.queue(b"q", None, [b"e"], None, None)
     first, _ = open_log(urls, stream, "first")
@@ -352,10 +352,10 @@ def test_frames_of_a_fenced_writer_and_its_unfinished_snapshot_are_ignored(nats_
     third.close(10)
 
 
-def test_two_takeovers_at_once_make_one_owner_per_epoch(nats_cluster):
+def test_two_takeovers_at_once_make_one_owner_per_epoch(shared_nats_cluster):
     """Two brokers taking a stream over at the same moment: JetStream answers a Msg-Id it has seen before it checks
     the fence, so takeover Msg-Ids must differ per writer; otherwise both are told they own the same epoch."""
-    _, urls = nats_cluster
+    _, urls = shared_nats_cluster
     stream = unique("s").replace("-", "_")
     first, _ = open_log(urls, stream, "first")
     commit_and_wait(first, records.queue(b"q", None, [b"e"], None, None))
@@ -382,12 +382,12 @@ def test_two_takeovers_at_once_make_one_owner_per_epoch(nats_cluster):
         rival.close(5)
 
 
-def test_the_replicated_log_figures_in_stats_metrics_and_top(make_broker, nats_cluster):
+def test_the_replicated_log_figures_in_stats_metrics_and_top(make_broker, shared_nats_cluster):
     from mqks.client.top import log_line  # rich: the top extra
 
     stream = unique("s").replace("-", "_")
     metrics_port = free_port()
-    server = replicated(make_broker, nats_cluster, stream, "--metrics-port", str(metrics_port))
+    server = replicated(make_broker, shared_nats_cluster, stream, "--metrics-port", str(metrics_port))
     queue, event = b(unique("q")), b(unique("e"))
     bind(server, queue, event)
     wire = server.wire()

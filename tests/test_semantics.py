@@ -62,7 +62,8 @@ def test_ack_timeout_requeues_with_retry_raised_and_counts_it(broker):
 def test_touch_postpones_the_ack_timeout_of_that_message_only(broker):
     consumer, publisher = broker.wire(), broker.wire()
     q, e = unique("q"), unique("e")
-    held(consumer, b"c1", q, e, b"--ack-timeout=0.5")
+    # a whole second: each touch is one round trip, and a loaded machine may pause a process for half of that
+    held(consumer, b"c1", q, e, b"--ack-timeout=1")
     publish(publisher, b"m1", e)
     publish(publisher, b"m2", e)
     consumer.expect(b"c1 ok m1 event=%b d" % e)
@@ -648,9 +649,7 @@ def test_a_schedule_survives_a_restart_and_fires_once_for_the_slots_it_missed(ma
                      "a first firing")
     wire.close()
     server.stop()
-    stopped = time.time()
-    while time.time() < stopped + 2.0:  # down for four of its intervals
-        time.sleep(0.05)
+    time.sleep(2.0)  # the scenario's own time: down for four of its intervals
     server.restart()
     wire = server.wire()
     rows = {row["name"]: row for row in schedule_rows(wire)}
