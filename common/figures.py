@@ -49,6 +49,8 @@ FIGURES: dict[str, Figure] = {
     "bytes_in": Figure(COUNTER, "Bytes read from client connections.", label="bytes received", per_worker=False),
     "bytes_out": Figure(COUNTER, "Bytes written to client connections.", label="bytes sent", per_worker=False),
     "errors": Figure(COUNTER, "Error lines sent to clients.", label="errors answered", per_worker=False),
+    "refused_by_scope": Figure(COUNTER, "Lines refused because the token's scope does not allow them.",
+                               label="refused by token scope", per_worker=False),
     # the rest, for Prometheus and the JSON
     "ack_timeouts": Figure(COUNTER, "Deliveries returned to their queue because their --ack-timeout passed."),
     "touched": Figure(COUNTER, "Deliveries whose ack-timeout clock a touch restarted."),

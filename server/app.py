@@ -90,6 +90,9 @@ class Server:
         self.timers_due = Event()
         self.timers = Timers(on_earlier=self.timers_due.set)
         self.next_error_id = ErrorIds()
+        # read before anything starts: a wrong token file stops the start at once
+        env_token = os.environ.get(AUTH_TOKEN_ENV)
+        self.tokens = Tokens(config.auth_token_file, env_token) if config.auth_token_file or env_token else None
         self.cluster: ClusterGroup | None = None  # with --cluster: this process's group, standby or owner
         self.stream_log: JetStreamLog | None = None  # with --log: the journal's log, which a cluster's node steers
         self.journal = self.open_journal() if config.data_dir or config.log else None
@@ -112,8 +115,6 @@ class Server:
         self.tls_server: Listener | None = None
         self.tls_context = (tls_server_context(config.tls_cert, config.tls_key, config.tls_ca)
                             if config.tls_port is not None and config.tls_cert and config.tls_key else None)
-        env_token = os.environ.get(AUTH_TOKEN_ENV)
-        self.tokens = Tokens(config.auth_token_file, env_token) if config.auth_token_file or env_token else None
         self.eval_refusal = eval_lock_reason(config.host, self.tokens is not None) if config.eval_enabled else None
         self.silence_watch = SilenceWatch(self.timers.call_later)
         self.drain_ends_at = 0.0
@@ -151,10 +152,12 @@ class Server:
                 self.peers.link_hello = b"- _link %d %b\n" % (process.worker, token)
 
     def tokens_for_links(self) -> bytes | None:
-        """A cluster's links cross hosts: with tokens, a link proves itself with the first one, as a client does."""
-        env_token = os.environ.get(AUTH_TOKEN_ENV)
-        tokens = Tokens(self.config.auth_token_file, env_token) if self.config.auth_token_file or env_token else None
-        return tokens.tokens[0] if tokens is not None and tokens.tokens else None
+        """A cluster's links cross hosts: with tokens, a link proves itself with the cluster's secret (the token
+        file's `[cluster] secret`), never a user's token; a plain token file has none: its first token then."""
+        tokens = self.tokens
+        if tokens is None:
+            return None
+        return tokens.cluster_secret or (tokens.tokens[0] if tokens.tokens else None)
 
     def on_map_change(self, group: int) -> None:
         """A group's owner changed: a link to its old address goes."""
@@ -327,8 +330,7 @@ class Server:
         """The memory guard's verdict: every session's table refuses publishes, or takes them again."""
         for conn in self.connections:
             # a connection still owing its `auth` keeps its table of the few actions allowed before it
-            conn.handlers = self.tables.for_session(conn.eval_enabled, conn.peer_is_loopback, conn.authenticated,
-                                                    over)
+            conn.refresh_handlers(over)
         if self.peers is not None:  # other workers' clients' lines that run here (publish --confirm)
             self.peers.set_over_memory(over)
 
@@ -435,8 +437,7 @@ class Server:
             console = None
             if config.console:
                 # the console asks the broker as a client would: on the plain port, else (--port 0) on the TLS one
-                line = BrokerLine(config.host, config.port or config.tls_port or 0, not config.port,
-                                  lambda: tokens.tokens[0] if tokens else None)
+                line = BrokerLine(config.host, config.port or config.tls_port or 0, not config.port)
                 console = Console(line, tokens, config.console_actions)
             self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.process,
                                                  config.metrics_max_queues, self.health, console)
@@ -503,7 +504,7 @@ class Server:
         line, _, rest = data.partition(b"\n")
         parts = line.split()
         if self.cluster is not None and self.tokens is not None:  # links cross hosts: as a client, a token
-            if len(parts) != 4 or not self.tokens.check(parts[3]):
+            if len(parts) != 4 or not self.tokens.check_link(parts[3]):
                 log.warning("closing a link from %s: no valid token", address)
                 sock.close()
                 return

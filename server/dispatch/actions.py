@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from ..core.schedules import BadRule
 from ..core.state import Consumer, Queue, SeqConsumer, TimedConsumer, TimedSeqConsumer
@@ -839,15 +839,17 @@ class HandlerTables:
         self.before_auth = {name: action.handler for name, action in _BEFORE_AUTH.items()}  # run here
 
     def for_session(self, eval_enabled: bool, peer_is_loopback: bool, authenticated: bool = True,
-                    over_memory: bool = False) -> dict[bytes, Handler]:
+                    over_memory: bool = False, scope: Any = None) -> dict[bytes, Handler]:
         """`actions_for` as name -> handler: one attribute load less per line (measured: ~2%).
 
         `over_memory`: the table for a broker past --max-memory, whose publishes are refused. Before
-        `auth` the table holds no publish, so the memory state does not change it.
+        `auth` the table holds no publish, so the memory state does not change it. `scope`: a scoped token's
+        session runs the table with its checks (dispatch/scopes.py); a full-access one the plain table.
         """
         if not authenticated:
             return self.before_auth
-        return self.served[eval_enabled and peer_is_loopback, over_memory]
+        table = self.served[eval_enabled and peer_is_loopback, over_memory]
+        return table if scope is None else scope.table(table)
 
     def for_forwarded(self, over_memory: bool = False) -> dict[bytes, Handler]:
         """The table for lines another worker's client sent (that worker checked what it may run)."""

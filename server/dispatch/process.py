@@ -108,7 +108,7 @@ class Process:
     __slots__ = ("worker", "worker_count", "broker", "publisher", "peers", "forwarder", "draining", "topology_extra",
                  "pending", "clients", "journal", "timers", "delayed", "requests", "schedules", "error_line",
                  "max_memory_bytes", "max_memory_share", "memory_full", "dropped_by_memory", "started", "bytes_in",
-                 "bytes_out", "errors")
+                 "bytes_out", "errors", "refused_by_scope")
 
     def __init__(self, timers: Timers | None = None, journal: Journal | None = None, worker: int = 0,
                  worker_count: int = 1) -> None:
@@ -120,6 +120,7 @@ class Process:
         self.bytes_in = 0  # added once per read by the connections
         self.bytes_out = 0  # added once per write by the connections
         self.errors = 0  # error lines sent
+        self.refused_by_scope = 0  # lines a token's scope refused (dispatch/scopes.py)
         self.journal = journal  # None: in memory only
         self.timers = timers if timers is not None else Timers()
         self.broker = Broker(self.timers.call_later, self.count_clients, clock=self.timers.clock)
@@ -273,6 +274,7 @@ class Process:
         figures["bytes_in"] = self.bytes_in
         figures["bytes_out"] = self.bytes_out
         figures["errors"] = self.errors
+        figures["refused_by_scope"] = self.refused_by_scope
         figures["delayed"] = len(self.delayed)
         figures["dropped"] += self.dropped_by_memory
         figures["memory_full"] = self.memory_full

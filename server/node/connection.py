@@ -34,7 +34,7 @@ from ..wire.protocol import LineSplitter, format_error, format_ok
 from ..workers.frames import Frame
 from ..workers.relay import RelaySession
 from .config import Config
-from .sessions import SilenceWatch, Tokens
+from .sessions import SilenceWatch, Token, Tokens
 
 log = logging.getLogger("mqks.connection")
 
@@ -92,7 +92,7 @@ class Connection:
 
     __slots__ = ("sock", "fd", "peer", "peer_is_loopback", "eval_enabled", "process", "outbox", "consumers_by_id",
                  "actions", "handlers", "publisher", "splitter", "next_error_id", "wake", "writing", "closed",
-                 "max_output_bytes", "errors", "tls", "tokens", "authenticated", "unauthenticated_lines",
+                 "max_output_bytes", "errors", "tls", "tokens", "authenticated", "token", "unauthenticated_lines",
                  "eval_refusal", "said_hello", "ttl_seconds", "reads", "silence_watch", "draining", "tables",
                  "relay")
 
@@ -117,6 +117,7 @@ class Connection:
         self.consumers_by_id: dict[bytes, Consumer] = self.outbox.consumers_by_id
         self.tokens = tokens
         self.authenticated = tokens is None
+        self.token: Token | None = None  # the token it proved; its scope (None: full access) guards its lines
         self.unauthenticated_lines = 0
         self.tables = tables
         self.actions: dict[bytes, Action] = actions_for(self.eval_enabled, self.peer_is_loopback, self.authenticated)
@@ -168,18 +169,36 @@ class Connection:
         self.write(format_error(rid, error_id, reason))
 
     def authenticate(self, token: bytes) -> bool | None:
-        """Check `token`; a match opens every action this peer may run (None: the server wants no token)."""
-        if self.tokens is None:
+        """Check `token`; a match opens every action this peer may run, as far as the token's scope allows (None:
+        the server wants no token). A second `auth` with another token takes that token's scope."""
+        tokens = self.tokens
+        if tokens is None:
             return None
-        if not self.tokens.check(token):
+        address = self.peer.rpartition(":")[0] or self.peer
+        wait = tokens.throttle.wait_seconds(address)
+        if wait:  # this address failed too often: its attempts wait their turn (this connection alone sleeps)
+            gevent.sleep(wait)
+        found = tokens.find(token)
+        if found is None:
+            failures, delay = tokens.throttle.failed(address)
+            # the peer and how often, never the attempt: a near-miss would give away most of a secret
+            log.warning("auth failed from %s (%d failures from it%s)", address, failures,
+                        f"; its next attempt waits {delay:g} s" if delay else "")
             return False
-        if not self.authenticated:
+        tokens.throttle.succeeded(address)
+        if not self.authenticated or found is not self.token:
             self.authenticated = True
+            self.token = found
             self.actions = actions_for(self.eval_enabled, self.peer_is_loopback)
-            self.handlers = self.tables.for_session(self.eval_enabled, self.peer_is_loopback, True,
-                                                    self.process.memory_full)
-            log.info("%s authenticated", self.peer)
+            self.refresh_handlers(self.process.memory_full)
+            log.info("%s authenticated as token %r%s", self.peer, found.name,
+                     "" if found.scope is None else " (scoped)")
         return True
+
+    def refresh_handlers(self, over_memory: bool) -> None:
+        """The handler table this session runs: its auth state, its token's scope, the memory state."""
+        self.handlers = self.tables.for_session(self.eval_enabled, self.peer_is_loopback, self.authenticated,
+                                                over_memory, self.token.scope if self.token is not None else None)
 
     def set_ttl(self, seconds: float | None) -> None:
         """Expect a line at least every `seconds`; after 2x that in silence the connection is closed."""

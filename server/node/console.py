@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+import gevent
 from gevent.lock import Semaphore
 
 from .sessions import Tokens
@@ -61,34 +62,35 @@ StartResponse = Callable[..., Any]
 class BrokerLine:
     """One loopback connection to the broker's own port, asked one request at a time (the console's only way in)."""
 
-    def __init__(self, host: str, port: int, tls: bool, token: Callable[[], bytes | None]) -> None:
+    def __init__(self, host: str, port: int, tls: bool) -> None:
         self.address = ("127.0.0.1" if host in ("", "0.0.0.0", "::") else host, port)
         self.tls = tls  # --port 0: our own TLS port, on loopback to ourselves (no certificate to check)
-        self.token = token
+        self.token = b""  # the token the connection proved last: each request goes as the person who asks
         self.sock: socket.socket | None = None
         self.buffer = b""
         self.counter = 0
         self.lock = Semaphore()  # one request at a time: two pages polling at once share the connection
 
-    def ask(self, action: str, args: str = "", retry: bool = True) -> list[bytes]:
+    def ask(self, action: str, args: str = "", retry: bool = True, token: str = "") -> list[bytes]:
         """The `ok` data of one request (the lines up to `--end` for queues, schedules); RuntimeError if refused.
 
+        `token`: the one the person asking proved ("" without tokens); the request goes with its scope.
         `retry=False` for a request that must not run twice (requeue_dead --limit): a lost line is an error then.
         """
         with self.lock:
             try:
-                return self._ask(action, args)
+                return self._ask(action, args, token.encode())
             except OSError:  # a connection the broker closed (a restarted worker): made again once
                 self.close()
                 if not retry:
                     raise
             try:
-                return self._ask(action, args)
+                return self._ask(action, args, token.encode())
             except OSError:
                 self.close()
                 raise
 
-    def _ask(self, action: str, args: str) -> list[bytes]:
+    def _ask(self, action: str, args: str, token: bytes) -> list[bytes]:
         if self.sock is None:
             from gevent import socket as gsocket
             from gevent import ssl as gssl
@@ -100,9 +102,10 @@ class BrokerLine:
                 context.verify_mode = ssl.CERT_NONE
                 sock = gssl.SSLSocket(sock=sock, _context=context)
             self.sock = sock
-            token = self.token()
-            if token is not None:
-                self._answer(b"console.auth", b"console.auth auth " + token + b"\n")
+            self.token = b""
+        if token != self.token:
+            self._answer(b"console.auth", b"console.auth auth " + token + b"\n")
+            self.token = token
         self.counter += 1
         rid = b"console.%d" % self.counter
         line = b" ".join(filter(None, (rid, action.encode(), args.encode()))) + b"\n"
@@ -136,6 +139,7 @@ class BrokerLine:
             self.sock.close()
         self.sock = None
         self.buffer = b""
+        self.token = b""
 
 
 class Console:
@@ -184,19 +188,19 @@ class Console:
     def _read(self, path: str, query: dict[str, list[str]], session: str) -> Any:
         """The JSON of a GET; None for an unknown path."""
         if path == "/api/stats":
-            return json.loads(self.broker.ask("stats")[0])
+            return json.loads(self.broker.ask("stats", token=session)[0])
         if path == "/api/queues":
-            return [json.loads(row) for row in self.broker.ask("queues")]
+            return [json.loads(row) for row in self.broker.ask("queues", token=session)]
         if path == "/api/schedules":
-            return [json.loads(row) for row in self.broker.ask("schedules")]
+            return [json.loads(row) for row in self.broker.ask("schedules", token=session)]
         if path == "/api/topology":  # `hello`'s workers, slot map and cluster, and this process's memory
-            return {**json.loads(self.broker.ask("hello")[0]), "rss_bytes": _rss_bytes()}
+            return {**json.loads(self.broker.ask("hello", token=session)[0]), "rss_bytes": _rss_bytes()}
         if path == "/api/queue":
             name = (query.get("name") or [""])[0]
             if not _is_name(name):
                 raise RuntimeError(f"not a queue name: {name!r}")
-            rows = [json.loads(row) for row in self.broker.ask("queues", f"--detail {name}")]
-            dead = [json.loads(row) for row in self.broker.ask("queues", f"--detail {name}.dead")]
+            rows = [json.loads(row) for row in self.broker.ask("queues", f"--detail {name}", token=session)]
+            dead = [json.loads(row) for row in self.broker.ask("queues", f"--detail {name}.dead", token=session)]
             return {"queue": rows[0] if rows else None, "dead_letters": dead[0] if dead else None}
         if path == "/api/session":
             return {"auth": self.tokens is not None, "actions": self.actions, "csrf": self._csrf(session)}
@@ -221,9 +225,10 @@ class Console:
         action, key = ACTIONS[path]
         args = {"delete_queue": f"--confirm {name}", "requeue_dead": " ".join([name, *msg_ids])}.get(action, name)
         try:
-            [answer] = self.broker.ask(action, args, retry=action != "requeue_dead")
-        except (RuntimeError, OSError) as e:
-            return _json(start_response, {"error": str(e)}, "502 Bad Gateway")
+            [answer] = self.broker.ask(action, args, retry=action != "requeue_dead", token=session)
+        except (RuntimeError, OSError) as e:  # the token's scope refused it: the broker's own words
+            status = "403 Forbidden" if "permission denied" in str(e) else "502 Bad Gateway"
+            return _json(start_response, {"error": str(e).partition(" ")[2] if status[0] == "4" else str(e)}, status)
         log.info("console: %s %s%s", action, name, f" ({len(msg_ids)} ids)" if msg_ids else "")
         return _json(start_response, {key: name if action == "delete_queue" else int(answer)})
 
@@ -249,9 +254,17 @@ class Console:
             size = 0
         form = parse_qs(environ["wsgi.input"].read(size).decode(errors="replace"))
         token = (form.get("token") or [""])[0].strip()
+        address = environ.get("REMOTE_ADDR", "")
+        throttle = self.tokens.throttle
+        wait = throttle.wait_seconds(address)
+        if wait:  # this address failed too often: as on the broker's port, its attempts wait their turn
+            gevent.sleep(wait)
         if not token or any(char.isspace() for char in token) or not self.tokens.check(token.encode()):
+            failures, _ = throttle.failed(address)
+            log.warning("console: sign-in failed from %s (%d failures from it)", address, failures)
             return _page(start_response, LOGIN_PAGE.format(message="That token is not one of this broker's."),
                          "401 Unauthorized")
+        throttle.succeeded(address)
         return _respond(start_response, "303 See Other", b"", extra=[("Location", "/"), _cookie_header(token)])
 
     def _file(self, path: str, start_response: StartResponse) -> Answer:

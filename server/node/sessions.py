@@ -9,62 +9,213 @@ timer heap, never a timer per line; a connection only counts its reads.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
+import re
 import ssl
 import time
+import tomllib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
+
+from ..dispatch.scopes import Scope
 
 log = logging.getLogger("mqks.sessions")
 
 AUTH_TOKEN_ENV = "MQKS_AUTH_TOKEN"
+FREE_FAILURES = 3  # failed auths a peer address gets before each next one waits
+FIRST_DELAY_SECONDS = 0.5  # then the wait doubles with each failure, up to
+MAX_DELAY_SECONDS = 10.0
+FORGET_SECONDS = 600.0  # an address that failed nothing for this long starts afresh
+MAX_ADDRESSES = 10_000  # addresses remembered at most: a scan from many addresses must not grow it forever
 SILENCE_FACTOR = 2  # a TTL of S closes after 2xS without a byte: one lost ping is not a dead peer
 MIN_CHECK_SECONDS = 0.05
 CHECKS_PER_TTL = 4  # a silent peer is closed at most a quarter TTL late
 
 
-class Tokens:
-    """The accepted auth tokens: one per line of a file (re-read on `reload`), plus one from the environment."""
+class Token:
+    """One accepted secret: its name (what logs, errors and stats show) and its scope (None: full access)."""
 
-    __slots__ = ("path", "env_token", "tokens")
+    __slots__ = ("name", "secret", "digest", "scope")
+
+    def __init__(self, name: str, secret: bytes | None, digest: bytes | None = None,
+                 scope: Scope | None = None) -> None:
+        self.name = name
+        self.secret = secret
+        self.digest = digest  # sha256 hex of the secret, when the file holds no secret (secret_sha256)
+        self.scope = scope
+
+    def matches(self, token: bytes) -> bool:
+        """In constant time for a given length: timing tells nothing of how much of a secret was right."""
+        if self.secret is not None:
+            return hmac.compare_digest(self.secret, token)
+        assert self.digest is not None
+        return hmac.compare_digest(self.digest, hashlib.sha256(token).hexdigest().encode())
+
+
+class Tokens:
+    """The accepted auth tokens, re-read on `reload`: one per line of a file (full access), or the tables of a
+    TOML file (`NAME.toml`: scoped tokens, and the cluster's link secret); plus one from the environment."""
+
+    __slots__ = ("path", "env_token", "entries", "cluster_secret", "throttle")
 
     def __init__(self, path: str | None, env_token: str | None) -> None:
         self.path = path
+        self.throttle = AuthThrottle()
         self.env_token = env_token.strip().encode() if env_token and env_token.strip() else None
-        self.tokens: list[bytes] = []
-        self.tokens = self._read()  # a file that cannot be read stops the start (OSError, exit 1)
-        if not self.tokens:
-            raise ValueError(f"no token in {path}: token auth needs at least one (one per line)")
+        self.entries: list[Token] = []
+        self.cluster_secret: bytes | None = None
+        # a file that cannot be read stops the start (OSError), and so does one that is wrong (ValueError)
+        self.entries, self.cluster_secret = self._read()
+        if not self.entries:
+            raise ValueError(f"no token in {path}: token auth needs at least one")
 
-    def _read(self) -> list[bytes]:
-        tokens = [] if self.env_token is None else [self.env_token]
-        if self.path is not None:
+    @property
+    def tokens(self) -> list[bytes]:
+        """The secrets the file holds in plain (a secret_sha256 token has none to give)."""
+        return [entry.secret for entry in self.entries if entry.secret is not None]
+
+    @property
+    def scoped(self) -> int:
+        return sum(entry.scope is not None for entry in self.entries)
+
+    def _read(self) -> tuple[list[Token], bytes | None]:
+        entries = [] if self.env_token is None else [Token("env", self.env_token)]
+        cluster_secret = None
+        if self.path is not None and self.path.endswith(".toml"):
             with open(self.path, "rb") as f:
-                tokens += [line.strip() for line in f if line.strip() and not line.startswith(b"#")]
-        return tokens
+                try:
+                    document = tomllib.load(f)
+                except tomllib.TOMLDecodeError as e:
+                    raise ValueError(f"{self.path}: not TOML: {e}") from None
+            tables, cluster_secret = token_tables(document, self.path)
+            entries += tables
+        elif self.path is not None:
+            with open(self.path, "rb") as f:
+                entries += [Token(f"line {number}", line.strip()) for number, line in enumerate(f, 1)
+                            if line.strip() and not line.startswith(b"#")]
+        return entries, cluster_secret
 
     def reload(self) -> None:
-        """Re-read the file (SIGHUP); a file that cannot be read, or holds no token, keeps the old tokens."""
+        """Re-read the file (SIGHUP); a file that cannot be read, is wrong, or holds no token keeps the old tokens.
+        Connections keep the scope they authenticated with until they reconnect."""
         try:
-            tokens = self._read()
-        except OSError as e:
-            log.error("cannot re-read the token file, keeping the %d tokens in use: %s", len(self.tokens), e)
+            entries, cluster_secret = self._read()
+        except (OSError, ValueError) as e:
+            log.error("cannot re-read the token file, keeping the %d tokens in use: %s", len(self.entries), e)
             return
-        if not tokens:
+        if not entries:
             log.error("the token file %s holds no token now; keeping the %d tokens in use", self.path,
-                      len(self.tokens))
+                      len(self.entries))
             return
-        self.tokens = tokens
-        log.info("token file re-read: %d tokens", len(tokens))  # never the tokens themselves
+        self.entries, self.cluster_secret = entries, cluster_secret
+        log.info("token file re-read: %d tokens, %d of them scoped", len(entries), self.scoped)  # never a secret
+
+    def find(self, token: bytes) -> Token | None:
+        """The entry `token` is the secret of, or None; every entry is compared, so timing tells nothing."""
+        found = None
+        for entry in self.entries:
+            if entry.matches(token) and found is None:
+                found = entry
+        return found if token else None
 
     def check(self, token: bytes) -> bool:
-        """True if `token` is one of ours; compares with every token in constant time, so timing tells nothing."""
-        found = False
-        for known in self.tokens:
-            found |= hmac.compare_digest(known, token)
-        return found and bool(token)
+        """True if `token` is one of ours."""
+        return self.find(token) is not None
+
+    def check_link(self, secret: bytes) -> bool:
+        """True if another node's link may come in with `secret`: the cluster's secret when the file has one (a
+        user's token then opens no link), else a full-access token."""
+        if self.cluster_secret is not None:
+            return bool(secret) and hmac.compare_digest(self.cluster_secret, secret)
+        found = self.find(secret)
+        return found is not None and found.scope is None
+
+
+class AuthThrottle:
+    """Failed auths slow their peer address down: after FREE_FAILURES, each attempt from it waits for a delay that
+    doubles with each failure (one queue per address: parallel connections from it wait their turns)."""
+
+    __slots__ = ("failures", "clock")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.failures: dict[str, tuple[int, float]] = {}  # address -> (failures, when its next attempt may run)
+        self.clock = clock
+
+    def wait_seconds(self, address: str) -> float:
+        """How long the next attempt from `address` waits before it is checked (0: at once)."""
+        count, allowed_at = self.failures.get(address, (0, 0.0))
+        return max(0.0, allowed_at - self.clock()) if count > FREE_FAILURES else 0.0
+
+    def failed(self, address: str) -> tuple[int, float]:
+        """Count a failure; (the address's failures, the wait its next attempt gets)."""
+        now = self.clock()
+        count, allowed_at = self.failures.pop(address, (0, 0.0))
+        if count and now - allowed_at > FORGET_SECONDS:
+            count = 0
+        count += 1
+        delay = (min(MAX_DELAY_SECONDS, FIRST_DELAY_SECONDS * 2 ** (count - FREE_FAILURES - 1))
+                 if count > FREE_FAILURES else 0.0)
+        if len(self.failures) >= MAX_ADDRESSES:
+            del self.failures[next(iter(self.failures))]  # the address that failed longest ago
+        self.failures[address] = (count, max(now, allowed_at) + delay)
+        return count, delay
+
+    def succeeded(self, address: str) -> None:
+        self.failures.pop(address, None)
+
+
+TOKEN_KEYS = {"name", "secret", "secret_sha256", "publish", "consume", "manage"}
+
+
+def token_tables(document: dict[str, Any], path: str) -> tuple[list[Token], bytes | None]:
+    """The `[[token]]` tables of a TOML token file, and its `[cluster] secret`; ValueError names what is wrong."""
+    unknown = set(document) - {"token", "cluster"}
+    if unknown:
+        raise ValueError(f"{path}: unknown table {sorted(unknown)[0]!r} (expected [[token]] and [cluster])")
+    entries = []
+    names: set[str] = set()
+    for number, table in enumerate(document.get("token", []), 1):
+        where = f"{path}: token {number}"
+        if not isinstance(table, dict):
+            raise ValueError(f"{where}: expected a [[token]] table")
+        unknown = set(table) - TOKEN_KEYS
+        if unknown:
+            raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r} (expected {', '.join(sorted(TOKEN_KEYS))})")
+        name = table.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{where}: a name is required (what logs and errors show instead of the secret)")
+        if name in names:
+            raise ValueError(f"{where}: the name {name!r} is given twice")
+        names.add(name)
+        where = f"{path}: token {name!r}"
+        secret, digest = table.get("secret"), table.get("secret_sha256")
+        if (secret is None) == (digest is None):
+            raise ValueError(f"{where}: give one of secret and secret_sha256")
+        if secret is not None and (not isinstance(secret, str) or not secret or any(c.isspace() for c in secret)):
+            raise ValueError(f"{where}: the secret must be a string with no spaces")
+        if digest is not None and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-fA-F]{64}", digest)):
+            raise ValueError(f"{where}: secret_sha256 must be 64 hex digits (sha256sum of the secret)")
+        publish, consume, manage = table.get("publish", []), table.get("consume", []), table.get("manage", False)
+        for key, patterns in (("publish", publish), ("consume", consume)):
+            if not isinstance(patterns, list) or not all(isinstance(p, str) and p and " " not in p for p in patterns):
+                raise ValueError(f"{where}: {key} must be a list of names or patterns")
+        if not isinstance(manage, bool):
+            raise ValueError(f"{where}: manage must be true or false")
+        full = "*" in publish and "*" in consume and manage
+        scope = None if full else Scope(name, publish, consume, manage)
+        entries.append(Token(name, secret.encode() if secret is not None else None,
+                             digest.lower().encode() if digest is not None else None, scope))
+    cluster = document.get("cluster", {})
+    if not isinstance(cluster, dict) or set(cluster) - {"secret"}:
+        raise ValueError(f"{path}: [cluster] takes one key, secret")
+    cluster_secret = cluster.get("secret")
+    if cluster_secret is not None and (not isinstance(cluster_secret, str) or len(cluster_secret) < 16
+                                       or any(c.isspace() for c in cluster_secret)):
+        raise ValueError(f"{path}: [cluster] secret must be at least 16 characters, no spaces")
+    return entries, cluster_secret.encode() if cluster_secret is not None else None
 
 
 def is_loopback_host(host: str) -> bool:

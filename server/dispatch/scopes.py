@@ -1,0 +1,130 @@
+"""Token scopes (`--auth-token-file NAME.toml`): the events a token may publish to (names, dot-star masks, or `*`
+for any), the queues it may read (fnmatch patterns), and whether it may manage queues and schedules.
+
+Beside the dispatcher, never in it: a session whose token is scoped runs a handler table whose guarded actions
+are wrapped with their check, built once per token and base table (`Scope.table`); a full-access session runs
+the plain table, so scopes cost nothing where they are not used. A check reads the line's event or queue name
+and looks it up in the token's cache of names already decided, so a scoped session pays one split and one dict
+lookup per line. A publish its token may publish reaches every bound queue: a queue's permission is about
+reading it, as NATS's subscribe permissions are.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..core.routing import compile_mask, is_mask
+from ..wire.protocol import ProtocolError
+
+Handler = Callable[[Any, bytes, bytes, bool], Any]
+
+MAX_DECIDED = 65536  # names a token's cache keeps; a client inventing names forever must not grow it forever
+PUBLISHING = (b"publish", b"request")  # the event is the line's first word that is not a --flag
+READING = (b"consume", b"rebind", b"fetch")  # the queue is the line's first word
+MANAGING = (b"delete_queue", b"purge_queue", b"requeue_dead", b"unschedule")
+
+
+def _event_after_flags(args: bytes) -> bytes:
+    for word in args.split(b" "):
+        if not word.startswith(b"--"):
+            return word
+    return b""
+
+
+def schedule_event(args: bytes) -> bytes:
+    """The event of `schedule {name} --every=S|--cron M H DOM MON DOW [--count=N] [--nohaste] {event} {data}`
+    (b"" when the line has none: the handler answers its own error)."""
+    words = args.split(b" ")[1:]  # after the name
+    i = 0
+    while i < len(words) and words[i].startswith(b"--"):
+        i += 6 if words[i] == b"--cron" else 1
+    return words[i] if i < len(words) else b""
+
+
+class Scope:
+    """What one token may do; `name` is how logs, errors and stats call it (never the secret)."""
+
+    __slots__ = ("name", "publish", "consume", "manage", "_every_event", "_publish_masks", "_publish_names",
+                 "_queue_patterns", "_may_publish", "_may_consume", "_tables")
+
+    def __init__(self, name: str, publish: Iterable[str], consume: Iterable[str], manage: bool) -> None:
+        self.name = name
+        self.publish = list(publish)
+        self.consume = list(consume)
+        self.manage = manage
+        self._every_event = "*" in self.publish  # `publish = ["*"]`: any event (a lone `*` is no dot-star mask)
+        encoded = [pattern.encode() for pattern in self.publish]
+        self._publish_names = {pattern for pattern in encoded if not is_mask(pattern)}
+        self._publish_masks = [compile_mask(pattern) for pattern in encoded if is_mask(pattern)]
+        self._queue_patterns = [re.compile(fnmatch.translate(pattern).encode()) for pattern in self.consume]
+        self._may_publish: dict[bytes, bool] = {}
+        self._may_consume: dict[bytes, bool] = {}
+        self._tables: dict[int, tuple[dict[bytes, Handler], dict[bytes, Handler]]] = {}
+
+    def may_publish(self, event: bytes) -> bool:
+        decided = self._may_publish.get(event)
+        if decided is None:
+            decided = (self._every_event or event in self._publish_names
+                       or any(mask.fullmatch(event) for mask in self._publish_masks))
+            _remember(self._may_publish, event, decided)
+        return decided
+
+    def may_consume(self, queue: bytes) -> bool:
+        decided = self._may_consume.get(queue)
+        if decided is None:
+            decided = any(pattern.fullmatch(queue) for pattern in self._queue_patterns)
+            _remember(self._may_consume, queue, decided)
+        return decided
+
+    def refuse(self, session: Any, what: str, name: bytes) -> ProtocolError:
+        """The error a refused line gets (the connection stays usable); counted in `stats` (refused_by_scope)."""
+        session.process.refused_by_scope += 1
+        return ProtocolError(f"permission denied: token {self.name!r} may not {what} "
+                             f"{name.decode(errors='replace')!r}")
+
+    def table(self, base: dict[bytes, Handler]) -> dict[bytes, Handler]:
+        """`base` with every guarded action wrapped by this scope's check (made once per base table)."""
+        made = self._tables.get(id(base))
+        if made is not None and made[0] is base:
+            return made[1]
+        table = dict(base)
+        for name, handler in base.items():
+            if name in PUBLISHING:
+                table[name] = self._guard(handler, _event_after_flags, self.may_publish, name.decode())
+            elif name == b"schedule":
+                table[name] = self._guard(handler, schedule_event, self.may_publish, "schedule to")
+            elif name in READING:
+                table[name] = self._guard(handler, _first_word, self.may_consume, name.decode())
+            elif name in MANAGING and not self.manage:
+                table[name] = self._refused(name.decode())
+        self._tables[id(base)] = (base, table)
+        return table
+
+    def _guard(self, handler: Handler, name_of: Callable[[bytes], bytes], may: Callable[[bytes], bool],
+               what: str) -> Handler:
+        def guarded(session: Any, rid: bytes, args: bytes, confirm: bool) -> Any:
+            name = name_of(args)
+            if name and not may(name):
+                raise self.refuse(session, what, name)
+            return handler(session, rid, args, confirm)
+
+        return guarded
+
+    def _refused(self, what: str) -> Handler:
+        def refused(session: Any, rid: bytes, args: bytes, confirm: bool) -> Any:
+            raise self.refuse(session, what, _first_word(args))
+
+        return refused
+
+
+def _first_word(args: bytes) -> bytes:
+    return args.partition(b" ")[0]
+
+
+def _remember(decided: dict[bytes, bool], name: bytes, value: bool) -> None:
+    if len(decided) >= MAX_DECIDED:
+        decided.clear()  # rare: a cache full of one-off names; the next lookups decide again
+    decided[name] = value
