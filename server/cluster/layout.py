@@ -8,17 +8,19 @@ import logging
 from typing import Any
 
 from ...common.cluster_names import group_count_of
+from ...common.nats_urls import NatsAccess
 
 log = logging.getLogger("mqks.cluster")
 
 
-async def layouts_on_nats(urls: list[str], cluster: str, node: str | None = None,
+async def layouts_on_nats(urls: list[str], cluster: str, node: str | None = None, access: NatsAccess | None = None,
                           ) -> tuple[dict[int, list[str]], list[dict[str, Any]]]:
     """The cluster's streams already on NATS, by the group count in their names; and, given a `node` id, the
     running owners that answer for its streams under that id (another live node started with it)."""
     import nats
 
-    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1)
+    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1,
+                            **(access or NatsAccess()).connect_options(urls))
     try:
         layouts: dict[int, list[str]] = {}
         for info in await nc.jetstream(timeout=5).streams_info():
@@ -43,13 +45,14 @@ async def layouts_on_nats(urls: list[str], cluster: str, node: str | None = None
         await nc.close()
 
 
-def check_layout(urls: list[str], cluster: str, groups: int, node: str | None = None) -> str | None:
+def check_layout(urls: list[str], cluster: str, groups: int, node: str | None = None,
+                 access: NatsAccess | None = None) -> str | None:
     """Why a node of `cluster` with `groups` groups must not start on this NATS: its streams were made with
     another --groups (two layouts would share one name, and nodes of each would take the other's groups over),
     or a running node already answers as `node` (two nodes with one id would each count the other's groups as
     their own). None when it may, or when NATS cannot be asked now (the group processes wait for it)."""
     try:
-        layouts, same_id = asyncio.run(layouts_on_nats(urls, cluster, node))
+        layouts, same_id = asyncio.run(layouts_on_nats(urls, cluster, node, access))
     except Exception as e:
         log.warning("cannot check cluster %s's group count on NATS now (%s); starting", cluster, e)
         return None

@@ -171,7 +171,8 @@ class JetStreamLog:
 
     def __init__(self, servers: list[str], stream: str, owner: str, replicas: int = 3, takeover: bool = False,
                  timeout_seconds: float = 15.0, wake: Callable[[], None] = lambda: None,
-                 connect_timeout: float = 5.0, lease_seconds: float | None = None, node: str | None = None) -> None:
+                 connect_timeout: float = 5.0, lease_seconds: float | None = None, node: str | None = None,
+                 nats_options: dict[str, Any] | None = None) -> None:
         self.servers = servers
         self.stream = stream
         self.subject = f"mqks.log.{stream}"
@@ -190,7 +191,7 @@ class JetStreamLog:
         self.handoff_to: str | None = None  # set by the hub before close(): the last frame names that node
         self._handoff_k = 0
         self.wake = wake
-        self.bridge = NatsBridge(servers, connect_timeout)
+        self.bridge = NatsBridge(servers, connect_timeout, nats_options)
         # hub side
         self._records: list[bytes] = []
         self.append = self._records.append

@@ -68,9 +68,10 @@ def parse_puback(frame: int, data: bytes) -> PubAck:
 class NatsBridge:
     """One connection to a NATS cluster, in an asyncio thread of its own, driven from the gevent hub."""
 
-    def __init__(self, servers: list[str], connect_timeout: float = 5.0) -> None:
+    def __init__(self, servers: list[str], connect_timeout: float = 5.0, options: dict[str, Any] | None = None) -> None:
         self.servers = servers
         self.connect_timeout = connect_timeout
+        self.options = options or {}  # TLS and credentials (common/nats_urls.py's NatsAccess)
         self.results: deque[Any] = deque()  # (AsyncResult, value, error) of `run`, and "started"
         self.loop: asyncio.AbstractEventLoop | None = None
         self.nc: Any = None
@@ -188,7 +189,7 @@ class NatsBridge:
             await asyncio.wait_for(nc.connect(servers=self.servers, connect_timeout=int(max(1, self.connect_timeout)),
                                               allow_reconnect=True, max_reconnect_attempts=-1,
                                               reconnect_time_wait=1, ping_interval=PING_SECONDS,
-                                              max_outstanding_pings=2, error_cb=self.on_error),
+                                              max_outstanding_pings=2, error_cb=self.on_error, **self.options),
                                    timeout=self.connect_timeout)
             self.nc = nc
         except Exception as e:  # no servers, refused, timeout: one clear line for the operator

@@ -28,6 +28,11 @@ class Config:
     log_stream: str = "mqks"  # with log: the stream's name (a worker of several adds -{i}-of-{n})
     log_replicas: int = 3  # with log: a quorum of these fsyncs a frame before its confirms are answered
     log_timeout: float = 15.0  # with log: a confirm waits this long (> a NATS election), then gets an error
+    log_ca: str | None = None  # with log: the CA that signed the NATS servers' certificates (TLS)
+    log_cert: str | None = None  # with log: this broker's client certificate and key (mutual TLS)
+    log_key: str | None = None
+    log_creds: str | None = None  # with log: a NATS .creds file (a user JWT and its nkey seed)
+    log_nkey: str | None = None  # with log: an nkey seed file
     takeover: bool = False  # with log: fence off a running owner of the stream instead of refusing to start
     cluster: str | None = None  # with log: this node is one of a cluster of that name (slot groups over nodes)
     node: str | None = None  # with cluster: this node's name, unique in the cluster

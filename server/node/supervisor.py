@@ -100,10 +100,10 @@ class Supervisor:
         config = self.config
         if not config.cluster or config.log is None:
             return
-        from ...common.nats_urls import log_urls
+        from ...common.nats_urls import log_urls, nats_access
         from ..cluster.layout import check_layout
 
-        reason = check_layout(log_urls(config.log), config.cluster, self.count, config.node)
+        reason = check_layout(log_urls(config.log), config.cluster, self.count, config.node, nats_access(config))
         if reason is not None:
             log.error("cannot start: %s", reason)
             raise SystemExit(1)
