@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
 from datetime import UTC, datetime
@@ -94,6 +95,7 @@ class Server:
         env_token = os.environ.get(AUTH_TOKEN_ENV)
         self.tokens = Tokens(config.auth_token_file, env_token) if config.auth_token_file or env_token else None
         self.cluster: ClusterGroup | None = None  # with --cluster: this process's group, standby or owner
+        self.link_tls: ssl.SSLContext | None = None  # with --cluster and --tls-cert: what its link port accepts with
         self.stream_log: JetStreamLog | None = None  # with --log: the journal's log, which a cluster's node steers
         self.journal = self.open_journal() if config.data_dir or config.log else None
         self.peers: Peers | None = None
@@ -147,6 +149,11 @@ class Server:
             self.peers.unit = "group"
             self.peers.address_of = self.cluster.address
             self.peers.connect_retry_seconds = CLUSTER_DIAL_RETRY_SECONDS
+            if self.config.tls_cert and self.config.tls_key:  # links cross hosts: as encrypted as the clients' TLS
+                from .node.sessions import link_tls_contexts
+
+                self.link_tls, self.cluster.map.link_tls = link_tls_contexts(self.config.tls_cert, self.config.tls_key,
+                                                                             self.config.tls_ca)
             token = self.tokens_for_links()
             if token is not None:
                 self.peers.link_hello = b"- _link %d %b\n" % (process.worker, token)
@@ -493,8 +500,20 @@ class Server:
         cluster.serve(direct.server_port, self.link_listener.server_port, tls_port)
 
     def handle_link(self, sock: socket.socket, address: object) -> None:
-        """Another worker's link: its first line says which worker it is."""
+        """Another worker's link: its first line says which worker it is (after the TLS handshake, between the nodes
+        of a cluster whose nodes have --tls-cert: a link that does not speak TLS is refused)."""
         assert self.peers is not None
+        if self.link_tls is not None:
+            tls_sock = self.link_tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            try:
+                tls_sock.settimeout(TLS_HANDSHAKE_SECONDS)
+                tls_sock.do_handshake()
+                tls_sock.settimeout(None)
+            except (OSError, ValueError) as e:
+                log.warning("refused a link from %s: no TLS handshake (%s)", address, e)
+                tls_sock.close()
+                return
+            sock = tls_sock
         data = b""
         while b"\n" not in data and len(data) < 256:
             chunk = sock.recv(256)

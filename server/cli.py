@@ -151,7 +151,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--tls-port", type=int, default=d.tls_port, metavar="PORT",
                         help="also listen for TLS (1.2 or newer) on this port; needs --tls-cert and --tls-key "
                              "(default: off; --port 0 leaves TLS alone)")
-    parser.add_argument("--tls-cert", default=d.tls_cert, metavar="FILE", help="the server's certificate (PEM)")
+    parser.add_argument("--tls-cert", default=d.tls_cert, metavar="FILE",
+                        help="the server's certificate (PEM); with --cluster, the links between nodes use TLS with it "
+                             "(and with --tls-ca, mutual TLS)")
     parser.add_argument("--tls-key", default=d.tls_key, metavar="FILE", help="its private key (PEM)")
     parser.add_argument("--tls-ca", default=d.tls_ca, metavar="FILE",
                         help="clients must present a certificate signed by this CA (PEM)")
@@ -250,14 +252,17 @@ def check_cluster_args(parser: Parser, args: argparse.Namespace) -> None:
 def check_tls_args(parser: Parser, args: argparse.Namespace) -> None:
     """TLS flags come together; a certificate or key that cannot be loaded stops mqksd with exit 2, not later."""
     if args.tls_port is None:
-        if args.tls_cert or args.tls_key or args.tls_ca:
-            parser.error("--tls-cert, --tls-key and --tls-ca need --tls-port")
         if args.port == 0:
             parser.error("--port 0 turns the plain port off: give --tls-port to listen somewhere")
-        return
-    if not (args.tls_cert and args.tls_key):
+        if not (args.tls_cert or args.tls_key or args.tls_ca):
+            return
+        if args.cluster is None:
+            parser.error("--tls-cert, --tls-key and --tls-ca need --tls-port (or --cluster, for TLS between nodes)")
+        if not (args.tls_cert and args.tls_key):
+            parser.error("--cluster with TLS between nodes needs --tls-cert and --tls-key")
+    elif not (args.tls_cert and args.tls_key):
         parser.error("--tls-port needs --tls-cert and --tls-key")
-    if args.tls_port == args.port:
+    if args.tls_port is not None and args.tls_port == args.port:
         parser.error("--tls-port must differ from --port")
     try:
         tls_server_context(args.tls_cert, args.tls_key, args.tls_ca)

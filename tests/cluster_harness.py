@@ -78,13 +78,14 @@ class Cluster:
     made: list[Cluster] = []  # this test's clusters, whose logs are printed when it fails
 
     def __init__(self, name: str, urls: list[str], nodes: tuple[str, ...] = ("A", "B", "C"), groups: int = 4,
-                 lease: float = 6.0, node_urls: dict[str, list[str]] | None = None) -> None:
+                 lease: float = 6.0, node_urls: dict[str, list[str]] | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         Cluster.made.append(self)
         self.name = name
         self.urls = urls
         self.groups = groups
         self.lease = lease
-        self.args = self.args_for(name, groups, lease)
+        self.args = (*self.args_for(name, groups, lease), *extra)
         self.nodes: dict[str, ClusterNode] = {}
         for node in nodes:  # started together, as an operator's three hosts would be
             log = ",".join((node_urls or {}).get(node, urls))  # a node may reach NATS its own way (a proxy)

@@ -54,7 +54,7 @@ def make_certs(directory: Path) -> Certs:
             cwd=directory)
     common = "basicConstraints=CA:FALSE\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
     signed("server", "/CN=localhost", common + "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
-           "extendedKeyUsage=serverAuth\n", directory)
+           "extendedKeyUsage=serverAuth,clientAuth\n", directory)  # a cluster node is both ends of its links
     signed("client", "/CN=mqks test client", common + "extendedKeyUsage=clientAuth\n", directory)
     openssl("req", "-x509", *EC_KEY, "-keyout", "rogue.key", "-out", "rogue.pem", "-days", "2", "-subj",
             "/CN=rogue client", cwd=directory)

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -115,6 +116,7 @@ class ClusterMap:
         self._kv: Any = None  # the bucket, opened once (each open is a stream info: an API call on NATS)
         self._pin: str | None = None  # this group's pin as last read, and when (monotonic)
         self._pin_read_at = -PIN_READ_SECONDS
+        self.link_tls: ssl.SSLContext | None = None  # set when this node's links to the others use TLS
 
     def watch(self) -> None:
         """Follow every group's entry from now on: a standby balances by it, an owner links by it."""
@@ -211,9 +213,15 @@ class ClusterMap:
         if address is None:
             raise OSError(f"no owner of group {group} is known yet")
         sock = gevent.socket.create_connection(address, timeout=5)
-        sock.settimeout(None)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.link_tls is not None:  # the other node's certificate is checked against the host it advertised
+            try:
+                sock = self.link_tls.wrap_socket(sock, server_hostname=address[0])
+            except (OSError, ValueError) as e:
+                sock.close()
+                raise OSError(f"TLS to group {group}'s owner at {address[0]}:{address[1]} failed: {e}") from None
+        sock.settimeout(None)
         return sock
 
     def _learn(self, group: int, entry: dict[str, Any]) -> None:

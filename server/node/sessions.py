@@ -253,6 +253,24 @@ def tls_server_context(cert_file: str, key_file: str, ca_file: str | None) -> ss
     return context
 
 
+def link_tls_contexts(cert_file: str, key_file: str, ca_file: str | None) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A cluster node's TLS for its links to other nodes: (the context its link port accepts with, the one it dials
+    with). It presents its certificate both ways; with `ca_file` it verifies the other node's certificate against
+    that CA both ways (mutual TLS), else a dialled node's against the system's CAs. The advertised host is checked
+    against the certificate, as for any TLS client."""
+    from gevent import ssl as gevent_ssl
+
+    server = tls_server_context(cert_file, key_file, ca_file)
+    client = gevent_ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.minimum_version = ssl.TLSVersion.TLSv1_2
+    client.load_cert_chain(cert_file, key_file)
+    if ca_file is not None:
+        client.load_verify_locations(ca_file)
+    else:
+        client.load_default_certs()
+    return server, client
+
+
 def check_seconds(ttl_seconds: float) -> float:
     """How often to check connections with this TTL."""
     return max(MIN_CHECK_SECONDS, ttl_seconds / CHECKS_PER_TTL)

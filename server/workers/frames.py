@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 from enum import IntEnum
 from typing import Any
 
+from gevent import ssl as gevent_ssl
 from gevent.event import Event
 
 log = logging.getLogger("mqks.peers")
@@ -99,13 +101,15 @@ class FrameSocket:
     """A link's socket and the frames owed on it; the open run of lines is closed into a frame at flush."""
 
     __slots__ = ("sock", "fd", "out", "run_kind", "run_key", "run", "flush_pending", "pending", "writing", "wake",
-                 "closed", "name", "backlog", "max_backlog")
+                 "closed", "name", "backlog", "max_backlog", "encrypted")
 
     is_link = True  # Process.flush_pending sends links' frames even while client output is held
 
     def __init__(self, sock: socket.socket, pending: list, name: str, max_backlog: int) -> None:
         self.sock = sock
         self.fd = sock.fileno()
+        # a TLS link (between nodes) is written by its writer greenlet only: the kernel fd would bypass the encryption
+        self.encrypted = isinstance(sock, (ssl.SSLSocket, gevent_ssl.SSLSocket))
         self.out: list[Any] = []
         self.run_kind = 0
         self.run_key = b""
@@ -163,6 +167,9 @@ class FrameSocket:
                           self.name, self.backlog)
                 self.lost("its peer stopped reading")
                 return
+            self.wake.set()
+            return
+        if self.encrypted:
             self.wake.set()
             return
         data = b"".join(out)
