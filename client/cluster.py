@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from mqks.common.cluster_names import bucket_of, group_count_of
-from mqks.common.nats_urls import NatsAccess, shown
+from mqks.common.nats_urls import NatsAccess, quiet_tls_noise, shown
 
 STANDBY_WAIT_SECONDS = 20.0  # `mqks cluster move` waits this long for the target node's standby to report
 # a standby reports every 10 s (server/cluster/election.py); silent for three reports, status calls it down
@@ -18,11 +18,23 @@ STANDBY_DOWN_SECONDS = 30.0
 
 
 async def connect(urls: list[str], access: NatsAccess | None) -> Any:
-    """A short-lived connection for one command: one reconnect attempt, the operator's TLS files and credentials."""
+    """A short-lived connection for one command: one reconnect attempt, the operator's TLS files and credentials.
+    OSError with what NATS said (Authorization Violation, a certificate problem) when it cannot be made."""
     import nats
 
+    quiet_tls_noise()
     options = (access or NatsAccess()).connect_options(urls)
-    return await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1, **options)
+    said: list[BaseException] = []
+
+    async def on_error(e: BaseException) -> None:  # nats-py's default logs a traceback per attempt
+        said.append(e)
+
+    try:
+        return await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1, error_cb=on_error,
+                                  **options)
+    except Exception as e:
+        cause = said[0] if said else e
+        raise OSError(f"cannot reach NATS at {shown(urls)}: {type(cause).__name__}: {cause}") from None
 
 
 async def read_bucket(js: Any, bucket: str, keys: str = ">") -> dict[str, bytes]:

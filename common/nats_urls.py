@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
 import urllib.parse
@@ -85,3 +86,18 @@ class NatsAccess:
 def nats_access(settings: Any) -> NatsAccess:
     """The NatsAccess of mqksd's Config or of `mqks cluster`'s arguments (their log_ca, log_cert, ... fields)."""
     return NatsAccess(settings.log_ca, settings.log_cert, settings.log_key, settings.log_creds, settings.log_nkey)
+
+
+class _TlsEofNoise(logging.Filter):
+    """asyncio warns "returning true from eof_received() has no effect when using ssl" at each TLS connection
+    nats-py makes: a line for nobody."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("returning true from eof_received()")
+
+
+def quiet_tls_noise() -> None:
+    """Drop asyncio's TLS warning that nats-py's connections cause (once per process is enough)."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _TlsEofNoise) for f in logger.filters):
+        logger.addFilter(_TlsEofNoise())

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from ...common.cluster_names import group_count_of
-from ...common.nats_urls import NatsAccess
+from ...common.nats_urls import NatsAccess, quiet_tls_noise
 
 log = logging.getLogger("mqks.cluster")
 
@@ -19,7 +19,11 @@ async def layouts_on_nats(urls: list[str], cluster: str, node: str | None = None
     running owners that answer for its streams under that id (another live node started with it)."""
     import nats
 
-    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1,
+    async def on_error(e: BaseException) -> None:  # nats-py's default logs a traceback per attempt; the caller says
+        pass
+
+    quiet_tls_noise()
+    nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1, error_cb=on_error,
                             **(access or NatsAccess()).connect_options(urls))
     try:
         layouts: dict[int, list[str]] = {}

@@ -22,7 +22,7 @@ from typing import Any
 import gevent
 from gevent.event import AsyncResult, Event
 
-from ...common.nats_urls import shown
+from ...common.nats_urls import quiet_tls_noise, shown
 
 log = logging.getLogger("mqks.journal")
 
@@ -182,6 +182,7 @@ class NatsBridge:
     async def main(self) -> None:
         import nats  # the cluster extra: only a broker with a replicated log loads it
 
+        quiet_tls_noise()
         self.stopped = asyncio.Event()
         nc = nats.NATS()
         try:
