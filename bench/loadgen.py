@@ -225,11 +225,22 @@ class Mqks(Proto):
     confirm_reply = b" ok "  # `{rid} ok \n`, sent once the message is durable under the fsync policy
 
     def __init__(self, manual_ack: bool = False, event: bytes = b"bench.ev", confirm: bool = False,
-                 ack_each: bool = False) -> None:
+                 ack_each: bool = False, token: bytes | None = None) -> None:
         self.manual_ack = manual_ack
         self.event = event
         self.confirm = confirm
         self.ack_each = ack_each
+        self.token = token  # sent with `auth` first on every connection (bench/scopes.py)
+
+    def _auth(self, sock: socket.socket) -> None:
+        if self.token is not None:
+            sock.sendall(b"a auth " + self.token + b"\n")
+            line = read_until(sock, b"\n").split(b"\n", 1)[0]
+            if not line.startswith(b"a ok"):
+                raise RuntimeError(f"mqks auth failed: {line!r}")
+
+    def producer_setup(self, sock: socket.socket) -> None:
+        self._auth(sock)
 
     def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
         action = b" publish --confirm " if self.confirm else b" publish "
@@ -242,6 +253,7 @@ class Mqks(Proto):
         else:
             queue, binding = b"bench.qm%d" % index, self.event.rsplit(b".", 1)[0] + b".*"
         flags = b" --manual-ack" if self.manual_ack else b""
+        self._auth(sock)
         sock.sendall(b"c0 consume --confirm " + queue + b" " + binding + flags + b"\n")
         buf = b""
         while True:

@@ -104,7 +104,8 @@ def test_a_token_publishes_and_reads_what_its_scope_names_and_is_refused_the_res
     assert b"m1 ok " in lines and any(line.startswith(b"c1 ok m1 event=orders.created") for line in lines), lines
     refused(orders, b"m2", b"publish --confirm payments.settled x", "token 'orders' may not publish 'payments.settled'")
     refused(orders, b"m3", b"publish --delay=5 payments.settled x", "may not publish 'payments.settled'")
-    refused(orders, b"r1", b"request --timeout=1 payments.quote x", "may not request 'payments.quote'")
+    # a request publishes: its refusal says so
+    refused(orders, b"r1", b"request --timeout=1 payments.quote x", "may not publish 'payments.quote'")
     refused(orders, b"c2", b"consume --confirm %b orders.created" % audit_q.encode(),
             f"may not consume '{audit_q}'")
     refused(orders, b"b2", b"rebind --confirm payments payments.x", "may not rebind 'payments'")

@@ -515,6 +515,10 @@ class Broker:
             queues = self.routing.route(event)
         return bool(queues)
 
+    def permits(self, event: bytes) -> bool:
+        """Any event: a scoped session's publisher (dispatch/scopes.py) is the one that refuses."""
+        return True
+
     def full_queues(self, event: bytes) -> list[Queue]:
         """The queues bound to `event` that would refuse a copy now (at their `max_length`)."""
         queues = self.route_cache.get(event)

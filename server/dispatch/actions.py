@@ -59,6 +59,8 @@ class Publisher(Protocol):
 
     def full_queues(self, event: bytes) -> list[Queue]: ...
 
+    def permits(self, event: bytes) -> bool: ...
+
 
 class Session(Protocol):
     """What a handler may use of the client that sent the line."""
@@ -159,6 +161,7 @@ def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) ->
     journal = process.journal
     if confirm and journal is not None and journal.blocked:
         raise ProtocolError(journal.refusal())
+    session.publisher.permits(event)  # a delayed copy is published by the process later, not by this session
     process.publish_later(due_ms, tail)
     if confirm:
         if journal is None:
@@ -173,15 +176,16 @@ def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -
     if journal is not None and journal.blocked:
         raise ProtocolError(journal.refusal())
     process = session.process
+    publisher = session.publisher
     # a line another worker forwarded (its session publishes to this worker's broker only) is never sent on
-    if session.publisher is not process.broker:
+    if process.forwarder is not None and publisher is not process.broker and publisher.permits(event):
         if process.peers.unlinked:
             raise ProtocolError(process.peers.unlinked_reason())
         if process.forwarder.routes_elsewhere(event):
             process.forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'
             return
-    full = session.publisher.full_queues(event)
-    session.publisher.publish(rid, event, tail)
+    full = publisher.full_queues(event)
+    publisher.publish(rid, event, tail)
     if full:
         names = ", ".join(f"queue {text(queue.name)} is full (--max-length={queue.max_length})" for queue in full)
         raise ProtocolError(f"{names}: the message was not put there (every other bound queue has it)")

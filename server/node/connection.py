@@ -29,6 +29,7 @@ from gevent.event import Event
 from ..core.state import Consumer
 from ..dispatch.actions import ONE_PROCESS, Action, Handler, HandlerTables, Publisher, actions_for, run_lines
 from ..dispatch.process import Process
+from ..dispatch.scopes import ScopedPublisher
 from ..wire.outbox import Outbox
 from ..wire.protocol import LineSplitter, format_error, format_ok
 from ..workers.frames import Frame
@@ -196,9 +197,13 @@ class Connection:
         return True
 
     def refresh_handlers(self, over_memory: bool) -> None:
-        """The handler table this session runs: its auth state, its token's scope, the memory state."""
+        """The handler table this session runs and its publisher: its auth state, its token's scope, the memory
+        state."""
+        scope = self.token.scope if self.token is not None else None
         self.handlers = self.tables.for_session(self.eval_enabled, self.peer_is_loopback, self.authenticated,
-                                                over_memory, self.token.scope if self.token is not None else None)
+                                                over_memory, scope)
+        self.publisher = self.process.publisher if scope is None else ScopedPublisher(self.process.publisher, scope,
+                                                                                      self)
 
     def set_ttl(self, seconds: float | None) -> None:
         """Expect a line at least every `seconds`; after 2x that in silence the connection is closed."""

@@ -562,6 +562,9 @@ class Forwarder:
     def full_queues(self, event: bytes) -> list[Queue]:
         return self.local.full_queues(event)  # other owners answer for theirs (publish_confirmed)
 
+    def permits(self, event: bytes) -> bool:
+        return True  # a scoped session's publisher (dispatch/scopes.py) is the one that refuses
+
     def publish_confirmed(self, session: Any, rid: bytes, event: bytes, tail: bytes) -> None:
         """A confirmed publish some of whose queues are elsewhere: one answer once every owner has it."""
         owners = self.replica.owners(event)

@@ -9,7 +9,7 @@ import pytest
 
 from mqks.server.dispatch import scopes
 from mqks.server.dispatch.actions import ONE_PROCESS
-from mqks.server.dispatch.scopes import Scope, schedule_event
+from mqks.server.dispatch.scopes import Scope, ScopedPublisher, schedule_event
 from mqks.server.wire.protocol import ProtocolError
 
 
@@ -42,26 +42,59 @@ def guarded_table(scope: Scope) -> dict:
     return scope.table(ONE_PROCESS.for_session(False, True))
 
 
-def test_a_scoped_table_guards_publishing_reading_and_managing_and_leaves_the_rest():
+def test_a_scoped_table_guards_scheduling_reading_and_managing_and_leaves_the_rest():
     base = ONE_PROCESS.for_session(False, True)
     scope = Scope("orders", ["orders.*"], ["orders-*"], manage=False)
     table = scope.table(base)
     assert scope.table(base) is table  # built once per base table
-    for name in (b"publish", b"request", b"schedule", b"consume", b"rebind", b"fetch", b"delete_queue",
-                 b"purge_queue", b"requeue_dead", b"unschedule"):
+    for name in (b"schedule", b"consume", b"rebind", b"fetch", b"delete_queue", b"purge_queue", b"requeue_dead",
+                 b"unschedule"):
         assert table[name] is not base[name], name
-    for name in (b"ping", b"stats", b"queues", b"ack", b"reject", b"settle", b"reply", b"hello", b"auth"):
+    # publish and request are checked by the session's publisher (ScopedPublisher), not by a wrapper
+    for name in (b"publish", b"request", b"ping", b"stats", b"queues", b"ack", b"reject", b"settle", b"reply",
+                 b"hello", b"auth"):
         assert table[name] is base[name], name
     assert ONE_PROCESS.for_session(False, True, scope=None) is base  # full access: the plain table, no cost
     managing = Scope("admin", [], [], manage=True).table(base)
     assert managing[b"delete_queue"] is base[b"delete_queue"]
 
 
+class Recorder:
+    """A process's publisher, as far as a ScopedPublisher uses it."""
+
+    def __init__(self) -> None:
+        self.published: list[bytes] = []
+
+    def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
+        self.published.append(event)
+
+    def routes(self, event: bytes) -> bool:
+        return True
+
+    def full_queues(self, event: bytes) -> list:
+        return []
+
+
+def test_a_scoped_publisher_publishes_what_the_scope_allows_and_refuses_the_rest():
+    session = SimpleNamespace(process=SimpleNamespace(refused_by_scope=0))
+    inner = Recorder()
+    publisher = ScopedPublisher(inner, Scope("orders", ["orders.*"], [], False), session)
+    publisher.publish(b"m1", b"orders.new", b" ok m1 event=orders.new x")
+    publisher.publish(b"m2", b"orders.new", b" ok m2 event=orders.new x")  # decided once, then a set lookup
+    assert inner.published == [b"orders.new", b"orders.new"] and publisher.allowed == {b"orders.new"}
+    for call in (lambda: publisher.publish(b"m3", b"pay.x", b""), lambda: publisher.routes(b"pay.x"),
+                 lambda: publisher.full_queues(b"pay.x"), lambda: publisher.permits(b"pay.x")):
+        with pytest.raises(ProtocolError, match=r"token 'orders' may not publish 'pay\.x'"):
+            call()
+    assert inner.published == [b"orders.new", b"orders.new"] and session.process.refused_by_scope == 4
+    assert publisher.routes(b"orders.other") and publisher.permits(b"orders.other")
+
+
 def test_a_refusal_names_the_token_and_is_counted():
     session = SimpleNamespace(process=SimpleNamespace(refused_by_scope=0))
     table = guarded_table(Scope("orders", ["orders.*"], [], False))
-    with pytest.raises(ProtocolError, match=r"permission denied: token 'orders' may not publish 'pay\.x'"):
-        table[b"publish"](session, b"m1", b"--delay=5 pay.x data", False)
+    with pytest.raises(ProtocolError, match=r"permission denied: token 'orders' may not schedule to 'pay\.x'"):
+        table[b"schedule"](session, b"s1", b"tick --every=5 pay.x data", False)
     with pytest.raises(ProtocolError, match="may not consume 'q'"):
         table[b"consume"](session, b"c1", b"q e --manual-ack", False)
     with pytest.raises(ProtocolError, match="may not purge_queue 'q'"):
