@@ -7,6 +7,7 @@ any node that answers.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -171,6 +172,12 @@ class Cluster:
         """The end of every node's log: what a failed test's reader needs first."""
         return "\n".join(f"--- node {name} of {self.name}, last {lines} log lines ---\n"
                          + "\n".join(node.log().splitlines()[-lines:]) for name, node in self.nodes.items())
+
+    def remove(self) -> None:
+        """Its streams and bucket deleted from NATS (after `stop`): a shared NATS cluster stays light."""
+        from mqks.client.cluster import remove_cluster
+
+        asyncio.run(remove_cluster(self.urls, self.name, self.groups))
 
     def stop(self) -> None:
         """Every node's processes SIGKILLed at once (a group process otherwise notices its supervisor's death

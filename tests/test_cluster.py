@@ -54,6 +54,7 @@ def cluster(shared_nats_cluster):
     made.wait_balanced()
     yield made
     made.stop()
+    made.remove()  # its streams off the shared NATS: the next scenarios' elections do not share it with them
 
 
 def mqks_cluster(*args: str) -> subprocess.CompletedProcess:
@@ -138,6 +139,93 @@ class Workload:
                         return when - since
             return None
         return wait_for(found, f"a delivery on {queue} from its new owner", timeout, interval=0.05)
+
+
+# The two scenarios that kill or cut off NATS nodes run first, on NATS clusters of their own: the module's shared
+# one (the other scenarios') is made only after them, so its servers never share the cores with their elections.
+
+
+def test_a_nats_leader_kill_stalls_owners_but_fails_nothing_over(nats_cluster):
+    """kill -9 the NATS node leading the most groups' streams, with a lease longer than the election: an election
+    inside NATS, no takeover in MQKS (every group keeps its owner and epoch), nothing confirmed is lost.
+
+    The lease is ELECTION_LEASE, not the default 12 s: with the suite's other tiers on the same two cores, a
+    stream's election once took more than 12 s (CI), and a standby rightly took its group over; what this test
+    checks is that an election shorter than the lease moves nothing."""
+    from mqks.client.nats_local import load, restart
+
+    directory, urls = nats_cluster
+    cluster = Cluster(unique("c").replace("-", "_"), urls, lease=ELECTION_LEASE)
+    try:
+        cluster.wait_balanced()
+        history = History()
+        work = Workload(cluster, history)
+        try:
+            wait_for(lambda: len(history.confirmed) > 300, "confirmed publishes", 60)
+            before = cluster.lease_takeovers()
+            leaders = list(stream_leaders(cluster).values())
+            leader = max(sorted(set(leaders)), key=leaders.count)
+            node = next(node for node in load(str(directory)) if node.name == leader)
+            os.kill(node.pid, signal.SIGKILL)
+            killed_at, confirmed_then = time.monotonic(), len(history.confirmed)
+            wait_for(lambda: len(history.confirmed) > confirmed_then + 300, "confirms after the election", 60)
+            resumed = time.monotonic() - killed_at
+            restart(str(directory), node.name)
+        finally:
+            work.stop()
+            work.settle()
+        verdict = history.check()
+        assert cluster.lease_takeovers() == before, "a NATS election made MQKS fail a group over"
+        print(f"NATS leader kill (it led {leaders.count(leader)} of {cluster.groups} streams): confirms flowed again "
+              f"{resumed:.1f} s after; no group changed owner; {verdict}")
+    finally:
+        cluster.stop()
+
+
+def test_an_owner_cut_off_from_nats_steps_down_and_its_groups_move(nats_cluster):
+    """A node whose way to NATS is cut (its clients still reach it) stops confirming, steps down after the
+    lease, and standbys on the other nodes take its groups over; after the heal it stands by again."""
+    from cluster_harness import Proxy
+
+    _, urls = nats_cluster
+    proxies = [Proxy(int(url.rpartition(":")[2])) for url in urls]
+    cluster = Cluster(unique("c").replace("-", "_"), urls,
+                      node_urls={"A": [f"nats://127.0.0.1:{proxy.port}" for proxy in proxies]})
+    try:
+        owners = cluster.wait_balanced()
+        cut_groups = [group for group, node in owners.items() if node == "A"]
+        history = History()
+        work = Workload(cluster, history)
+        try:
+            wait_for(lambda: len(history.confirmed) > 300, "confirmed publishes", 60)
+            for proxy in proxies:
+                proxy.cut()
+            cut_at = time.monotonic()
+            after = cluster.wait_owned(without=("A",), timeout=90)
+            moved = time.monotonic() - cut_at
+            assert all(after[group] != "A" for group in cut_groups)
+            wait_for(lambda: "steps down as its owner" in cluster.nodes["A"].log(), "A's owners to step down", 30)
+            for proxy in proxies:
+                proxy.heal()
+            wait_for(lambda: "standing by" in cluster.nodes["A"].log().rpartition("steps down")[2],
+                     "A to stand by again after the heal", 60)
+            confirmed_then, healed_at = len(history.confirmed), time.monotonic()
+            # bounded generously: what is judged is that the cluster works on after the heal (balancing may move a
+            # group back to A right then); how long it took is printed
+            wait_for(lambda: len(history.confirmed) > confirmed_then + 200, "confirms after the heal", 120)
+            flowing = time.monotonic() - healed_at
+        finally:
+            work.stop()
+            work.settle()
+        verdict = history.check()
+        print(f"owner cut off from NATS: its {len(cut_groups)} groups owned elsewhere {moved:.1f} s after the cut "
+              f"(lease {cluster.lease:g} s); 200 more confirms {flowing:.1f} s after A stood by again; {verdict}, "
+              f"refusals {dict(work.refusals)}")
+        assert_no_old_epoch_applied(cluster)
+    finally:
+        cluster.stop()
+        for proxy in proxies:
+            proxy.cut()
 
 
 def test_kill_9_of_an_owner_node_loses_no_confirmed_message(cluster):
@@ -426,89 +514,6 @@ def stream_leaders(cluster: Cluster) -> dict[str, str]:
         return leaders
 
     return asyncio.run(read())
-
-
-def test_a_nats_leader_kill_stalls_owners_but_fails_nothing_over(nats_cluster):
-    """kill -9 the NATS node leading the most groups' streams, with a lease longer than the election: an election
-    inside NATS, no takeover in MQKS (every group keeps its owner and epoch), nothing confirmed is lost.
-
-    The lease is ELECTION_LEASE, not the default 12 s: with the suite's other tiers on the same two cores, a
-    stream's election once took more than 12 s (CI), and a standby rightly took its group over; what this test
-    checks is that an election shorter than the lease moves nothing."""
-    from mqks.client.nats_local import load, restart
-
-    directory, urls = nats_cluster
-    cluster = Cluster(unique("c").replace("-", "_"), urls, lease=ELECTION_LEASE)
-    try:
-        cluster.wait_balanced()
-        history = History()
-        work = Workload(cluster, history)
-        try:
-            wait_for(lambda: len(history.confirmed) > 300, "confirmed publishes", 60)
-            before = cluster.lease_takeovers()
-            leaders = list(stream_leaders(cluster).values())
-            leader = max(sorted(set(leaders)), key=leaders.count)
-            node = next(node for node in load(str(directory)) if node.name == leader)
-            os.kill(node.pid, signal.SIGKILL)
-            killed_at, confirmed_then = time.monotonic(), len(history.confirmed)
-            wait_for(lambda: len(history.confirmed) > confirmed_then + 300, "confirms after the election", 60)
-            resumed = time.monotonic() - killed_at
-            restart(str(directory), node.name)
-        finally:
-            work.stop()
-            work.settle()
-        verdict = history.check()
-        assert cluster.lease_takeovers() == before, "a NATS election made MQKS fail a group over"
-        print(f"NATS leader kill (it led {leaders.count(leader)} of {cluster.groups} streams): confirms flowed again "
-              f"{resumed:.1f} s after; no group changed owner; {verdict}")
-    finally:
-        cluster.stop()
-
-
-def test_an_owner_cut_off_from_nats_steps_down_and_its_groups_move(nats_cluster):
-    """A node whose way to NATS is cut (its clients still reach it) stops confirming, steps down after the
-    lease, and standbys on the other nodes take its groups over; after the heal it stands by again."""
-    from cluster_harness import Proxy
-
-    _, urls = nats_cluster
-    proxies = [Proxy(int(url.rpartition(":")[2])) for url in urls]
-    cluster = Cluster(unique("c").replace("-", "_"), urls,
-                      node_urls={"A": [f"nats://127.0.0.1:{proxy.port}" for proxy in proxies]})
-    try:
-        owners = cluster.wait_balanced()
-        cut_groups = [group for group, node in owners.items() if node == "A"]
-        history = History()
-        work = Workload(cluster, history)
-        try:
-            wait_for(lambda: len(history.confirmed) > 300, "confirmed publishes", 60)
-            for proxy in proxies:
-                proxy.cut()
-            cut_at = time.monotonic()
-            after = cluster.wait_owned(without=("A",), timeout=90)
-            moved = time.monotonic() - cut_at
-            assert all(after[group] != "A" for group in cut_groups)
-            wait_for(lambda: "steps down as its owner" in cluster.nodes["A"].log(), "A's owners to step down", 30)
-            for proxy in proxies:
-                proxy.heal()
-            wait_for(lambda: "standing by" in cluster.nodes["A"].log().rpartition("steps down")[2],
-                     "A to stand by again after the heal", 60)
-            confirmed_then, healed_at = len(history.confirmed), time.monotonic()
-            # bounded generously: what is judged is that the cluster works on after the heal (balancing may move a
-            # group back to A right then); how long it took is printed
-            wait_for(lambda: len(history.confirmed) > confirmed_then + 200, "confirms after the heal", 120)
-            flowing = time.monotonic() - healed_at
-        finally:
-            work.stop()
-            work.settle()
-        verdict = history.check()
-        print(f"owner cut off from NATS: its {len(cut_groups)} groups owned elsewhere {moved:.1f} s after the cut "
-              f"(lease {cluster.lease:g} s); 200 more confirms {flowing:.1f} s after A stood by again; {verdict}, "
-              f"refusals {dict(work.refusals)}")
-        assert_no_old_epoch_applied(cluster)
-    finally:
-        cluster.stop()
-        for proxy in proxies:
-            proxy.cut()
 
 
 def test_the_spark_source_reads_through_a_failover_and_loses_nothing(cluster):

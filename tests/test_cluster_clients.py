@@ -40,6 +40,7 @@ def cluster(shared_nats_cluster):
     made.wait_balanced()
     yield made
     made.stop()
+    made.remove()  # its streams off the module's NATS, as test_cluster.py's fixture does
 
 
 def half_closed(port: int, payload: bytes) -> list[bytes]:

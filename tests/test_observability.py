@@ -20,8 +20,8 @@ pytestmark = pytest.mark.timeout(60)
 VERSION = importlib.metadata.version("mqks")
 STATS_KEYS = {"version", "uptime_seconds", "workers", "published", "queued", "consumed", "acked", "rejected",
               "queues", "consumers", "messages_waiting", "messages_unacked", "clients", "events", "top_queues",
-              "connections", "bytes_in", "bytes_out", "errors", "ack_timeouts", "touched", "dead_lettered", "purged",
-              "dead_requeued", "dropped", "unrouted",
+              "connections", "bytes_in", "bytes_out", "errors", "refused_by_scope", "ack_timeouts", "touched",
+              "dead_lettered", "purged", "dead_requeued", "dropped", "unrouted",
               "delayed", "requests", "requests_waiting", "replies", "replies_late", "request_timeouts", "schedules",
               "schedule_firings", "memory_full", "leases", "messages_leased", "top_leased_queues"}
 SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked",
