@@ -64,7 +64,8 @@ def test_links_between_nodes_are_tls_with_the_cluster_secret_and_refuse_anything
         "--auth-token-file", str(tokens)))
     try:
         def spread() -> dict[int, str] | None:
-            owners = {row["group"]: row["owner"] for row in status(cluster) if row["answering"] == row["owner"]}
+            owners = {row["group"]: row["owner"] for row in status(cluster)
+                      if row["owner"] and row["answering"] == row["owner"]}
             return owners if sorted(owners.values()) == ["A", "B"] else None
 
         owners = wait_for(spread, "one group owned by each node", 90, interval=1.0)
