@@ -96,6 +96,8 @@ class Scope:
                 table[name] = self._guard(handler, _first_word, self.may_consume, name.decode())
             elif name in MANAGING and not self.manage:
                 table[name] = self._refused(name.decode())
+            elif name == b"_eval":  # a Python prompt in the broker is every right at once: full-access tokens only
+                table[name] = self._refused("_eval")
         self._tables[id(base)] = (base, table)
         return table
 

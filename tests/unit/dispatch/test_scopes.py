@@ -57,6 +57,10 @@ def test_a_scoped_table_guards_scheduling_reading_and_managing_and_leaves_the_re
     assert ONE_PROCESS.for_session(False, True, scope=None) is base  # full access: the plain table, no cost
     managing = Scope("admin", [], [], manage=True).table(base)
     assert managing[b"delete_queue"] is base[b"delete_queue"]
+    with_eval = ONE_PROCESS.for_session(True, True)  # --eval, a loopback peer
+    session = SimpleNamespace(process=SimpleNamespace(refused_by_scope=0))
+    with pytest.raises(ProtocolError, match="token 'admin' may not _eval"):
+        Scope("admin", ["*"], ["*"], manage=True).table(with_eval)[b"_eval"](session, b"e", b"1 + 1", False)
 
 
 class Recorder:
