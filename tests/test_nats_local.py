@@ -15,7 +15,7 @@ import time
 
 import pytest
 from helpers import mqks_nats
-from waiting import wait_for
+from waiting import until_awaited, wait_for
 
 nats = pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
@@ -37,6 +37,11 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+async def stream_has_leader(js, stream: str) -> bool:
+    info = await js.stream_info(stream)
+    return info.cluster is None or bool(info.cluster.leader)
+
+
 async def publish_and_read(urls: list[str], stream: str, count: int) -> tuple[list[int], str]:
     """Create an R3 file stream (as the replicated log will), publish `count` messages, read them back;
     returns (their sequences, the stream leader's name)."""
@@ -45,6 +50,9 @@ async def publish_and_read(urls: list[str], stream: str, count: int) -> tuple[li
         js = nc.jetstream(timeout=10)
         await js.add_stream(name=stream, subjects=[f"{stream}.frames"], num_replicas=3, storage="file",
                             discard="new", allow_rollup_hdrs=True)
+        # a new R3 stream takes no write until its replicas have elected a leader (CI: "no response from stream"
+        # on the first publish, the machine busy with the other tiers), as jetstream_log.py waits for it too
+        await until_awaited(lambda: stream_has_leader(js, stream), "the new stream's leader", ELECTION_SECONDS)
         seqs = [(await js.publish(f"{stream}.frames", b"frame %d" % i)).seq for i in range(count)]
         info = await js.stream_info(stream)
         got = [(await js.get_msg(stream, seq)).data for seq in seqs]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import gevent
@@ -55,3 +55,13 @@ async def until(predicate: Callable[[], object], what: str, timeout: float = WAI
                 await asyncio.sleep(POLL_SECONDS)
     except TimeoutError:
         raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+
+
+async def until_awaited(check: Callable[[], Awaitable[object]], what: str, timeout: float = WAIT_SECONDS,
+                        interval: float = 0.2) -> None:
+    """`until` for a check that must be awaited (an asyncio client's question to a server)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(interval)
