@@ -49,7 +49,7 @@ def move(broker: Broker, queue: Queue, taken: list[tuple[int, Item]], raise_retr
     send = getattr(owner, "send", None)
     if send is None:
         moved(broker, queue, taken)
-    else:  # another worker process owns the target queue: moved once it has them (server/workers/peers.py)
+    else:  # another worker process owns the target queue: moved once it has them (server/workers/forwarding.py)
         send(broker, queue, taken)
 
 

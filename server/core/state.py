@@ -422,7 +422,7 @@ class Broker:
                  cache_routes: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.schedule = schedule
         self.clock = clock  # the schedule's clock: ack-timeout deadlines are on it
-        # the broker that owns a queue name (dead letters may belong to another worker's); peers.py sets it
+        # the broker that owns a queue name (dead letters may belong to another worker's); workers/peers.py sets it
         self.broker_for: Callable[[bytes], Broker] = lambda name: self
         # copies rejected with --delay, waiting to go back to the front of their queue: (queue, records)
         self.parked = Buckets(schedule, self._unpark)

@@ -51,7 +51,7 @@ REBIND_MISSING = ("rebind: queue expected: {id} rebind {queue} [{event} ...] [--
 
 
 class Publisher(Protocol):
-    """What a publish calls: this process's broker, or with worker processes the Forwarder (peers.py)."""
+    """What a publish calls: this process's broker, or with worker processes the Forwarder (workers/forwarding.py)."""
 
     def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None: ...
 
@@ -172,27 +172,22 @@ def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) ->
 
 def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
     """Publish, then `ok`: at once in memory, once the log has it with --data-dir."""
-    journal = session.process.journal
+    process = session.process
+    journal = process.journal
     if journal is not None and journal.blocked:
         raise ProtocolError(journal.refusal())
-    process = session.process
     publisher = session.publisher
     # a line another worker forwarded (its session publishes to this worker's broker only) is never sent on
-    if process.forwarder is not None and publisher is not process.broker and publisher.permits(event):
-        if process.peers.unlinked:
-            raise ProtocolError(process.peers.unlinked_reason())
-        if process.forwarder.routes_elsewhere(event):
-            process.forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'
+    forwarder, peers = process.forwarder, process.peers
+    if forwarder is not None and peers is not None and publisher is not process.broker and publisher.permits(event):
+        if peers.unlinked:
+            raise ProtocolError(peers.unlinked_reason())
+        if forwarder.routes_elsewhere(event):
+            forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'
             return
-    full = publisher.full_queues(event)
-    publisher.publish(rid, event, tail)
-    if full:
-        names = ", ".join(f"queue {text(queue.name)} is full (--max-length={queue.max_length})" for queue in full)
-        raise ProtocolError(f"{names}: the message was not put there (every other bound queue has it)")
-    if journal is None:
-        session.ok(rid)
-    else:
-        journal.confirm_later(session.outbox, rid)  # answered once the log has it
+    refusal = process.publish_confirmed_here(publisher, session.outbox, rid, rid, event, tail, answer_now=session)
+    if refusal is not None:
+        raise ProtocolError(refusal)
 
 
 def parse_limit(token: bytes, limits: dict[str, int | None], action: str) -> bool:

@@ -20,7 +20,7 @@ import importlib.metadata
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...common.figures import ranked
 from ..core.leases import Leases
@@ -35,10 +35,49 @@ from ..core.timers import Buckets, Timers
 from ..journal import records
 from ..journal.journal import Journal
 from ..wire.outbox import Outbox
-from ..wire.protocol import event_of, msg_id_of
+from ..wire.protocol import event_of, format_ok, msg_id_of
 
 if TYPE_CHECKING:
     from ..journal.recovery import Recovery
+
+
+class Answerable(Protocol):
+    """Where a confirmed publish's answer goes: a client's outbox, a fan-in, a link's confirms."""
+
+    def write(self, data: bytes) -> None: ...
+
+
+class Peering(Protocol):
+    """What this process asks of the other workers when it is one of several (server/workers/peers.py's Peers)."""
+
+    unlinked: int  # other workers with no link from here: their bindings may be unknown
+
+    def holds_output(self) -> bool: ...
+
+    def unlinked_reason(self) -> str: ...
+
+    def answers_owed_to(self, outbox: Outbox) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def cluster_stats(self) -> dict[str, Any]: ...
+
+    def cluster_deepest_queues(self, limit: int) -> list[tuple[str, int, int, int]]: ...
+
+
+class Forwarding(Protocol):
+    """A confirmed publish that other workers' queues share (server/workers/forwarding.py's Forwarder)."""
+
+    def routes_elsewhere(self, event: bytes) -> bool: ...
+
+    def publish_confirmed(self, session: Any, rid: bytes, event: bytes, tail: bytes) -> None: ...
+
+
+def full_queues_reason(full: list[Queue]) -> str:
+    """Why a confirmed publish is answered with an error when some bound queue was at its --max-length."""
+    names = ", ".join(f"queue {queue.name.decode(errors='replace')} is full (--max-length={queue.max_length})"
+                      for queue in full)
+    return f"{names}: the message was not put there (every other bound queue has it)"
 
 
 def package_version() -> str:
@@ -129,8 +168,8 @@ class Process:
         self.broker.leases = Leases(self.broker)  # fetch/settle: messages held under a lease
         # what a publish calls: the broker, or with worker processes the Forwarder, which also sends to the others
         self.publisher: Any = self.broker
-        self.peers: Any = None  # server/workers/peers.py's Peers, with worker processes
-        self.forwarder: Any = None
+        self.peers: Peering | None = None  # with worker processes
+        self.forwarder: Forwarding | None = None
         self.draining = False
         # what `hello` says of the workers beside how many: the slot map, their direct addresses (set by the app)
         self.topology_extra: Callable[[], dict[str, Any]] = dict
@@ -150,7 +189,7 @@ class Process:
     def count_clients(self) -> int:
         return self.clients
 
-    def link(self, peers: Any) -> None:
+    def link(self, peers: Any) -> None:  # workers/peers.py's Peers: the layer above, so not named here
         """Become one worker process of several: `peers` reaches the others."""
         self.peers = peers
         self.forwarder = peers.forwarder
@@ -187,6 +226,27 @@ class Process:
         """Put a copy into every queue of every worker bound to `event`."""
         self.publisher.publish(msg_id, event, tail)
 
+    def publish_confirmed_here(self, publisher: Any, target: Answerable, rid: bytes, msg_id: bytes, event: bytes,
+                               tail: bytes, answer_now: Answerable | None = None) -> str | None:
+        """The one confirmed publish into this worker's queues (a client's, a forwarded part, a fan-in's local part).
+
+        None once published: `rid ok` goes to `target` once the log has it, or at once in memory (to `answer_now` if
+        given: a client's connection, which bounds its own output). Else why it must be answered with an error: the
+        log takes no writes (nothing was published), or a bound queue is at its --max-length (every other bound
+        queue has it)."""
+        journal = self.journal
+        if journal is not None and journal.blocked:
+            return journal.refusal()
+        full = publisher.full_queues(event)
+        publisher.publish(msg_id, event, tail)
+        if full:
+            return full_queues_reason(full)
+        if journal is None:
+            (target if answer_now is None else answer_now).write(format_ok(rid))
+        else:
+            journal.confirm_later(target, rid)
+        return None
+
     def restore(self, recovery: Recovery) -> None:
         """Take back what replay found above the queues: delayed publishes and schedules (overdue: at once)."""
         for due_ms, tails in sorted(recovery.delayed.items()):
@@ -215,7 +275,7 @@ class Process:
                 self.snapshot()
         pending = self.pending
         peers = self.peers
-        if peers is not None and (peers.acked_epoch != peers.epoch or peers.holds):
+        if peers is not None and peers.holds_output():
             # bindings changed here and some worker has not applied them yet: no client may see
             # anything from now on (an answer, a delivery, an --update) until every worker has,
             # or a client told of it could publish through a worker that does not know the binding

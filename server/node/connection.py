@@ -21,7 +21,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import gevent
 from gevent.event import Event
@@ -36,6 +36,9 @@ from ..workers.frames import Frame
 from ..workers.relay import RelaySession
 from .config import Config
 from .sessions import SilenceWatch, Token, Tokens
+
+if TYPE_CHECKING:
+    from ..workers.peers import Peers
 
 log = logging.getLogger("mqks.connection")
 
@@ -131,7 +134,8 @@ class Connection:
         self.draining = False  # the server is stopping: deliveries stay paused
         self.publisher: Publisher = process.publisher
         # with worker processes: this client's session on the other workers
-        self.relay = RelaySession(self, process.peers) if process.peers is not None else None
+        # the process's Peering is workers/peers.py's Peers: the layer above dispatch/, so not named there
+        self.relay = RelaySession(self, cast("Peers", process.peers)) if process.peers is not None else None
         self.splitter = LineSplitter(config.max_line_bytes)
         self.next_error_id = next_error_id
         self.wake = Event()
@@ -452,7 +456,7 @@ class Connection:
         if journal is not None and journal.owes(outbox):
             return True
         peers = self.process.peers
-        return peers is not None and any(getattr(fanin, "outbox", None) is outbox for fanin in peers.fanins.values())
+        return peers is not None and peers.answers_owed_to(outbox)
 
     def _write_loop(self) -> None:
         wake = self.wake

@@ -31,7 +31,7 @@ class Outbox:
     __slots__ = ("out", "out_bytes", "paused", "flush_pending", "pending", "high_water_bytes", "consumers_by_id",
                  "flush")
 
-    is_link = False  # a link between worker processes (server/workers/peers.py) is not a client's outbox
+    is_link = False  # a link between worker processes (server/workers/links.py) is not a client's outbox
 
     def __init__(self, pending: list[Outbox], high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
                  flush: Callable[[], None] = _no_flush) -> None:

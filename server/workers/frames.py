@@ -1,7 +1,7 @@
 """The frames on a link, read and written in batches.
 
 A link is one Unix socket per ordered pair of workers, opened by the worker that asks (see
-peers.py). A frame is a header line `{kind}{key} {size}\\n` and `size` bytes of payload; its
+links.py). A frame is a header line `{kind}{key} {size}\\n` and `size` bytes of payload; its
 kind is one byte, named by `Frame`.
 """
 

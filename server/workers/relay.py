@@ -5,7 +5,7 @@ worker of several builds its tables. A line about a queue (consume, rebind, dele
 fetch), a relayed consumer (ack, reject, touch, delete_consumer), a schedule or a reply
 token runs where that lives; `stats`, `queues`, `schedules` and `settle` are asked of every
 worker and merged; `_eval` and `stats --worker=N` reach one. `publish` runs here: the
-Forwarder among the session's brokers sends the copies (peers.py).
+Forwarder among the session's brokers sends the copies (forwarding.py).
 
 A client's session on the other workers is its `RelaySession`. A forwarded line that
 answers, or changes bindings, holds the session's next lines (the handler returns a `Held`)

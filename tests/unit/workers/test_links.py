@@ -1,0 +1,75 @@
+"""The links between workers (server/workers/links.py, forwarding.py, peers.py), in process over a socket pair: each
+side handles every kind of frame the other sends, a confirmed publish forwarded to this worker is answered on the
+link's confirms under its fan-in id, and a worker that goes before it answered fails its fan-ins, not the client's
+wait. The Process, Peers, links and outboxes are the real ones; only the socket's other end is this file's."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from mqks.server.dispatch.process import Process
+from mqks.server.workers.forwarding import FanIn
+from mqks.server.workers.frames import Frame
+from mqks.server.workers.links import IncomingLink, PeerLink
+from mqks.server.workers.peers import Peers
+from mqks.server.wire.outbox import Outbox
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.fixture
+def peers(tmp_path):
+    process = Process(worker=0, worker_count=2)
+    peers = Peers(process, str(tmp_path))
+    process.link(peers)
+    return peers
+
+
+@pytest.fixture
+def pair():
+    ours, theirs = socket.socketpair()
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+def written(outbox: Outbox) -> bytes:
+    return b"".join(bytes(piece) for piece in outbox.out)
+
+
+def test_each_side_of_a_link_handles_every_kind_the_other_side_sends(peers, pair):
+    asker_reads = set(PeerLink(pair[0], peers, 1).frame_handlers())
+    owner_reads = set(IncomingLink(pair[1], peers, 1).frame_handlers())
+    assert asker_reads | owner_reads == set(Frame)
+    assert not asker_reads & owner_reads  # a kind goes one way only
+
+
+def test_a_forwarded_confirmed_publish_is_answered_under_its_fan_in_id(peers, pair):
+    broker = peers.process.broker
+    broker.rebind(broker.queue(b"q"), [b"e"])
+    full = broker.queue(b"full")
+    broker.rebind(full, [b"e"])
+    link = IncomingLink(pair[1], peers, 1)
+    link.on_confirmed(b"-", b"7 e ok m1 event=e data\n")
+    assert written(link.confirms) == b"7 ok \n"  # in memory: at once
+    assert broker.queues[b"q"].depth() == 1 and broker.published == 0  # counted by the client's worker
+    full.max_length = 1
+    link.confirms.out.clear()
+    link.on_confirmed(b"-", b"8 e ok m2 event=e data\n")
+    answer = written(link.confirms)
+    assert answer.startswith(b"8 error ") and b"queue full is full (--max-length=1)" in answer
+    assert broker.queues[b"q"].depth() == 2  # every other bound queue has it
+
+
+def test_a_worker_lost_before_it_answered_fails_the_fan_in_with_its_number(peers, pair):
+    client = Outbox(peers.process.pending)
+    fanin = FanIn(client, b"p1", 2, [1])
+    peers.fanins[b"1"] = fanin
+    link = PeerLink(pair[0], peers, 1)
+    fanin.write(b"p1 ok \n")  # this worker's part
+    assert written(client) == b""
+    peers.link_lost(link, "closed by the peer")
+    assert written(client).startswith(b"p1 error ") and b"worker 1 stopped before it had the message" in written(client)
+    assert peers.fanins == {}
