@@ -10,11 +10,11 @@ import socket
 import pytest
 
 from mqks.server.dispatch.process import Process
+from mqks.server.wire.outbox import Outbox
 from mqks.server.workers.forwarding import FanIn
 from mqks.server.workers.frames import Frame
 from mqks.server.workers.links import IncomingLink, PeerLink
 from mqks.server.workers.peers import Peers
-from mqks.server.wire.outbox import Outbox
 
 pytestmark = pytest.mark.timeout(10)
 
