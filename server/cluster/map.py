@@ -29,14 +29,71 @@ log = logging.getLogger("mqks.cluster")
 
 PULL_TURN = "pulling"  # in a node's run dir while one of its standbys has asked for its group
 PULL_TURN_SECONDS = 30.0  # a turn whose group never came (its owner refused or died) ends after this
-# a stopped watcher's consumer goes from NATS after this (nats-py's default is 300 s); a live one never idles
-# this long: NATS sends it a heartbeat every 5 s
+# a stopped watch's consumer goes from NATS after this (nats-py's default is 300 s); a live one never idles
+# this long: NATS sends it a heartbeat every WATCH_HEARTBEAT_SECONDS
 WATCHER_INACTIVE_SECONDS = 30.0
+WATCH_HEARTBEAT_SECONDS = 10.0  # an idle watch hears NATS this often; after two silent periods it is made anew
 RETRY_SECONDS = 1.0
 # a standby reads its group's pin again after this (a failover took a pinned group away: it asks for it back
 # within this); one read every 5 s per standby was a quarter of an idle cluster's API calls on NATS
 PIN_READ_SECONDS = 30.0
 ASK_SECONDS = 5.0  # a standby's request for its group waits this long for the owner's answer
+
+
+class OwnerWatch:
+    """A push consumer of the owners' entries (`owner.G` in the cluster's bucket), each handed to the hub."""
+
+    def __init__(self, bridge: NatsBridge, learn: Callable[[int, dict[str, Any]], None]) -> None:
+        self.bridge = bridge
+        self.learn = learn
+        self.heard = asyncio.Event()
+        self.next_delivery = 1
+        self.skipped = False
+        self.subscription: Any = None
+
+    async def run(self, nc: Any, bucket: str) -> None:
+        """Deliver entries until the watch goes quiet for two heartbeats or skips one (raises then)."""
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        inbox = nc.new_inbox()
+        self.subscription = await nc.subscribe(inbox, cb=self.on_message)  # first: NATS sends once it exists
+        await nc.jetstream(timeout=5)._jsm.add_consumer(f"KV_{bucket}", config=ConsumerConfig(
+            deliver_subject=inbox, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            filter_subject=f"$KV.{bucket}.owner.*", ack_policy=AckPolicy.NONE, idle_heartbeat=WATCH_HEARTBEAT_SECONDS,
+            mem_storage=True, num_replicas=1, inactive_threshold=WATCHER_INACTIVE_SECONDS))
+        while not self.skipped:
+            self.heard.clear()
+            try:
+                await asyncio.wait_for(self.heard.wait(), 2 * WATCH_HEARTBEAT_SECONDS)
+            except TimeoutError:
+                raise ConnectionError(f"nothing heard for {2 * WATCH_HEARTBEAT_SECONDS:g} s") from None
+        raise ConnectionError("a delivery was skipped")
+
+    async def on_message(self, msg: Any) -> None:
+        self.heard.set()
+        if not msg.data and msg.headers and "Status" in msg.headers:  # an idle heartbeat: no delivery
+            return
+        delivery = msg.metadata.sequence.consumer
+        if delivery != self.next_delivery:
+            self.skipped = True  # a slow subscription lost some: a new watch sends every entry again
+            return
+        self.next_delivery = delivery + 1
+        if not msg.data:  # a deleted entry
+            return
+        try:
+            group = int(msg.subject.rpartition(".")[2])
+            value = json.loads(msg.data)
+        except ValueError:
+            return
+        self.bridge.to_hub(functools.partial(self.learn, group, value))
+
+    async def stop(self) -> None:
+        subscription, self.subscription = self.subscription, None
+        if subscription is not None:
+            try:
+                await subscription.unsubscribe()  # NATS drops the consumer once no one listens
+            except Exception:
+                pass
 
 
 async def open_bucket(nc: Any, candidacy: Candidacy, replicas: int) -> Any:
@@ -247,31 +304,18 @@ class ClusterMap:
                 await asyncio.sleep(RETRY_SECONDS)
 
     async def _watch(self, nc: Any) -> None:
-        """One watcher for the life of the process. nats-py's ordered consumer checks its heartbeats and makes
-        itself again when its NATS node goes, so an idle watch is not renewed: each renewal was a new consumer
-        that NATS kept for its inactivity threshold, and 48 processes renewing filled the bucket's consumer
-        limit in minutes (issue 39)."""
+        """One watch of the owners' entries for the life of the process: a push consumer of the bucket's stream
+        that sends the latest entry of each group, then every new one, and an idle heartbeat. nats-py's watcher
+        (an ordered consumer) woke each process four times a second for its flow control, 48 processes in a
+        default cluster; here an idle watch wakes once per heartbeat. A watch that hears nothing for two
+        heartbeats (its NATS node went) or skips a delivery is made anew, which sends every entry again."""
         while True:
-            watcher = None
+            watch = OwnerWatch(self.bridge, self._learn)
             try:
-                kv = await open_bucket(nc, self.candidacy, self.replicas)
-                watcher = await kv.watch("owner.*", inactive_threshold=WATCHER_INACTIVE_SECONDS)
-                while True:
-                    entry = await watcher.updates(timeout=None)
-                    if entry is None or not entry.value:
-                        continue
-                    try:
-                        group = int(entry.key.rpartition(".")[2])
-                        value = json.loads(entry.value)
-                    except ValueError:
-                        continue
-                    self.bridge.to_hub(functools.partial(self._learn, group, value))
-            except Exception as e:  # NATS went away for longer than the watcher's own recovery: make it again
+                await open_bucket(nc, self.candidacy, self.replicas)
+                await watch.run(nc, self.candidacy.bucket)
+            except Exception as e:  # NATS went away, or the watch went quiet: make it again
                 log.debug("cluster map: watch ended (%s); again", e)
                 await asyncio.sleep(RETRY_SECONDS)
             finally:
-                if watcher is not None:
-                    try:
-                        await watcher.stop()
-                    except Exception:
-                        pass
+                await watch.stop()
