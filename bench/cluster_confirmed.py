@@ -1,14 +1,18 @@
 """Confirmed publishes through one node of a three-node cluster beside one broker on the same replicated log
 (issue 40's cell), and what a default cluster costs while idle.
 
-    .venv/bin/python -m bench.cluster_confirmed [--messages 60000] [--window 2000] [--reps 3] [--json FILE]
+    .venv/bin/python -m bench.cluster_confirmed [--messages 60000] [--window 2000] [--paced-rate 10000]
+                                                [--reps 3] [--json FILE]
 
 One three-node NATS cluster on loopback (`mqks nats up`, `sync_interval: always`) serves every cell. Each cell
 binds 30 queues q0..q29 to e0..e29 and pipelines `--messages` `publish --confirm` of 100 bytes (e(i % 30)), at
 most `--window` unanswered, through one connection; it counts the confirms and the CPU-seconds of every MQKS
 process (supervisors and group processes) and of the three nats-servers during the run. Cells:
 - one broker: `mqksd --log` (one stream, R3);
-- three nodes, default --groups (16), through node a; and the same with --groups 4.
+- three nodes, default --groups (16), through node a; and the same with --groups 4;
+- paced: one broker and the 16 groups again, offered `--paced-rate` confirmed publishes a second for 4 s (sent
+  every 5 ms), below what either reaches: at saturation the CPU per message is elastic (a process given a
+  core back takes smaller batches), at a fixed rate each side's cost per message is what it spends.
 Then the default cluster left idle for `--idle-seconds`: CPU of its processes and of the NATS servers, as a
 share of one core, and node a's resident memory. Ratios against one broker: rate, and CPU per message.
 Medians of --reps; an absolute figure from this VM is noise.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import shutil
 import socket
 import statistics
@@ -36,6 +41,8 @@ from .workers import tree_cpu_seconds
 
 QUEUES = 30
 BODY = b"x" * 100
+PACE_SECONDS = 0.005  # a paced cell sends what is due this often
+PACED_SECONDS = 4.0
 
 
 def confirmed_cell(port: int, messages: int, window: int) -> tuple[float, float]:
@@ -79,6 +86,28 @@ def read_answers(sock: socket.socket, at_least: int, pending: bytearray) -> int:
             return got
 
 
+def paced_cell(port: int, messages: int, rate: int) -> float:
+    """`messages` confirmed publishes offered at `rate` a second through 127.0.0.1:port; the rate reached."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    try:
+        sock.sendall(b"".join(b"r%d rebind --confirm q%d e%d\n" % (i, i, i) for i in range(QUEUES)))
+        pending = bytearray()
+        read_answers(sock, QUEUES, pending)
+        lines = [b"p%d publish --confirm e%d %b\n" % (i, i % QUEUES, BODY) for i in range(messages)]
+        sent = answered = 0
+        started = time.monotonic()
+        while answered < messages:
+            due = min(messages, int((time.monotonic() - started) * rate))
+            if due > sent:
+                sock.sendall(b"".join(lines[sent:due]))
+                sent = due
+            if select.select([sock], [], [], PACE_SECONDS)[0]:
+                answered += read_answers(sock, 0, pending)
+        return messages / (time.monotonic() - started)
+    finally:
+        sock.close()
+
+
 def wait_settled(cluster: str, urls: str, nodes: int, timeout: float = 120.0) -> None:
     """Until every group's owner answers and the groups are spread within one over the nodes (balancing hands
     groups over for a while after a start: a cell measured meanwhile measures the hand-overs)."""
@@ -102,12 +131,15 @@ def cpu_seconds(pids: list[int]) -> float:
     return sum(tree_cpu_seconds(pid) for pid in pids)
 
 
-def measured(port: int, mqks_pids: list[int], nats_pids: list[int], args: argparse.Namespace) -> dict:
+def measured(port: int, mqks_pids: list[int], nats_pids: list[int], args: argparse.Namespace,
+             paced: bool = False) -> dict:
+    """One cell: saturated (pipelined, at most --window unanswered) or paced (--paced-rate a second)."""
+    messages = int(args.paced_rate * PACED_SECONDS) if paced else args.messages
     mqks_before, nats_before = cpu_seconds(mqks_pids), cpu_seconds(nats_pids)
-    rate, _ = confirmed_cell(port, args.messages, args.window)
+    rate = paced_cell(port, messages, args.paced_rate) if paced else confirmed_cell(port, messages, args.window)[0]
     mqks_cpu, nats_cpu = cpu_seconds(mqks_pids) - mqks_before, cpu_seconds(nats_pids) - nats_before
-    return {"rate": rate, "cpu_us_per_msg": (mqks_cpu + nats_cpu) / args.messages * 1e6,
-            "mqks_us_per_msg": mqks_cpu / args.messages * 1e6, "nats_us_per_msg": nats_cpu / args.messages * 1e6}
+    return {"rate": rate, "cpu_us_per_msg": (mqks_cpu + nats_cpu) / messages * 1e6,
+            "mqks_us_per_msg": mqks_cpu / messages * 1e6, "nats_us_per_msg": nats_cpu / messages * 1e6}
 
 
 def resident_mib(pid: int) -> float:
@@ -135,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cluster_confirmed", description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=60_000)
     parser.add_argument("--window", type=int, default=2000)
+    parser.add_argument("--paced-rate", type=int, default=10_000, help="the paced cells' rate (0: none)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--json", default=None)
@@ -142,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(LOG_DIR, exist_ok=True)
     directory = tempfile.mkdtemp(prefix="mqks-bench-nats-")
     cells: dict[str, list[dict]] = {"one broker --log": [], "3 nodes, 16 groups": [], "3 nodes, 4 groups": []}
+    if args.paced_rate:
+        cells.update({"one broker, paced": [], "3 nodes, 16 groups, paced": []})
     idle: dict[str, float] = {}
     try:
         nats_nodes = nats_local.up(directory, 3, "bench")
@@ -152,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                                       extra_args=("--log", urls, "--log-stream", f"one{rep}{os.getpid()}"))
             try:
                 cells["one broker --log"].append(measured(broker.port, [broker.pid], nats_pids, args))
+                if args.paced_rate:
+                    cells["one broker, paced"].append(measured(broker.port, [broker.pid], nats_pids, args, True))
             finally:
                 broker.stop()
             for groups in (16, 4):
@@ -161,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                     wait_settled(name, urls, len(nodes))
                     cells[f"3 nodes, {groups} groups"].append(
                         measured(nodes[0].port, [node.pid for node in nodes], nats_pids, args))
+                    if groups == 16 and args.paced_rate:
+                        cells["3 nodes, 16 groups, paced"].append(
+                            measured(nodes[0].port, [node.pid for node in nodes], nats_pids, args, True))
                     if groups == 16 and rep == 0:
                         time.sleep(5)
                         pids = [node.pid for node in nodes]
@@ -182,16 +222,24 @@ def main(argv: list[str] | None = None) -> int:
     one = result_cells["one broker --log"]
     ratios = {f"{key} / one broker": {"rate": cell["rate"] / one["rate"],
                                       "cpu_per_msg": cell["cpu_us_per_msg"] / one["cpu_us_per_msg"]}
-              for key, cell in result_cells.items() if key != "one broker --log"}
-    print(f"{'cell':<22} {'confirmed/s':>12} {'CPU us/msg':>11} {'(mqks':>7} {'nats)':>7}")
+              for key, cell in result_cells.items() if key != "one broker --log" and not key.endswith("paced")}
+    if args.paced_rate:
+        one_paced, cluster_paced = result_cells["one broker, paced"], result_cells["3 nodes, 16 groups, paced"]
+        ratios["3 nodes, 16 groups / one broker, paced"] = {
+            "rate": cluster_paced["rate"] / one_paced["rate"],
+            "cpu_per_msg": cluster_paced["cpu_us_per_msg"] / one_paced["cpu_us_per_msg"],
+            "mqks_cpu_per_msg": cluster_paced["mqks_us_per_msg"] / one_paced["mqks_us_per_msg"]}
+    print(f"{'cell':<26} {'confirmed/s':>12} {'CPU us/msg':>11} {'(mqks':>7} {'nats)':>7}")
     for key, cell in result_cells.items():
-        print(f"{key:<22} {cell['rate']:>12,.0f} {cell['cpu_us_per_msg']:>11.1f} {cell['mqks_us_per_msg']:>7.1f} "
+        print(f"{key:<26} {cell['rate']:>12,.0f} {cell['cpu_us_per_msg']:>11.1f} {cell['mqks_us_per_msg']:>7.1f} "
               f"{cell['nats_us_per_msg']:>7.1f}")
     for key, ratio in ratios.items():
-        print(f"{key}: {ratio['rate']:.2f}x the rate at {ratio['cpu_per_msg']:.1f}x the CPU per message")
+        mqks_alone = f" (MQKS alone {ratio['mqks_cpu_per_msg']:.1f}x)" if "mqks_cpu_per_msg" in ratio else ""
+        print(f"{key}: {ratio['rate']:.2f}x the rate at {ratio['cpu_per_msg']:.1f}x the CPU per message{mqks_alone}")
     print(f"idle default cluster: MQKS {idle['mqks_core_share']:.1%} of a core, NATS {idle['nats_core_share']:.1%}; "
           f"node a {idle['node_rss_mib']:.0f} MiB resident")
-    result = {"revision": git_revision(), "messages": args.messages, "window": args.window, "reps": args.reps,
+    result = {"revision": git_revision(), "messages": args.messages, "window": args.window,
+              "paced_rate": args.paced_rate, "reps": args.reps,
               "cells": result_cells, "ratios": ratios, "idle": idle}
     path = args.json or os.path.join(RESULTS_DIR, f"cluster-confirmed-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
