@@ -35,7 +35,7 @@ from ..core.timers import Buckets, Timers
 from ..journal import records
 from ..journal.journal import Journal
 from ..wire.outbox import Outbox
-from ..wire.protocol import event_of, format_ok, msg_id_of
+from ..wire.protocol import event_of, format_ok, msg_id_of, text
 
 if TYPE_CHECKING:
     from ..journal.recovery import Recovery
@@ -75,8 +75,7 @@ class Forwarding(Protocol):
 
 def full_queues_reason(full: list[Queue]) -> str:
     """Why a confirmed publish is answered with an error when some bound queue was at its --max-length."""
-    names = ", ".join(f"queue {queue.name.decode(errors='replace')} is full (--max-length={queue.max_length})"
-                      for queue in full)
+    names = ", ".join(f"queue {text(queue.name)} is full (--max-length={queue.max_length})" for queue in full)
     return f"{names}: the message was not put there (every other bound queue has it)"
 
 
