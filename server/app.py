@@ -97,6 +97,7 @@ class Server:
         self.cluster: ClusterGroup | None = None  # with --cluster: this process's group, standby or owner
         self.link_tls: ssl.SSLContext | None = None  # with --cluster and --tls-cert: what its link port accepts with
         self.stream_log: JetStreamLog | None = None  # with --log: the journal's log, which a cluster's node steers
+        self.log_wake: Any = None  # with a journal: the hub's watcher its writer wakes
         self.journal = self.open_journal() if config.data_dir or config.log else None
         self.peers: Peers | None = None
         self.tables = ONE_PROCESS  # the sessions' handler tables; a worker of several wraps them (link_workers)
@@ -111,8 +112,10 @@ class Server:
         self.process.error_line = self.error_line
         self.process.max_memory_bytes = config.max_memory_bytes
         if config.max_memory_bytes is not None and self.peers is not None:
-            # every worker process holds itself to an equal share, so together they stay under the limit
-            self.process.max_memory_share = config.max_memory_bytes // config.workers
+            # every worker process holds itself to an equal share, so together they stay under the limit (a cluster
+            # node's process holds several groups: each of them checks the process against the process's share)
+            self.process.max_memory_share = config.max_memory_bytes // (config.processes if config.cluster
+                                                                         else config.workers)
         self.stream_server: Listener | None = None
         self.tls_server: Listener | None = None
         self.tls_context = (tls_server_context(config.tls_cert, config.tls_key, config.tls_ca)
@@ -127,6 +130,8 @@ class Server:
         self.fenced = False  # the replicated log was taken over: stopping
         self.exit_code = 0
         self.stopping = False  # shutdown has begun: a worker still linking at start-up must not open its port
+        self.serving = False  # listening, with its stop handled by `shutdown` (a standby is still recovering)
+        self.timer_greenlet: gevent.Greenlet | None = None
 
     def link_workers(self) -> None:
         """This process is one worker of several: reach the others, route lines to the owners."""
@@ -535,7 +540,9 @@ class Server:
             return
         self.peers.accept_link(sock, int(parts[2]), rest)
 
-    def serve_forever(self) -> None:
+    def serve_forever(self, own_signals: bool = True) -> None:
+        """Recover, listen and serve until stopped; `own_signals` False: a cluster node's process holding several
+        groups (node/group_host.py) handles the signals and calls `shutdown` itself."""
         config = self.config
         if self.journal is not None:
             self.recover()
@@ -543,14 +550,16 @@ class Server:
         self.listen()
         hub = gevent.get_hub()
         hub.NOT_ERROR = (*hub.NOT_ERROR, AcceptFailed)  # logged by Listener, once per burst
-        gevent.spawn(self.run_timers)
+        self.timer_greenlet = gevent.spawn(self.run_timers)
         if config.max_memory_bytes is not None:
             limit = self.process.max_memory_share or config.max_memory_bytes
             MemoryGuard(self.process, limit, self.timers, self.set_over_memory).check()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            gevent.signal_handler(signum, gevent.spawn, self.shutdown)
-        if self.tokens is not None:
-            gevent.signal_handler(signal.SIGHUP, self.reload_tokens)
+        if own_signals:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                gevent.signal_handler(signum, gevent.spawn, self.shutdown)
+            if self.tokens is not None:
+                gevent.signal_handler(signal.SIGHUP, self.reload_tokens)
+        self.serving = True
         ports = [f"{config.host}:{listener.server_port}{' (TLS)' if listener is self.tls_server else ''}"
                  for listener in (self.stream_server, self.tls_server) if listener is not None]
         if self.peers is not None:
@@ -573,6 +582,31 @@ class Server:
                     listener.start()
         self.stopped.wait()  # not the listener's serve_forever: it returns as soon as the listener closes
         log.info("mqksd stopped")
+
+    def takes_shutdown(self) -> bool:
+        """True once `shutdown` drains this server; before that (recovering, standing by) nothing needs draining."""
+        return self.serving
+
+    def release(self) -> None:
+        """After `serve_forever` ended, in a process that goes on (a cluster node's process made this group's
+        server, and makes another): close what a process's exit would have, so nothing of this one keeps running."""
+        if self.timer_greenlet is not None:
+            self.timer_greenlet.kill(block=False)
+        for listener in (self.stream_server, self.tls_server, self.link_listener, *self.direct_listeners):
+            if listener is not None:
+                listener.close()
+        for conn in list(self.connections):
+            conn.close()
+        if self.peers is not None:
+            self.peers.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop(timeout=1)
+        if self.journal is not None:
+            self.journal.log.close(0.0)  # a standby's reading, or an owner's log that shutdown could not close
+        if self.log_wake is not None:
+            self.log_wake.stop()
+            self.log_wake.close()
+            self.log_wake = None
 
     def shutdown(self) -> None:
         """Stop accepting, give every client what it is owed, then close.

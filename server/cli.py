@@ -129,6 +129,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
                              "(default: --host)")
     parser.add_argument("--groups", type=int, default=d.groups, metavar="N",
                         help="with --cluster: slot groups (the same on every node; default: %(default)s)")
+    parser.add_argument("--processes", type=worker_count, default=d.processes,
+                        help="with --cluster: processes on this node, each holding several of the slot groups; `auto` "
+                             "(or 0, the default) for one per core")
+    parser.add_argument("--host-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--lease", type=float, default=d.lease_seconds, dest="lease_seconds", metavar="SECONDS",
                         help="with --cluster: a standby takes a group over after this long without a frame from "
                              "its owner; more than a NATS election (default: %(default)s)")
@@ -180,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                  ("--log-segment-bytes", args.log_segment_bytes, 1),
                                  ("--log-replicas", args.log_replicas, 1), ("--log-timeout", args.log_timeout, 1),
                                  ("--groups", args.groups, 1), ("--lease", args.lease_seconds, 3),
+                                 ("--processes", args.processes, 0),
                                  ("--compact-min-bytes", args.compact_min_bytes, 0),
                                  ("--metrics-port", args.metrics_port, 1),
                                  ("--metrics-max-queues", args.metrics_max_queues, 0),
@@ -237,7 +242,8 @@ def check_cluster_args(parser: Parser, args: argparse.Namespace) -> None:
     if args.takeover:
         parser.error("--takeover has no meaning with --cluster: standbys take groups over by themselves")
     if args.workers != 1:
-        parser.error("--workers has no meaning with --cluster: a node runs one process per slot group (--groups)")
+        parser.error("--workers has no meaning with --cluster: a node's processes hold its slot groups (--processes "
+                     "and --groups)")
     if args.advertise is not None:
         host, colon, port = args.advertise.rpartition(":")
         if colon and port.isdigit() and ":" not in host:  # host:port; an IPv6 address has more colons
@@ -246,6 +252,7 @@ def check_cluster_args(parser: Parser, args: argparse.Namespace) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.:-]+", args.advertise):
             parser.error(f"--advertise must be a host name or an IP address, not {args.advertise!r}")
     args.workers = args.groups
+    args.processes = min(args.processes or worker_count("auto"), args.groups)
     args.log_stream = args.cluster
 
 
@@ -272,17 +279,29 @@ def check_tls_args(parser: Parser, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
-    worker = "" if config.worker_index is None else f" worker-{config.worker_index}"
-    logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s{worker}: %(message)s")
-    if (config.workers > 1 or config.cluster) and config.worker_index is None:
+    if config.host_index is not None:  # a cluster node's process: its groups' lines say which group
+        from .node.group_host import GroupTag
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.addFilter(GroupTag(config.host_index))
+        logging.basicConfig(handlers=[handler], level=config.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s%(where)s: %(message)s")
+    else:
+        worker = "" if config.worker_index is None else f" worker-{config.worker_index}"
+        logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(),
+                            format=f"%(asctime)s %(levelname)s %(name)s{worker}: %(message)s")
+    if (config.workers > 1 or config.cluster) and config.worker_index is None and config.host_index is None:
         from .node.supervisor import Supervisor
 
         sys.exit(Supervisor(config, sys.argv[1:] if argv is None else argv).run())
-    if config.worker_index is not None:
+    if config.worker_index is not None or config.host_index is not None:
         from .node.supervisor import die_with_parent
 
         die_with_parent()
+    if config.host_index is not None:
+        from .node.group_host import GroupHost
+
+        sys.exit(GroupHost(config, Server).run())
     try:
         server = Server(config)
     except (OSError, ValueError) as e:  # the data dir, the token file: a restart would fail the same way

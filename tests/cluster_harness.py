@@ -43,7 +43,7 @@ class ClusterNode(BrokerProcess):
         cmd = [sys.executable, "-m", "mqks.server", "--port", str(self.port), *self.args]
         with open(self.log_path, "wb") as log_file:  # a restart's log starts empty: assertions read this run
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file)
-        wait_for(lambda: "a process for each of" in self.log() or self.exited(), "the node's supervisor to start",
+        wait_for(lambda: "slot groups in" in self.log() or self.exited(), "the node's supervisor to start",
                  READY_TIMEOUT_SECONDS)
         assert not self.exited(), self.log()
 
@@ -55,8 +55,25 @@ class ClusterNode(BrokerProcess):
         return self.proc is not None and self.proc.poll() is None
 
     def group_pids(self) -> list[int]:
+        """The node's processes, each holding several of its groups."""
         assert self.proc is not None
         return child_pids(self.proc.pid)
+
+    def processes(self) -> dict[int, int]:
+        """The node's group processes by index: process p of P holds groups p, p + P, ..."""
+        processes = {}
+        for pid in self.group_pids():
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            if b"--host-index" in args:
+                processes[int(args[args.index(b"--host-index") + 1])] = pid
+        assert processes, f"node {self.name} has no group process"
+        return processes
+
+    def pid_of(self, group: int) -> int:
+        """The process holding `group` on this node."""
+        processes = self.processes()
+        return processes[group % len(processes)]
 
 
 def ask(port: int, *lines: bytes, timeout: float = 3.0) -> list[bytes]:

@@ -38,6 +38,7 @@ class Config:
     node: str | None = None  # with cluster: this node's name, unique in the cluster
     advertise: str | None = None  # with cluster: the host other nodes and clients dial (default: --host)
     groups: int = 16  # with cluster: slot groups, each with its own stream, owner and standbys
+    processes: int = 0  # with cluster: processes on this node, each holding several groups (0: one per core)
     lease_seconds: float = 12.0  # with cluster: a standby takes a group over after this long without a frame
     log_segment_bytes: int = 64 << 20
     compact_min_bytes: int = 128 << 20  # never rewrite the live state for less churn than this
@@ -58,6 +59,7 @@ class Config:
     max_link_backlog_bytes: int = 512 << 20  # with workers > 1: a worker that leaves this unread loses its link
     worker_index: int | None = None  # set by the supervisor: this process is worker i of `workers`
     run_dir: str | None = None  # set by the supervisor: where the workers' Unix sockets are
+    host_index: int | None = None  # set by a cluster node's supervisor: this process holds groups i, i+P, i+2P, ...
 
 
 DEFAULTS = Config()

@@ -24,7 +24,7 @@ import tempfile
 import time
 from typing import Any
 
-from .config import CANNOT_START_EXIT_CODE, FENCED_EXIT_CODE, Config
+from .config import CANNOT_START_EXIT_CODE, Config
 
 log = logging.getLogger("mqks.supervisor")
 
@@ -43,7 +43,8 @@ class Supervisor:
     def __init__(self, config: Config, argv: list[str]) -> None:
         self.config = config
         self.argv = argv
-        self.count = config.workers
+        # a cluster node: processes holding several groups each (group_host.py); else one worker per process
+        self.count = config.processes if config.cluster else config.workers
         self.run_dir = tempfile.mkdtemp(prefix="mqks-")
         self.children: dict[int, subprocess.Popen] = {}
         self.started_at: dict[int, float] = {}
@@ -54,7 +55,8 @@ class Supervisor:
     def command(self, worker: int) -> list[str]:
         # `python -m mqks.server`: the server package, one above this one (server/node)
         package = ((__spec__.parent or "") if __spec__ is not None else "").rpartition(".")[0] or "mqks.server"
-        return [sys.executable, "-m", package, *self.argv, "--worker-index", str(worker), "--run-dir", self.run_dir]
+        index = "--host-index" if self.config.cluster else "--worker-index"
+        return [sys.executable, "-m", package, *self.argv, index, str(worker), "--run-dir", self.run_dir]
 
     def start(self, worker: int) -> None:
         env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())}
@@ -107,7 +109,7 @@ class Supervisor:
         from ...common.nats_urls import log_urls, nats_access
         from ..cluster.layout import check_layout
 
-        reason = check_layout(log_urls(config.log), config.cluster, self.count, config.node, nats_access(config))
+        reason = check_layout(log_urls(config.log), config.cluster, config.workers, config.node, nats_access(config))
         if reason is not None:
             log.error("cannot start: %s", reason)
             raise SystemExit(1)
@@ -140,8 +142,8 @@ class Supervisor:
                     break
                 self.start(worker)
             if self.config.cluster:
-                log.info("mqksd node %s of cluster %s: a process for each of %d slot groups, on %s:%d",
-                         self.config.node, self.config.cluster, self.count, self.config.host, self.config.port)
+                log.info("mqksd node %s of cluster %s: %d slot groups in %d processes, on %s:%d", self.config.node,
+                         self.config.cluster, self.config.workers, self.count, self.config.host, self.config.port)
             else:
                 log.info("mqksd supervising %d workers on %s:%d (run dir %s)", self.count, self.config.host,
                          self.config.port, self.run_dir)
@@ -161,10 +163,7 @@ class Supervisor:
                 code = child.poll()
                 if code is None:
                     continue
-                try:  # a cluster's group owner marks itself there: it owns nothing now
-                    os.unlink(os.path.join(self.run_dir, f"owns-{worker}"))
-                except FileNotFoundError:
-                    pass
+                self.forget_ownership(worker)
                 if code == CANNOT_START_EXIT_CODE and not self.stopping:
                     log.error("worker %d cannot start because of its data (its error is above); stopping the "
                               "broker rather than restarting it for ever", worker)
@@ -194,6 +193,19 @@ class Supervisor:
                     except BlockingIOError:
                         break
 
+    def forget_ownership(self, worker: int) -> None:
+        """A cluster's group owner marks itself in the run dir: the groups of a process that ended are owned by no
+        process of this node now."""
+        if not self.config.cluster:
+            return
+        from .group_host import groups_of
+
+        for group in groups_of(worker, self.count, self.config.workers):
+            try:
+                os.unlink(os.path.join(self.run_dir, f"owns-{group}"))
+            except FileNotFoundError:
+                pass
+
     @staticmethod
     def wake_on_signals() -> int:
         """A pipe that gets a byte whenever a signal comes (SIGCHLD: a worker exited; SIGTERM, SIGINT, SIGHUP)."""
@@ -209,14 +221,9 @@ class Supervisor:
         deaths = self.quick_deaths.get(worker, 0) + 1 if ran < QUICK_DEATH_SECONDS else 1
         self.quick_deaths[worker] = deaths
         wait = RESTART_BACKOFF_SECONDS[min(deaths - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
-        if code == FENCED_EXIT_CODE and self.config.cluster:
-            # an owner that stepped down, was taken over or handed its group on (or a standby that lost NATS):
-            # a standby for the group from now on; backed off only if it keeps ending at once
-            log.info("group %d (pid %d) is not owned here now; standing by for it again%s", worker,
-                     self.children[worker].pid, f" in {wait:g} s" if wait else "")
-        else:
-            log.error("worker %d (pid %d) died (%s) after %.1f s; restarting it%s", worker, self.children[worker].pid,
-                      f"signal {-code}" if code < 0 else f"exit {code}", ran, f" in {wait:g} s" if wait else "")
+        log.error("%s %d (pid %d) died (%s) after %.1f s; restarting it%s",
+                  "process" if self.config.cluster else "worker", worker, self.children[worker].pid,
+                  f"signal {-code}" if code < 0 else f"exit {code}", ran, f" in {wait:g} s" if wait else "")
         if wait:
             time.sleep(wait)
         if not self.stopping:

@@ -124,6 +124,7 @@ class Peers:
         self.address_of: Callable[[int], Any] = self.socket_path
         self.connect_retry_seconds = CONNECT_RETRY_SECONDS
         self.incoming: set[IncomingLink] = set()
+        self.keepers: list[gevent.Greenlet] = []  # one per peer: dials it, and again whenever the link is lost
         self.targets: dict[bytes, AnswerTarget] = {}  # by the key its frames carry
         self.fanins: dict[bytes, ConfirmTarget] = {}  # by fan-in id: what a `c` line answers
         self.replica = Replica()
@@ -257,7 +258,7 @@ class Peers:
     def connect_all(self, timeout: float, give_up: Callable[[], bool]) -> bool:
         """Open a link to every peer and wait for every peer's link here, until `timeout` or `give_up()`; True if all
         are up."""
-        greenlets = [gevent.spawn(self.keep_linked, worker) for worker in range(self.count) if worker != self.worker]
+        self.keepers = [gevent.spawn(self.keep_linked, worker) for worker in range(self.count) if worker != self.worker]
         deadline = gevent.get_hub().loop.now() + timeout
         # both ways: a worker that has not linked here yet would miss this one's binding changes (the barrier
         # waits only for the links that exist), and confirm publishes to queues it does not know are bound
@@ -266,8 +267,17 @@ class Peers:
             if gevent.get_hub().loop.now() > deadline or give_up():
                 return False
             gevent.sleep(CONNECT_RETRY_SECONDS)
-        del greenlets
         return True
+
+    def close(self) -> None:
+        """Every link goes, and nothing dials again (a cluster node's process ends this group's server, not itself)."""
+        for keeper in self.keepers:
+            keeper.kill(block=False)
+        for incoming in list(self.incoming):  # its reader sees the end and cleans up as for any lost link
+            try:
+                incoming.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def dial_unix(self, worker: int) -> socket.socket:
         sock = gevent.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -306,9 +316,11 @@ class Peers:
             link = PeerLink(sock, self, worker)
             self.dialled[worker] = (address, link)
             writer = gevent.spawn(link.write_loop)
-            link.read_loop()
-            writer.kill(block=False)
-            sock.close()
+            try:
+                link.read_loop()
+            finally:  # lost, or this group's server ended (close)
+                writer.kill(block=False)
+                sock.close()
             gevent.sleep(self.connect_retry_seconds)
 
     def linked(self, link: PeerLink) -> None:

@@ -1,0 +1,122 @@
+"""A cluster node's process holding several groups (server/node/group_host.py), in process with stand-in servers:
+which groups a process holds, a group made again after it ends, and a stop that drains owners and ends standbys."""
+
+from __future__ import annotations
+
+import gevent
+import pytest
+from gevent.event import Event
+
+from mqks.server.node.config import FENCED_EXIT_CODE, Config
+from mqks.server.node.group_host import GroupHost, groups_of
+
+
+class StandIn:
+    """A group's server: stands by until `won` is set, then serves until `shutdown`; ends with `exit_code`."""
+
+    def __init__(self, config: Config, made: list[StandIn]) -> None:
+        self.group = config.worker_index
+        self.exit_code = 0
+        self.won = Event()
+        self.stopped = Event()
+        self.serving = False
+        self.shutdowns = 0
+        self.released = False
+        made.append(self)
+
+    def serve_forever(self, own_signals: bool = True) -> None:
+        assert not own_signals  # the host handles the signals
+        self.won.wait()
+        self.serving = True
+        self.stopped.wait()
+
+    def takes_shutdown(self) -> bool:
+        return self.serving
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+        self.stopped.set()
+
+    def reload_tokens(self) -> None:
+        pass
+
+    def release(self) -> None:
+        self.released = True
+
+
+def host_of(made: list[StandIn], host_index: int = 1, processes: int = 2, groups: int = 6) -> GroupHost:
+    config = Config(cluster="c", node="a", workers=groups, processes=processes, host_index=host_index, run_dir=".")
+    return GroupHost(config, lambda group_config: StandIn(group_config, made))
+
+
+def wait_until(condition, seconds: float = 5.0) -> None:
+    with gevent.Timeout(seconds):
+        while not condition():
+            gevent.idle()  # not gevent.sleep: a test below records the host's sleeps
+
+
+def test_process_p_of_p_holds_every_pth_group_and_together_they_hold_each_group_once():
+    assert groups_of(1, 2, 6) == [1, 3, 5]
+    assert groups_of(0, 3, 16) == [0, 3, 6, 9, 12, 15]
+    held = sorted(group for index in range(3) for group in groups_of(index, 3, 16))
+    assert held == list(range(16))
+    assert groups_of(2, 4, 2) == []  # more processes than groups: the last ones hold nothing
+
+
+def test_a_group_that_ends_is_made_again_here_and_its_old_server_released(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    made: list[StandIn] = []
+    host = host_of(made)
+    runner = gevent.spawn(host.run)
+    wait_until(lambda: sorted(server.group for server in made) == [1, 3, 5])
+    first = next(server for server in made if server.group == 3)
+    (tmp_path / "owns-3").write_text("pid")  # what an owner writes in the node's run dir
+    first.won.set()
+    wait_until(lambda: first.serving)
+    first.exit_code = FENCED_EXIT_CODE  # taken over: it stands by again
+    first.stopped.set()
+    wait_until(lambda: len(made) == 4)
+    assert made[3].group == 3 and first.released
+    assert not (tmp_path / "owns-3").exists()  # the node no longer counts the group as its own
+    assert host.servers[3] is made[3]
+    runner.kill()
+
+
+def test_a_stop_drains_the_owners_and_ends_the_standbys(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    made: list[StandIn] = []
+    host = host_of(made)
+    runner = gevent.spawn(host.run)
+    wait_until(lambda: len(made) == 3)
+    owner = made[0]
+    owner.won.set()
+    wait_until(lambda: owner.serving)
+    host.stop()
+    assert runner.get(timeout=5) == 0
+    assert owner.shutdowns == 1  # drained
+    assert all(server.shutdowns == 0 for server in made[1:])  # standing by: nothing to drain, just ended
+    assert all(server.released for server in made) and len(made) == 3  # nothing made again while stopping
+
+
+@pytest.mark.parametrize("exit_code", [1, FENCED_EXIT_CODE])
+def test_a_group_that_keeps_ending_at_once_is_made_again_after_a_growing_wait(tmp_path, monkeypatch, exit_code):
+    monkeypatch.chdir(tmp_path)
+    waits: list[float] = []
+    monkeypatch.setattr("mqks.server.node.group_host.gevent.sleep",
+                        lambda seconds=0: waits.append(seconds) or gevent.idle())
+    made: list[StandIn] = []
+
+    def ending_at_once(config: Config) -> StandIn:
+        server = StandIn(config, made)
+        server.won.set()
+        server.exit_code = exit_code
+        server.stopped.set()
+        return server
+
+    config = Config(cluster="c", node="a", workers=1, processes=1, host_index=0, run_dir=".")
+    host = GroupHost(config, ending_at_once)
+    runner = gevent.spawn(host.run)
+    wait_until(lambda: len(made) >= 5)
+    host.stop()
+    runner.join(timeout=5)
+    assert waits[:4] == [0.1, 0.5, 1.0, 2.0]  # the first comes back at once, then each waits longer
