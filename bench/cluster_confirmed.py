@@ -43,6 +43,7 @@ QUEUES = 30
 BODY = b"x" * 100
 PACE_SECONDS = 0.005  # a paced cell sends what is due this often
 PACED_SECONDS = 4.0
+STEADY_SECONDS = 6.0  # longer than a standby's balancing period (server/cluster/election.py BALANCE_SECONDS)
 
 
 def confirmed_cell(port: int, messages: int, window: int) -> tuple[float, float]:
@@ -109,10 +110,12 @@ def paced_cell(port: int, messages: int, rate: int) -> float:
 
 
 def wait_settled(cluster: str, urls: str, nodes: int, timeout: float = 120.0) -> None:
-    """Until every group's owner answers and the groups are spread within one over the nodes (balancing hands
-    groups over for a while after a start: a cell measured meanwhile measures the hand-overs)."""
+    """Until every group's owner answers, the groups are spread within one over the nodes, and no group has moved
+    for STEADY_SECONDS (balancing hands groups over for a while after a start, and a standby may still be asking
+    for its group when the spread first looks even: a cell measured meanwhile measures the hand-overs)."""
     mqks = os.path.join(os.path.dirname(sys.executable), "mqks")
     deadline = time.monotonic() + timeout
+    steady: tuple[list[str], float] | None = None  # the owners, and since when they have not changed
     while time.monotonic() < deadline:
         done = subprocess.run([mqks, "cluster", "status", "--json", "--cluster", cluster, "--log", urls],
                               capture_output=True, text=True, timeout=60)
@@ -122,7 +125,12 @@ def wait_settled(cluster: str, urls: str, nodes: int, timeout: float = 120.0) ->
             counts = [owners.count(owner) for owner in set(owners)]
             if (all(row["owner"] and row["answering"] == row["owner"] for row in rows) and len(counts) == nodes
                     and max(counts) - min(counts) <= 1):
-                return
+                if steady is None or steady[0] != owners:
+                    steady = (owners, time.monotonic())
+                elif time.monotonic() - steady[1] >= STEADY_SECONDS:
+                    return
+            else:
+                steady = None
         time.sleep(1.0)
     raise RuntimeError(f"cluster {cluster} did not settle within {timeout:g} s")
 

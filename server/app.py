@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from .cluster.node import ClusterGroup
     from .journal.jetstream_log import JetStreamLog
+    from .journal.nats_bridge import SharedNats
     from .workers.peers import Peers
 
 log = logging.getLogger("mqks.server")
@@ -85,8 +86,9 @@ class ErrorIds:
 class Server:
     """The process: config, workers, timers, error ids, live connections, the listener."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, shared_nats: SharedNats | None = None) -> None:
         self.config = config
+        self.shared_nats = shared_nats  # a cluster node's process: its groups' logs share one NATS connection
         self.connections: set[Connection] = set()
         self.timers_due = Event()
         self.timers = Timers(on_earlier=self.timers_due.set)
@@ -259,7 +261,8 @@ class Server:
         log_ = JetStreamLog(log_urls(config.log), stream, owner, replicas=config.log_replicas,
                             takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
                             lease_seconds=config.lease_seconds if config.cluster else None, node=config.node,
-                            nats_options=nats_access(config).connect_options(log_urls(config.log)))
+                            nats_options=nats_access(config).connect_options(log_urls(config.log)),
+                            shared=self.shared_nats)
         try:
             log_.open()
         except BridgeError as e:

@@ -299,9 +299,7 @@ def main(argv: list[str] | None = None) -> None:
 
         die_with_parent()
     if config.host_index is not None:
-        from .node.group_host import GroupHost
-
-        sys.exit(GroupHost(config, Server).run())
+        sys.exit(serve_groups(config))
     try:
         server = Server(config)
     except (OSError, ValueError) as e:  # the data dir, the token file: a restart would fail the same way
@@ -319,3 +317,18 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         sys.exit(1)
+
+
+def serve_groups(config: Config) -> int:
+    """A cluster node's process: its groups, each a Server, over one NATS connection."""
+    from ..common.nats_urls import log_urls, nats_access
+    from .journal.nats_bridge import SharedNats
+    from .node.group_host import GroupHost
+
+    assert config.log is not None
+    urls = log_urls(config.log)
+    shared = SharedNats(urls, options=nats_access(config).connect_options(urls))
+    try:
+        return GroupHost(config, lambda group_config: Server(group_config, shared)).run()
+    finally:
+        shared.close()

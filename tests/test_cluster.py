@@ -17,6 +17,7 @@ import socket
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 import gevent
 import pytest
@@ -457,7 +458,7 @@ def drain(cluster: Cluster, queue: str) -> list[str]:
 def test_cluster_move_under_load_loses_nothing(cluster, shared_nats_cluster):
     """`mqks cluster move GROUP NODE` while producers and consumers run: the group changes owner with no loss,
     and `mqks cluster status` shows it."""
-    _, urls = shared_nats_cluster
+    nats_dir, urls = shared_nats_cluster
     history = History()
     work = Workload(cluster, history)
     moves = []
@@ -484,16 +485,34 @@ def test_cluster_move_under_load_loses_nothing(cluster, shared_nats_cluster):
     assert [row["group"] for row in rows] == list(range(cluster.groups))
     assert rows[0]["pinned"] == rows[0]["owner"]  # the moved group stays where it was put
     # a group that leaves a node ends its server, not its process (which holds other groups): the same processes
-    # serve on, and each has made the moved group's server again without leaving the old one's NATS thread behind
-    # (main thread, and one per group it holds)
+    # serve on, each with one NATS connection for all its groups, and an ended server's subscriptions are gone with
+    # it: each group's owner ping and hand-off requests have one subscriber, its owner
     assert {name: node.processes() for name, node in cluster.nodes.items()} == processes
-    def threads_beyond_groups() -> dict[int, int]:  # a group being made again may be between its two threads
-        return {pid: len(os.listdir(f"/proc/{pid}/task")) - 1 - len(range(index, cluster.groups, len(by_index)))
-                for node in cluster.nodes.values() for by_index in [node.processes()]
-                for index, pid in by_index.items()}
-    wait_for(lambda: not any(threads_beyond_groups().values()), "one NATS thread per group in each process", 30)
+    def extra_threads() -> list[int]:  # main and the NATS connection's; a resolver's may linger for a moment
+        return [len(os.listdir(f"/proc/{pid}/task")) - 2
+                for node in cluster.nodes.values() for pid in node.processes().values()]
+    wait_for(lambda: not any(extra_threads()), "two threads in each process", 30)
+    subscribed = owners_subscriptions(cluster, nats_dir)
+    assert subscribed == {group: [1, 1] for group in range(cluster.groups)}, subscribed
     print(f"mqks cluster move under load, 3 moves: {verdict}; each move took {', '.join(f'{s:.1f}' for s in moves)} s")
     assert verdict["confirmed"] > 400
+
+
+def owners_subscriptions(cluster: Cluster, nats_dir: Path) -> dict[int, list[int]]:
+    """Group -> how many subscriptions the NATS servers hold to its owner ping and to its hand-off requests (only
+    its owner makes them), read from their monitoring ports."""
+    import urllib.request
+
+    from mqks.client.nats_local import load
+
+    subjects: list[str] = []
+    for node in load(str(nats_dir)):
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/connz?subs=1&limit=4096", timeout=5) as got:
+            for connection in json.load(got).get("connections") or []:
+                subjects += connection.get("subscriptions_list") or []
+    streams = [f"{cluster.name}-{group}-of-{cluster.groups}" for group in range(cluster.groups)]
+    return {group: [subjects.count(f"mqks.owner.{stream}"), subjects.count(f"mqks.move.{stream}")]
+            for group, stream in enumerate(streams)}
 
 
 def process_state(pid: int) -> str:

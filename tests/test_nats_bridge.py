@@ -61,3 +61,63 @@ def test_no_nats_at_start_is_one_clear_error():
     bridge = NatsBridge([f"nats://127.0.0.1:{port}"], connect_timeout=1.0)
     with pytest.raises(BridgeError, match=f"cannot reach NATS at nats://127.0.0.1:{port}"):
         bridge.start()
+
+
+def test_a_scope_ends_its_own_subscriptions_and_tasks_and_leaves_the_connection_to_the_others(nats_cluster):
+    import asyncio
+
+    from mqks.server.journal.nats_bridge import SharedNats
+
+    _, urls = nats_cluster
+    shared = SharedNats(urls)
+    ending, staying = shared.scope(), shared.scope()
+    ending.start()
+    staying.start()
+    assert ending.bridge is staying.bridge  # one connection
+    heard: dict[str, list[bytes]] = {"ending": [], "staying": []}
+    spawned_ran: list[str] = []
+
+    def listen(name: str):
+        async def subscribe(nc) -> None:
+            async def hear(msg) -> None:
+                heard[name].append(msg.data)
+            await nc.subscribe("scope.test", cb=hear)
+        return subscribe
+
+    async def forever(nc) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            spawned_ran.append("cancelled")
+
+    try:
+        ending.run(listen("ending"), timeout=30)
+        staying.run(listen("staying"), timeout=30)
+        ending.spawn(forever)
+
+        async def publish(nc) -> None:
+            await nc.publish("scope.test", b"one")
+            await nc.flush()
+        staying.run(publish, timeout=30)
+        wait_until_true(lambda: heard["ending"] == [b"one"] and heard["staying"] == [b"one"])
+        async def js_reader(nc) -> None:  # JetStream's subscriptions, made through the scope's client, are its own
+            js = nc.jetstream()
+            await js.add_stream(name="scopetest", subjects=["scope.js"], num_replicas=1)
+            await js.pull_subscribe("scope.js", durable=None, stream="scopetest")
+        ending.run(js_reader, timeout=30)
+        assert len(ending.subscriptions) == 2
+        ending.close()
+        assert spawned_ran == ["cancelled"] and ending.subscriptions == []
+        with pytest.raises(BridgeError, match="closed"):
+            ending.run(publish)
+        staying.run(publish, timeout=30)  # the connection serves the other group on
+        wait_until_true(lambda: heard["staying"] == [b"one", b"one"])
+        assert heard["ending"] == [b"one"]  # its subscription went with it
+    finally:
+        shared.close()
+
+
+def wait_until_true(condition, seconds: float = 10.0) -> None:
+    with gevent.Timeout(seconds):
+        while not condition():
+            gevent.sleep(0.01)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..journal.nats_bridge import NatsBridge
+from ..journal.nats_bridge import Bridge
 from .candidacy import Candidacy
 from .election import HandOffRequests
 
@@ -43,7 +43,7 @@ ASK_SECONDS = 5.0  # a standby's request for its group waits this long for the o
 class OwnerWatch:
     """A push consumer of the owners' entries (`owner.G` in the cluster's bucket), each handed to the hub."""
 
-    def __init__(self, bridge: NatsBridge, learn: Callable[[int, dict[str, Any]], None]) -> None:
+    def __init__(self, bridge: Bridge, learn: Callable[[int, dict[str, Any]], None]) -> None:
         self.bridge = bridge
         self.learn = learn
         self.heard = asyncio.Event()
@@ -162,7 +162,7 @@ class NodeDir:
 class ClusterMap:
     """Each group's owner as its entry in the bucket says: node, epoch, and the addresses it listens on."""
 
-    def __init__(self, bridge: NatsBridge, candidacy: Candidacy, replicas: int,
+    def __init__(self, bridge: Bridge, candidacy: Candidacy, replicas: int,
                  on_change: Callable[[int], None]) -> None:
         self.bridge = bridge
         self.candidacy = candidacy

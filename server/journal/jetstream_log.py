@@ -46,7 +46,7 @@ from typing import Any
 import gevent
 from gevent.event import Event
 
-from .nats_bridge import BridgeError, NatsBridge, parse_puback
+from .nats_bridge import Bridge, BridgeError, NatsBridge, SharedNats, parse_puback
 
 log = logging.getLogger("mqks.log")
 
@@ -172,7 +172,7 @@ class JetStreamLog:
     def __init__(self, servers: list[str], stream: str, owner: str, replicas: int = 3, takeover: bool = False,
                  timeout_seconds: float = 15.0, wake: Callable[[], None] = lambda: None,
                  connect_timeout: float = 5.0, lease_seconds: float | None = None, node: str | None = None,
-                 nats_options: dict[str, Any] | None = None) -> None:
+                 nats_options: dict[str, Any] | None = None, shared: SharedNats | None = None) -> None:
         self.servers = servers
         self.stream = stream
         self.subject = f"mqks.log.{stream}"
@@ -191,7 +191,9 @@ class JetStreamLog:
         self.handoff_to: str | None = None  # set by the hub before close(): the last frame names that node
         self._handoff_k = 0
         self.wake = wake
-        self.bridge = NatsBridge(servers, connect_timeout, nats_options)
+        # a cluster node's process shares one connection between its groups (`shared`); else the log has its own
+        self.bridge: Bridge = (NatsBridge(servers, connect_timeout, nats_options) if shared is None
+                                                 else shared.scope())
         # hub side
         self._records: list[bytes] = []
         self.append = self._records.append

@@ -7,6 +7,10 @@ a ref'd libev async watcher (`ev_async_send`, safe from any thread; several send
 greenlet waits, the hub goes on. The PubAck parser is here because nats-py's `publish_async` never resolves
 when the server answers an error (and leaks its slot): the log publishes with a reply subject of its own
 and parses the answers itself. shared/notes/replication.md has the measurements and the traps this follows.
+
+One broker's log has a connection of its own. A cluster node's process shares one between its groups
+(`SharedNats`): one thread, one socket and one hub wake for all of them; each group holds a `BridgeScope`,
+which ends what the group subscribed and spawned when the group's server ends, and nothing else.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import gevent
 from gevent.event import AsyncResult, Event
+from gevent.lock import Semaphore
 
 from ...common.nats_urls import quiet_tls_noise, shown
 
@@ -226,3 +231,132 @@ class NatsBridge:
             log.warning("NATS: %s", error)
         elif self.first_error is None:  # before the first connect, `start` reports one error, not one per retry
             self.first_error = error
+
+
+class SharedNats:
+    """One NATS connection for the groups of a cluster node's process (node/group_host.py): each group's log and
+    map use a `BridgeScope` of it. Connected by the first scope that starts; a failed connect is tried anew by the
+    next one."""
+
+    def __init__(self, servers: list[str], connect_timeout: float = 5.0, options: dict[str, Any] | None = None) -> None:
+        self.servers = servers
+        self.connect_timeout = connect_timeout
+        self.options = options
+        self.bridge: NatsBridge | None = None
+        self.connecting = Semaphore()
+
+    def scope(self) -> BridgeScope:
+        return BridgeScope(self)
+
+    def started(self) -> NatsBridge:
+        with self.connecting:  # the groups start together: one connects, the others wait for it
+            if self.bridge is None:
+                bridge = NatsBridge(self.servers, self.connect_timeout, self.options)
+                bridge.start()
+                self.bridge = bridge
+            return self.bridge
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.bridge is not None:
+            self.bridge.close(timeout)
+
+
+class BridgeScope:
+    """One group's share of a process's NATS connection, with a `NatsBridge`'s calls: what the group subscribes and
+    spawns there is recorded, so its end (`close`) unsubscribes and cancels it, and leaves the connection to the
+    other groups. A group that has ended must not answer its owner pings or take its old PubAcks."""
+
+    def __init__(self, shared: SharedNats) -> None:
+        self.shared = shared
+        self.bridge: NatsBridge | None = None
+        self.nc: Any = None  # a ScopedNats once started
+        self.subscriptions: list[Any] = []
+        self.tasks: set[asyncio.Future[Any]] = set()
+        self.closed = False
+
+    def start(self) -> None:
+        """Share the process's connection (connecting it if no group has); raises BridgeError as NatsBridge does."""
+        self.bridge = self.shared.started()
+        self.nc = ScopedNats(self.bridge.nc, self)
+
+    def live(self) -> NatsBridge:
+        if self.closed or self.bridge is None:
+            raise BridgeError("the NATS bridge is closed")
+        return self.bridge
+
+    def call_soon(self, callback: Callable[[], Any]) -> None:
+        self.live().call_soon(callback)
+
+    def spawn(self, make: Callable[[Any], Awaitable[Any]]) -> None:
+        def start() -> None:
+            if not self.closed:
+                task = asyncio.ensure_future(make(self.nc))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+        self.live().call_soon(start)
+
+    def run(self, make: Callable[[Any], Awaitable[Any]], timeout: float = 10.0) -> Any:
+        return self.live().run(lambda nc: make(self.nc), timeout)
+
+    def to_hub(self, callback: Callable[[], Any]) -> None:
+        if self.bridge is not None:
+            self.bridge.to_hub(callback)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel what this group spawned and unsubscribe what it subscribed; the connection stays."""
+        if self.closed or self.bridge is None:
+            self.closed = True
+            return
+        self.closed = True
+
+        async def end(nc: Any) -> None:
+            tasks = [task for task in self.tasks if not task.done()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=1.0)
+            for subscription in self.subscriptions:
+                try:
+                    await subscription.unsubscribe()
+                except Exception:  # unsubscribed already, or the connection is reconnecting: it goes with it
+                    pass
+            self.subscriptions.clear()
+
+        try:
+            self.bridge.run(end, timeout)
+        except Exception as e:
+            log.warning("NATS bridge: ending a group's subscriptions failed: %s", e)
+
+
+class ScopedNats:
+    """The process's NATS client as one group's coroutines see it: its subscriptions (those made through
+    JetStream too: a JetStream context made here subscribes through this) are recorded in the group's scope."""
+
+    def __init__(self, nc: Any, scope: BridgeScope) -> None:
+        self._nc = nc
+        self._scope = scope
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._nc, name)
+
+    async def subscribe(self, *args: Any, **kwargs: Any) -> Any:
+        scope = self._scope
+        if scope.closed:
+            raise BridgeError("the NATS bridge is closed")
+        subscription = await self._nc.subscribe(*args, **kwargs)
+        if scope.closed:  # the group ended while this subscribed
+            await subscription.unsubscribe()
+            raise BridgeError("the NATS bridge is closed")
+        scope.subscriptions = [sub for sub in scope.subscriptions if not getattr(sub, "_closed", False)]
+        scope.subscriptions.append(subscription)
+        return subscription
+
+    def jetstream(self, **options: Any) -> Any:
+        from nats.js import JetStreamContext
+
+        client: Any = self  # quacks as nats-py's Client: JetStream calls it for requests and subscriptions
+        return JetStreamContext(client, **options)
+
+
+Bridge = NatsBridge | BridgeScope  # what a log and a map call: a connection of its own, or a group's share of one
