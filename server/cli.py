@@ -197,6 +197,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
             parser.error(f"{flag} must be a TCP port, at most {MAX_PORT}, not {value}")
     if args.metrics_port is not None and args.metrics_port == args.port and args.metrics_host == args.host:
         parser.error("--metrics-port must differ from --port")
+    if args.processes and args.cluster is None:
+        parser.error("--processes needs --cluster (one broker's processes are --workers)")
     check_tls_args(parser, args)
     check_log_args(parser, args)
     return Config(**vars(args))

@@ -1,5 +1,6 @@
 """The mqksd process: flags, safe defaults, signals, logs and workers."""
 
+import os
 import re
 import shutil
 import signal
@@ -118,6 +119,11 @@ def test_mqksd_defaults_are_safe():
      "--takeover has no meaning with --cluster"),
     (["--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:4222", "--lease", "1"], "--lease must be at least 3"),
     (["--node", "a"], "--node and --advertise need --cluster"),
+    (["--processes", "2"], "--processes needs --cluster"),
+    (["--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:4222", "--processes", "-1"],
+     "--processes must be at least 0"),
+    (["--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:4222", "--processes", "some"],
+     "not a number of workers: 'some'"),
 ])
 def test_bad_flag_value_exits_with_usage_error(flags, reason):
     result = subprocess.run([sys.executable, "-m", "mqks.server", *flags], capture_output=True,
@@ -125,9 +131,13 @@ def test_bad_flag_value_exits_with_usage_error(flags, reason):
     assert result.returncode == 2 and reason in result.stderr
 
 
-def test_a_cluster_node_runs_a_process_per_group_named_after_the_cluster():
-    config = parse_args(["--cluster", "prod", "--node", "a", "--log", "nats://n1:4222,nats://n2:4222", "--groups", "8"])
+def test_a_cluster_node_holds_its_groups_in_a_process_per_core_and_names_its_streams_after_the_cluster():
+    node = ["--cluster", "prod", "--node", "a", "--log", "nats://n1:4222,nats://n2:4222", "--groups", "8"]
+    config = parse_args(node)
     assert (config.workers, config.log_stream, config.node, config.lease_seconds) == (8, "prod", "a", 12.0)
+    assert config.processes == min(len(os.sched_getaffinity(0)), 8)  # auto: one per core, never more than groups
+    assert parse_args([*node, "--processes", "3"]).processes == 3
+    assert parse_args([*node, "--processes", "20"]).processes == 8
 
 
 def test_max_memory_reads_sizes_with_units():
