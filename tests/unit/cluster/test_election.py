@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mqks.server.cluster.candidacy import CLAIM_DELAY_PER_GROUP_SECONDS, Candidacy
+from mqks.server.cluster.candidacy import CLAIM_DELAY_CAP_SECONDS, CLAIM_DELAY_PER_GROUP_SECONDS, Candidacy
 from mqks.server.cluster.election import BALANCE_SECONDS, STANDBY_REPORT_SECONDS, Standby, replay_as_candidate
 from mqks.server.journal.jetstream_log import EPOCH, FRAME, HANDOFF, OWNER, Replayer
 
@@ -233,7 +233,7 @@ def test_a_node_that_owns_groups_claims_later_by_its_claim_delay():
 
     assert claimed_after(0) == pytest.approx(LEASE, abs=0.06)
     assert claimed_after(2) == pytest.approx(LEASE + 2 * CLAIM_DELAY_PER_GROUP_SECONDS, abs=0.06)
-    assert claimed_after(10) == pytest.approx(LEASE + 3.0, abs=0.06)  # capped
+    assert claimed_after(10) == pytest.approx(LEASE + CLAIM_DELAY_CAP_SECONDS, abs=0.06)  # capped
 
 
 def test_a_hand_off_to_this_node_is_claimed_at_once_and_one_to_another_node_is_not():
