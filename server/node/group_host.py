@@ -26,11 +26,9 @@ from gevent import Greenlet
 
 from .config import FENCED_EXIT_CODE, Config
 from .listeners import CannotListen
+from .supervisor import restart_wait
 
 log = logging.getLogger("mqks.node")
-
-RESTART_BACKOFF_SECONDS = (0.0, 0.1, 0.5, 1.0, 2.0, 5.0)  # after 1, 2, ... quick ends in a row
-QUICK_END_SECONDS = 10.0  # a group that served longer than this starts its back-off over
 
 
 class GroupServer(Protocol):
@@ -122,8 +120,7 @@ class GroupHost:
             self.forget_ownership(group)
             if self.stopping:
                 return
-            quick_ends = quick_ends + 1 if time.monotonic() - started < QUICK_END_SECONDS else 1
-            wait = RESTART_BACKOFF_SECONDS[min(quick_ends - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
+            quick_ends, wait = restart_wait(quick_ends, time.monotonic() - started)  # as the supervisor's
             if code == FENCED_EXIT_CODE:
                 # an owner that stepped down, was taken over or handed its group on (or a standby that lost NATS)
                 log.info("group %d is not owned here now; standing by for it again%s", group,

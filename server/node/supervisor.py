@@ -37,6 +37,13 @@ WATCH_SECONDS = 1.0
 SUPERVISOR_PID_ENV = "MQKS_SUPERVISOR_PID"
 
 
+def restart_wait(quick_deaths: int, ran_seconds: float) -> tuple[int, float]:
+    """After one more death (a worker's, or a cluster group's server's in its process): the quick deaths in a row
+    now, and how long to wait before starting it again."""
+    deaths = quick_deaths + 1 if ran_seconds < QUICK_DEATH_SECONDS else 1
+    return deaths, RESTART_BACKOFF_SECONDS[min(deaths - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
+
+
 class Supervisor:
     """N worker processes under one parent."""
 
@@ -218,9 +225,7 @@ class Supervisor:
 
     def restart(self, worker: int, code: int) -> None:
         ran = time.monotonic() - self.started_at[worker]
-        deaths = self.quick_deaths.get(worker, 0) + 1 if ran < QUICK_DEATH_SECONDS else 1
-        self.quick_deaths[worker] = deaths
-        wait = RESTART_BACKOFF_SECONDS[min(deaths - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
+        self.quick_deaths[worker], wait = restart_wait(self.quick_deaths.get(worker, 0), ran)
         log.error("%s %d (pid %d) died (%s) after %.1f s; restarting it%s",
                   "process" if self.config.cluster else "worker", worker, self.children[worker].pid,
                   f"signal {-code}" if code < 0 else f"exit {code}", ran, f" in {wait:g} s" if wait else "")
