@@ -522,7 +522,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             return EXIT_OK
         if args.cluster_action == "remove":
             removed = asyncio.run(remove_cluster(urls, args.cluster, args.groups, access))
-            print(f"removed {len(removed)} streams: {', '.join(removed)}" if removed
+            print(f"removed {len(removed)} stream{'' if len(removed) == 1 else 's'}: {', '.join(removed)}" if removed
                   else f"cluster {args.cluster!r} has no streams of {args.groups} groups")
             return EXIT_OK
         if args.cluster_action == "move":

@@ -1,6 +1,6 @@
 """The operator's view of a cluster (`mqks cluster status|move|unpin|remove`): read from NATS, the groups'
-streams and the cluster's bucket, never from a broker; a move pins the group and asks its owner to hand it over.
-The nodes write what this reads (server/cluster/map.py)."""
+subjects in their streams and the cluster's bucket, never from a broker; a move pins the group and asks its owner
+to hand it over. The nodes write what this reads (server/cluster/map.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import json
 import time
 from typing import Any
 
-from mqks.common.cluster_names import bucket_of, group_count_of
+from mqks.common.cluster_names import Layout, bucket_of, group_name, layout_of, log_subject
 from mqks.common.nats_urls import NatsAccess, quiet_tls_noise, shown
 
 STANDBY_WAIT_SECONDS = 20.0  # `mqks cluster move` waits this long for the target node's standby to report
 # a standby reports every 10 s (server/cluster/election.py); silent for three reports, status calls it down
 STANDBY_DOWN_SECONDS = 30.0
+LAG_COUNTED = 100  # a standby's lag in a shared stream is counted frame by frame up to this
 
 
 async def connect(urls: list[str], access: NatsAccess | None) -> Any:
@@ -57,9 +58,51 @@ async def read_bucket(js: Any, bucket: str, keys: str = ">") -> dict[str, bytes]
     return values
 
 
+async def cluster_streams(js: Any, cluster: str) -> dict[Layout, dict[int, Any]]:
+    """The cluster's streams on NATS by layout: each group's stream info."""
+    layouts: dict[Layout, dict[int, Any]] = {}
+    for info in await js.streams_info():
+        found = layout_of(info.config.name or "", cluster)
+        if found is not None:
+            for group in found[1]:
+                layouts.setdefault(found[0], {})[group] = info
+    return layouts
+
+
+async def group_figures(js: Any, cluster: str, layout: Layout, group: int, info: Any) -> tuple[int, int, int | None]:
+    """A group's last sequence, messages and bytes (None in a shared stream: NATS counts bytes per stream)."""
+    from nats.js.errors import NotFoundError
+
+    if not layout.shared:
+        return int(info.state.last_seq), int(info.state.messages), int(info.state.bytes)
+    subject = log_subject(group_name(cluster, group, layout.groups))
+    try:
+        last_seq = int((await js.get_last_msg(info.config.name, subject)).seq or 0)
+    except NotFoundError:
+        last_seq = 0
+    return last_seq, int((info.state.subjects or {}).get(subject, 0)), None
+
+
+async def frames_after(js: Any, stream: str, layout: Layout, name: str, seq: int, last_seq: int) -> int:
+    """A standby's lag: the frames of group `name` after `seq`. In a shared stream the other groups' frames sit
+    between them: counted one by one (a standby is a few frames behind), up to LAG_COUNTED."""
+    from nats.js.errors import NotFoundError
+
+    if not layout.shared or seq >= last_seq:
+        return max(0, last_seq - seq)
+    frames = 0
+    while seq < last_seq and frames < LAG_COUNTED:
+        try:
+            seq = int((await js.get_msg(stream, seq + 1, subject=log_subject(name), next=True)).seq)
+        except NotFoundError:
+            break
+        frames += 1
+    return frames
+
+
 async def read_cluster(urls: list[str], cluster: str, access: NatsAccess | None = None) -> list[dict[str, Any]]:
     """One row per slot group: its stream, the NATS leader, the owner the map names and the one that answers its
-    ping, and each standby's lag behind the stream's last sequence."""
+    ping, and each standby's lag behind its last sequence."""
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
     from nats.js.errors import BucketNotFoundError
@@ -67,17 +110,18 @@ async def read_cluster(urls: list[str], cluster: str, access: NatsAccess | None 
     nc = await connect(urls, access)
     try:
         js = nc.jetstream(timeout=5)
-        streams = {}
-        layouts: set[int] = set()
-        for info in await js.streams_info():
-            found = group_count_of(info.config.name or "", cluster)
-            if found is not None:
-                streams[found[0]] = info
-                layouts.add(found[1])
+        layouts = await cluster_streams(js, cluster)
         if len(layouts) > 1:
-            raise ValueError(f"cluster {cluster!r} has streams of {len(layouts)} group counts on this NATS "
-                             f"({', '.join(map(str, sorted(layouts)))} groups): remove the one no node runs "
-                             f"(mqks cluster remove --cluster {cluster} --groups N --log ...)")
+            shown_layouts = ", ".join(f"{layout.groups} groups in {layout.streams} streams" for layout in layouts)
+            raise ValueError(f"cluster {cluster!r} has streams of {len(layouts)} layouts on this NATS "
+                             f"({shown_layouts}): remove the one no node runs (mqks cluster remove --cluster "
+                             f"{cluster} --groups N --log ...)")
+        layout, streams = next(iter(layouts.items())) if layouts else (Layout(0, 0), {})
+        if layout.shared:  # each subject's message count, in one stream info per stream
+            by_name = {info.config.name: info for info in streams.values()}
+            for name in by_name:
+                by_name[name] = await js.stream_info(name, subjects_filter=f"mqks.log.{cluster}-*")
+            streams = {group: by_name[info.config.name] for group, info in streams.items()}
         entries: dict[str, dict[str, Any]] = {}
         pins: dict[int, str] = {}
         try:
@@ -96,23 +140,25 @@ async def read_cluster(urls: list[str], cluster: str, access: NatsAccess | None 
                 continue
         rows = []
         for group, info in sorted(streams.items()):
+            name = group_name(cluster, group, layout.groups)
             try:
-                answer = await nc.request(f"mqks.owner.{info.config.name}", b"", timeout=1.0)
+                answer = await nc.request(f"mqks.owner.{name}", b"", timeout=1.0)
                 answering = json.loads(answer.data)
             except (NoRespondersError, NatsTimeout, ValueError):
                 answering = None
-            last_seq = int(info.state.last_seq)
+            last_seq, messages, size = await group_figures(js, cluster, layout, group, info)
             standbys = []
             for key, report in entries.items():
                 if key.startswith(f"standby.{group}."):
                     seen_ago = round(time.time() - float(report.get("at", 0)), 1)
-                    standbys.append({"node": report.get("node"), "lag": max(0, last_seq - int(report.get("seq", 0))),
+                    lag = await frames_after(js, info.config.name, layout, name, int(report.get("seq", 0)), last_seq)
+                    standbys.append({"node": report.get("node"), "lag": lag,
                                      "seen_seconds_ago": seen_ago, "down": seen_ago > STANDBY_DOWN_SECONDS})
             standbys.sort(key=lambda standby: str(standby["node"]))
             owner = entries.get(f"owner.{group}", {})
-            rows.append({"group": group, "stream": info.config.name,
+            rows.append({"group": group, "name": name, "stream": info.config.name,
                          "leader": (info.cluster.leader if info.cluster is not None else None),
-                         "last_seq": last_seq, "messages": info.state.messages, "bytes": info.state.bytes,
+                         "last_seq": last_seq, "messages": messages, "bytes": size,
                          "owner": owner.get("node"), "epoch": owner.get("epoch"),
                          "address": f"{owner.get('host')}:{owner.get('port')}" if owner else None,
                          "answering": (answering or {}).get("node"), "pinned": pins.get(group),
@@ -132,20 +178,18 @@ async def remove_cluster(urls: list[str], cluster: str, groups: int, access: Nat
     nc = await connect(urls, access)
     try:
         js = nc.jetstream(timeout=5)
-        doomed: list[str] = []
-        kept: list[str] = []
-        for info in await js.streams_info():
-            name = info.config.name or ""
-            found = group_count_of(name, cluster)
-            if found is not None:
-                (doomed if found[1] == groups else kept).append(name)
-        for name in sorted(doomed):
+        doomed: set[str] = set()
+        kept: set[str] = set()
+        for layout, streams in (await cluster_streams(js, cluster)).items():
+            (doomed if layout.groups == groups else kept).update(info.config.name for info in streams.values())
+        for group in range(groups) if doomed else ():
+            name = group_name(cluster, group, groups)
             try:
                 answer = await nc.request(f"mqks.owner.{name}", b"", timeout=1.0)
             except (NoRespondersError, NatsTimeout):
                 continue
             node = json.loads(answer.data).get("node", "?") if answer.data else "?"
-            raise ValueError(f"node {node} still owns {name}: stop that cluster's nodes first")
+            raise ValueError(f"node {node} still owns group {name}: stop that cluster's nodes first")
         for name in sorted(doomed):
             await js.delete_stream(name)
         if doomed and not kept:
@@ -201,7 +245,7 @@ async def move_group(urls: list[str], cluster: str, group: int, node: str, timeo
         kv = await nc.jetstream(timeout=5).key_value(bucket_of(cluster))
         await kv.put(f"pin.{group}", node.encode())
         try:
-            await nc.request(f"mqks.move.{row['stream']}", node.encode(), timeout=5)
+            await nc.request(f"mqks.move.{row['name']}", node.encode(), timeout=5)
         except (NoRespondersError, NatsTimeout):
             raise ValueError(f"group {group} has no owner that answers: a standby takes it over after the lease") \
                 from None

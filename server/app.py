@@ -243,7 +243,7 @@ class Server:
 
     def open_stream(self) -> JetStreamLog:
         """--log: this worker's stream on the NATS cluster (the cluster extra is imported only here)."""
-        from ..common.cluster_names import stream_of
+        from ..common.cluster_names import Layout, stream_of
         from ..common.nats_urls import log_urls, nats_access
         from .journal.jetstream_log import JetStreamLog
         from .journal.nats_bridge import BridgeError
@@ -251,6 +251,12 @@ class Server:
         config = self.config
         stream = config.log_stream if config.workers == 1 and not config.cluster else (
             stream_of(config.log_stream, config.worker_index or 0, config.workers))
+        group: str | None = None
+        subjects: list[str] | None = None
+        layout = Layout(config.groups, config.streams)
+        if config.cluster is not None and layout.shared:
+            group, subjects = stream, layout.subjects_of(config.cluster, config.worker_index or 0)
+            stream = layout.stream_of(config.cluster, config.worker_index or 0)
         owner = f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
         if config.cluster is not None:
             from .cluster.node import owner_description
@@ -262,7 +268,7 @@ class Server:
                             takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
                             lease_seconds=config.lease_seconds if config.cluster else None, node=config.node,
                             nats_options=nats_access(config).connect_options(log_urls(config.log)),
-                            shared=self.shared_nats)
+                            shared=self.shared_nats, group=group, stream_subjects=subjects)
         try:
             log_.open()
         except BridgeError as e:

@@ -129,6 +129,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
                              "(default: --host)")
     parser.add_argument("--groups", type=int, default=d.groups, metavar="N",
                         help="with --cluster: slot groups (the same on every node; default: %(default)s)")
+    parser.add_argument("--streams", type=int, default=d.streams, metavar="S",
+                        help="with --cluster: JetStream streams the groups share, at most --groups (the same on "
+                             "every node; a cluster made before 2026-11-28 has a stream per group: --streams N "
+                             "with its --groups N; default: %(default)s)")
     parser.add_argument("--processes", type=worker_count, default=d.processes,
                         help="with --cluster: processes on this node, each holding several of the slot groups; `auto` "
                              "(or 0, the default) for one per core")
@@ -183,7 +187,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                  ("--max-output-bytes", args.max_output_bytes, 4096),
                                  ("--log-segment-bytes", args.log_segment_bytes, 1),
                                  ("--log-replicas", args.log_replicas, 1), ("--log-timeout", args.log_timeout, 1),
-                                 ("--groups", args.groups, 1), ("--lease", args.lease_seconds, 3),
+                                 ("--groups", args.groups, 1), ("--streams", args.streams, 1),
+                                 ("--lease", args.lease_seconds, 3),
                                  ("--processes", args.processes, 0),
                                  ("--compact-min-bytes", args.compact_min_bytes, 0),
                                  ("--metrics-port", args.metrics_port, 1),
@@ -199,6 +204,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         parser.error("--metrics-port must differ from --port")
     if args.processes and args.cluster is None:
         parser.error("--processes needs --cluster (one broker's processes are --workers)")
+    if args.streams != d.streams and args.cluster is None:
+        parser.error("--streams needs --cluster (a worker of several has a stream of its own)")
     check_tls_args(parser, args)
     check_log_args(parser, args)
     return Config(**vars(args))
@@ -253,6 +260,9 @@ def check_cluster_args(parser: Parser, args: argparse.Namespace) -> None:
                          f"--port, so give --advertise {host} --port {port}")
         if not re.fullmatch(r"[A-Za-z0-9_.:-]+", args.advertise):
             parser.error(f"--advertise must be a host name or an IP address, not {args.advertise!r}")
+    if args.streams > args.groups:
+        parser.error(f"--streams must be at most --groups ({args.groups}), not {args.streams}: a group's frames are "
+                     "in one stream")
     args.workers = args.groups
     args.processes = min(args.processes or worker_count("auto"), args.groups)
     args.log_stream = args.cluster

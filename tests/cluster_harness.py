@@ -26,6 +26,7 @@ from conftest import READY_TIMEOUT_SECONDS, BrokerProcess, child_pids
 from helpers import free_port
 from waiting import wait_for
 
+from mqks.common.cluster_names import Layout, group_name, log_subject
 from mqks.server.dispatch.slots import owner_of
 
 T = TypeVar("T")
@@ -97,13 +98,14 @@ class Cluster:
 
     def __init__(self, name: str, urls: list[str], nodes: tuple[str, ...] = ("A", "B", "C"), groups: int = 4,
                  lease: float = 6.0, node_urls: dict[str, list[str]] | None = None,
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), streams: int = 1) -> None:
         Cluster.made.append(self)
         self.name = name
         self.urls = urls
         self.groups = groups
+        self.layout = Layout(groups, streams)
         self.lease = lease
-        self.args = (*self.args_for(name, groups, lease), *extra)
+        self.args = (*self.args_for(name, groups, lease), "--streams", str(streams), *extra)
         self.nodes: dict[str, ClusterNode] = {}
         for node in nodes:  # started together, as an operator's three hosts would be
             log = ",".join((node_urls or {}).get(node, urls))  # a node may reach NATS its own way (a proxy)
@@ -113,6 +115,36 @@ class Cluster:
     def args_for(name: str, groups: int, lease: float) -> tuple[str, ...]:
         """mqksd's flags for a node of cluster `name` (but --node and --log)."""
         return ("--cluster", name, "--groups", str(groups), "--lease", str(lease), "--eval")
+
+    def group_name(self, group: int) -> str:
+        """The group's name: its subjects (mqks.log.NAME, mqks.owner.NAME) say it."""
+        return group_name(self.name, group, self.groups)
+
+    def stream_of(self, group: int) -> str:
+        return self.layout.stream_of(self.name, group)
+
+    def group_log(self, group: int) -> list[dict[str, str]]:
+        """The headers of every message of the group's log still in its stream, in order (read from NATS)."""
+
+        async def read() -> list[dict[str, str]]:
+            import nats
+            from nats.js.errors import NotFoundError
+
+            nc = await nats.connect(servers=self.urls)
+            try:
+                js, stream, subject = nc.jetstream(), self.stream_of(group), log_subject(self.group_name(group))
+                seq, headers = 0, []
+                while True:
+                    try:
+                        msg = await js.get_msg(stream, seq + 1, subject=subject, next=True)
+                    except NotFoundError:
+                        return headers
+                    seq = int(msg.seq)
+                    headers.append(dict(msg.headers or {}))
+            finally:
+                await nc.close()
+
+        return asyncio.run(read())
 
     def ports(self, alive_only: bool = True) -> list[int]:
         return [node.port for node in self.nodes.values() if node.alive() or not alive_only]

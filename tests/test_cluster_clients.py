@@ -36,7 +36,9 @@ def node_logs_on_failure(request):
 @pytest.fixture
 def cluster(shared_nats_cluster):
     _, urls = shared_nats_cluster
-    made = Cluster(unique("cc").replace("-", "_"), urls, lease=LEASE)
+    # a stream per group, as clusters made before groups shared streams (--streams = --groups): their failovers
+    # are this module's; test_cluster.py's run on the default, one stream for every group
+    made = Cluster(unique("cc").replace("-", "_"), urls, lease=LEASE, streams=4)
     made.wait_balanced()
     yield made
     made.stop()

@@ -142,12 +142,13 @@ def test_a_standby_of_a_killed_node_is_shown_down(shared_nats_cluster):
 
 
 def test_a_cluster_name_reused_with_other_groups_is_refused_until_removed(shared_nats_cluster):
-    """A node started with another --groups than the streams of its cluster's name refuses to start and says
-    what differs and what to do; `mqks cluster remove` refuses while a node owns the old groups, then deletes
-    them, and the new layout starts."""
+    """A node started with another --groups (or --streams) than the streams of its cluster's name refuses to start
+    and says what differs and what to do; `mqks cluster remove` refuses while a node owns the old groups, then
+    deletes them, and the new layout starts. The old cluster has a stream per group, as clusters made before
+    groups shared streams: a node of today's defaults is refused there too, and told the flags that fit."""
     _, urls = shared_nats_cluster
     name = unique("reuse").replace("-", "_")
-    old = Cluster(name, urls, nodes=("A",), groups=2, lease=6.0)
+    old = Cluster(name, urls, nodes=("A",), groups=2, lease=6.0, streams=2)
     new = None
     try:
         old.wait_owned()
@@ -156,8 +157,12 @@ def test_a_cluster_name_reused_with_other_groups_is_refused_until_removed(shared
                                capture_output=True, text=True, timeout=60)
         assert stray.returncode == 1
         log = stray.stderr
-        assert f"cluster {name!r} already has 2 groups" in log and "--groups 3" in log, log
-        assert "start it with --groups 2" in log, log
+        assert f"cluster {name!r} already has 2 groups in 2 streams" in log and "--groups 3 --streams 1" in log, log
+        assert "start it with --groups 2 --streams 2" in log, log
+        upgraded = subprocess.run([sys.executable, "-m", "mqks.server", "--port", str(free_port()),
+                                   *Cluster.args_for(name, 2, 6.0), "--log", ",".join(urls), "--node", "B"],
+                                  capture_output=True, text=True, timeout=60)
+        assert upgraded.returncode == 1 and "start it with --groups 2 --streams 2" in upgraded.stderr, upgraded.stderr
 
         done = mqks_cluster("remove", "--groups", "2", "--cluster", name, "--log", ",".join(urls))
         assert done.returncode != 0 and "still owns" in done.stderr, (done.stdout, done.stderr)
@@ -170,21 +175,15 @@ def test_a_cluster_name_reused_with_other_groups_is_refused_until_removed(shared
         new.wait_owned()
         done = mqks_cluster("status", "--json", "--cluster", name, "--log", ",".join(urls))
         assert done.returncode == 0, done.stderr
-        assert [row["stream"] for row in json.loads(done.stdout)] == [f"{name}-{g}-of-3" for g in range(3)]
+        rows = json.loads(done.stdout)
+        assert [row["stream"] for row in rows] == [f"{name}-g3-s0-of-1"] * 3  # one stream the three groups share
+        assert [row["name"] for row in rows] == [f"{name}-{g}-of-3" for g in range(3)]
+        done = mqks_cluster("remove", "--groups", "3", "--cluster", name, "--log", ",".join(urls))
+        assert done.returncode != 0 and "still owns" in done.stderr, (done.stdout, done.stderr)
     finally:
         old.stop()
         if new is not None:
             new.stop()
-
-
-@pytest.mark.parametrize("stream, cluster, expected", [
-    ("demo-3-of-16", "demo", (3, 16)), ("demo-x-3-of-16", "demo-x", (3, 16)), ("demo-x-3-of-16", "demo", None),
-    ("KV_mqks-demo", "demo", None), ("demo", "demo", None), ("demo-a-of-4", "demo", None)])
-def test_a_stream_name_is_read_as_its_group_and_group_count(stream, cluster, expected):
-    """The layout check and status tell a cluster's streams (and their --groups) from every other stream."""
-    from mqks.common.cluster_names import group_count_of
-
-    assert group_count_of(stream, cluster) == expected
 
 
 def test_a_node_id_in_use_by_a_running_node_is_refused(shared_nats_cluster):

@@ -39,7 +39,8 @@ class Reading(Protocol):
 class FollowedStream(Protocol):
     """What the election needs of the storage log: read, follow, look at the tail, append conditionally."""
 
-    stream: str
+    name: str  # the group's log: its owner ping and hand-off subjects say it
+    label: str  # the log as log lines name it
 
     def start_reading(self) -> Any: ...
 
@@ -79,7 +80,7 @@ def replay_as_candidate(stream: FollowedStream, standby: Standby) -> Iterator[by
         if record is not None:
             yield record
             return
-        log.info("stream %s: another node took it over first; standing by again", stream.stream)
+        log.info("%s: another node took it over first; standing by again", stream.label)
 
 
 class Standby:
@@ -105,11 +106,11 @@ class Standby:
         now = clock()
         if owner is None:  # nobody answers for it: a new cluster, or its owner is gone
             expires = now + candidacy.first_claim_delay
-            log.info("stream %s: no owner answers; claiming it in %.1f s unless another node does first",
-                     stream.stream, expires - now)
+            log.info("%s: no owner answers; claiming it in %.1f s unless another node does first",
+                     stream.label, expires - now)
         else:
             expires = now + lease
-            log.info("stream %s: owned by %s; standing by (lease %g s)", stream.stream, owner, lease)
+            log.info("%s: owned by %s; standing by (lease %g s)", stream.label, owner, lease)
         reported = claimed_at = tail_checked_at = -1e9
         balanced_at = heard_at = now  # heard_at: the last frame followed (the owner's heartbeat)
         following = False
@@ -117,7 +118,7 @@ class Standby:
         replayer.handoff = None  # a hand-off read before this node stood by was meant for the standbys of then
         while True:
             if replayer.handoff in (candidacy.node, "*"):
-                log.info("stream %s: handed to this node by %s", stream.stream, replayer.owner)
+                log.info("%s: handed to this node by %s", stream.label, replayer.owner)
                 stream.stop_following(reading)
                 return
             now = clock()
@@ -128,7 +129,7 @@ class Standby:
                     if expires > now:
                         continue
                 if owner is not None:
-                    log.warning("stream %s: nothing from its owner %s for %g s: taking it over", stream.stream,
+                    log.warning("%s: nothing from its owner %s for %g s: taking it over", stream.label,
                                 replayer.owner or "?", lease)
                 stream.stop_following(reading)
                 return
@@ -149,7 +150,7 @@ class Standby:
                         following = False
                         expires = clock() + lease
             except (gevent.Timeout, Exception) as e:  # NATS unreachable: this node could not take over either
-                log.warning("stream %s: following it failed (%r); again", stream.stream, e)
+                log.warning("%s: following it failed (%r); again", stream.label, e)
                 following = False
                 self.sleep(RETRY_SECONDS)
                 continue
@@ -189,16 +190,16 @@ class Standby:
             return
         if not candidacy.may_pull():
             return
-        stream = self.stream.stream
-        log.info("stream %s: %s: asking for it", stream, why)
+        label = self.stream.label
+        log.info("%s: %s: asking for it", label, why)
         try:
-            answer = cluster_map.ask_for_group(stream, candidacy.node)
+            answer = cluster_map.ask_for_group(self.stream.name, candidacy.node)
         except Exception as e:
-            log.info("stream %s: its owner did not take the request (%s)", stream, e)
+            log.info("%s: its owner did not take the request (%s)", label, e)
             candidacy.end_pull()
             return
         if not answer.get("ok"):  # another node's standby asked first: this node's turn to pull is over
-            log.info("stream %s: its owner hands it to node %s instead", stream, answer.get("to"))
+            log.info("%s: its owner hands it to node %s instead", label, answer.get("to"))
             candidacy.end_pull()
 
 
@@ -208,14 +209,14 @@ class HandOffRequests:
 
     def __init__(self, node: str, owner: str, wake: Callable[[], None]) -> None:
         self.node = node
-        self.owner = owner  # as the stream's owner describes itself
+        self.owner = owner  # as the group's owner describes itself
         self.wake = wake  # tells the hub (Server.on_log_wake), from the asyncio thread
         self.move_to: str | None = None
 
-    def answer(self, stream: str, asked_for: str) -> bytes:
+    def answer(self, name: str, asked_for: str) -> bytes:
         """The answer to one request (in the asyncio thread): ok when the group goes to the node asked for."""
         if self.move_to is None and asked_for != self.node:
-            log.warning("stream %s: asked to hand the group over to node %s", stream, asked_for)
+            log.warning("group %s: asked to hand it over to node %s", name, asked_for)
             self.move_to = asked_for
             self.wake()
         # not ok: it goes to another node already (two standbys asked at once), not to this one

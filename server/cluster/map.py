@@ -236,22 +236,22 @@ class ClusterMap:
             self._kv = None
             log.debug("group %d: standby report failed: %s", candidacy.group, e)
 
-    def ask_for_group(self, stream: str, node: str) -> dict[str, Any]:
-        """Ask the owner of `stream` to hand it to `node`; its answer (`ok`, and the node it goes `to`)."""
-        reply = self.bridge.run(lambda nc: nc.request(f"mqks.move.{stream}", node.encode(), timeout=ASK_SECONDS),
+    def ask_for_group(self, name: str, node: str) -> dict[str, Any]:
+        """Ask the owner of group `name` to hand it to `node`; its answer (`ok`, and the node it goes `to`)."""
+        reply = self.bridge.run(lambda nc: nc.request(f"mqks.move.{name}", node.encode(), timeout=ASK_SECONDS),
                                 timeout=ASK_SECONDS * 2)
         return dict(json.loads(reply.data))
 
-    def serve_hand_offs(self, stream: str, hand_offs: HandOffRequests) -> None:
-        """This process owns `stream`'s group now: answer the requests to hand it over."""
+    def serve_hand_offs(self, name: str, hand_offs: HandOffRequests) -> None:
+        """This process owns group `name` now: answer the requests to hand it over."""
 
         async def subscribe(nc: Any) -> None:
             async def on_request(msg: Any) -> None:
-                answer = hand_offs.answer(stream, msg.data.decode(errors="replace").strip())
+                answer = hand_offs.answer(name, msg.data.decode(errors="replace").strip())
                 if msg.reply:
                     await nc.publish(msg.reply, answer)
 
-            await nc.subscribe(f"mqks.move.{stream}", cb=on_request)
+            await nc.subscribe(f"mqks.move.{name}", cb=on_request)
 
         self.bridge.spawn(subscribe)
 

@@ -66,7 +66,7 @@ class ClusterGroup:
             about["tls_port"] = tls_port
         self.map.entries[self.group] = about
         self.map.start(about)
-        self.map.serve_hand_offs(self.stream_log.stream, self.hand_offs)
+        self.map.serve_hand_offs(self.stream_log.name, self.hand_offs)
         if config.run_dir is not None:
             self.node_dir.owner_of(self.group)
 

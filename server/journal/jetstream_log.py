@@ -12,12 +12,18 @@ max_payload is split in parts, `Mqks-More` on all but the last). Headers on ever
                                        at once with one Msg-Id would both be told they won
     Nats-Expected-Last-Sequence: N     the fence: JetStream refuses the append if anything else came after N
 
-One writer per stream. The writer sends many frames in flight, each expecting the sequence the one before
-it will get, and reports a commit durable once the frame holding it and every frame before it have their
-PubAck. Its first refusal, error or timeout stops the sending: it waits for what is in flight, reads the
-stream's tail from the leader, and then either finds a frame of a higher epoch (taken over: it stops and
-fails what waits) or goes on, sending again what the tail does not hold. A leader change inside NATS is
-such a refusal with no rival: nothing is failed for it.
+A cluster's slot groups share streams (`--streams`): a group's log is then its subject, `mqks.log.GROUP`, and
+everything below reads and writes that subject alone, fenced by `Nats-Expected-Last-Subject-Sequence` (the
+group's last sequence). That fence names the sequence of the frame before, known once it is stored: such a
+writer has one frame in flight. NATS may refuse a right subject fence for the moment (error 10164, "wrong last
+sequence" with no number, bench/subject_fencing.py): the same frame is sent again. 10071 is a real fence.
+
+One writer per stream (or subject). The writer of a stream of its own sends many frames in flight, each
+expecting the sequence the one before it will get, and reports a commit durable once the frame holding it
+and every frame before it have their PubAck. Its first refusal, error or timeout stops the sending: it waits
+for what is in flight, reads the stream's tail from the leader, and then either finds a frame of a higher
+epoch (taken over: it stops and fails what waits) or goes on, sending again what the tail does not hold. A
+leader change inside NATS is such a refusal with no rival: nothing is failed for it.
 
 Replay keeps, per epoch, the frames in counter order and ignores every frame of an epoch lower than the
 highest it has seen: after a takeover, frames a stopped writer still had in flight may be stored behind
@@ -40,7 +46,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import gevent
@@ -58,9 +64,15 @@ HANDOFF = "Mqks-Handoff"  # on an owner's last frame: the node it hands its grou
 SNAPSHOT = "Mqks-Snapshot"  # on a snapshot's first frame: a reader that missed the frames before it may start there
 MSG_ID = "Nats-Msg-Id"
 EXPECTED = "Nats-Expected-Last-Sequence"
-WRONG_LAST_SEQUENCE = 10071
+EXPECTED_OF_SUBJECT = "Nats-Expected-Last-Subject-Sequence"  # a group's fence in a stream it shares
+WRONG_LAST_SEQUENCE = 10071  # a fence: something else was appended (the text says the last sequence)
+# "wrong last sequence" with no number: a shared stream's leader refusing a right expectation for the moment
+# (bench/subject_fencing.py: 4 in 117,830 frames); the same frame, sent again, is stored once
+WRONG_LAST_SEQUENCE_FOR_NOW = 10164
+NOT_FOUND = 10037
+RESEND_SECONDS = 0.005
 
-MAX_IN_FLIGHT = 32  # frames sent and not yet answered
+MAX_IN_FLIGHT = 32  # frames sent and not yet answered (a group of a shared stream: one, see _send)
 MAX_IN_FLIGHT_BYTES = 32 << 20  # JetStream's ingest queue holds 128 MiB: stay well under it
 FRAME_BYTES = 1 << 20  # commits waiting to be sent are merged into frames up to this (or max_payload)
 ACK_SECONDS = 2.0  # a frame with no answer after this: read the tail (an election answers 503 at once)
@@ -71,6 +83,8 @@ FOLLOW_IDLE_SECONDS = 10.0  # NATS drops a standby's push consumer this long aft
 REPLAY_RETRY_SECONDS = 30.0  # replay: a read that keeps failing this long (NATS away) ends the start
 STARTING_NATS_SECONDS = 30.0  # open: JetStream calls that time out this long (a NATS just started) end the start
 OWNER_PING_SECONDS = 1.5
+FIGURES_SECONDS = 10.0  # a group of a shared stream: its stream's figures are read this often
+SUBJECTS_OVERLAP = 10065
 PUBACK_SAMPLES = 1024
 REPLICAS_FALLBACK_ERRORS = (10074, 10005)  # insufficient resources, R>1 on a single server
 PURGE_RETRY_FIRST_SECONDS = 1.0  # a failed purge is tried again after this, doubling up to the next
@@ -172,11 +186,22 @@ class JetStreamLog:
     def __init__(self, servers: list[str], stream: str, owner: str, replicas: int = 3, takeover: bool = False,
                  timeout_seconds: float = 15.0, wake: Callable[[], None] = lambda: None,
                  connect_timeout: float = 5.0, lease_seconds: float | None = None, node: str | None = None,
-                 nats_options: dict[str, Any] | None = None, shared: SharedNats | None = None) -> None:
+                 nats_options: dict[str, Any] | None = None, shared: SharedNats | None = None,
+                 group: str | None = None, stream_subjects: list[str] | None = None) -> None:
         self.servers = servers
         self.stream = stream
-        self.subject = f"mqks.log.{stream}"
-        self.owner_subject = f"mqks.owner.{stream}"
+        # a cluster's slot group in a stream it shares with others (`group`: its name, `stream_subjects`: every
+        # group's subject): it reads and writes its subject alone, fenced by the subject's last sequence
+        self.name = group or stream
+        self.in_shared_stream = group is not None
+        self.label = f"group {group}" if group is not None else f"stream {stream}"
+        self.subject = f"mqks.log.{self.name}"
+        self.stream_subjects = stream_subjects or [self.subject]
+        self._fence = EXPECTED_OF_SUBJECT if self.in_shared_stream else EXPECTED
+        # a shared stream's subject fence names the previous frame's sequence, known once it is stored: one frame in
+        # flight (commits waiting meanwhile go in the next, fuller one); a stream of its own pipelines its frames
+        self.max_in_flight = 1 if self.in_shared_stream else MAX_IN_FLIGHT
+        self.owner_subject = f"mqks.owner.{self.name}"
         self.owner = owner
         self.replicas = replicas
         self.takeover = takeover
@@ -242,7 +267,8 @@ class JetStreamLog:
         # frame (a pull per frame was most of a standby's CPU and of NATS's API load, issue 40)
         self._follower: Any = None  # the subscription on the push consumer's deliver subject
         self._followed: deque[tuple[int, dict[str, str] | None, bytes]] = deque()  # asyncio appends, hub pops
-        self._follow_next = 0  # the sequence the follower expects next (asyncio side)
+        self._follow_next = 0  # the follower's next frame is at this sequence or after it (asyncio side)
+        self._follow_next_delivery = 1  # the consumer's count of the frame it sends next
         self._follow_generation = 0  # frames from a follower of another generation are a replaced one's
         self._follow_event = Event()  # hub side: set when frames wait in _followed
         self._refollowing: asyncio.Future[None] | None = None
@@ -250,6 +276,7 @@ class JetStreamLog:
         self._puback_ms: deque[float] = deque(maxlen=PUBACK_SAMPLES)
         self._stream_bytes = 0
         self._stream_messages = 0
+        self._figures_at = 0.0
         self._leader = ""
         self._stalls = 0
         self._purges = 0
@@ -277,7 +304,7 @@ class JetStreamLog:
             if not self.takeover:
                 owner = self.ask_owner()
                 if owner is not None:
-                    raise LogOwned(f"stream {self.stream} is owned by {owner}, which is running: stop it first, "
+                    raise LogOwned(f"{self.label} is owned by {owner}, which is running: stop it first, "
                                    "or start with --takeover to fence it off")
             record = self.take_over(reading)
             if record is not None:
@@ -305,12 +332,12 @@ class JetStreamLog:
                 failing_since = failing_since or now
                 if now - failing_since > REPLAY_RETRY_SECONDS:
                     raise
-                log.warning("stream %s: reading it failed (%r); again", self.stream, e)
+                log.warning("%s: reading it failed (%r); again", self.label, e)
                 gevent.sleep(RETRY_SECONDS)
                 continue
             failing_since = 0.0
             if not batch:
-                raise BridgeError(f"stream {self.stream}: no message after sequence {reading.read} of "
+                raise BridgeError(f"{self.label}: no message after sequence {reading.read} of "
                                   f"{reading.last_seq}")
             yield from self._feed(reading, batch)
 
@@ -336,12 +363,12 @@ class JetStreamLog:
             reading.last_seq = run(self._last_seq, timeout=60)
             return None
         if answer.error:
-            raise BridgeError(f"stream {self.stream}: the takeover was refused: {answer.error}")
+            raise BridgeError(f"{self.label}: the takeover was refused: {answer.error}")
         if replayer.epoch:
-            log.info("stream %s: taken over from %s (epoch %d -> %d)", self.stream, replayer.owner or "?",
+            log.info("%s: taken over from %s (epoch %d -> %d)", self.label, replayer.owner or "?",
                      replayer.epoch, self.epoch)
         else:
-            log.info("stream %s: taken (epoch %d)", self.stream, self.epoch)
+            log.info("%s: taken (epoch %d)", self.label, self.epoch)
         self._ignored_frames = replayer.ignored
         self._tail_seq = self._stored_seq = answer.seq
         self._k = 0
@@ -382,7 +409,7 @@ class JetStreamLog:
         try:
             self.bridge.run(stop, timeout=30)
         except (BridgeError, gevent.Timeout) as e:
-            log.warning("stream %s: stopping its follower failed (%r)", self.stream, e)
+            log.warning("%s: stopping its follower failed (%r)", self.label, e)
 
     def commit(self, new_segment: bool = False, completes: bool | None = None) -> int | None:
         """Close the open batch into one commit for the writer; its number, or None when empty.
@@ -467,13 +494,13 @@ class JetStreamLog:
                and time.monotonic() < deadline):
             gevent.sleep(0.01)
         if self._durable < self._commits and self.fenced_by is None:
-            log.error("closing stream %s: %d bytes of unconfirmed records are not stored (%s); stopping without "
-                      "them", self.stream, self.unsynced_bytes, self.blocked or "NATS does not answer")
+            log.error("closing %s: %d bytes of unconfirmed records are not stored (%s); stopping without "
+                      "them", self.label, self.unsynced_bytes, self.blocked or "NATS does not answer")
         elif self.handoff_to is not None and self.fenced_by is None and not self._writer_done:
             self.bridge.call_soon(self._add_handoff)
             while self._handoff_k != -1 and not self._writer_done and time.monotonic() < deadline:
                 gevent.sleep(0.01)
-            log.info("stream %s: handed over to node %s%s", self.stream, self.handoff_to,
+            log.info("%s: handed over to node %s%s", self.label, self.handoff_to,
                      "" if self._handoff_k == -1 else " (its frame is not stored: it takes over after the lease)")
         self._stopping = True
         if not self._writer_done:
@@ -506,13 +533,13 @@ class JetStreamLog:
             except (NatsTimeout, NoRespondersError, ServiceUnavailableError) as e:
                 if time.monotonic() > deadline:
                     raise
-                log.warning("stream %s: JetStream does not answer yet (%s); asking again", self.stream,
+                log.warning("%s: JetStream does not answer yet (%s); asking again", self.label,
                             type(e).__name__)
                 await asyncio.sleep(RETRY_SECONDS)
         if info is None:
             replicas = self.replicas
             while True:
-                config = StreamConfig(name=self.stream, subjects=[self.subject], num_replicas=replicas,
+                config = StreamConfig(name=self.stream, subjects=self.stream_subjects, num_replicas=replicas,
                                       storage=StorageType.FILE, discard=DiscardPolicy.NEW, allow_rollup_hdrs=True,
                                       allow_direct=False, duplicate_window=120.0)
                 try:
@@ -521,7 +548,7 @@ class JetStreamLog:
                 except (NatsTimeout, NoRespondersError, ServiceUnavailableError) as e:
                     if time.monotonic() > deadline:
                         raise
-                    log.warning("stream %s: JetStream does not answer yet (%s); asking again", self.stream,
+                    log.warning("%s: JetStream does not answer yet (%s); asking again", self.label,
                                 type(e).__name__)
                     await asyncio.sleep(RETRY_SECONDS)
                     try:  # a create that timed out may have been made meanwhile
@@ -531,13 +558,18 @@ class JetStreamLog:
                         continue
                 except APIError as e:
                     if replicas > 1 and e.err_code in REPLICAS_FALLBACK_ERRORS:
-                        log.warning("stream %s: NATS cannot place %d replicas (%s): trying %d", self.stream,
+                        log.warning("%s: NATS cannot place %d replicas (%s): trying %d", self.label,
                                     replicas, e.description, replicas - 1)
                         replicas -= 1
                         continue
-                    raise BridgeError(f"cannot create stream {self.stream}: {e.description}") from None
+                    hint = (": the cluster's groups are in streams of another layout on this NATS (every node must "
+                            "run the same --groups and --streams)") if e.err_code == SUBJECTS_OVERLAP else ""
+                    raise BridgeError(f"cannot create stream {self.stream}: {e.description}{hint}") from None
             log.info("stream %s created on NATS: %d replicas, file storage", self.stream, replicas)
         config = info.config
+        if self.subject not in (config.subjects or []):
+            raise BridgeError(f"stream {self.stream} does not hold subject {self.subject} (its subjects: "
+                              f"{', '.join(config.subjects or [])}): it was made for another layout")
         limited = [name for name, value in (("max_msgs", config.max_msgs), ("max_bytes", config.max_bytes),
                                             ("max_age", config.max_age)) if value not in (None, -1, 0)]
         if limited and config.discard != DiscardPolicy.NEW:
@@ -549,6 +581,8 @@ class JetStreamLog:
             await asyncio.sleep(0.2)
             info = await js.stream_info(self.stream)
         self._note_info(info)
+        if self.in_shared_stream:
+            await self._note_figures(nc)
 
     def _note_info(self, info: Any) -> None:
         self._stream_bytes = info.state.bytes
@@ -556,9 +590,25 @@ class JetStreamLog:
         self._leader = (info.cluster.leader or "") if info.cluster is not None else ""
 
     async def _last_seq(self, nc: Any) -> int:
-        info = await nc.jetstream(timeout=5).stream_info(self.stream)
+        """The log's last sequence: the stream's; in a shared stream, its subject's (0: none yet)."""
+        js = nc.jetstream(timeout=5)
+        if not self.in_shared_stream:
+            info = await js.stream_info(self.stream)
+            self._note_info(info)
+            return int(info.state.last_seq)
+        from nats.js.errors import NotFoundError
+
+        try:
+            return int((await js.get_last_msg(self.stream, self.subject)).seq or 0)  # from the stream's leader
+        except NotFoundError:
+            return 0
+
+    async def _note_figures(self, nc: Any) -> None:
+        """The stream's figures for `stats()`; in a shared stream, the messages are its subject's."""
+        info = await nc.jetstream(timeout=5).stream_info(self.stream, subjects_filter=self.subject)
         self._note_info(info)
-        return int(info.state.last_seq)
+        if self.in_shared_stream:
+            self._stream_messages = int((info.state.subjects or {}).get(self.subject, 0))
 
     async def _open_reader(self, nc: Any, start_seq: int = 0) -> int:
         """A reader from `start_seq` (the start: 0); the stream's last sequence. A reader that cannot be made now
@@ -570,7 +620,7 @@ class JetStreamLog:
         try:
             await self._make_reader(nc)
         except Exception as e:  # a new R3 stream's consumer waits for its leader: the reads retry, the start goes on
-            log.warning("stream %s: no reader yet (%s); the next read makes one", self.stream, e or type(e).__name__)
+            log.warning("%s: no reader yet (%s); the next read makes one", self.label, e or type(e).__name__)
         return last_seq
 
     async def _make_reader(self, nc: Any) -> None:
@@ -617,24 +667,30 @@ class JetStreamLog:
         inbox = nc.new_inbox()
         # the subscription first: the consumer starts sending as soon as it exists
         self._follower = await nc.subscribe(inbox, cb=functools.partial(self._on_followed, self._follow_generation))
+        self._follow_next_delivery = 1
         await nc.jetstream(timeout=self.timeout_seconds)._jsm.add_consumer(self.stream, config=ConsumerConfig(
             deliver_subject=inbox, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
-            ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1, inactive_threshold=FOLLOW_IDLE_SECONDS))
+            filter_subject=self.subject, ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
+            inactive_threshold=FOLLOW_IDLE_SECONDS))
 
     async def _on_followed(self, generation: int, msg: Any) -> None:
         if generation != self._follow_generation:  # a replaced follower's last frames
             return
         if not msg.data and msg.headers and "Status" in msg.headers:  # an idle heartbeat or a flow control request
             return
-        seq = msg.metadata.sequence.stream
-        expected = self._follow_next
-        if seq != expected:
-            if seq > expected:  # a frame was lost on the way (a slow consumer): follow again from the gap
-                log.warning("stream %s: following it skipped %d frames; following again from %d", self.stream,
-                            seq - expected, expected)
+        sequence = msg.metadata.sequence
+        seq, delivery = sequence.stream, sequence.consumer
+        # the consumer counts what it delivers, one by one: a gap there is a frame lost on the way (a slow
+        # consumer); stream sequences have gaps of their own in a shared stream (the other groups' frames)
+        if delivery != self._follow_next_delivery or seq < self._follow_next:
+            if delivery > self._follow_next_delivery:  # follow again from the gap
+                expected = self._follow_next
+                log.warning("%s: following it skipped %d frames; following again from %d", self.label,
+                            delivery - self._follow_next_delivery, expected)
                 self._follow_generation += 1
                 self._refollowing = asyncio.ensure_future(self._follow(self.bridge.nc, expected, keep=True))
             return
+        self._follow_next_delivery = delivery + 1
         self._follow_next = seq + 1
         self._followed.append((seq, msg.headers, msg.data))
         if len(self._followed) == 1:  # the hub is told once per batch it has not taken yet
@@ -688,17 +744,21 @@ class JetStreamLog:
         from nats.errors import TimeoutError as NatsTimeout
 
         headers = {EPOCH: str(self.epoch), FRAME: "0", OWNER: self.owner,
-                   MSG_ID: f"{self.stream}.{self.epoch}.{self.writer_id}.0", EXPECTED: str(last_seq)}
+                   MSG_ID: f"{self.name}.{self.epoch}.{self.writer_id}.0", self._fence: str(last_seq)}
         deadline = time.monotonic() + 30
         while True:
             try:
                 msg = await nc.request(self.subject, record, timeout=ACK_SECONDS, headers=headers)
                 if msg.data:
-                    return parse_puback(0, msg.data)
+                    answer = parse_puback(0, msg.data)
+                    if answer.error_code != WRONG_LAST_SEQUENCE_FOR_NOW:
+                        return answer
+                    await asyncio.sleep(RESEND_SECONDS)
+                    continue
             except (NoRespondersError, NatsTimeout):
                 pass
             if time.monotonic() > deadline:
-                raise BridgeError(f"stream {self.stream}: no stream leader answers")
+                raise BridgeError(f"{self.label}: no stream leader answers")
             await asyncio.sleep(RETRY_SECONDS)  # an election: the same Msg-Id makes the retry safe
 
     # -- the writer ------------------------------------------------------------------------------
@@ -711,7 +771,7 @@ class JetStreamLog:
         try:
             await self._write_until_stopped(nc)
         except BaseException as e:  # a bug must not leave confirms waiting in silence
-            log.exception("the writer of stream %s failed", self.stream)
+            log.exception("the writer of %s failed", self.label)
             self._stop_with(f"the replicated log's writer failed: {e!r}")
         finally:
             self._writer_done = True
@@ -801,23 +861,24 @@ class JetStreamLog:
     async def _send(self, nc: Any) -> None:
         unsent = self._unsent
         publish, subject, inbox = nc.publish, self.subject, self._inbox
-        epoch, prefix = str(self.epoch), f"{self.stream}.{self.epoch}.{self.writer_id}."
-        while unsent and self._in_flight < MAX_IN_FLIGHT and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES:
+        epoch, prefix = str(self.epoch), f"{self.name}.{self.epoch}.{self.writer_id}."
+        fence, max_in_flight, own_stream = self._fence, self.max_in_flight, not self.in_shared_stream
+        while unsent and self._in_flight < max_in_flight and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES:
             frame = unsent.popleft()
             frame.token = token = next(self._tokens)
             frame.sent_at = self._last_sent_at = time.monotonic()
             self._by_token[token] = frame
             self._in_flight += 1
             self._in_flight_bytes += len(frame.payload)
-            headers = {EPOCH: epoch, FRAME: str(frame.k), MSG_ID: prefix + str(frame.k),
-                       EXPECTED: str(self._tail_seq)}
+            headers = {EPOCH: epoch, FRAME: str(frame.k), MSG_ID: prefix + str(frame.k), fence: str(self._tail_seq)}
             if frame.more:
                 headers[MORE] = "1"
             if frame.snapshot_starts:
                 headers[SNAPSHOT] = "1"
             if frame.handoff:
                 headers[HANDOFF] = frame.handoff
-            self._tail_seq += 1
+            if own_stream:
+                self._tail_seq += 1  # the next frame expects this one's sequence (in a shared one: set once stored)
             try:
                 await publish(subject, frame.payload, reply=f"{inbox}.{token}", headers=headers)
             except Exception as e:  # disconnected with a full buffer: the tail read settles it
@@ -830,11 +891,17 @@ class JetStreamLog:
             return  # answered after a tail read settled it
         self._in_flight -= 1
         self._in_flight_bytes -= len(frame.payload)
+
         status = (msg.headers or {}).get("Status") if not msg.data else None
         if status is not None:  # 503: no stream leader (an election)
             self._in_trouble(f"NATS status {status}")
         else:
             ack = parse_puback(frame.k, msg.data)
+            if ack.error_code == WRONG_LAST_SEQUENCE_FOR_NOW and self.in_shared_stream:
+                self._resent += 1
+                self._unsent.appendleft(frame)  # the same frame (its Msg-Id) again, in a moment
+                asyncio.get_running_loop().call_later(RESEND_SECONDS, self._poke)
+                return
             if ack.error:
                 self._in_trouble(f"error {ack.error_code}: {ack.error}")
             else:
@@ -853,13 +920,15 @@ class JetStreamLog:
     def _stored(self, frame: _Frame, seq: int) -> None:
         """`frame` is in the stream at `seq`: advance what is durable over every frame stored in order."""
         frame.seq = seq
+        if self.in_shared_stream and seq > self._tail_seq:
+            self._tail_seq = seq
         if self._stalled_since is not None:
-            log.info("stream %s: frames are stored again after %.1f s", self.stream,
+            log.info("%s: frames are stored again after %.1f s", self.label,
                      time.monotonic() - self._stalled_since)
             self._stalled_since = None
             self._stall_logged = False
             if self.blocked is not None and self.fenced_by is None:
-                log.warning("stream %s: the replicated log takes writes again", self.stream)
+                log.warning("%s: the replicated log takes writes again", self.label)
                 self.blocked = None
         frames = self._frames
         durable = self._durable
@@ -896,10 +965,11 @@ class JetStreamLog:
         pause = PURGE_RETRY_FIRST_SECONDS
         while not self._stopping and self.fenced_by is None and self._purging is asyncio.current_task():
             try:
-                await self.bridge.nc.jetstream(timeout=self.timeout_seconds).purge_stream(self.stream, seq=below)
+                await self.bridge.nc.jetstream(timeout=self.timeout_seconds).purge_stream(
+                    self.stream, seq=below, subject=self.subject if self.in_shared_stream else None)
             except Exception as e:
                 self._purge_failures += 1
-                log.warning("stream %s: purge below %d failed (%s): trying again in %g s", self.stream, below,
+                log.warning("%s: purge below %d failed (%s): trying again in %g s", self.label, below,
                             e or type(e).__name__, pause)
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, PURGE_RETRY_MAX_SECONDS)
@@ -915,6 +985,9 @@ class JetStreamLog:
         idle = not self._in_flight and not self._unsent
         try:
             last = await self._last_seq(nc)
+            if self.in_shared_stream and time.monotonic() - self._figures_at >= FIGURES_SECONDS:
+                self._figures_at = time.monotonic()
+                await self._note_figures(nc)  # a stream info a check was a third of an idle NATS's API calls
         except Exception:
             return
         if (last > expected and idle and expected == self._tail_seq and not self._in_flight and not self._unsent
@@ -926,7 +999,7 @@ class JetStreamLog:
         """After a refusal, an error or a timeout: settle every frame from the stream itself, then go on."""
         started = time.monotonic()
         if not self._stall_logged:  # once per stall, not once per tail read
-            log.warning("stream %s: %s; reading the tail", self.stream, self._trouble)
+            log.warning("%s: %s; reading the tail", self.label, self._trouble)
             self._stall_logged = True
             self._stalls += 1
         stalled_since = self._stalled_since or started
@@ -938,14 +1011,7 @@ class JetStreamLog:
         while not self._stopping and self.fenced_by is None:
             try:
                 last = await self._last_seq(nc)
-                base = self._stored_seq
-                for seq in range(base + 1, last + 1):
-                    try:
-                        msg = await js.get_msg(self.stream, seq)  # from the leader: a replica may be behind
-                    except Exception as e:
-                        if "no message found" in str(e).lower() or getattr(e, "err_code", 0) == 10037:
-                            continue
-                        raise
+                async for seq, msg in self._messages_after(js, self._stored_seq, last):
                     headers = msg.headers or {}
                     epoch = int(headers.get(EPOCH, 0))
                     if epoch > self.epoch:
@@ -966,17 +1032,40 @@ class JetStreamLog:
         # everything not stored goes again, in order, after the tail as it is now
         self._by_token.clear()
         self._in_flight = self._in_flight_bytes = 0
+
         again = sorted((f for f in self._frames.values() if not f.seq), key=lambda f: f.k)
         self._resent += sum(1 for f in again if f.token)
         self._unsent = deque(again)
         self._tail_seq = last
         self._trouble = None
-        log.debug("stream %s: tail read at sequence %d after %.1f s; %d frames go again", self.stream, last,
+        log.debug("%s: tail read at sequence %d after %.1f s; %d frames go again", self.label, last,
                  time.monotonic() - started, len(again))
         self.wake()
         if self._stalled_since is not None:
             await asyncio.sleep(RETRY_SECONDS)  # NATS refused or did not answer: do not spin on it
         self._poke()
+
+    async def _messages_after(self, js: Any, base: int, last: int) -> AsyncIterator[tuple[int, Any]]:
+        """The log's messages after sequence `base` up to `last`, each read from the stream's leader (a replica may
+        be behind); in a shared stream, its subject's alone."""
+        seq = base
+        while seq < last:
+            try:
+                if self.in_shared_stream:
+                    msg = await js.get_msg(self.stream, seq + 1, subject=self.subject, next=True)
+                    seq = int(msg.seq)
+                    if seq > last:
+                        return
+                else:
+                    seq += 1
+                    msg = await js.get_msg(self.stream, seq)
+            except Exception as e:
+                if "no message found" in str(e).lower() or getattr(e, "err_code", 0) == NOT_FOUND:
+                    if self.in_shared_stream:
+                        return
+                    continue
+                raise
+            yield seq, msg
 
     def _stall_too_long(self, reason: str) -> None:
         """Confirmed publishes are refused, and the commits waiting longer than the timeout are failed.
@@ -985,12 +1074,12 @@ class JetStreamLog:
         NATS takes the group over now, and this owner's clients must move there."""
         lease = self.lease_seconds
         if lease is not None and self._stalled_since is not None and time.monotonic() - self._stalled_since > lease:
-            log.error("stream %s: %s: this node steps down as its owner", self.stream, reason)
+            log.error("%s: %s: this node steps down as its owner", self.label, reason)
             self._stop_with(f"the replicated log has stored nothing for {lease:g} s: this node "
-                            f"stepped down as the owner of stream {self.stream}")
+                            f"stepped down as the owner of {self.label}")
             return
         if self.blocked is None:
-            log.error("stream %s: %s: confirmed publishes are refused until it answers", self.stream, reason)
+            log.error("%s: %s: confirmed publishes are refused until it answers", self.label, reason)
             self.blocked = "the replicated log does not answer"
         cutoff = time.monotonic() - self.timeout_seconds
         waiting = [*self._commit_times, *((number, at) for number, _, _, _, at in list(self._handed))]
@@ -1001,8 +1090,8 @@ class JetStreamLog:
             self.wake()
 
     def _fenced(self, owner: str, epoch: int) -> None:
-        log.critical("stream %s was taken over by %s (epoch %d > %d): this broker stops confirming and exits",
-                     self.stream, owner, epoch, self.epoch)
+        log.critical("%s was taken over by %s (epoch %d > %d): this broker stops confirming and exits",
+                     self.label, owner, epoch, self.epoch)
         self._stop_with(f"the log was taken over by {owner}")
 
     def _stop_with(self, reason: str) -> None:

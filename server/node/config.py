@@ -37,7 +37,8 @@ class Config:
     cluster: str | None = None  # with log: this node is one of a cluster of that name (slot groups over nodes)
     node: str | None = None  # with cluster: this node's name, unique in the cluster
     advertise: str | None = None  # with cluster: the host other nodes and clients dial (default: --host)
-    groups: int = 16  # with cluster: slot groups, each with its own stream, owner and standbys
+    groups: int = 16  # with cluster: slot groups, each with its own subject, owner and standbys
+    streams: int = 1  # with cluster: JetStream streams the groups' subjects share (groups: a stream each)
     processes: int = 0  # with cluster: processes on this node, each holding several groups (0: one per core)
     lease_seconds: float = 12.0  # with cluster: a standby takes a group over after this long without a frame
     log_segment_bytes: int = 64 << 20

@@ -108,15 +108,17 @@ class Supervisor:
                 probe.close()
 
     def check_cluster_layout(self) -> None:
-        """A cluster node refuses a name whose streams on NATS were made with another --groups, and a --node id a
-        running node answers as."""
+        """A cluster node refuses a name whose streams on NATS were made with another --groups or --streams, and a
+        --node id a running node answers as."""
         config = self.config
         if not config.cluster or config.log is None:
             return
+        from ...common.cluster_names import Layout
         from ...common.nats_urls import log_urls, nats_access
         from ..cluster.layout import check_layout
 
-        reason = check_layout(log_urls(config.log), config.cluster, config.workers, config.node, nats_access(config))
+        layout = Layout(config.workers, config.streams)
+        reason = check_layout(log_urls(config.log), config.cluster, layout, config.node, nats_access(config))
         if reason is not None:
             log.error("cannot start: %s", reason)
             raise SystemExit(1)

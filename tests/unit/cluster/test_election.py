@@ -51,7 +51,8 @@ class FakeStream:
     """A group's stream as the election sees it (election.py's FollowedStream): messages stored so far, messages
     a writer will store at given (fake) times, an owner that answers its ping or not."""
 
-    stream = "c-0-of-4"
+    name = "c-0-of-4"
+    label = "group c-0-of-4"
 
     def __init__(self, clock: Clock, owner: str | None = None) -> None:
         self.clock = clock

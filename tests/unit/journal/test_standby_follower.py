@@ -1,6 +1,7 @@
 """A standby's follower (server/journal/jetstream_log.py): frames pushed by NATS reach the hub in order, once, with
-one wake per batch; a gap (a frame lost to a slow consumer) follows again from the missing sequence; a replaced
-follower's late frames and NATS's status messages are ignored. In process, over a fake NATS connection."""
+one wake per batch; a gap in the consumer's count (a frame lost to a slow consumer) follows again from the missing
+frame; gaps in stream sequences alone (a stream shared with other groups) are not losses; a replaced follower's
+late frames and NATS's status messages are ignored. In process, over a fake NATS connection."""
 
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ class FakeNats:
         return SimpleNamespace(_jsm=SimpleNamespace(add_consumer=add_consumer))
 
 
-def frame(seq: int, data: bytes = b"x", headers: dict[str, str] | None = None) -> Any:
+def frame(seq: int, delivery: int, data: bytes = b"x", headers: dict[str, str] | None = None) -> Any:
+    """The message at stream sequence `seq`, the consumer's `delivery`-th."""
     return SimpleNamespace(data=data, headers=headers or {"Mqks-Epoch": "1"},
-                           metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq)))
+                           metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq, consumer=delivery)))
 
 
 def new_log() -> tuple[JetStreamLog, FakeNats]:
@@ -69,8 +71,8 @@ def test_frames_reach_the_hub_in_order_with_one_wake_per_batch() -> None:
     async def scenario() -> None:
         await stream_log._follow(nc, start_seq=5)
         cb = nc.subscriptions[-1].cb
-        for seq in (5, 6, 7):
-            await cb(frame(seq, b"f%d" % seq))
+        for delivery, seq in enumerate((5, 6, 7), 1):
+            await cb(frame(seq, delivery, b"f%d" % seq))
 
     asyncio.run(scenario())
     (stream, config), = nc.consumers
@@ -88,10 +90,10 @@ def test_a_duplicate_is_dropped_and_status_messages_are_not_frames() -> None:
     async def scenario() -> None:
         await stream_log._follow(nc, start_seq=1)
         cb = nc.subscriptions[-1].cb
-        await cb(frame(1))
-        await cb(frame(1))  # delivered twice
+        await cb(frame(1, 1))
+        await cb(frame(1, 1))  # delivered twice
         await cb(SimpleNamespace(data=b"", headers={"Status": "100", "Description": "Idle Heartbeat"}))
-        await cb(frame(2))
+        await cb(frame(2, 2))
 
     asyncio.run(scenario())
     assert [seq for seq, _, _ in stream_log._take_followed()] == [1, 2]
@@ -103,17 +105,17 @@ def test_a_gap_follows_again_from_the_missing_frame_keeping_what_came_before() -
     async def scenario() -> None:
         await stream_log._follow(nc, start_seq=1)
         first = nc.subscriptions[-1]
-        await first.cb(frame(1))
-        await first.cb(frame(2))
-        await first.cb(frame(4))  # 3 was lost
+        await first.cb(frame(1, 1))
+        await first.cb(frame(2, 2))
+        await first.cb(frame(4, 4))  # 3 was lost
         await asyncio.sleep(0)  # the new follower is made in a task of its own
         await asyncio.sleep(0)
         assert not first.active
         second = nc.subscriptions[-1]
         assert second is not first
-        await first.cb(frame(5))  # the replaced follower's late frame
-        await second.cb(frame(3))
-        await second.cb(frame(4))
+        await first.cb(frame(5, 5))  # the replaced follower's late frame
+        await second.cb(frame(3, 1))
+        await second.cb(frame(4, 2))
 
     asyncio.run(scenario())
     assert [config.opt_start_seq for _, config in nc.consumers] == [1, 3]
@@ -126,10 +128,28 @@ def test_following_anew_drops_frames_the_hub_has_not_taken() -> None:
 
     async def scenario() -> None:
         await stream_log._follow(nc, start_seq=1)
-        await nc.subscriptions[-1].cb(frame(1))
-        await nc.subscriptions[-1].cb(frame(2))
+        await nc.subscriptions[-1].cb(frame(1, 1))
+        await nc.subscriptions[-1].cb(frame(2, 2))
         await stream_log._follow(nc, start_seq=1)
-        await nc.subscriptions[-1].cb(frame(1))
+        await nc.subscriptions[-1].cb(frame(1, 1))
 
     asyncio.run(scenario())
     assert [seq for seq, _, _ in stream_log._take_followed()] == [1]
+
+
+def test_a_group_of_a_shared_stream_follows_its_subject_and_skips_no_frame_for_the_others() -> None:
+    """The other groups' frames take the sequences between this group's: the consumer counts 1, 2, 3 all the same."""
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s-g4-s0-of-1", "test", group="s-2-of-4",
+                              stream_subjects=[f"mqks.log.s-{g}-of-4" for g in range(4)])
+    nc = FakeNats()
+    stream_log.bridge.nc = nc
+
+    async def scenario() -> None:
+        await stream_log._follow(nc, start_seq=5)
+        for delivery, seq in enumerate((5, 9, 12), 1):
+            await nc.subscriptions[-1].cb(frame(seq, delivery))
+
+    asyncio.run(scenario())
+    (stream, config), = nc.consumers  # followed once: no gap seen
+    assert (stream, config.filter_subject) == ("s-g4-s0-of-1", "mqks.log.s-2-of-4")
+    assert [seq for seq, _, _ in stream_log._take_followed()] == [5, 9, 12]
