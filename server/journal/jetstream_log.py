@@ -83,7 +83,7 @@ FOLLOW_IDLE_SECONDS = 10.0  # NATS drops a standby's push consumer this long aft
 REPLAY_RETRY_SECONDS = 30.0  # replay: a read that keeps failing this long (NATS away) ends the start
 STARTING_NATS_SECONDS = 30.0  # open: JetStream calls that time out this long (a NATS just started) end the start
 OWNER_PING_SECONDS = 1.5
-FIGURES_SECONDS = 10.0  # a group of a shared stream: its stream's figures are read this often
+FIGURES_SECONDS = 10.0  # a cluster's owner reads its stream's figures this often
 SUBJECTS_OVERLAP = 10065
 PUBACK_SAMPLES = 1024
 REPLICAS_FALLBACK_ERRORS = (10074, 10005)  # insufficient resources, R>1 on a single server
@@ -276,7 +276,6 @@ class JetStreamLog:
         self._puback_ms: deque[float] = deque(maxlen=PUBACK_SAMPLES)
         self._stream_bytes = 0
         self._stream_messages = 0
-        self._figures_at = 0.0
         self._leader = ""
         self._stalls = 0
         self._purges = 0
@@ -605,7 +604,8 @@ class JetStreamLog:
 
     async def _note_figures(self, nc: Any) -> None:
         """The stream's figures for `stats()`; in a shared stream, the messages are its subject's."""
-        info = await nc.jetstream(timeout=5).stream_info(self.stream, subjects_filter=self.subject)
+        info = await nc.jetstream(timeout=5).stream_info(
+            self.stream, subjects_filter=self.subject if self.in_shared_stream else None)
         self._note_info(info)
         if self.in_shared_stream:
             self._stream_messages = int((info.state.subjects or {}).get(self.subject, 0))
@@ -786,9 +786,9 @@ class JetStreamLog:
         wake.set()  # commits handed during the replay's end
         last_check = self._last_sent_at = time.monotonic()
         checking: asyncio.Future[None] | None = None
-        # a cluster's owner appends a heartbeat, expecting the last sequence, as often: a rival shows there too,
-        # and sixteen groups' checks each second were a third of an idle NATS's API calls
-        tail_check_seconds = TAIL_CHECK_SECONDS if heartbeat_seconds is None else heartbeat_seconds
+        # a cluster's owner appends a heartbeat, fenced, every quarter lease: a rival shows there, and its check is
+        # only the figures (sixteen groups' checks each second were a third of an idle NATS's API calls)
+        tail_check_seconds = TAIL_CHECK_SECONDS if heartbeat_seconds is None else FIGURES_SECONDS
         ticker = asyncio.ensure_future(self._tick(wake))
         try:
             while not self._stopping and self.fenced_by is None:
@@ -980,14 +980,20 @@ class JetStreamLog:
     async def _check_tail(self, nc: Any) -> None:
         """Each second, as a task of its own (a slow JetStream API call must not hold the writer): the stream's
         figures; and a stream that grew past this writer's last frame while it had nothing in flight means a rival
-        (or a late frame): read its tail. A read that overlapped a send is stale, not a rival."""
+        (or a late frame): read its tail. A read that overlapped a send is stale, not a rival.
+
+        A cluster's owner only reads the figures, every FIGURES_SECONDS: its heartbeat, fenced, shows a rival or a
+        late frame as this check would (a check per heartbeat was most of an idle group's API calls)."""
+        if self.heartbeat_seconds is not None:
+            try:
+                await self._note_figures(nc)
+            except Exception:
+                pass
+            return
         expected = self._tail_seq
         idle = not self._in_flight and not self._unsent
         try:
             last = await self._last_seq(nc)
-            if self.in_shared_stream and time.monotonic() - self._figures_at >= FIGURES_SECONDS:
-                self._figures_at = time.monotonic()
-                await self._note_figures(nc)  # a stream info a check was a third of an idle NATS's API calls
         except Exception:
             return
         if (last > expected and idle and expected == self._tail_seq and not self._in_flight and not self._unsent
