@@ -51,7 +51,9 @@ def node_logs_on_failure(request):
 def cluster(shared_nats_cluster):
     """A three-node MQKS cluster of its own, on the module's NATS (the scenarios that use it kill no NATS node)."""
     _, urls = shared_nats_cluster
-    made = Cluster(unique("c").replace("-", "_"), urls, lease=LEASE)
+    # two streams for the four groups: the scenarios below cross a shared stream's other groups' frames (the
+    # default, one stream, is the tests' that make their own cluster; a stream per group, test_cluster_clients')
+    made = Cluster(unique("c").replace("-", "_"), urls, lease=LEASE, streams=2)
     made.wait_balanced()
     yield made
     made.stop()
