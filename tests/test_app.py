@@ -124,6 +124,11 @@ def test_mqksd_defaults_are_safe():
      "--processes must be at least 0"),
     (["--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:4222", "--processes", "some"],
      "not a number of workers: 'some'"),
+    (["--streams", "2"], "--streams needs --cluster"),
+    (["--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:4222", "--streams", "0"],
+     "--streams must be at least 1"),
+    (["--cluster", "c", "--node", "a", "--log", "nats://127.0.0.1:4222", "--groups", "4", "--streams", "5"],
+     "--streams must be at most --groups (4), not 5"),
 ])
 def test_bad_flag_value_exits_with_usage_error(flags, reason):
     result = subprocess.run([sys.executable, "-m", "mqks.server", *flags], capture_output=True,
@@ -138,6 +143,7 @@ def test_a_cluster_node_holds_its_groups_in_a_process_per_core_and_names_its_str
     assert config.processes == min(len(os.sched_getaffinity(0)), 8)  # auto: one per core, never more than groups
     assert parse_args([*node, "--processes", "3"]).processes == 3
     assert parse_args([*node, "--processes", "20"]).processes == 8
+    assert (config.streams, parse_args([*node, "--streams", "8"]).streams) == (1, 8)  # one shared; or one each
 
 
 def test_max_memory_reads_sizes_with_units():
