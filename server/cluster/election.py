@@ -66,8 +66,6 @@ class StandbyMap(Protocol):
 
     def report_standby(self, seq: int) -> None: ...
 
-    def process_counts(self) -> tuple[int, int]: ...
-
     def ask_for_group(self, stream: str, node: str) -> dict[str, Any]: ...
 
 
@@ -169,10 +167,8 @@ class Standby:
     def balance(self) -> None:
         """Ask for this group when it is pinned here (`mqks cluster move` put it on this node, and a failover took it
         away), or when it is not pinned and this node owns at least two groups fewer than its owner's node: nodes
-        that restarted or joined get work back; or one fewer, and this process at least two fewer than the owner's
-        process (a node's processes share its cores: one holding most of its owners would be its bottleneck). One
-        request at a time per node, so two of its standbys never both pull; a pinned group is never pulled
-        elsewhere, so an operator's moves (draining a node) stay."""
+        that restarted or joined get work back. One request at a time per node, so two of its standbys never both
+        pull; a pinned group is never pulled elsewhere, so an operator's moves (draining a node) stay."""
         candidacy, cluster_map = self.candidacy, self.cluster_map
         try:
             counts, owner, pin = cluster_map.balance_view(False)
@@ -190,12 +186,6 @@ class Standby:
             why = f"it is pinned to this node (mqks cluster move) and node {owner} has it"
         elif counts.get(owner, 0) - candidacy.owned_here() >= 2:
             why = f"node {owner} owns {counts[owner]} groups, this node {candidacy.owned_here()}"
-        elif counts.get(owner, 0) - candidacy.owned_here() == 1 and (
-                (in_processes := cluster_map.process_counts())[0] - in_processes[1] >= 2):
-            # the nodes are balanced, their processes not: the move keeps the nodes one apart (the other way) and
-            # evens two processes, so no move undoes another
-            why = (f"node {owner}'s process owns {in_processes[0]} groups, this one {in_processes[1]}, and the "
-                   "nodes are one apart")
         else:
             return
         if not candidacy.may_pull():

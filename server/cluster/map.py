@@ -204,19 +204,6 @@ class ClusterMap:
             self._pin_read_at = now
         return counts, owner, self._pin
 
-    def process_counts(self) -> tuple[int, int]:
-        """In the hub: the groups the process owning this group owns, and those this process owns (by the nodes
-        and pids of the map's entries)."""
-        entry = self.entries.get(self.candidacy.group, {})
-        owner = (entry.get("node"), entry.get("pid"))
-        here = (self.candidacy.node, os.getpid())
-        theirs = mine = 0
-        for other in self.entries.values():
-            process = (other.get("node"), other.get("pid"))
-            theirs += process == owner
-            mine += process == here
-        return theirs, mine
-
     async def _bucket(self, nc: Any) -> Any:
         if self._kv is None:
             self._kv = await open_bucket(nc, self.candidacy, self.replicas)

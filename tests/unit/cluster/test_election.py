@@ -137,9 +137,8 @@ class FakeMap:
     """The cluster map as the election sees it (election.py's StandbyMap)."""
 
     def __init__(self, counts: dict[str, int] | None = None, owner: str | None = None, pin: str | None = None,
-                 answer: dict[str, Any] | None = None, in_processes: tuple[int, int] = (0, 0)) -> None:
+                 answer: dict[str, Any] | None = None) -> None:
         self.view = (counts or {}, owner, pin)
-        self.in_processes = in_processes  # groups owned by the owner's process, and by this standby's
         self.answer = answer if answer is not None else {"ok": True}
         self.reports: list[int] = []
         self.asked: list[tuple[str, str]] = []
@@ -151,9 +150,6 @@ class FakeMap:
 
     def report_standby(self, seq: int) -> None:
         self.reports.append(seq)
-
-    def process_counts(self) -> tuple[int, int]:
-        return self.in_processes
 
     def ask_for_group(self, stream: str, node: str) -> dict[str, Any]:
         self.asked.append((stream, node))
@@ -378,20 +374,6 @@ def test_no_ask_when_the_counts_are_close_or_the_group_is_pinned_elsewhere_or_ow
                               (FakeMap(), Node())):
         balancing(cluster_map, node)
         assert cluster_map.asked == [], cluster_map.view
-
-
-def test_nodes_one_apart_move_a_group_when_its_owners_process_holds_two_more_than_this_one():
-    """Node b owns 6 groups (5 of them in the owner's process), node a 5 (1 in this process): a asks; after the move
-    the processes hold 4 and 2, a move back would need them two apart the other way."""
-    cluster_map = FakeMap(counts={"b": 6, "a": 5}, owner="b", in_processes=(5, 1))
-    balancing(cluster_map, Node(owned=5))
-    assert cluster_map.asked == [("c-0-of-4", "a")]
-    for in_processes, counts in (((4, 3), {"b": 6, "a": 5}),  # the processes one apart: nothing to even
-                                 ((5, 1), {"b": 5, "a": 5}),  # the nodes even: a move would unbalance them
-                                 ((2, 4), {"b": 6, "a": 5})):
-        cluster_map = FakeMap(counts=counts, owner="b", in_processes=in_processes)
-        balancing(cluster_map, Node(owned=counts["a"]))
-        assert cluster_map.asked == [], (in_processes, counts)
 
 
 def test_a_group_pinned_to_this_node_is_asked_for_whatever_the_counts():
