@@ -1,0 +1,89 @@
+"""A group's writer in a shared stream (server/journal/jetstream_log.py): one frame in flight, fenced by the
+subject's last sequence, and every commit handed while it flies goes out in the next frame, together. In
+process, over a fake NATS connection that answers each frame only when the test says so."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
+
+from mqks.server.journal.jetstream_log import EXPECTED_OF_SUBJECT, JetStreamLog
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class FakeNats:
+    """What the writer uses of nats-py: an inbox, subscriptions, and publishes it records (PubAcks come from
+    `ack`)."""
+
+    def __init__(self) -> None:
+        self.published: list[SimpleNamespace] = []
+        self.callbacks: dict[str, Any] = {}
+
+    def new_inbox(self) -> str:
+        return "_INBOX.w"
+
+    async def subscribe(self, subject: str, cb: Any) -> None:
+        self.callbacks[subject] = cb
+
+    async def publish(self, subject: str, payload: bytes, reply: str, headers: dict[str, str]) -> None:
+        self.published.append(SimpleNamespace(subject=subject, payload=payload, reply=reply, headers=headers))
+
+    async def ack(self, index: int, seq: int) -> None:
+        """NATS stored the `index`-th frame published at stream sequence `seq`."""
+        reply = self.published[index].reply
+        data = json.dumps({"stream": "s-g2-s0-of-1", "seq": seq}).encode()
+        await self.callbacks["_INBOX.w.*"](SimpleNamespace(subject=reply, data=data, headers=None))
+
+
+async def until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
+    """Let the writer run until `condition` holds; fails after `seconds`."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the writer did not get there"
+        await asyncio.sleep(0.001)
+
+
+def shared_stream_log() -> JetStreamLog:
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s-g2-s0-of-1", "test", group="s-0-of-2",
+                              stream_subjects=["mqks.log.s-0-of-2", "mqks.log.s-1-of-2"])
+    stream_log._refuse = None  # as after its replay
+    return stream_log
+
+
+def test_commits_handed_during_a_flight_leave_together_as_the_next_frame() -> None:
+    stream_log = shared_stream_log()
+    nc = FakeNats()
+
+    async def scenario() -> None:
+        stream_log.bridge.call_soon = asyncio.get_running_loop().call_soon  # type: ignore[method-assign]
+        writer = asyncio.ensure_future(stream_log._write_until_stopped(nc))
+        stream_log.append(b"r1")
+        stream_log.commit()
+        await until(lambda: len(nc.published) == 1)
+        for record in (b"r2", b"r3", b"r4"):  # three hub turns, the writer woken between them
+            stream_log.append(record)
+            stream_log.commit()
+            for _ in range(5):
+                await asyncio.sleep(0)
+        assert len(nc.published) == 1  # one frame in flight: its fence is the sequence it will get
+        await nc.ack(0, seq=7)
+        await until(lambda: len(nc.published) == 2)
+        assert nc.published[1].payload == b"r2\nr3\nr4"  # not three frames, one per PubAck
+        await nc.ack(1, seq=9)
+        await until(lambda: stream_log.poll()[0] == 4)
+        stream_log._stopping = True
+        stream_log._poke()
+        await writer
+
+    asyncio.run(scenario())
+    first, second = nc.published
+    assert (first.subject, first.payload) == ("mqks.log.s-0-of-2", b"r1")
+    assert second.headers[EXPECTED_OF_SUBJECT] == "7"  # fenced on the frame before it
