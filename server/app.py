@@ -263,7 +263,7 @@ class Server:
 
             owner = owner_description(config)
         assert config.log is not None
-        # a cluster's group is leased: an idle owner appends heartbeats, and steps down after a lease of no writes
+        # a cluster's group is leased: an idle owner sends heartbeats, and steps down after a lease of no writes
         log_ = JetStreamLog(log_urls(config.log), stream, owner, replicas=config.log_replicas,
                             takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
                             lease_seconds=config.lease_seconds if config.cluster else None, node=config.node,

@@ -63,6 +63,7 @@ MORE = "Mqks-More"
 OWNER = "Mqks-Owner"
 HANDOFF = "Mqks-Handoff"  # on an owner's last frame: the node it hands its group to (mqks cluster move)
 SNAPSHOT = "Mqks-Snapshot"  # on a snapshot's first frame: a reader that missed the frames before it may start there
+LAST = "Mqks-Last"  # on an idle owner's heartbeat: the log's last sequence, as the owner just read it
 MSG_ID = "Nats-Msg-Id"
 EXPECTED = "Nats-Expected-Last-Sequence"
 EXPECTED_OF_SUBJECT = "Nats-Expected-Last-Subject-Sequence"  # a group's fence in a stream it shares
@@ -203,6 +204,7 @@ class JetStreamLog:
         # flight (commits waiting meanwhile go in the next, fuller one); a stream of its own pipelines its frames
         self.max_in_flight = 1 if self.in_shared_stream else MAX_IN_FLIGHT
         self.owner_subject = f"mqks.owner.{self.name}"
+        self.beat_subject = f"mqks.beat.{self.name}"
         self.owner = owner
         self.replicas = replicas
         self.takeover = takeover
@@ -267,6 +269,8 @@ class JetStreamLog:
         # a standby follows the tail on a push consumer: NATS sends each frame as it is stored, with no request per
         # frame (a pull per frame was most of a standby's CPU and of NATS's API load, issue 40)
         self._follower: Any = None  # the subscription on the push consumer's deliver subject
+        self._beats: Any = None  # the subscription on the owner's heartbeats
+        self._beat: tuple[int, int] | None = None  # the last heartbeat heard: its epoch and last sequence
         self._followed: deque[tuple[int, dict[str, str] | None, bytes]] = deque()  # asyncio appends, hub pops
         self._follow_next = 0  # the follower's next frame is at this sequence or after it (asyncio side)
         self._follow_next_delivery = 1  # the consumer's count of the frame it sends next
@@ -392,11 +396,15 @@ class JetStreamLog:
         self.bridge.run(functools.partial(self._follow, start_seq=reading.read + 1), timeout=30)
 
     def read_followed(self, reading: StreamReading, timeout: float) -> tuple[bool, list[bytes]]:
-        """Wait up to `timeout` for followed messages: whether any came (an idle owner's heartbeat has no record),
-        and the records they complete."""
+        """Wait up to `timeout` for followed messages or the owner's heartbeat: whether the owner was heard, and the
+        records the messages complete. A heartbeat counts once the follower has every frame it says is stored (a
+        follower that lost its NATS node hears heartbeats and no frames: silence, then a check, then follow anew)."""
         self._follow_event.wait(timeout)
         batch = self._take_followed()
-        return bool(batch), self._feed(reading, batch)
+        records = self._feed(reading, batch)
+        beat, self._beat = self._beat, None
+        heard_beat = beat is not None and beat[0] >= reading.replayer.epoch and beat[1] <= reading.read
+        return bool(batch) or heard_beat, records
 
     def stop_following(self, reading: StreamReading) -> None:
         """No more following: read_to_tail reads on from after `reading.read` with the pull reader."""
@@ -668,6 +676,8 @@ class JetStreamLog:
         inbox = nc.new_inbox()
         # the subscription first: the consumer starts sending as soon as it exists
         self._follower = await nc.subscribe(inbox, cb=functools.partial(self._on_followed, self._follow_generation))
+        if self._beats is None and self.lease_seconds is not None:
+            self._beats = await nc.subscribe(self.beat_subject, cb=self._on_beat)
         self._follow_next_delivery = 1
         await nc.jetstream(timeout=self.timeout_seconds)._jsm.add_consumer(self.stream, config=ConsumerConfig(
             deliver_subject=inbox, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
@@ -697,7 +707,21 @@ class JetStreamLog:
         if len(self._followed) == 1:  # the hub is told once per batch it has not taken yet
             self.bridge.to_hub(self._follow_event.set)
 
+    async def _on_beat(self, msg: Any) -> None:
+        headers = msg.headers or {}
+        try:
+            self._beat = (int(headers.get(EPOCH, 0)), int(headers.get(LAST, 0)))
+        except ValueError:
+            return
+        self.bridge.to_hub(self._follow_event.set)
+
     async def _stop_following(self, nc: Any) -> None:
+        beats, self._beats = self._beats, None
+        if beats is not None:
+            try:
+                await beats.unsubscribe()
+            except Exception:
+                pass
         follower, self._follower = self._follower, None
         if follower is not None:
             try:
@@ -787,8 +811,10 @@ class JetStreamLog:
         wake.set()  # commits handed during the replay's end
         last_check = self._last_sent_at = time.monotonic()
         checking: asyncio.Future[None] | None = None
-        # a cluster's owner appends a heartbeat, fenced, every quarter lease: a rival shows there, and its check is
-        # only the figures (sixteen groups' checks each second were a third of an idle NATS's API calls)
+        beating: asyncio.Future[None] | None = None
+        # a cluster's idle owner looks at its log's last sequence before each heartbeat: a rival shows there, and
+        # its other check is only the figures (sixteen groups' checks each second were a third of an idle NATS's
+        # API calls)
         tail_check_seconds = TAIL_CHECK_SECONDS if heartbeat_seconds is None else FIGURES_SECONDS
         ticker = asyncio.ensure_future(self._tick(wake))
         try:
@@ -811,14 +837,37 @@ class JetStreamLog:
                     await self._read_tail(nc)
                     continue
                 if (heartbeat_seconds is not None and not self._unsent and not self._in_flight
-                        and now - self._last_sent_at >= heartbeat_seconds):
-                    self._add_frame(b"", False, 0, False, False)  # the lease: standbys take over after silence
+                        and now - self._last_sent_at >= heartbeat_seconds and (beating is None or beating.done())):
+                    self._last_sent_at = now  # the lease: standbys take over after silence
+                    beating = asyncio.ensure_future(self._beat_if_owner(nc))
                 await self._send(nc)
                 if now - last_check >= tail_check_seconds and (checking is None or checking.done()):
                     last_check = now
                     checking = asyncio.ensure_future(self._check_tail(nc))
         finally:
             ticker.cancel()
+
+    async def _beat_if_owner(self, nc: Any) -> None:
+        """An idle owner's heartbeat: the log's last sequence read from the stream's leader, then a core NATS
+        message to the standbys saying it (nothing stored: a stored heartbeat was an R3 write with fsync every
+        quarter lease per group, kept until the next snapshot). A log that grew past this writer's last frame means
+        a rival (or a late frame): the tail is read, no heartbeat. A leader that does not answer is a stall: this
+        owner sends no heartbeat, and steps down after the lease."""
+        expected = self._tail_seq
+        try:
+            last = await self._last_seq(nc)
+        except Exception as e:
+            if not self._in_flight and not self._unsent and self._trouble is None:
+                self._in_trouble(f"the log's last sequence could not be read ({type(e).__name__}: {e})")
+                self._poke()
+            return
+        if self._in_flight or self._unsent or expected != self._tail_seq or self._trouble is not None:
+            return  # a frame went meanwhile: it speaks for this owner
+        if last > expected:
+            self._in_trouble(f"the log's last sequence is {last}, past this writer's {expected}")
+            self._poke()
+            return
+        await nc.publish(self.beat_subject, b"", headers={EPOCH: str(self.epoch), LAST: str(last)})
 
     async def _tick(self, wake: asyncio.Event) -> None:
         """The writer's clock: its checks (an unanswered frame, a stall, the heartbeat, the tail) run at least this
@@ -928,13 +977,7 @@ class JetStreamLog:
         if self.in_shared_stream and seq > self._tail_seq:
             self._tail_seq = seq
         if self._stalled_since is not None:
-            log.info("%s: frames are stored again after %.1f s", self.label,
-                     time.monotonic() - self._stalled_since)
-            self._stalled_since = None
-            self._stall_logged = False
-            if self.blocked is not None and self.fenced_by is None:
-                log.warning("%s: the replicated log takes writes again", self.label)
-                self.blocked = None
+            self._stall_ended("frames are stored again")
         frames = self._frames
         durable = self._durable
         durable_bytes = self._durable_bytes
@@ -963,6 +1006,14 @@ class JetStreamLog:
         if purge:
             self._purging = asyncio.ensure_future(self._purge(purge))
 
+    def _stall_ended(self, how: str) -> None:
+        log.info("%s: %s after %.1f s", self.label, how, time.monotonic() - (self._stalled_since or 0.0))
+        self._stalled_since = None
+        self._stall_logged = False
+        if self.blocked is not None and self.fenced_by is None:
+            log.warning("%s: the replicated log takes writes again", self.label)
+            self.blocked = None
+
     async def _purge(self, below: int) -> None:
         """Remove the frames the stored snapshot starting at `below` replaces. A failed purge is tried again until
         a newer snapshot's purge takes its place: a broker that goes idle writes no next snapshot, and its stream
@@ -987,8 +1038,8 @@ class JetStreamLog:
         figures; and a stream that grew past this writer's last frame while it had nothing in flight means a rival
         (or a late frame): read its tail. A read that overlapped a send is stale, not a rival.
 
-        A cluster's owner only reads the figures, every FIGURES_SECONDS: its heartbeat, fenced, shows a rival or a
-        late frame as this check would (a check per heartbeat was most of an idle group's API calls)."""
+        A cluster's owner only reads the figures, every FIGURES_SECONDS: it looks at the last sequence before each
+        heartbeat (_beat_if_owner), a quarter lease apart."""
         if self.heartbeat_seconds is not None:
             try:
                 await self._note_figures(nc)
@@ -1049,6 +1100,8 @@ class JetStreamLog:
         self._unsent = deque(again)
         self._tail_seq = last
         self._trouble = None
+        if not again and not self._frames and self._stalled_since is not None:
+            self._stall_ended("the log answers again")  # an idle owner's: nothing waits to be stored
         log.debug("%s: tail read at sequence %d after %.1f s; %d frames go again", self.label, last,
                  time.monotonic() - started, len(again))
         self.wake()

@@ -1,7 +1,8 @@
 """A standby's follower (server/journal/jetstream_log.py): frames pushed by NATS reach the hub in order, once, with
 one wake per batch; a gap in the consumer's count (a frame lost to a slow consumer) follows again from the missing
 frame; gaps in stream sequences alone (a stream shared with other groups) are not losses; a replaced follower's
-late frames and NATS's status messages are ignored. In process, over a fake NATS connection."""
+late frames and NATS's status messages are ignored; an idle owner's heartbeat (a core NATS message) is heard once the
+follower has every frame it says is stored. In process, over a fake NATS connection."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
-from mqks.server.journal.jetstream_log import JetStreamLog
+from mqks.server.journal.jetstream_log import EPOCH, LAST, JetStreamLog, StreamReading
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -153,3 +154,39 @@ def test_a_group_of_a_shared_stream_follows_its_subject_and_skips_no_frame_for_t
     (stream, config), = nc.consumers  # followed once: no gap seen
     assert (stream, config.filter_subject) == ("s-g4-s0-of-1", "mqks.log.s-2-of-4")
     assert [seq for seq, _, _ in stream_log._take_followed()] == [5, 9, 12]
+
+
+def test_an_idle_owners_heartbeat_is_heard_once_the_follower_has_every_frame_it_names() -> None:
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s-g4-s0-of-1", "test", group="s-2-of-4",
+                              stream_subjects=[f"mqks.log.s-{g}-of-4" for g in range(4)], lease_seconds=12.0)
+    nc = FakeNats()
+    stream_log.bridge.nc = nc
+    reading = StreamReading()
+    reading.read, reading.replayer.epoch = 4, 2
+
+    def beat(epoch: int, last: int) -> Any:
+        return SimpleNamespace(data=b"", headers={EPOCH: str(epoch), LAST: str(last)})
+
+    def heard() -> bool:
+        stream_log.bridge.drain()  # the hub's side
+        got, records = stream_log.read_followed(reading, 0)
+        assert records == []
+        return got
+
+    asyncio.run(stream_log._follow(nc, start_seq=5))
+    follower, beats = nc.subscriptions
+    assert beats.subject == "mqks.beat.s-2-of-4"
+    assert not heard()
+    asyncio.run(beats.cb(beat(2, 4)))
+    assert heard()
+    assert not heard()  # once per heartbeat
+    asyncio.run(beats.cb(beat(2, 9)))  # frame 9 is stored and the follower has not brought it: not yet
+    assert not heard()
+    asyncio.run(follower.cb(frame(9, 1, b"", {EPOCH: "2", "Mqks-Frame": "1"})))
+    assert heard() and reading.read == 9  # the frame itself
+    asyncio.run(beats.cb(beat(2, 9)))
+    assert heard()
+    asyncio.run(beats.cb(beat(1, 9)))  # a taken-over owner that has not noticed yet
+    assert not heard()
+    asyncio.run(stream_log._stop_following(nc))
+    assert not follower.active and not beats.active

@@ -1,6 +1,8 @@
 """A group's writer in a shared stream (server/journal/jetstream_log.py): one frame in flight, fenced by the
-subject's last sequence, and every commit handed while it flies goes out in the next frame, together. In
-process, over a fake NATS connection that answers each frame only when the test says so."""
+subject's last sequence, and every commit handed while it flies goes out in the next frame, together; idle, it
+reads the log's last sequence and sends its standbys a heartbeat naming it (nothing stored), or none when the log
+grew past it (a rival). In process, over a fake NATS connection that answers each frame only when the test says
+so."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import pytest
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
-from mqks.server.journal.jetstream_log import EXPECTED_OF_SUBJECT, JetStreamLog
+from mqks.server.journal import jetstream_log
+from mqks.server.journal.jetstream_log import EPOCH, EXPECTED_OF_SUBJECT, LAST, JetStreamLog
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -23,9 +26,16 @@ class FakeNats:
     """What the writer uses of nats-py: an inbox, subscriptions, and publishes it records (PubAcks come from
     `ack`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, last_seq: int = 0) -> None:
         self.published: list[SimpleNamespace] = []
         self.callbacks: dict[str, Any] = {}
+        self.last_seq = last_seq  # the group's last sequence, as the stream's leader answers it
+
+    def jetstream(self, timeout: float = 5.0) -> Any:
+        async def get_last_msg(stream: str, subject: str) -> SimpleNamespace:
+            return SimpleNamespace(seq=self.last_seq)
+
+        return SimpleNamespace(get_last_msg=get_last_msg)
 
     def new_inbox(self) -> str:
         return "_INBOX.w"
@@ -33,7 +43,8 @@ class FakeNats:
     async def subscribe(self, subject: str, cb: Any) -> None:
         self.callbacks[subject] = cb
 
-    async def publish(self, subject: str, payload: bytes, reply: str, headers: dict[str, str]) -> None:
+    async def publish(self, subject: str, payload: bytes, reply: str = "",
+                      headers: dict[str, str] | None = None) -> None:
         self.published.append(SimpleNamespace(subject=subject, payload=payload, reply=reply, headers=headers))
 
     async def ack(self, index: int, seq: int) -> None:
@@ -51,9 +62,9 @@ async def until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
         await asyncio.sleep(0.001)
 
 
-def shared_stream_log() -> JetStreamLog:
+def shared_stream_log(lease_seconds: float | None = None) -> JetStreamLog:
     stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s-g2-s0-of-1", "test", group="s-0-of-2",
-                              stream_subjects=["mqks.log.s-0-of-2", "mqks.log.s-1-of-2"])
+                              stream_subjects=["mqks.log.s-0-of-2", "mqks.log.s-1-of-2"], lease_seconds=lease_seconds)
     stream_log._refuse = None  # as after its replay
     return stream_log
 
@@ -87,3 +98,31 @@ def test_commits_handed_during_a_flight_leave_together_as_the_next_frame() -> No
     first, second = nc.published
     assert (first.subject, first.payload) == ("mqks.log.s-0-of-2", b"r1")
     assert second.headers[EXPECTED_OF_SUBJECT] == "7"  # fenced on the frame before it
+
+
+@pytest.mark.parametrize("leader_says", [7, 8])
+def test_an_idle_owner_beats_with_the_last_sequence_unless_the_log_grew_past_it(
+        leader_says: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jetstream_log, "TAIL_CHECK_SECONDS", 0.005)  # the writer's clock, to reach a beat soon
+    stream_log = shared_stream_log(lease_seconds=12.0)
+    stream_log.heartbeat_seconds = 0.02
+    stream_log.epoch, stream_log._tail_seq = 3, 7  # taken over at 7
+    nc = FakeNats(last_seq=leader_says)
+    trouble: list[str | None] = []
+
+    async def scenario() -> None:
+        writer = asyncio.ensure_future(stream_log._write_until_stopped(nc))
+        await until(lambda: bool(nc.published) or stream_log._trouble is not None)
+        trouble.append(stream_log._trouble)
+        stream_log._stopping = True
+        stream_log._poke()
+        await writer
+
+    asyncio.run(scenario())
+    if leader_says == 7:
+        beat, = nc.published  # a core NATS message: no reply inbox, so no PubAck, nothing stored
+        assert (beat.subject, beat.payload, beat.reply) == ("mqks.beat.s-0-of-2", b"", "")
+        assert beat.headers == {EPOCH: "3", LAST: "7"}
+    else:
+        assert nc.published == []  # a rival appended after 7: no beat keeps the standbys waiting for this owner
+        assert "last sequence is 8, past this writer's 7" in (trouble[0] or "")  # its tail is read next
