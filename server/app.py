@@ -267,6 +267,7 @@ class Server:
         log_ = JetStreamLog(log_urls(config.log), stream, owner, replicas=config.log_replicas,
                             takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
                             lease_seconds=config.lease_seconds if config.cluster else None, node=config.node,
+                            frame_wait_seconds=config.frame_wait_ms / 1000 if config.cluster else 0.0,
                             nats_options=nats_access(config).connect_options(log_urls(config.log)),
                             shared=self.shared_nats, group=group, stream_subjects=subjects)
         try:

@@ -140,6 +140,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--lease", type=float, default=d.lease_seconds, dest="lease_seconds", metavar="SECONDS",
                         help="with --cluster: a standby takes a group over after this long without a frame from "
                              "its owner; more than a NATS election (default: %(default)s)")
+    parser.add_argument("--frame-wait", type=float, default=d.frame_wait_ms, dest="frame_wait_ms", metavar="MS",
+                        help="with --cluster: a group sends its next frame to NATS at least this long after its last "
+                             "one, with every commit made meanwhile (each stream message costs NATS the same, full or "
+                             "not; 0: as soon as the last is stored; default: %(default)s)")
     parser.add_argument("--log-segment-bytes", type=int, default=d.log_segment_bytes, metavar="N",
                         help="with --data-dir: size of one log file (default: %(default)s)")
     parser.add_argument("--compact-min-bytes", type=int, default=d.compact_min_bytes, metavar="N",
@@ -188,7 +192,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                  ("--log-segment-bytes", args.log_segment_bytes, 1),
                                  ("--log-replicas", args.log_replicas, 1), ("--log-timeout", args.log_timeout, 1),
                                  ("--groups", args.groups, 1), ("--streams", args.streams, 1),
-                                 ("--lease", args.lease_seconds, 3),
+                                 ("--lease", args.lease_seconds, 3), ("--frame-wait", args.frame_wait_ms, 0),
                                  ("--processes", args.processes, 0),
                                  ("--compact-min-bytes", args.compact_min_bytes, 0),
                                  ("--metrics-port", args.metrics_port, 1),

@@ -16,7 +16,7 @@ CLAIM_DELAY_CAP_SECONDS = 2.0
 
 class Candidacy:
     """A node's standby for one group's stream: it takes the group over when its owner has appended nothing for
-    `lease_seconds` (an idle owner appends a heartbeat every quarter lease), or when the owner hands it over."""
+    `lease_seconds` (an idle owner sends a heartbeat every quarter lease), or when the owner hands it over."""
 
     __slots__ = ("cluster", "node", "group", "lease_seconds", "spread_seconds", "owned_here", "may_pull", "end_pull")
 

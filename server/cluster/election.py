@@ -4,9 +4,9 @@ takes it over by a conditional append; an owner hands it over when asked.
 The stream decides, never a clock: a takeover appends epoch + 1 expecting the last sequence this node read,
 so of two claims at once one is refused (it reads on and stands by again), and an owner that was taken over
 is fenced by its next append. Timing only decides when to try: the lease (an idle owner sends a heartbeat every
-quarter of it, a core NATS message that names its log's last sequence), a claim delay that grows with the groups a node owns (nodes share the groups), and
-balancing (a caught-up standby asks for its group when its node owns two fewer than the owner's, or when an
-operator pinned it here).
+quarter of it, a core NATS message that names its log's last sequence), a claim delay that grows with the
+groups a node owns (nodes share the groups), and balancing (a caught-up standby asks for its group when its
+node owns two fewer than the owner's, or when an operator pinned it here).
 """
 
 from __future__ import annotations

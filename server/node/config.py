@@ -41,6 +41,8 @@ class Config:
     streams: int = 1  # with cluster: JetStream streams the groups' subjects share (groups: a stream each)
     processes: int = 0  # with cluster: processes on this node, each holding several groups (0: one per core)
     lease_seconds: float = 12.0  # with cluster: a standby takes a group over after this long without a frame
+    # with cluster: a group's next frame leaves at least this long after its last (ms): fewer, fuller frames
+    frame_wait_ms: float = 20.0
     log_segment_bytes: int = 64 << 20
     compact_min_bytes: int = 128 << 20  # never rewrite the live state for less churn than this
     metrics_port: int | None = None  # None: no HTTP endpoint (/metrics, /healthz)

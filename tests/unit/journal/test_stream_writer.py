@@ -62,9 +62,10 @@ async def until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
         await asyncio.sleep(0.001)
 
 
-def shared_stream_log(lease_seconds: float | None = None) -> JetStreamLog:
+def shared_stream_log(lease_seconds: float | None = None, frame_wait_seconds: float = 0.0) -> JetStreamLog:
     stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s-g2-s0-of-1", "test", group="s-0-of-2",
-                              stream_subjects=["mqks.log.s-0-of-2", "mqks.log.s-1-of-2"], lease_seconds=lease_seconds)
+                              stream_subjects=["mqks.log.s-0-of-2", "mqks.log.s-1-of-2"], lease_seconds=lease_seconds,
+                              frame_wait_seconds=frame_wait_seconds)
     stream_log._refuse = None  # as after its replay
     return stream_log
 
@@ -98,6 +99,32 @@ def test_commits_handed_during_a_flight_leave_together_as_the_next_frame() -> No
     first, second = nc.published
     assert (first.subject, first.payload) == ("mqks.log.s-0-of-2", b"r1")
     assert second.headers[EXPECTED_OF_SUBJECT] == "7"  # fenced on the frame before it
+
+
+def test_with_a_frame_wait_the_next_frame_waits_after_its_stored_predecessor_and_takes_what_came_meanwhile() -> None:
+    stream_log = shared_stream_log(frame_wait_seconds=0.2)
+    nc = FakeNats()
+
+    async def scenario() -> None:
+        stream_log.bridge.call_soon = asyncio.get_running_loop().call_soon  # type: ignore[method-assign]
+        writer = asyncio.ensure_future(stream_log._write_until_stopped(nc))
+        stream_log.append(b"r1")
+        stream_log.commit()
+        await until(lambda: len(nc.published) == 1)  # the first goes at once: nothing was sent before it
+        await nc.ack(0, seq=3)
+        for record in (b"r2", b"r3"):
+            stream_log.append(record)
+            stream_log.commit()
+            for _ in range(5):
+                await asyncio.sleep(0)
+        assert len(nc.published) == 1  # stored, and still no second frame: it waits out the frame wait
+        await until(lambda: len(nc.published) == 2)
+        stream_log._stopping = True
+        stream_log._poke()
+        await writer
+
+    asyncio.run(scenario())
+    assert nc.published[1].payload == b"r2\nr3"
 
 
 @pytest.mark.parametrize("leader_says", [7, 8])
