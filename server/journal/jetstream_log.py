@@ -252,6 +252,7 @@ class JetStreamLog:
         self._in_flight = 0
         self._in_flight_bytes = 0
         self._waiting_to_send = False  # a timer wakes the writer when frame_wait_seconds have passed
+        self._last_frame_at = 0.0  # when the last frame was sent (heartbeats aside)
         self._stored_k = 0  # every frame up to this one is stored
         self._tail_seq = 0  # the sequence the stream's last message has, as this writer expects it
         self._stored_seq = 0  # the sequence of the last frame stored in order
@@ -793,6 +794,15 @@ class JetStreamLog:
 
     # -- the writer ------------------------------------------------------------------------------
 
+    def _handed_fill_a_frame(self) -> bool:
+        """Whether the commits waiting fill a frame already (a snapshot's chunks do): waiting would gain nothing."""
+        size = 0
+        for _, payload, _, _, _ in self._handed:
+            size += len(payload) + 1
+            if size >= self.max_payload:
+                return True
+        return False
+
     def _frame_wait_over(self) -> None:
         self._waiting_to_send = False
         self._poke()
@@ -834,8 +844,8 @@ class JetStreamLog:
                     # commits wait as handed until a frame can go, then go as one: taken at every wake, a
                     # writer with one frame in flight queued a frame per hub turn and sent one per PubAck,
                     # falling behind for good (2 groups in one process: 4,000-6,000 confirms/s, now 162,000)
-                    wait = self._last_sent_at + self.frame_wait_seconds - time.monotonic()
-                    if wait <= 0 or not self._handed:
+                    wait = self._last_frame_at + self.frame_wait_seconds - time.monotonic()
+                    if wait <= 0 or not self._handed or self._handed_fill_a_frame():
                         self._take_handed()
                     elif not self._waiting_to_send:
                         self._waiting_to_send = True
@@ -934,7 +944,7 @@ class JetStreamLog:
         while unsent and self._in_flight < max_in_flight and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES:
             frame = unsent.popleft()
             frame.token = token = next(self._tokens)
-            frame.sent_at = self._last_sent_at = time.monotonic()
+            frame.sent_at = self._last_sent_at = self._last_frame_at = time.monotonic()
             self._by_token[token] = frame
             self._in_flight += 1
             self._in_flight_bytes += len(frame.payload)

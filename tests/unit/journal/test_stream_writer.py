@@ -127,6 +127,29 @@ def test_with_a_frame_wait_the_next_frame_waits_after_its_stored_predecessor_and
     assert nc.published[1].payload == b"r2\nr3"
 
 
+def test_commits_that_fill_a_frame_do_not_wait() -> None:
+    """A snapshot's chunks, or a burst: a full frame gains nothing by waiting (a snapshot holds the hub meanwhile)."""
+    stream_log = shared_stream_log(frame_wait_seconds=60.0)
+    nc = FakeNats()
+    full = b"x" * stream_log.max_payload
+
+    async def scenario() -> None:
+        stream_log.bridge.call_soon = asyncio.get_running_loop().call_soon  # type: ignore[method-assign]
+        writer = asyncio.ensure_future(stream_log._write_until_stopped(nc))
+        stream_log.append(b"r1")
+        stream_log.commit()
+        await until(lambda: len(nc.published) == 1)
+        await nc.ack(0, seq=3)
+        stream_log.append(full)
+        stream_log.commit()
+        await until(lambda: len(nc.published) == 2)  # within the test's bound, not after a minute
+        stream_log._stopping = True
+        stream_log._poke()
+        await writer
+
+    asyncio.run(scenario())
+    assert nc.published[1].payload == full
+
 @pytest.mark.parametrize("leader_says", [7, 8])
 def test_an_idle_owner_beats_with_the_last_sequence_unless_the_log_grew_past_it(
         leader_says: int, monkeypatch: pytest.MonkeyPatch) -> None:
