@@ -545,7 +545,6 @@ def test_the_spark_source_reads_through_a_failover_and_loses_nothing(cluster):
         b"r ok "]
     publisher = client_for(cluster)
     ids = [publish_until_confirmed(publisher, f"{queue}.e", f"m{i}") for i in range(300)]
-    publisher.close()
     first, *others = [cluster.nodes[owner], *(node for name, node in cluster.nodes.items() if name != owner)]
     options = {"host": "127.0.0.1", "port": str(first.port), "queue": queue, "reconnectSeconds": "60",
                "seeds": ",".join(f"127.0.0.1:{node.port}" for node in others)}
@@ -564,6 +563,9 @@ def test_the_spark_source_reads_through_a_failover_and_loses_nothing(cluster):
         end = reader.latestOffset(start, ReadMaxRows(100))
         first_batch = read(start, end)
         assert len(first_batch) == 100
+        # a confirm waits for its frame and every frame before it: once this one is in, the owner's log holds the
+        # batch's records (delivered, held), so the kill cannot come before them (a frame waits --frame-wait)
+        ids.append(publish_until_confirmed(publisher, f"{queue}.e", "after the batch"))
         cluster.kill(owner)  # the batch is leased, not committed: its messages are the new owner's again
         cluster.wait_owned(without=(owner,))
         reader.commit(end)  # through a seed; the leases died with the owner, so it acks nothing
@@ -573,6 +575,7 @@ def test_the_spark_source_reads_through_a_failover_and_loses_nothing(cluster):
             reader.commit(end)
     finally:
         reader.stop()
+        publisher.close()
     assert set(ids) <= {msg_id for msg_id, _ in sink}
     again = [msg_id for msg_id, retry in sink if msg_id in {m for m, _ in first_batch}]
     assert {retry for msg_id, retry in sink if msg_id in again} == {1}  # the killed owner's batch, back once
