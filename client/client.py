@@ -173,6 +173,20 @@ class Client:
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout_seconds if timeout is None else timeout)
 
+    def _ask_everyone(self, action: bytes, args: bytes, timeout: float | None,
+                      lines: list[bytes] | None = None) -> bytes:
+        """A read-only request the broker asks every worker (stats, queues, schedules): asked again, with a back-off,
+        while one of them is failing over (`... (failing over): ask again in a moment`), until the timeout."""
+        deadline, pause = self._deadline(timeout), TRANSIENT_RETRY_SECONDS
+        while True:
+            try:
+                return self._link.call(action, args, deadline, retry=True, lines=lines)[1]
+            except MqksError as e:
+                if type(e) is not MqksError or not is_transient(e) or time.monotonic() + pause > deadline:
+                    raise
+            gevent.sleep(pause)
+            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
+
     def _request(self, action: bytes, args: list[bytes], confirm: bool, timeout: float | None, retry: bool,
                  link: Link | None = None) -> bytes:
         """Send `{rid} {action} [--confirm] {args...}` and return its rid: at once, or with `confirm` after the ok.
@@ -518,7 +532,7 @@ class Client:
         messages_unacked, clients, events, top_queues, workers, version, uptime_seconds, connections,
         bytes_in, bytes_out, errors, and `log` when the broker has a data dir.
         """
-        _, answer = self._link.call(b"stats", wire.stats_args(worker), self._deadline(timeout), retry=True)
+        answer = self._ask_everyone(b"stats", wire.stats_args(worker), timeout)
         return wire.json_object(answer, "stats")
 
     def queues(self, mask: str | None = None, timeout: float | None = None, *,
@@ -531,7 +545,7 @@ class Client:
         """
         args = wire.queues_args(mask, detail)
         lines: list[bytes] = []
-        self._link.call(b"queues", args, self._deadline(timeout), retry=True, lines=lines)
+        self._ask_everyone(b"queues", args, timeout, lines)
         return [wire.json_object(line, "queues") for line in lines]
 
     def eval(self, code: str, worker: int | None = None, timeout: float | None = None) -> str:
@@ -589,7 +603,7 @@ class Client:
         (None: no limit), event, data.
         """
         lines: list[bytes] = []
-        self._link.call(b"schedules", b"", self._deadline(timeout), retry=True, lines=lines)
+        self._ask_everyone(b"schedules", b"", timeout, lines)
         return [wire.json_object(line, "schedules") for line in lines]
 
     def consumer_events(self, consumer_id: str) -> list[str]:

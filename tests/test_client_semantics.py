@@ -628,6 +628,8 @@ def test_publish_arguments_put_mandatory_before_the_delay_flags() -> None:
     # the broker's words (workers/relay.py, workers/peers.py): nothing was run, it passes by itself
     ("group 3, which owns this, has no owner reachable from here (failing over): try again", True, True),
     ("worker 1, which owns this, is restarting: try again", True, True),
+    # a request asked of every worker (stats, queues, schedules): asked again by both clients, a publish is not
+    ("group 3 has no owner reachable from here (failing over): ask again in a moment", True, False),
     ("group 1 is not linked here (its owner failing over): the queues it binds are unknown, so the message was "
      "not published; try again", True, True),
     # some queues have the message: a publish sent again would make copies

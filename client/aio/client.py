@@ -161,6 +161,20 @@ class Client:
     def _deadline(self, timeout: float | None) -> float:
         return asyncio.get_running_loop().time() + (self.timeout_seconds if timeout is None else timeout)
 
+    async def _ask_everyone(self, action: bytes, args: bytes, timeout: float | None,
+                            lines: list[bytes] | None = None) -> bytes:
+        """A read-only request the broker asks every worker (stats, queues, schedules): asked again, with a back-off,
+        while one of them is failing over (`... (failing over): ask again in a moment`), until the timeout."""
+        deadline, pause = self._deadline(timeout), TRANSIENT_RETRY_SECONDS
+        while True:
+            try:
+                return (await self._link.call(action, args, deadline, retry=True, lines=lines))[1]
+            except MqksError as e:
+                if type(e) is not MqksError or not is_transient(e) or time.monotonic() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
+
     async def _request(self, action: bytes, args: list[bytes], confirm: bool, timeout: float | None, retry: bool,
                        link: Link | None = None) -> bytes:
         """Send `{rid} {action} [--confirm] {args...}` and return its rid: at once, or with `confirm` after the ok."""
@@ -502,7 +516,7 @@ class Client:
 
     async def stats(self, worker: int | None = None, timeout: float | None = None) -> dict[str, Any]:
         """The broker's figures (the `stats` action), as the gevent client's `stats`."""
-        _, answer = await self._link.call(b"stats", wire.stats_args(worker), self._deadline(timeout), retry=True)
+        answer = await self._ask_everyone(b"stats", wire.stats_args(worker), timeout)
         return wire.json_object(answer, "stats")
 
     async def queues(self, mask: str | None = None, timeout: float | None = None, *,
@@ -510,7 +524,7 @@ class Client:
         """Every queue (or those whose name `mask` matches), one dict each, as the gevent client's `queues`."""
         args = wire.queues_args(mask, detail)
         lines: list[bytes] = []
-        await self._link.call(b"queues", args, self._deadline(timeout), retry=True, lines=lines)
+        await self._ask_everyone(b"queues", args, timeout, lines)
         return [wire.json_object(line, "queues") for line in lines]
 
     async def eval(self, code: str, worker: int | None = None, timeout: float | None = None) -> str:
@@ -557,6 +571,6 @@ class Client:
     async def schedules(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Every schedule, sorted by name, one dict each (extension), as the gevent client's `schedules`."""
         lines: list[bytes] = []
-        await self._link.call(b"schedules", b"", self._deadline(timeout), retry=True, lines=lines)
+        await self._ask_everyone(b"schedules", b"", timeout, lines)
         return [wire.json_object(line, "schedules") for line in lines]
 
