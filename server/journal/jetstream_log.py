@@ -797,7 +797,7 @@ class JetStreamLog:
     def _handed_fill_a_frame(self) -> bool:
         """Whether the commits waiting fill a frame already (a snapshot's chunks do): waiting would gain nothing."""
         size = 0
-        for _, payload, _, _, _ in self._handed:
+        for _, payload, _, _, _ in list(self._handed):  # a copy: the hub appends meanwhile, from its thread
             size += len(payload) + 1
             if size >= self.max_payload:
                 return True
