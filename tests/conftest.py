@@ -26,6 +26,9 @@ from waiting import wait_for
 __all__ = ["READY_TIMEOUT_SECONDS", "REPLY_TIMEOUT_SECONDS", "BrokerProcess", "Wire", "free_port"]
 
 READY_TIMEOUT_SECONDS = 15.0
+# a broker on a replicated log waits up to STARTING_NATS_SECONDS (30) for a NATS started a moment ago to elect
+# its stream's leader; CI once took more than 15 s for that while the Spark tier shared the cores
+READY_ON_NATS_SECONDS = 45.0
 REPLY_TIMEOUT_SECONDS = 5.0
 
 
@@ -144,7 +147,11 @@ class BrokerProcess:
                                          stderr=subprocess.PIPE if self.log_to_pipe else log_file, env=self.env)
         if self.log_to_pipe:
             threading.Thread(target=self.piped_log.extend, args=(self.proc.stderr,), daemon=True).start()
-        wait_for(self.answers_ping, "mqksd to answer ping", READY_TIMEOUT_SECONDS, interval=0.02)
+        timeout = READY_ON_NATS_SECONDS if "--log" in self.args else READY_TIMEOUT_SECONDS
+        try:
+            wait_for(self.answers_ping, "mqksd to answer ping", timeout, interval=0.02)
+        except AssertionError as e:  # what the broker was doing is the only clue a CI run leaves
+            raise AssertionError(f"{e}; its log:\n{self.log()[-4000:]}") from None
 
     def answers_ping(self) -> bool:
         """True once the server answers a ping; raises if it has exited."""
