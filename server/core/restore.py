@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..journal.recovery import Recovered
+from ..journal.recovery import Recovered, fields
 from .messages import Message
 from .state import Broker
 
@@ -29,11 +29,11 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         queue.max_retries = state.limits["max_retries"]
         queue.max_length = state.limits["max_length"]
         messages = state.messages
-        held = sorted(seq for seq, m in messages.items() if m[2])
+        held = sorted(seq for seq, m in messages.items() if type(m) is list and m[2])
         seen: set[int] = set(held) | state.parked.keys()
         parked_by_due: dict[int, list[Message]] = {}
         for seq, due_ms in sorted(state.parked.items()):
-            tail, retry, _ = messages[seq]
+            tail, retry, _ = fields(messages[seq])
             parked_by_due.setdefault(due_ms, []).append(Message(seq, retry, tail))
         for due_ms, parked in parked_by_due.items():
             broker.park(queue, due_ms, parked)
@@ -48,19 +48,19 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         # go back as plain tails, packed as a deep queue packs them (records cost ~2.5x the
         # memory); their seq stays implicit, so the queue's next seq follows the last of them
         plain_from = len(rest)
-        while plain_from and messages[rest[plain_from - 1]][1] == 0 and (
+        while plain_from and fields(messages[rest[plain_from - 1]])[1] == 0 and (
                 plain_from == len(rest) or rest[plain_from - 1] == rest[plain_from] - 1):
             plain_from -= 1
         if rest and max(held[-1:] + requeued + list(state.parked), default=-1) > rest[-1]:
             plain_from = len(rest)  # a live record above them: keep every seq explicit
         front = []  # explicit records: held (retry raised), requeued, then the rest that keep their seq
         for seq in held:
-            tail, retry, _ = messages[seq]
+            tail, retry, _ = fields(messages[seq])
             front.append(Message(seq, retry + 1, tail))
         for seq in requeued + rest[:plain_from]:
-            tail, retry, _ = messages[seq]
+            tail, retry, _ = fields(messages[seq])
             front.append(Message(seq, retry, tail))
-        plain = [messages[seq][0] for seq in rest[plain_from:]]
+        plain = [fields(messages[seq])[0] for seq in rest[plain_from:]]
         # the plain tails' seqs are implicit: the queue's next seq follows the last of them
         queue.restore(front, plain, rest[-1] + 1 if plain else max(state.next_seq, queue.next_seq))
         total += len(front) + len(plain)

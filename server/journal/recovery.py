@@ -24,7 +24,9 @@ class Recovered:
         self.events: list[bytes] = []
         self.seconds: float | None = None
         self.limits: dict[str, int | None] = {"max_retries": None, "max_length": None}
-        self.messages: dict[int, list] = {}  # seq -> [tail, retry, held]
+        # seq -> its tail while it is as published (retry 0, not held: most messages, and a standby applies every
+        # publish its owner stores), else [tail, retry, held]
+        self.messages: dict[int, bytes | list] = {}
         self.front: list[int] = []  # requeued seqs, front first (may hold stale entries)
         self.parked: dict[int, int] = {}  # seq -> the Unix ms it comes back (rejected with --delay)
         self.next_seq = 0
@@ -54,11 +56,40 @@ class Recovery:
         self.schedules = {}
 
 
+def fields(message: bytes | list) -> tuple[bytes, int, bool]:
+    """(tail, retry, held) of a Recovered.messages entry."""
+    return (message, 0, False) if type(message) is bytes else (message[0], message[1], message[2])
+
+
+def _changing(messages: dict[int, bytes | list], seq: int) -> list | None:
+    """The entry of `seq` as [tail, retry, held], to be changed in place; None if there is none."""
+    found = messages.get(seq)
+    if type(found) is bytes:
+        found = messages[seq] = [found, 0, False]
+    return found
+
+
 def apply_published(state: Recovery, line: bytes) -> None:
+    if line.startswith(b"1 ", 2):  # one copy, `P 1 {queue} [-]{seq}{tail}`: read in place (1.6 -> 0.x us a record)
+        name_end = line.index(b" ", 4)
+        seq_end = line.index(b" ", name_end + 1)
+        name = line[4:name_end]
+        q = state.queues.get(name)
+        if q is None:
+            q = state.queues[name] = Recovered()
+        if line[name_end + 1] == 45:  # b"-": delivered at once to a consumer that acks, held
+            seq = -int(line[name_end + 1:seq_end])
+            q.messages[seq] = [line[seq_end:], 0, True]
+        else:
+            seq = int(line[name_end + 1:seq_end])
+            q.messages[seq] = line[seq_end:]
+        if seq >= q.next_seq:
+            q.next_seq = seq + 1
+        return
     copies, tail = records.decode_published(line)
     for name, seq, held in copies:  # held: delivered at once to a consumer that acks
         q = state.queue(name)
-        q.messages[seq] = [tail, 0, held]
+        q.messages[seq] = [tail, 0, True] if held else tail
         q.next_seq = max(q.next_seq, seq + 1)
 
 
@@ -66,9 +97,11 @@ def apply_delivered(state: Recovery, line: bytes) -> None:
     name, seqs = records.decode_seqs(line)
     found = state.queues.get(name)
     if found is not None:
+        messages = found.messages
         for seq in seqs:
-            if seq in found.messages:
-                found.messages[seq][2] = True
+            message = _changing(messages, seq)
+            if message is not None:
+                message[2] = True
 
 
 def apply_gone(state: Recovery, line: bytes) -> None:
@@ -86,7 +119,7 @@ def apply_requeued(state: Recovery, line: bytes) -> None:
         return
     requeued = []
     for seq, retry in pairs:
-        message = found.messages.get(seq)
+        message = _changing(found.messages, seq)
         if message is not None:
             message[1], message[2] = retry, False
             found.parked.pop(seq, None)
@@ -100,7 +133,7 @@ def apply_parked(state: Recovery, line: bytes) -> None:
     if found is None:
         return
     for seq, retry in pairs:
-        message = found.messages.get(seq)
+        message = _changing(found.messages, seq)
         if message is not None:
             message[1], message[2] = retry, False
             found.parked[seq] = due_ms
@@ -160,7 +193,7 @@ def apply_next_seq(state: Recovery, line: bytes) -> None:
 def apply_live(state: Recovery, line: bytes) -> None:
     name, seq, retry, held, tail = records.decode_live(line)
     q = state.queue(name)
-    q.messages[seq] = [tail, retry, held]
+    q.messages[seq] = [tail, retry, held] if retry or held else tail
     q.next_seq = max(q.next_seq, seq + 1)
     if retry and not held:
         q.front.append(seq)  # a requeued one: the snapshot lists them front first
