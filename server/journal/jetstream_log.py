@@ -101,13 +101,14 @@ class LogOwned(Exception):
 class _Frame:
     """One message of the stream as the writer tracks it until it is stored."""
 
-    __slots__ = ("k", "payload", "more", "commit", "snapshot_starts", "snapshot_ends", "seq", "sent_at",
-                 "token", "handoff")
+    __slots__ = ("k", "payload", "handed_bytes", "more", "commit", "snapshot_starts", "snapshot_ends", "seq",
+                 "sent_at", "token", "handoff")
 
     def __init__(self, k: int, payload: bytes, more: bool, commit: int, snapshot_starts: bool,
-                 snapshot_ends: bool) -> None:
+                 snapshot_ends: bool, handed_bytes: int) -> None:
         self.k = k
         self.payload = payload
+        self.handed_bytes = handed_bytes  # of the commits' payloads it carries (the newlines joining them aside)
         self.more = more
         self.commit = commit  # the last commit this frame completes; 0 for a part that is not the last
         self.snapshot_starts = snapshot_starts
@@ -911,12 +912,12 @@ class JetStreamLog:
             number, payload, new_segment, completes, at = handed.popleft()
             self._commit_times.append((number, at))
             if parts and (new_segment or size + 1 + len(payload) > limit):
-                self._add_frame(b"\n".join(parts), False, last_commit, starts, False)
+                self._add_frame(parts, False, last_commit, starts, False)
                 parts, size, starts = [], 0, False
             if len(payload) > limit:  # alone, in parts
                 for offset in range(0, len(payload), limit):
                     last = offset + limit >= len(payload)
-                    self._add_frame(payload[offset:offset + limit], not last, number if last else 0,
+                    self._add_frame([payload[offset:offset + limit]], not last, number if last else 0,
                                     new_segment and offset == 0, completes and last)
                 continue
             parts.append(payload)
@@ -924,15 +925,17 @@ class JetStreamLog:
             last_commit = number
             starts = starts or new_segment
             if completes:
-                self._add_frame(b"\n".join(parts), False, number, starts, True)
+                self._add_frame(parts, False, number, starts, True)
                 parts, size, starts = [], 0, False
         if parts:
-            self._add_frame(b"\n".join(parts), False, last_commit, starts, False)
+            self._add_frame(parts, False, last_commit, starts, False)
 
-    def _add_frame(self, payload: bytes, more: bool, commit: int, snapshot_starts: bool,
+    def _add_frame(self, parts: list[bytes], more: bool, commit: int, snapshot_starts: bool,
                    snapshot_ends: bool) -> None:
+        """A frame of `parts` (commits, or one part of a commit), which count as handed bytes (unsynced_bytes)."""
         self._k += 1
-        frame = _Frame(self._k, payload, more, commit, snapshot_starts, snapshot_ends)
+        frame = _Frame(self._k, parts[0] if len(parts) == 1 else b"\n".join(parts), more, commit, snapshot_starts,
+                       snapshot_ends, sum(map(len, parts)))
         self._frames[frame.k] = frame
         self._unsent.append(frame)
 
@@ -1010,7 +1013,7 @@ class JetStreamLog:
             del frames[head.k]
             self._stored_k = head.k
             self._stored_seq = head.seq
-            durable_bytes += len(head.payload)
+            durable_bytes += head.handed_bytes
             if head.snapshot_starts:
                 self._snapshot_seq = head.seq
             if head.snapshot_ends and self._snapshot_seq:
@@ -1019,9 +1022,12 @@ class JetStreamLog:
                 durable = head.commit
             if head.k == self._handoff_k:
                 self._handoff_k = -1  # stored: close() may go
+        # every frame stored in order counts, a part of a commit too: counted only with the commit it completes, a
+        # snapshot's 4 MB chunks (1 MB parts) left three quarters of it unsynced for good, and once that passed
+        # MAX_UNSYNCED_BYTES publishers were never read again (a 136 MB snapshot did it)
+        self._durable_bytes = durable_bytes
+        self.unsynced_bytes = self._handed_bytes - durable_bytes
         if durable != self._durable:
-            self._durable_bytes = durable_bytes
-            self.unsynced_bytes = self._handed_bytes - durable_bytes
             self._durable = durable
             times = self._commit_times
             while times and times[0][0] <= durable:
@@ -1202,7 +1208,7 @@ class JetStreamLog:
     def _add_handoff(self) -> None:
         """The owner's last frame: after everything it wrote, it names the node that takes the group over."""
         assert self.handoff_to is not None
-        self._add_frame(b"", False, 0, False, False)
+        self._add_frame([b""], False, 0, False, False)
         frame = self._frames[self._k]
         frame.handoff = self.handoff_to
         self._handoff_k = frame.k

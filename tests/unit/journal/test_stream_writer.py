@@ -176,3 +176,40 @@ def test_an_idle_owner_beats_with_the_last_sequence_unless_the_log_grew_past_it(
     else:
         assert nc.published == []  # a rival appended after 7: no beat keeps the standbys waiting for this owner
         assert "last sequence is 8, past this writer's 7" in (trouble[0] or "")  # its tail is read next
+
+
+@pytest.mark.parametrize("own_stream", [True, False], ids=["own-stream", "shared-stream"])
+def test_unsynced_bytes_come_back_to_zero_once_every_part_and_every_merged_commit_is_stored(own_stream) -> None:
+    """A commit over the frame size (a snapshot's 4 MB chunk) goes in parts, each with its own PubAck; commits merged
+    into one frame are joined by newlines. Once all is stored nothing is unsynced: the journal stops reading
+    publishers while unsynced_bytes is past MAX_UNSYNCED_BYTES, and a 136 MB snapshot once left them unread for good."""
+    stream_log = (JetStreamLog(["nats://127.0.0.1:1"], "s", "test") if own_stream else shared_stream_log())
+    stream_log._refuse = None
+    stream_log.max_payload = 10
+    nc = FakeNats()
+
+    async def scenario() -> None:
+        stream_log.bridge.call_soon = asyncio.get_running_loop().call_soon  # type: ignore[method-assign]
+        writer = asyncio.ensure_future(stream_log._write_until_stopped(nc))
+        stream_log.append(b"x" * 35)  # four parts: 10, 10, 10, 5
+        stream_log.commit(new_segment=True)
+        for part in range(4):
+            await until(lambda part=part: len(nc.published) > part)
+            await nc.ack(part, seq=part + 1)  # one PubAck at a time, as NATS answers them
+        await until(lambda: stream_log.poll()[0] == 1)
+        assert stream_log.unsynced_bytes == 0
+        for record in (b"a1", b"b2", b"c3"):  # handed together: one frame "a1\nb2\nc3"
+            stream_log.append(record)
+            stream_log.commit()
+        await until(lambda: len(nc.published) == 5)
+        assert nc.published[4].payload == b"a1\nb2\nc3"
+        assert stream_log.unsynced_bytes == 6
+        await nc.ack(4, seq=5)
+        await until(lambda: stream_log.poll()[0] == 4)
+        assert stream_log.unsynced_bytes == 0
+        stream_log._stopping = True
+        stream_log._poke()
+        await writer
+
+    asyncio.run(scenario())
+    assert [frame.payload for frame in nc.published[:4]] == [b"x" * 10] * 3 + [b"x" * 5]
