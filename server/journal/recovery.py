@@ -58,13 +58,15 @@ class Recovery:
 
 def fields(message: bytes | list) -> tuple[bytes, int, bool]:
     """(tail, retry, held) of a Recovered.messages entry."""
-    return (message, 0, False) if type(message) is bytes else (message[0], message[1], message[2])
+    if isinstance(message, bytes):
+        return message, 0, False
+    return message[0], message[1], message[2]
 
 
 def _changing(messages: dict[int, bytes | list], seq: int) -> list | None:
     """The entry of `seq` as [tail, retry, held], to be changed in place; None if there is none."""
     found = messages.get(seq)
-    if type(found) is bytes:
+    if isinstance(found, bytes):
         found = messages[seq] = [found, 0, False]
     return found
 
