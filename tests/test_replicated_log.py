@@ -29,7 +29,7 @@ pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster
 from mqks.client.nats_local import load, restart
 from mqks.server.journal import records
 from mqks.server.journal.jetstream_log import JetStreamLog
-from mqks.server.journal.recovery import recover
+from mqks.server.journal.recovery import fields, recover
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -347,7 +347,7 @@ def test_frames_of_a_fenced_writer_and_its_unfinished_snapshot_are_ignored(share
     first.close(1)
     third, lines = open_log(urls, stream, "third")
     state = recover(lines)
-    messages = {seq: message[0] for seq, message in state.queues[b"q"].messages.items()}
+    messages = {seq: fields(message)[0] for seq, message in state.queues[b"q"].messages.items()}
     assert messages == {0: b" kept", 1: b" second's"}, messages
     third.close(10)
 
@@ -546,7 +546,7 @@ def test_a_start_waits_for_a_reader_that_nats_cannot_make_yet(tmp_path, caplog):
             nats.send_signal(signal.SIGHUP)
             lines = replaying.get(timeout=60)  # raised nats' TimeoutError before
         state = recover(lines)
-        assert {seq: message[0] for seq, message in state.queues[b"q"].messages.items()} == {0: b" kept"}
+        assert {seq: fields(message)[0] for seq, message in state.queues[b"q"].messages.items()} == {0: b" kept"}
         reader.close(10)
     finally:
         nats.kill()
