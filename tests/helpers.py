@@ -12,6 +12,7 @@ import ast
 import itertools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -40,19 +41,26 @@ _handed_out: set[int] = set()
 # tests/run.sh runs two pytest processes side by side and gives them this directory: a port handed out by one is a
 # file there, so the other never hands it out too (between the ask and the broker's bind, the port is free)
 PORTS_DIR_ENV = "MQKS_TEST_PORTS_DIR"
+# below the kernel's ephemeral range (32768-60999), and below `mqks nats up`'s (20000-32000): a cluster node on a
+# port the kernel had handed out could not bind it once an outgoing connection took it first (CI, under the Spark
+# tier: "cannot listen on 127.0.0.1:43999: Address already in use")
+TEST_PORTS = (10000, 19999)
 
 
 def free_port() -> int:
-    """Ask the kernel for a port nobody listens on right now, and never the same one twice in a run: two asks
-    in a row may get the same port back (CI once got --tls-port equal to --port), and two runs side by side may
-    too (PORTS_DIR_ENV)."""
+    """A port nobody listens on right now, outside the ranges the kernel and `mqks nats up` hand out, and never the
+    same one twice in a run: two asks in a row may get the same port back (CI once got --tls-port equal to
+    --port), and two runs side by side may too (PORTS_DIR_ENV)."""
     shared = os.environ.get(PORTS_DIR_ENV)
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = random.randint(*TEST_PORTS)
         if port in _handed_out:
             continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
         _handed_out.add(port)
         if shared:
             try:
