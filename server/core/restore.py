@@ -29,7 +29,7 @@ def rebuild(recovered: dict[bytes, Recovered], broker_for: Callable[[bytes], Bro
         queue.max_retries = state.limits["max_retries"]
         queue.max_length = state.limits["max_length"]
         messages = state.messages
-        held = sorted(seq for seq, m in messages.items() if type(m) is list and m[2])
+        held = sorted(seq for seq, m in messages.items() if isinstance(m, list) and m[2])
         seen: set[int] = set(held) | state.parked.keys()
         parked_by_due: dict[int, list[Message]] = {}
         for seq, due_ms in sorted(state.parked.items()):
