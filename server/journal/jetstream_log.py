@@ -47,13 +47,14 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gevent
 from gevent.event import Event
 
-from .nats_bridge import Bridge, BridgeError, NatsBridge, SharedNats, parse_puback
+from .hub_nats import Headers, ack_sequences
+from .nats_bridge import Bridge, BridgeError, Hub, NatsBridge, SharedNats, parse_puback
 
 log = logging.getLogger("mqks.log")
 
@@ -181,7 +182,8 @@ class StreamReading:
 
 class JetStreamLog:
     """The journal's Log on a JetStream stream; `open()`, then `replay()` to the end (which takes the stream
-    over), then commits. The writer runs in the NATS bridge's asyncio thread."""
+    over), then commits. The writer is a greenlet: it publishes frames and reads their PubAcks on the hub's own NATS
+    connection (hub_nats.py), and makes its JetStream API calls (a tail read, figures, a purge) through the bridge."""
 
     disk_full = False  # no disk of ours: `blocked` says why the log cannot write
     where = "in the replicated log"
@@ -263,13 +265,15 @@ class JetStreamLog:
         self._commit_times: deque[tuple[int, float]] = deque()  # handed commits not yet durable
         self._failed_up_to = 0
         self._snapshot_seq = 0  # the first frame of the snapshot being stored
-        self._purging: asyncio.Future[None] | None = None  # the purge being made: an older one still retrying gives up
+        self._purging: gevent.Greenlet | None = None  # the purge being made: an older one still retrying gives up
         self._stalled_since: float | None = None  # the first trouble since a frame was last stored
         self._stall_logged = False
         self._stopping = False
         self._writer_done = False
         self._inbox = ""
-        self._wake_event: asyncio.Event | None = None
+        self._wake = Event()  # the writer's: commits handed, a PubAck, a check due
+        self._writer: gevent.Greenlet | None = None
+        self._hub: Hub | None = None  # the hub's NATS connection (the bridge's hub_nats), once the log needs it
         self._last_sent_at = 0.0
         self._reader: Any = None  # replay's pull consumer
         self._next_seq = 1  # the next sequence it reads
@@ -278,12 +282,12 @@ class JetStreamLog:
         self._follower: Any = None  # the subscription on the push consumer's deliver subject
         self._beats: Any = None  # the subscription on the owner's heartbeats
         self._beat: tuple[int, int] | None = None  # the last heartbeat heard: its epoch and last sequence
-        self._followed: deque[tuple[int, dict[str, str] | None, bytes]] = deque()  # asyncio appends, hub pops
-        self._follow_next = 0  # the follower's next frame is at this sequence or after it (asyncio side)
+        self._followed: deque[tuple[int, dict[str, str] | None, bytes]] = deque()
+        self._follow_next = 0  # the follower's next frame is at this sequence or after it
         self._follow_next_delivery = 1  # the consumer's count of the frame it sends next
         self._follow_generation = 0  # frames from a follower of another generation are a replaced one's
-        self._follow_event = Event()  # hub side: set when frames wait in _followed
-        self._refollowing: asyncio.Future[None] | None = None
+        self._follow_event = Event()  # set when frames wait in _followed
+        self._refollowing: gevent.Greenlet | None = None
         # figures
         self._puback_ms: deque[float] = deque(maxlen=PUBACK_SAMPLES)
         self._stream_bytes = 0
@@ -367,6 +371,7 @@ class JetStreamLog:
         took it over first, or an owner appended): `reading.last_seq` is the tail then, read on to it."""
         run = self.bridge.run
         replayer = reading.replayer
+        self._hub_nats()  # the writer's connection, before taking over: a log that cannot have it must not
         self.epoch = replayer.epoch + 1
         record = b"W %d %b" % (self.epoch, self.owner.encode())
         answer = run(functools.partial(self._append_takeover, record=record, last_seq=reading.read), timeout=60)
@@ -386,7 +391,7 @@ class JetStreamLog:
         run(self._close_reader, timeout=30)
         self._refuse = None
         self._recovery_seconds = time.perf_counter() - reading.started
-        self.bridge.spawn(self._write)
+        self._writer = gevent.spawn(self._write)
         return record
 
     def ask_owner(self, silent_is_owner: bool = False) -> str | None:
@@ -400,7 +405,7 @@ class JetStreamLog:
 
     def follow(self, reading: StreamReading) -> None:
         """Follow the tail after `reading.read` on a push consumer: NATS sends each message as it is stored."""
-        self.bridge.run(functools.partial(self._follow, start_seq=reading.read + 1), timeout=30)
+        self._follow(reading.read + 1)
 
     def read_followed(self, reading: StreamReading, timeout: float) -> tuple[bool, list[bytes]]:
         """Wait up to `timeout` for followed messages or the owner's heartbeat: whether the owner was heard, and the
@@ -416,15 +421,8 @@ class JetStreamLog:
     def stop_following(self, reading: StreamReading) -> None:
         """No more following: read_to_tail reads on from after `reading.read` with the pull reader."""
         self._next_seq = reading.read + 1
-
-        async def stop(nc: Any) -> None:
-            await self._stop_following(nc)
-            self._followed.clear()
-
-        try:
-            self.bridge.run(stop, timeout=30)
-        except (BridgeError, gevent.Timeout) as e:
-            log.warning("%s: stopping its follower failed (%r)", self.label, e)
+        self._stop_following()
+        self._followed.clear()
 
     def commit(self, new_segment: bool = False, completes: bool | None = None) -> int | None:
         """Close the open batch into one commit for the writer; its number, or None when empty.
@@ -445,9 +443,7 @@ class JetStreamLog:
         self.unsynced_bytes = self._handed_bytes - self._durable_bytes
         self._handed.append((number, payload, new_segment, completes, time.monotonic()))
         if len(self._handed) == 1 and not self._writer_done:
-            # once per batch the writer has not taken: it takes every commit waiting when it wakes (a
-            # call_soon_threadsafe per commit was a pipe write each)
-            self.bridge.call_soon(self._poke)
+            self._wake.set()  # once per batch the writer has not taken: it takes every commit waiting when it wakes
         return number
 
     @property
@@ -512,17 +508,19 @@ class JetStreamLog:
             log.error("closing %s: %d bytes of unconfirmed records are not stored (%s); stopping without "
                       "them", self.label, self.unsynced_bytes, self.blocked or "NATS does not answer")
         elif self.handoff_to is not None and self.fenced_by is None and not self._writer_done:
-            self.bridge.call_soon(self._add_handoff)
+            self._add_handoff()
             while self._handoff_k != -1 and not self._writer_done and time.monotonic() < deadline:
                 gevent.sleep(0.01)
             log.info("%s: handed over to node %s%s", self.label, self.handoff_to,
                      "" if self._handoff_k == -1 else " (its frame is not stored: it takes over after the lease)")
         self._stopping = True
-        if not self._writer_done:
-            try:
-                self.bridge.call_soon(self._poke)
-            except BridgeError:
-                pass
+        self._wake.set()
+        if self._writer is not None:
+            self._writer.join(timeout=1.0)  # its last moments (a tail read) end before the bridge closes under it
+            self._writer.kill(block=False)
+        for helper in (self._purging, self._refollowing):
+            if helper is not None:
+                helper.kill(block=False)
         self.bridge.close()
 
     # -- the asyncio thread's side: stream management -------------------------------------------
@@ -668,73 +666,87 @@ class JetStreamLog:
             self._next_seq = batch[-1][0] + 1
         return batch
 
-    async def _follow(self, nc: Any, start_seq: int, keep: bool = False) -> None:
-        """Follow the stream from `start_seq` on a push consumer (memory, one replica, no acks): frames come to
-        `_on_followed` as they are stored. Replaces the replay's pull reader and any earlier follower; the frames
-        the hub has not taken yet are dropped unless `keep` (they come before `start_seq`)."""
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+    def _hub_nats(self) -> Hub:
+        """The hub's NATS connection this log publishes and subscribes on (the process's, for a cluster's group)."""
+        if self._hub is None:
+            self._hub = self.bridge.hub_nats()
+        return self._hub
 
-        await self._close_reader(nc)
-        await self._stop_following(nc)
+    def _follow(self, start_seq: int, keep: bool = False) -> None:
+        """Follow the stream from `start_seq` on a push consumer (memory, one replica, no acks) that delivers to an
+        inbox of the hub's connection: frames come to `_on_followed` as they are stored. Replaces the replay's pull
+        reader and any earlier follower; the frames the hub has not taken yet are dropped unless `keep` (they come
+        before `start_seq`)."""
+        hub = self._hub_nats()
+        if self._reader is not None:
+            self.bridge.run(self._close_reader, timeout=30)
+        self._stop_following()
         if not keep:
             self._followed.clear()
         self._follow_next = start_seq
         self._follow_generation += 1
-        inbox = nc.new_inbox()
-        # the subscription first: the consumer starts sending as soon as it exists
-        self._follower = await nc.subscribe(inbox, cb=functools.partial(self._on_followed, self._follow_generation))
+        inbox = hub.new_inbox()
+        # the subscription first, and NATS has it (a PONG) before the consumer exists: it starts sending at once
+        self._follower = hub.subscribe(inbox, functools.partial(self._on_followed, self._follow_generation))
         if self._beats is None and self.lease_seconds is not None:
-            self._beats = await nc.subscribe(self.beat_subject, cb=self._on_beat)
+            self._beats = hub.subscribe(self.beat_subject, self._on_beat)
         self._follow_next_delivery = 1
+        hub.sync()
+        self.bridge.run(functools.partial(self._add_follower, inbox=inbox, start_seq=start_seq), timeout=30)
+
+    async def _add_follower(self, nc: Any, inbox: str, start_seq: int) -> None:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
         await nc.jetstream(timeout=self.timeout_seconds)._jsm.add_consumer(self.stream, config=ConsumerConfig(
             deliver_subject=inbox, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
             filter_subject=self.subject, ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
             inactive_threshold=FOLLOW_IDLE_SECONDS))
 
-    async def _on_followed(self, generation: int, msg: Any) -> None:
+    def _on_followed(self, generation: int, subject: str, reply: str, headers: Headers | None, data: bytes) -> None:
         if generation != self._follow_generation:  # a replaced follower's last frames
             return
-        if not msg.data and msg.headers and "Status" in msg.headers:  # an idle heartbeat or a flow control request
+        if not data and headers and "Status" in headers:  # an idle heartbeat or a flow control request
             return
-        sequence = msg.metadata.sequence
-        seq, delivery = sequence.stream, sequence.consumer
+        seq, delivery = ack_sequences(reply)
         # the consumer counts what it delivers, one by one: a gap there is a frame lost on the way (a slow
-        # consumer); stream sequences have gaps of their own in a shared stream (the other groups' frames)
+        # consumer, a reconnect); stream sequences have gaps of their own in a shared stream (the other groups')
         if delivery != self._follow_next_delivery or seq < self._follow_next:
             if delivery > self._follow_next_delivery:  # follow again from the gap
                 expected = self._follow_next
                 log.warning("%s: following it skipped %d frames; following again from %d", self.label,
                             delivery - self._follow_next_delivery, expected)
                 self._follow_generation += 1
-                self._refollowing = asyncio.ensure_future(self._follow(self.bridge.nc, expected, keep=True))
+                self._refollowing = gevent.spawn(self._follow_again, expected)
             return
         self._follow_next_delivery = delivery + 1
         self._follow_next = seq + 1
-        self._followed.append((seq, msg.headers, msg.data))
-        if len(self._followed) == 1:  # the hub is told once per batch it has not taken yet
-            self.bridge.to_hub(self._follow_event.set)
+        self._followed.append((seq, headers, data))
+        if len(self._followed) == 1:  # the waiting hub is woken once per batch it has not taken yet
+            self._follow_event.set()
 
-    async def _on_beat(self, msg: Any) -> None:
-        headers = msg.headers or {}
+    def _follow_again(self, start_seq: int) -> None:
         try:
-            self._beat = (int(headers.get(EPOCH, 0)), int(headers.get(LAST, 0)))
+            self._follow(start_seq, keep=True)
+        except Exception as e:  # the standby's silence check follows anew after a lease without frames
+            log.warning("%s: following again failed (%s)", self.label, e or type(e).__name__)
+
+    def _on_beat(self, subject: str, reply: str, headers: Headers | None, data: bytes) -> None:
+        try:
+            self._beat = (int((headers or {}).get(EPOCH, 0)), int((headers or {}).get(LAST, 0)))
         except ValueError:
             return
-        self.bridge.to_hub(self._follow_event.set)
+        self._follow_event.set()
 
-    async def _stop_following(self, nc: Any) -> None:
+    def _stop_following(self) -> None:
+        hub = self._hub
         beats, self._beats = self._beats, None
-        if beats is not None:
-            try:
-                await beats.unsubscribe()
-            except Exception:
-                pass
         follower, self._follower = self._follower, None
+        if hub is None:
+            return
+        if beats is not None:
+            hub.unsubscribe(beats)
         if follower is not None:
-            try:
-                await follower.unsubscribe()  # NATS drops the consumer once no one listens (FOLLOW_IDLE_SECONDS)
-            except Exception:
-                pass
+            hub.unsubscribe(follower)  # NATS drops the consumer once no one listens (FOLLOW_IDLE_SECONDS)
 
     def _take_followed(self) -> list[tuple[int, dict[str, str] | None, bytes]]:
         """Hub side: the frames the follower brought since the last call, in order."""
@@ -806,40 +818,39 @@ class JetStreamLog:
 
     def _frame_wait_over(self) -> None:
         self._waiting_to_send = False
-        self._poke()
+        self._wake.set()
 
     def _poke(self) -> None:
-        if self._wake_event is not None:
-            self._wake_event.set()
+        self._wake.set()
 
-    async def _write(self, nc: Any) -> None:
+    def _write(self) -> None:
         try:
-            await self._write_until_stopped(nc)
-        except BaseException as e:  # a bug must not leave confirms waiting in silence
+            self._write_until_stopped(self._hub_nats())
+        except Exception as e:  # a bug, or NATS gone for good, must not leave confirms waiting in silence
             log.exception("the writer of %s failed", self.label)
             self._stop_with(f"the replicated log's writer failed: {e!r}")
         finally:
             self._writer_done = True
             self.wake()
 
-    async def _write_until_stopped(self, nc: Any) -> None:
-        wake = self._wake_event = asyncio.Event()
-        self._inbox = nc.new_inbox()
-        await nc.subscribe(self._inbox + ".*", cb=self._on_puback)
-        await nc.subscribe(self.owner_subject, cb=self._on_owner_ping)
+    def _write_until_stopped(self, hub: Hub) -> None:
+        wake = self._wake
+        self._inbox = hub.new_inbox()
+        hub.subscribe(self._inbox + ".*", self._on_puback)
+        hub.subscribe(self.owner_subject, self._on_owner_ping)
         heartbeat_seconds = self.heartbeat_seconds
         wake.set()  # commits handed during the replay's end
         last_check = self._last_sent_at = time.monotonic()
-        checking: asyncio.Future[None] | None = None
-        beating: asyncio.Future[None] | None = None
+        checking: gevent.Greenlet | None = None
+        beating: gevent.Greenlet | None = None
         # a cluster's idle owner looks at its log's last sequence before each heartbeat: a rival shows there, and
         # its other check is only the figures (sixteen groups' checks each second were a third of an idle NATS's
         # API calls)
         tail_check_seconds = TAIL_CHECK_SECONDS if heartbeat_seconds is None else FIGURES_SECONDS
-        ticker = asyncio.ensure_future(self._tick(wake))
+        ticker = gevent.spawn(self._tick)
         try:
             while not self._stopping and self.fenced_by is None:
-                await wake.wait()
+                wake.wait()
                 wake.clear()
                 if self._in_flight < self.max_in_flight:
                     # commits wait as handed until a frame can go, then go as one: taken at every wake, a
@@ -850,7 +861,7 @@ class JetStreamLog:
                         self._take_handed()
                     elif not self._waiting_to_send:
                         self._waiting_to_send = True
-                        asyncio.get_running_loop().call_later(wait, self._frame_wait_over)
+                        gevent.spawn_later(wait, self._frame_wait_over)
                 now = time.monotonic()
                 if self._in_flight and self._trouble is None:
                     oldest = min((f.sent_at for f in self._by_token.values()), default=now)
@@ -859,20 +870,20 @@ class JetStreamLog:
                 if self._stalled_since is not None and now - self._stalled_since > self.timeout_seconds:
                     self._stall_too_long(f"the replicated log has stored nothing for {self.timeout_seconds:g} s")
                 if self._trouble is not None:
-                    await self._read_tail(nc)
+                    self._read_tail()
                     continue
                 if (heartbeat_seconds is not None and not self._unsent and not self._in_flight
-                        and now - self._last_sent_at >= heartbeat_seconds and (beating is None or beating.done())):
+                        and now - self._last_sent_at >= heartbeat_seconds and (beating is None or beating.dead)):
                     self._last_sent_at = now  # the lease: standbys take over after silence
-                    beating = asyncio.ensure_future(self._beat_if_owner(nc))
-                await self._send(nc)
-                if now - last_check >= tail_check_seconds and (checking is None or checking.done()):
+                    beating = gevent.spawn(self._beat_if_owner, hub)
+                self._send(hub)
+                if now - last_check >= tail_check_seconds and (checking is None or checking.dead):
                     last_check = now
-                    checking = asyncio.ensure_future(self._check_tail(nc))
+                    checking = gevent.spawn(self._check_tail)
         finally:
-            ticker.cancel()
+            ticker.kill(block=False)
 
-    async def _beat_if_owner(self, nc: Any) -> None:
+    def _beat_if_owner(self, hub: Hub) -> None:
         """An idle owner's heartbeat: the log's last sequence read from the stream's leader, then a core NATS
         message to the standbys saying it (nothing stored: a stored heartbeat was an R3 write with fsync every
         quarter lease per group, kept until the next snapshot). A log that grew past this writer's last frame means
@@ -880,7 +891,7 @@ class JetStreamLog:
         owner sends no heartbeat, and steps down after the lease."""
         expected = self._tail_seq
         try:
-            last = await self._last_seq(nc)
+            last = self.bridge.run(self._last_seq, timeout=30)
         except Exception as e:
             if not self._in_flight and not self._unsent and self._trouble is None:
                 self._in_trouble(f"the log's last sequence could not be read ({type(e).__name__}: {e})")
@@ -892,14 +903,17 @@ class JetStreamLog:
             self._in_trouble(f"the log's last sequence is {last}, past this writer's {expected}")
             self._poke()
             return
-        await nc.publish(self.beat_subject, b"", headers={EPOCH: str(self.epoch), LAST: str(last)})
+        try:
+            hub.publish(self.beat_subject, b"", headers={EPOCH: str(self.epoch), LAST: str(last)})
+        except BridgeError:
+            pass  # reconnecting: the next beat goes, or the standbys take over after the lease
 
-    async def _tick(self, wake: asyncio.Event) -> None:
+    def _tick(self) -> None:
         """The writer's clock: its checks (an unanswered frame, a stall, the heartbeat, the tail) run at least this
-        often; a timer of its own, not a timeout on each wait (a task and a timer per frame under load)."""
+        often; a timer of its own, not a timeout on each wait (a timer per frame under load)."""
         while True:
-            await asyncio.sleep(TAIL_CHECK_SECONDS)
-            wake.set()
+            gevent.sleep(TAIL_CHECK_SECONDS)
+            self._wake.set()
 
     def _take_handed(self) -> None:
         """The hub's commits into frames: merged up to the frame size, split over max_payload."""
@@ -939,9 +953,9 @@ class JetStreamLog:
         self._frames[frame.k] = frame
         self._unsent.append(frame)
 
-    async def _send(self, nc: Any) -> None:
+    def _send(self, hub: Hub) -> None:
         unsent = self._unsent
-        publish, subject, inbox = nc.publish, self.subject, self._inbox
+        publish, subject, inbox = hub.publish, self.subject, self._inbox
         epoch, prefix = str(self.epoch), f"{self.name}.{self.epoch}.{self.writer_id}."
         fence, max_in_flight, own_stream = self._fence, self.max_in_flight, not self.in_shared_stream
         while unsent and self._in_flight < max_in_flight and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES:
@@ -961,35 +975,34 @@ class JetStreamLog:
             if own_stream:
                 self._tail_seq += 1  # the next frame expects this one's sequence (in a shared one: set once stored)
             try:
-                await publish(subject, frame.payload, reply=f"{inbox}.{token}", headers=headers)
-            except Exception as e:  # disconnected with a full buffer: the tail read settles it
+                publish(subject, frame.payload, f"{inbox}.{token}", headers)
+            except BridgeError as e:  # reconnecting: the tail read settles it
                 self._in_trouble(f"publish failed: {e}")
                 return
 
-    async def _on_puback(self, msg: Any) -> None:
-        frame = self._by_token.pop(int(msg.subject.rpartition(".")[2]), None)
+    def _on_puback(self, subject: str, reply: str, headers: Headers | None, data: bytes) -> None:
+        frame = self._by_token.pop(int(subject.rpartition(".")[2]), None)
         if frame is None:
             return  # answered after a tail read settled it
         self._in_flight -= 1
         self._in_flight_bytes -= len(frame.payload)
 
-        status = (msg.headers or {}).get("Status") if not msg.data else None
+        status = (headers or {}).get("Status") if not data else None
         if status is not None:  # 503: no stream leader (an election)
             self._in_trouble(f"NATS status {status}")
         else:
-            ack = parse_puback(frame.k, msg.data)
+            ack = parse_puback(frame.k, data)
             if ack.error_code == WRONG_LAST_SEQUENCE_FOR_NOW and self.in_shared_stream:
                 self._resent += 1
                 self._unsent.appendleft(frame)  # the same frame (its Msg-Id) again, in a moment
-                asyncio.get_running_loop().call_later(RESEND_SECONDS, self._poke)
+                gevent.spawn_later(RESEND_SECONDS, self._poke)
                 return
             if ack.error:
                 self._in_trouble(f"error {ack.error_code}: {ack.error}")
             else:
                 self._puback_ms.append((time.monotonic() - frame.sent_at) * 1000.0)
                 self._stored(frame, ack.seq)
-        assert self._wake_event is not None
-        self._wake_event.set()
+        self._wake.set()
 
     def _in_trouble(self, reason: str) -> None:
         """Stop sending until the tail is read; the stall lasts until a frame is stored again."""
@@ -1034,7 +1047,7 @@ class JetStreamLog:
                 times.popleft()
             self.wake()
         if purge:
-            self._purging = asyncio.ensure_future(self._purge(purge))
+            self._purging = gevent.spawn(self._purge, purge)
 
     def _stall_ended(self, how: str) -> None:
         log.info("%s: %s after %.1f s", self.label, how, time.monotonic() - (self._stalled_since or 0.0))
@@ -1044,27 +1057,30 @@ class JetStreamLog:
             log.warning("%s: the replicated log takes writes again", self.label)
             self.blocked = None
 
-    async def _purge(self, below: int) -> None:
+    def _purge(self, below: int) -> None:
         """Remove the frames the stored snapshot starting at `below` replaces. A failed purge is tried again until
         a newer snapshot's purge takes its place: a broker that goes idle writes no next snapshot, and its stream
         would keep every frame it ever wrote."""
         pause = PURGE_RETRY_FIRST_SECONDS
-        while not self._stopping and self.fenced_by is None and self._purging is asyncio.current_task():
+        while not self._stopping and self.fenced_by is None and self._purging is gevent.getcurrent():
             try:
-                await self.bridge.nc.jetstream(timeout=self.timeout_seconds).purge_stream(
-                    self.stream, seq=below, subject=self.subject if self.in_shared_stream else None)
+                self.bridge.run(functools.partial(self._purge_below, below=below), timeout=60)
             except Exception as e:
                 self._purge_failures += 1
                 log.warning("%s: purge below %d failed (%s): trying again in %g s", self.label, below,
                             e or type(e).__name__, pause)
-                await asyncio.sleep(pause)
+                gevent.sleep(pause)
                 pause = min(pause * 2, PURGE_RETRY_MAX_SECONDS)
             else:
                 self._purges += 1
                 return
 
-    async def _check_tail(self, nc: Any) -> None:
-        """Each second, as a task of its own (a slow JetStream API call must not hold the writer): the stream's
+    async def _purge_below(self, nc: Any, below: int) -> None:
+        await nc.jetstream(timeout=self.timeout_seconds).purge_stream(
+            self.stream, seq=below, subject=self.subject if self.in_shared_stream else None)
+
+    def _check_tail(self) -> None:
+        """Each second, as a greenlet of its own (a slow JetStream API call must not hold the writer): the stream's
         figures; and a stream that grew past this writer's last frame while it had nothing in flight means a rival
         (or a late frame): read its tail. A read that overlapped a send is stale, not a rival.
 
@@ -1072,14 +1088,14 @@ class JetStreamLog:
         heartbeat (_beat_if_owner), a quarter lease apart."""
         if self.heartbeat_seconds is not None:
             try:
-                await self._note_figures(nc)
+                self.bridge.run(self._note_figures, timeout=30)
             except Exception:
                 pass
             return
         expected = self._tail_seq
         idle = not self._in_flight and not self._unsent
         try:
-            last = await self._last_seq(nc)
+            last = self.bridge.run(self._last_seq, timeout=30)
         except Exception:
             return
         if (last > expected and idle and expected == self._tail_seq and not self._in_flight and not self._unsent
@@ -1087,7 +1103,7 @@ class JetStreamLog:
             self._in_trouble(f"the stream's last sequence is {last}, past this writer's {expected}")
             self._poke()
 
-    async def _read_tail(self, nc: Any) -> None:
+    def _read_tail(self) -> None:
         """After a refusal, an error or a timeout: settle every frame from the stream itself, then go on."""
         started = time.monotonic()
         if not self._stall_logged:  # once per stall, not once per tail read
@@ -1098,13 +1114,12 @@ class JetStreamLog:
         if self._trouble is not None and self._trouble.startswith("error"):
             # refused: the frames behind it are answered within moments (a timeout waits for nothing)
             while self._in_flight and time.monotonic() - started < ACK_SECONDS:
-                await asyncio.sleep(0.05)
-        js = nc.jetstream(timeout=3)
+                gevent.sleep(0.05)
+        last = 0
         while not self._stopping and self.fenced_by is None:
             try:
-                last = await self._last_seq(nc)
-                async for seq, msg in self._messages_after(js, self._stored_seq, last):
-                    headers = msg.headers or {}
+                last, found = self.bridge.run(functools.partial(self._tail_after, base=self._stored_seq), timeout=60)
+                for seq, headers in found:
                     epoch = int(headers.get(EPOCH, 0))
                     if epoch > self.epoch:
                         self._fenced(headers.get(OWNER, "another broker"), epoch)
@@ -1118,8 +1133,8 @@ class JetStreamLog:
                 if time.monotonic() - stalled_since > self.timeout_seconds:
                     self._stall_too_long(f"the replicated log has not answered for {self.timeout_seconds:g} s "
                                          f"({type(e).__name__}: {e})")
-                await asyncio.sleep(RETRY_SECONDS)
-        if self.fenced_by is not None:
+                gevent.sleep(RETRY_SECONDS)
+        if self.fenced_by is not None or self._stopping:
             return
         # everything not stored goes again, in order, after the tail as it is now
         self._by_token.clear()
@@ -1133,15 +1148,19 @@ class JetStreamLog:
         if not again and not self._frames and self._stalled_since is not None:
             self._stall_ended("the log answers again")  # an idle owner's: nothing waits to be stored
         log.debug("%s: tail read at sequence %d after %.1f s; %d frames go again", self.label, last,
-                 time.monotonic() - started, len(again))
+                  time.monotonic() - started, len(again))
         self.wake()
         if self._stalled_since is not None:
-            await asyncio.sleep(RETRY_SECONDS)  # NATS refused or did not answer: do not spin on it
+            gevent.sleep(RETRY_SECONDS)  # NATS refused or did not answer: do not spin on it
         self._poke()
 
-    async def _messages_after(self, js: Any, base: int, last: int) -> AsyncIterator[tuple[int, Any]]:
-        """The log's messages after sequence `base` up to `last`, each read from the stream's leader (a replica may
-        be behind); in a shared stream, its subject's alone."""
+    async def _tail_after(self, nc: Any, base: int) -> tuple[int, list[tuple[int, dict[str, str]]]]:
+        """The log's last sequence, and the headers of its messages after sequence `base` up to it, each read from
+        the stream's leader (a replica may be behind), up to the first of a higher epoch; in a shared stream, its
+        subject's alone."""
+        js = nc.jetstream(timeout=3)
+        last = await self._last_seq(nc)
+        found: list[tuple[int, dict[str, str]]] = []
         seq = base
         while seq < last:
             try:
@@ -1149,17 +1168,21 @@ class JetStreamLog:
                     msg = await js.get_msg(self.stream, seq + 1, subject=self.subject, next=True)
                     seq = int(msg.seq)
                     if seq > last:
-                        return
+                        break
                 else:
                     seq += 1
                     msg = await js.get_msg(self.stream, seq)
             except Exception as e:
                 if "no message found" in str(e).lower() or getattr(e, "err_code", 0) == NOT_FOUND:
                     if self.in_shared_stream:
-                        return
+                        break
                     continue
                 raise
-            yield seq, msg
+            headers = dict(msg.headers or {})
+            found.append((seq, headers))
+            if int(headers.get(EPOCH, 0)) > self.epoch:
+                break
+        return last, found
 
     def _stall_too_long(self, reason: str) -> None:
         """Confirmed publishes are refused, and the commits waiting longer than the timeout are failed.
@@ -1196,14 +1219,17 @@ class JetStreamLog:
         self.fenced_by = reason
         self.wake()
 
-    async def _on_owner_ping(self, msg: Any) -> None:
+    def _on_owner_ping(self, subject: str, reply: str, headers: Headers | None, data: bytes) -> None:
         if self._handoff_k == -1 or self.fenced_by is not None:
             # handed over or taken over: the new owner answers; this process still listens until it exits, and an
             # answer from it made `mqks cluster move` report the group on the node it had just left (CI)
             return
-        if msg.reply:
-            await self.bridge.nc.publish(msg.reply, json.dumps(
-                {"owner": self.owner, "epoch": self.epoch, "pid": os.getpid(), "node": self.node}).encode())
+        if reply and self._hub is not None:
+            try:
+                self._hub.publish(reply, json.dumps(
+                    {"owner": self.owner, "epoch": self.epoch, "pid": os.getpid(), "node": self.node}).encode())
+            except BridgeError:
+                pass
 
     def _add_handoff(self) -> None:
         """The owner's last frame: after everything it wrote, it names the node that takes the group over."""

@@ -28,15 +28,12 @@ from gevent.event import AsyncResult, Event
 from gevent.lock import Semaphore
 
 from ...common.nats_urls import quiet_tls_noise, shown
+from .hub_nats import BridgeError, Callback, HubNats, NatsUnreachable
 
 log = logging.getLogger("mqks.journal")
 
 PING_SECONDS = 1  # nats-py's default (120 s, 2 missed) notices a dead connection only after minutes
 START_SECONDS = 10.0
-
-
-class BridgeError(Exception):
-    """NATS cannot be reached, or the bridge is closed; the message says why."""
 
 
 class PubAck:
@@ -87,6 +84,8 @@ class NatsBridge:
         self.first_error: Exception | None = None  # what NATS said to the first connect (a refused password)
         self.closing = False
         self.stopped: asyncio.Event | None = None
+        self.hub: HubNats | None = None  # the hub's own connection for the hot traffic, made on first use
+        self.hub_connecting = Semaphore()
 
     # -- the hub's side -----------------------------------------------------------------------
 
@@ -101,6 +100,21 @@ class NatsBridge:
         if self.start_error is not None:
             self.stop_watcher()
             raise BridgeError(self.start_error)
+
+    def hub_nats(self) -> HubNats:
+        """The connection the hub reads and writes itself (hub_nats.py), for frames, PubAcks, heartbeats, owner pings
+        and a standby's pushed frames; connected on first use. Raises BridgeError when NATS cannot be reached."""
+        with self.hub_connecting:
+            if self.hub is None:
+                if self.closing:
+                    raise BridgeError("the NATS bridge is closed")
+                hub = HubNats(self.servers, self.options, self.connect_timeout)
+                try:
+                    hub.connect()
+                except NatsUnreachable as e:
+                    raise BridgeError(f"cannot reach NATS at {shown(self.servers)}: {e}") from None
+                self.hub = hub
+            return self.hub
 
     def call_soon(self, callback: Callable[[], Any]) -> None:
         """Run `callback` in the asyncio thread soon (one `call_soon_threadsafe`: a group commit's hand-over)."""
@@ -154,6 +168,8 @@ class NatsBridge:
 
     def close(self, timeout: float = 10.0) -> None:
         """Drain the connection (what is in flight is answered first) and end the thread."""
+        if self.hub is not None:
+            self.hub.close()
         if self.loop is None or self.closing:
             self.stop_watcher()
             return
@@ -273,6 +289,7 @@ class BridgeScope:
         self.subscriptions: list[Any] = []
         self.tasks: set[asyncio.Future[Any]] = set()
         self.closed = False
+        self.hub: ScopedHub | None = None
 
     def start(self) -> None:
         """Share the process's connection (connecting it if no group has); raises BridgeError as NatsBridge does."""
@@ -283,6 +300,12 @@ class BridgeScope:
         if self.closed or self.bridge is None:
             raise BridgeError("the NATS bridge is closed")
         return self.bridge
+
+    def hub_nats(self) -> ScopedHub:
+        """The process's hub connection as this group uses it: what it subscribes ends with the group."""
+        if self.hub is None:
+            self.hub = ScopedHub(self.live().hub_nats(), self)
+        return self.hub
 
     def call_soon(self, callback: Callable[[], Any]) -> None:
         self.live().call_soon(callback)
@@ -309,6 +332,8 @@ class BridgeScope:
             self.closed = True
             return
         self.closed = True
+        if self.hub is not None:
+            self.hub.end()
 
         async def end(nc: Any) -> None:
             tasks = [task for task in self.tasks if not task.done()]
@@ -327,6 +352,38 @@ class BridgeScope:
             self.bridge.run(end, timeout)
         except Exception as e:
             log.warning("NATS bridge: ending a group's subscriptions failed: %s", e)
+
+
+class ScopedHub:
+    """The process's hub connection (HubNats) as one group uses it: its subscriptions end with the group."""
+
+    def __init__(self, hub: HubNats, scope: BridgeScope) -> None:
+        self.hub = hub
+        self.scope = scope
+        self.sids: set[int] = set()
+        self.publish = hub.publish
+        self.new_inbox = hub.new_inbox
+        self.sync = hub.sync
+
+    @property
+    def connected(self) -> bool:
+        return self.hub.connected
+
+    def subscribe(self, subject: str, callback: Callback) -> int:
+        if self.scope.closed:
+            raise BridgeError("the NATS bridge is closed")
+        sid = self.hub.subscribe(subject, callback)
+        self.sids.add(sid)
+        return sid
+
+    def unsubscribe(self, sid: int) -> None:
+        self.sids.discard(sid)
+        self.hub.unsubscribe(sid)
+
+    def end(self) -> None:
+        for sid in self.sids:
+            self.hub.unsubscribe(sid)
+        self.sids.clear()
 
 
 class ScopedNats:
@@ -359,4 +416,5 @@ class ScopedNats:
         return JetStreamContext(client, **options)
 
 
+Hub = HubNats | ScopedHub  # what a log publishes and subscribes through in the hub
 Bridge = NatsBridge | BridgeScope  # what a log and a map call: a connection of its own, or a group's share of one

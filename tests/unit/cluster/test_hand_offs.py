@@ -91,14 +91,10 @@ def test_an_owner_that_handed_its_group_over_no_longer_answers_for_it():
     report the group on the node it had just left (CI). Fenced, it is silent too."""
     stream_log = JetStreamLog(["nats://127.0.0.1:1"], "c-0-of-4", "node a", lease_seconds=12.0, node="a")
     answers: list[str] = []
-
-    async def publish(subject: str, data: bytes) -> None:
-        answers.append(subject)
-
-    stream_log.bridge.nc = SimpleNamespace(publish=publish)
+    stream_log._hub = SimpleNamespace(publish=lambda subject, data: answers.append(subject))  # type: ignore[assignment]
 
     def ping(reply: str) -> None:
-        asyncio.run(stream_log._on_owner_ping(SimpleNamespace(reply=reply)))
+        stream_log._on_owner_ping("mqks.owner.c-0-of-4", reply, None, b"")
 
     ping("r1")
     stream_log._handoff_k = -1  # its hand-off frame is stored

@@ -2,191 +2,202 @@
 one wake per batch; a gap in the consumer's count (a frame lost to a slow consumer) follows again from the missing
 frame; gaps in stream sequences alone (a stream shared with other groups) are not losses; a replaced follower's
 late frames and NATS's status messages are ignored; an idle owner's heartbeat (a core NATS message) is heard once the
-follower has every frame it says is stored. In process, over a fake NATS connection."""
+follower has every frame it says is stored. In process, over a fake hub connection and bridge."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from gevent.event import Event
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
+from mqks.server.journal.hub_nats import ack_sequences
 from mqks.server.journal.jetstream_log import EPOCH, LAST, JetStreamLog, StreamReading
 
 pytestmark = pytest.mark.timeout(10)
 
 
-class FakeNats:
-    """What the follower uses of nats-py: inboxes, subscriptions, and the consumers it adds (recorded)."""
+class FakeHub:
+    """What the follower uses of the hub's NATS connection: inboxes and subscriptions (recorded)."""
 
     def __init__(self) -> None:
         self.inboxes = 0
-        self.consumers: list[Any] = []
         self.subscriptions: list[SimpleNamespace] = []
+        self.syncs = 0
 
     def new_inbox(self) -> str:
         self.inboxes += 1
         return f"_INBOX.{self.inboxes}"
 
-    async def subscribe(self, subject: str, cb: Any) -> SimpleNamespace:
-        async def unsubscribe() -> None:
-            sub.active = False
+    def subscribe(self, subject: str, callback: Any) -> int:
+        self.subscriptions.append(SimpleNamespace(subject=subject, cb=callback, active=True))
+        return len(self.subscriptions) - 1
 
-        sub = SimpleNamespace(subject=subject, cb=cb, active=True, unsubscribe=unsubscribe)
-        self.subscriptions.append(sub)
-        return sub
+    def unsubscribe(self, sid: int) -> None:
+        self.subscriptions[sid].active = False
+
+    def sync(self, timeout: float = 5.0) -> None:
+        self.syncs += 1
+
+
+class FakeBridge:
+    """The bridge as the follower's JetStream API calls see it: the consumers it adds (recorded)."""
+
+    def __init__(self, hub: FakeHub) -> None:
+        self.hub = hub
+        self.consumers: list[Any] = []
+
+    def hub_nats(self) -> FakeHub:
+        return self.hub
 
     def jetstream(self, timeout: float = 5.0) -> Any:
         async def add_consumer(stream: str, config: Any) -> None:
+            assert self.hub.syncs, "the consumer was made before NATS had the subscription it delivers to"
             self.consumers.append((stream, config))
 
         return SimpleNamespace(_jsm=SimpleNamespace(add_consumer=add_consumer))
 
-
-def frame(seq: int, delivery: int, data: bytes = b"x", headers: dict[str, str] | None = None) -> Any:
-    """The message at stream sequence `seq`, the consumer's `delivery`-th."""
-    return SimpleNamespace(data=data, headers=headers or {"Mqks-Epoch": "1"},
-                           metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq, consumer=delivery)))
+    def run(self, make: Callable[[Any], Any], timeout: float = 10.0) -> Any:
+        return asyncio.run(make(self))
 
 
-def new_log() -> tuple[JetStreamLog, FakeNats]:
-    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s-0-of-2", "test")
-    nc = FakeNats()
-    stream_log.bridge.nc = nc
-    return stream_log, nc
+def frame(seq: int, delivery: int, data: bytes = b"x", headers: dict[str, str] | None = None) -> tuple[Any, ...]:
+    """The message at stream sequence `seq`, the consumer's `delivery`-th, as the hub connection hands it over."""
+    return ("_INBOX.x", f"$JS.ACK.s.follower.1.{seq}.{delivery}.1700000000.0", headers or {"Mqks-Epoch": "1"}, data)
 
 
-def hub_wakes(stream_log: JetStreamLog) -> int:
-    """Run what the asyncio side queued for the hub; how many callbacks there were."""
-    count = len(stream_log.bridge.results)
-    stream_log.bridge.drain()
-    return count
+def with_fakes(stream_log: JetStreamLog) -> tuple[JetStreamLog, FakeHub, FakeBridge]:
+    hub = FakeHub()
+    bridge = FakeBridge(hub)
+    stream_log.bridge = bridge  # type: ignore[assignment]
+    return stream_log, hub, bridge
+
+
+def new_log() -> tuple[JetStreamLog, FakeHub, FakeBridge]:
+    return with_fakes(JetStreamLog(["nats://127.0.0.1:1"], "s-0-of-2", "test"))
+
+
+def shared_log(lease_seconds: float | None = None) -> tuple[JetStreamLog, FakeHub, FakeBridge]:
+    return with_fakes(JetStreamLog(["nats://127.0.0.1:1"], "s-g4-s0-of-1", "test", group="s-2-of-4",
+                                   stream_subjects=[f"mqks.log.s-{g}-of-4" for g in range(4)],
+                                   lease_seconds=lease_seconds))
+
+
+class CountingEvent(Event):
+    """The follower's event, counting how often the follower wakes the waiting hub."""
+
+    wakes = 0
+
+    def set(self) -> None:
+        self.wakes += 1
+        super().set()
 
 
 def test_frames_reach_the_hub_in_order_with_one_wake_per_batch() -> None:
-    stream_log, nc = new_log()
-
-    async def scenario() -> None:
-        await stream_log._follow(nc, start_seq=5)
-        cb = nc.subscriptions[-1].cb
-        for delivery, seq in enumerate((5, 6, 7), 1):
-            await cb(frame(seq, delivery, b"f%d" % seq))
-
-    asyncio.run(scenario())
-    (stream, config), = nc.consumers
-    assert (stream, config.opt_start_seq, config.deliver_subject) == ("s-0-of-2", 5, nc.subscriptions[-1].subject)
+    stream_log, hub, bridge = new_log()
+    stream_log._follow_event = event = CountingEvent()
+    stream_log._follow(start_seq=5)
+    cb = hub.subscriptions[-1].cb
+    for delivery, seq in enumerate((5, 6, 7), 1):
+        cb(*frame(seq, delivery, b"f%d" % seq))
+    (stream, config), = bridge.consumers
+    assert (stream, config.opt_start_seq, config.deliver_subject) == ("s-0-of-2", 5, hub.subscriptions[-1].subject)
     assert config.num_replicas == 1 and config.mem_storage  # no raft group of its own on NATS
-    assert hub_wakes(stream_log) == 1
+    assert event.wakes == 1
     assert stream_log._follow_event.is_set()
     assert [(seq, data) for seq, _, data in stream_log._take_followed()] == [(5, b"f5"), (6, b"f6"), (7, b"f7")]
     assert not stream_log._follow_event.is_set() and stream_log._take_followed() == []
 
 
+def test_the_stream_and_consumer_sequences_come_from_either_form_of_the_ack_subject() -> None:
+    assert ack_sequences("$JS.ACK.s.follower.1.41.7.1700000000.0") == (41, 7)
+    assert ack_sequences("$JS.ACK.hub.ACCHASH.s.follower.1.41.7.1700000000.0.r4nd") == (41, 7)
+
+
 def test_a_duplicate_is_dropped_and_status_messages_are_not_frames() -> None:
-    stream_log, nc = new_log()
-
-    async def scenario() -> None:
-        await stream_log._follow(nc, start_seq=1)
-        cb = nc.subscriptions[-1].cb
-        await cb(frame(1, 1))
-        await cb(frame(1, 1))  # delivered twice
-        await cb(SimpleNamespace(data=b"", headers={"Status": "100", "Description": "Idle Heartbeat"}))
-        await cb(frame(2, 2))
-
-    asyncio.run(scenario())
+    stream_log, hub, _ = new_log()
+    stream_log._follow(start_seq=1)
+    cb = hub.subscriptions[-1].cb
+    cb(*frame(1, 1))
+    cb(*frame(1, 1))  # delivered twice
+    cb("_INBOX.x", "", {"Status": "100", "Description": "Idle Heartbeat"}, b"")
+    cb(*frame(2, 2))
     assert [seq for seq, _, _ in stream_log._take_followed()] == [1, 2]
 
 
 def test_a_gap_follows_again_from_the_missing_frame_keeping_what_came_before() -> None:
-    stream_log, nc = new_log()
-
-    async def scenario() -> None:
-        await stream_log._follow(nc, start_seq=1)
-        first = nc.subscriptions[-1]
-        await first.cb(frame(1, 1))
-        await first.cb(frame(2, 2))
-        await first.cb(frame(4, 4))  # 3 was lost
-        await asyncio.sleep(0)  # the new follower is made in a task of its own
-        await asyncio.sleep(0)
-        assert not first.active
-        second = nc.subscriptions[-1]
-        assert second is not first
-        await first.cb(frame(5, 5))  # the replaced follower's late frame
-        await second.cb(frame(3, 1))
-        await second.cb(frame(4, 2))
-
-    asyncio.run(scenario())
-    assert [config.opt_start_seq for _, config in nc.consumers] == [1, 3]
+    stream_log, hub, bridge = new_log()
+    stream_log._follow(start_seq=1)
+    first = hub.subscriptions[-1]
+    first.cb(*frame(1, 1))
+    first.cb(*frame(2, 2))
+    first.cb(*frame(4, 4))  # 3 was lost
+    assert stream_log._refollowing is not None
+    stream_log._refollowing.join(timeout=2)  # the new follower is made in a greenlet of its own
+    assert not first.active
+    second = hub.subscriptions[-1]
+    assert second is not first
+    first.cb(*frame(5, 5))  # the replaced follower's late frame
+    second.cb(*frame(3, 1))
+    second.cb(*frame(4, 2))
+    assert [config.opt_start_seq for _, config in bridge.consumers] == [1, 3]
     assert [seq for seq, _, _ in stream_log._take_followed()] == [1, 2, 3, 4]
 
 
 def test_following_anew_drops_frames_the_hub_has_not_taken() -> None:
     """The hub follows anew after the last sequence it applied: frames still queued would come twice."""
-    stream_log, nc = new_log()
-
-    async def scenario() -> None:
-        await stream_log._follow(nc, start_seq=1)
-        await nc.subscriptions[-1].cb(frame(1, 1))
-        await nc.subscriptions[-1].cb(frame(2, 2))
-        await stream_log._follow(nc, start_seq=1)
-        await nc.subscriptions[-1].cb(frame(1, 1))
-
-    asyncio.run(scenario())
+    stream_log, hub, _ = new_log()
+    stream_log._follow(start_seq=1)
+    hub.subscriptions[-1].cb(*frame(1, 1))
+    hub.subscriptions[-1].cb(*frame(2, 2))
+    stream_log._follow(start_seq=1)
+    hub.subscriptions[-1].cb(*frame(1, 1))
     assert [seq for seq, _, _ in stream_log._take_followed()] == [1]
 
 
 def test_a_group_of_a_shared_stream_follows_its_subject_and_skips_no_frame_for_the_others() -> None:
     """The other groups' frames take the sequences between this group's: the consumer counts 1, 2, 3 all the same."""
-    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s-g4-s0-of-1", "test", group="s-2-of-4",
-                              stream_subjects=[f"mqks.log.s-{g}-of-4" for g in range(4)])
-    nc = FakeNats()
-    stream_log.bridge.nc = nc
-
-    async def scenario() -> None:
-        await stream_log._follow(nc, start_seq=5)
-        for delivery, seq in enumerate((5, 9, 12), 1):
-            await nc.subscriptions[-1].cb(frame(seq, delivery))
-
-    asyncio.run(scenario())
-    (stream, config), = nc.consumers  # followed once: no gap seen
+    stream_log, hub, bridge = shared_log()
+    stream_log._follow(start_seq=5)
+    for delivery, seq in enumerate((5, 9, 12), 1):
+        hub.subscriptions[-1].cb(*frame(seq, delivery))
+    (stream, config), = bridge.consumers  # followed once: no gap seen
     assert (stream, config.filter_subject) == ("s-g4-s0-of-1", "mqks.log.s-2-of-4")
     assert [seq for seq, _, _ in stream_log._take_followed()] == [5, 9, 12]
 
 
 def test_an_idle_owners_heartbeat_is_heard_once_the_follower_has_every_frame_it_names() -> None:
-    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s-g4-s0-of-1", "test", group="s-2-of-4",
-                              stream_subjects=[f"mqks.log.s-{g}-of-4" for g in range(4)], lease_seconds=12.0)
-    nc = FakeNats()
-    stream_log.bridge.nc = nc
+    stream_log, hub, _ = shared_log(lease_seconds=12.0)
     reading = StreamReading()
     reading.read, reading.replayer.epoch = 4, 2
 
-    def beat(epoch: int, last: int) -> Any:
-        return SimpleNamespace(data=b"", headers={EPOCH: str(epoch), LAST: str(last)})
+    def beat(epoch: int, last: int) -> tuple[Any, ...]:
+        return "mqks.beat.s-2-of-4", "", {EPOCH: str(epoch), LAST: str(last)}, b""
 
     def heard() -> bool:
-        stream_log.bridge.drain()  # the hub's side
         got, records = stream_log.read_followed(reading, 0)
         assert records == []
         return got
 
-    asyncio.run(stream_log._follow(nc, start_seq=5))
-    follower, beats = nc.subscriptions
+    stream_log._follow(start_seq=5)
+    follower, beats = hub.subscriptions
     assert beats.subject == "mqks.beat.s-2-of-4"
     assert not heard()
-    asyncio.run(beats.cb(beat(2, 4)))
+    beats.cb(*beat(2, 4))
     assert heard()
     assert not heard()  # once per heartbeat
-    asyncio.run(beats.cb(beat(2, 9)))  # frame 9 is stored and the follower has not brought it: not yet
+    beats.cb(*beat(2, 9))  # frame 9 is stored and the follower has not brought it: not yet
     assert not heard()
-    asyncio.run(follower.cb(frame(9, 1, b"", {EPOCH: "2", "Mqks-Frame": "1"})))
+    follower.cb(*frame(9, 1, b"", {EPOCH: "2", "Mqks-Frame": "1"}))
     assert heard() and reading.read == 9  # the frame itself
-    asyncio.run(beats.cb(beat(2, 9)))
+    beats.cb(*beat(2, 9))
     assert heard()
-    asyncio.run(beats.cb(beat(1, 9)))  # a taken-over owner that has not noticed yet
+    beats.cb(*beat(1, 9))  # a taken-over owner that has not noticed yet
     assert not heard()
-    asyncio.run(stream_log._stop_following(nc))
+    stream_log._stop_following()
     assert not follower.active and not beats.active

@@ -1,17 +1,19 @@
 """A group's writer in a shared stream (server/journal/jetstream_log.py): one frame in flight, fenced by the
 subject's last sequence, and every commit handed while it flies goes out in the next frame, together; idle, it
 reads the log's last sequence and sends its standbys a heartbeat naming it (nothing stored), or none when the log
-grew past it (a rival). In process, over a fake NATS connection that answers each frame only when the test says
-so."""
+grew past it (a rival). In process, the writer a greenlet, over a fake hub connection that answers each frame only
+when the test says so."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import gevent
 import pytest
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
@@ -22,14 +24,36 @@ from mqks.server.journal.jetstream_log import EPOCH, EXPECTED_OF_SUBJECT, LAST, 
 pytestmark = pytest.mark.timeout(10)
 
 
-class FakeNats:
-    """What the writer uses of nats-py: an inbox, subscriptions, and publishes it records (PubAcks come from
-    `ack`)."""
+class FakeHub:
+    """What the writer uses of the hub's NATS connection: an inbox, subscriptions, and publishes it records (PubAcks
+    come from `ack`)."""
 
-    def __init__(self, last_seq: int = 0) -> None:
+    def __init__(self) -> None:
         self.published: list[SimpleNamespace] = []
         self.callbacks: dict[str, Any] = {}
-        self.last_seq = last_seq  # the group's last sequence, as the stream's leader answers it
+
+    def new_inbox(self) -> str:
+        return "_INBOX.w"
+
+    def subscribe(self, subject: str, callback: Any) -> int:
+        self.callbacks[subject] = callback
+        return len(self.callbacks)
+
+    def publish(self, subject: str, data: bytes, reply: str = "", headers: dict[str, str] | None = None) -> None:
+        self.published.append(SimpleNamespace(subject=subject, payload=data, reply=reply, headers=headers))
+
+    def ack(self, index: int, seq: int) -> None:
+        """NATS stored the `index`-th frame published at stream sequence `seq`."""
+        reply = self.published[index].reply
+        data = json.dumps({"stream": "s-g2-s0-of-1", "seq": seq}).encode()
+        self.callbacks["_INBOX.w.*"](reply, "", None, data)
+
+
+class FakeBridge:
+    """The bridge as the writer's JetStream API calls see it: the group's last sequence, as its leader answers."""
+
+    def __init__(self, last_seq: int = 0) -> None:
+        self.last_seq = last_seq
 
     def jetstream(self, timeout: float = 5.0) -> Any:
         async def get_last_msg(stream: str, subject: str) -> SimpleNamespace:
@@ -37,29 +61,28 @@ class FakeNats:
 
         return SimpleNamespace(get_last_msg=get_last_msg)
 
-    def new_inbox(self) -> str:
-        return "_INBOX.w"
-
-    async def subscribe(self, subject: str, cb: Any) -> None:
-        self.callbacks[subject] = cb
-
-    async def publish(self, subject: str, payload: bytes, reply: str = "",
-                      headers: dict[str, str] | None = None) -> None:
-        self.published.append(SimpleNamespace(subject=subject, payload=payload, reply=reply, headers=headers))
-
-    async def ack(self, index: int, seq: int) -> None:
-        """NATS stored the `index`-th frame published at stream sequence `seq`."""
-        reply = self.published[index].reply
-        data = json.dumps({"stream": "s-g2-s0-of-1", "seq": seq}).encode()
-        await self.callbacks["_INBOX.w.*"](SimpleNamespace(subject=reply, data=data, headers=None))
+    def run(self, make: Callable[[Any], Any], timeout: float = 10.0) -> Any:
+        return asyncio.run(make(self))
 
 
-async def until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
+def until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
     """Let the writer run until `condition` holds; fails after `seconds`."""
-    deadline = asyncio.get_running_loop().time() + seconds
+    deadline = time.monotonic() + seconds
     while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "the writer did not get there"
-        await asyncio.sleep(0.001)
+        assert time.monotonic() < deadline, "the writer did not get there"
+        gevent.sleep(0.001)
+
+
+def let_run() -> None:
+    for _ in range(5):
+        gevent.sleep(0)
+
+
+def stop(stream_log: JetStreamLog, writer: gevent.Greenlet) -> None:
+    stream_log._stopping = True
+    stream_log._poke()
+    writer.join(timeout=2)
+    assert writer.dead
 
 
 def shared_stream_log(lease_seconds: float | None = None, frame_wait_seconds: float = 0.0) -> JetStreamLog:
@@ -72,83 +95,72 @@ def shared_stream_log(lease_seconds: float | None = None, frame_wait_seconds: fl
 
 def test_commits_handed_during_a_flight_leave_together_as_the_next_frame() -> None:
     stream_log = shared_stream_log()
-    nc = FakeNats()
+    hub = FakeHub()
 
-    async def scenario() -> None:
-        stream_log.bridge.call_soon = asyncio.get_running_loop().call_soon  # type: ignore[method-assign]
-        writer = asyncio.ensure_future(stream_log._write_until_stopped(nc))
+    def scenario() -> None:
+        writer = gevent.spawn(stream_log._write_until_stopped, hub)
         stream_log.append(b"r1")
         stream_log.commit()
-        await until(lambda: len(nc.published) == 1)
+        until(lambda: len(hub.published) == 1)
         for record in (b"r2", b"r3", b"r4"):  # three hub turns, the writer woken between them
             stream_log.append(record)
             stream_log.commit()
-            for _ in range(5):
-                await asyncio.sleep(0)
-        assert len(nc.published) == 1  # one frame in flight: its fence is the sequence it will get
-        await nc.ack(0, seq=7)
-        await until(lambda: len(nc.published) == 2)
-        assert nc.published[1].payload == b"r2\nr3\nr4"  # not three frames, one per PubAck
-        await nc.ack(1, seq=9)
-        await until(lambda: stream_log.poll()[0] == 4)
-        stream_log._stopping = True
-        stream_log._poke()
-        await writer
+            let_run()
+        assert len(hub.published) == 1  # one frame in flight: its fence is the sequence it will get
+        hub.ack(0, seq=7)
+        until(lambda: len(hub.published) == 2)
+        assert hub.published[1].payload == b"r2\nr3\nr4"  # not three frames, one per PubAck
+        hub.ack(1, seq=9)
+        until(lambda: stream_log.poll()[0] == 4)
+        stop(stream_log, writer)
 
-    asyncio.run(scenario())
-    first, second = nc.published
+    scenario()
+    first, second = hub.published
     assert (first.subject, first.payload) == ("mqks.log.s-0-of-2", b"r1")
     assert second.headers[EXPECTED_OF_SUBJECT] == "7"  # fenced on the frame before it
 
 
 def test_with_a_frame_wait_the_next_frame_waits_after_its_stored_predecessor_and_takes_what_came_meanwhile() -> None:
     stream_log = shared_stream_log(frame_wait_seconds=0.2)
-    nc = FakeNats()
+    hub = FakeHub()
 
-    async def scenario() -> None:
-        stream_log.bridge.call_soon = asyncio.get_running_loop().call_soon  # type: ignore[method-assign]
-        writer = asyncio.ensure_future(stream_log._write_until_stopped(nc))
+    def scenario() -> None:
+        writer = gevent.spawn(stream_log._write_until_stopped, hub)
         stream_log.append(b"r1")
         stream_log.commit()
-        await until(lambda: len(nc.published) == 1)  # the first goes at once: nothing was sent before it
-        await nc.ack(0, seq=3)
+        until(lambda: len(hub.published) == 1)  # the first goes at once: nothing was sent before it
+        hub.ack(0, seq=3)
         for record in (b"r2", b"r3"):
             stream_log.append(record)
             stream_log.commit()
-            for _ in range(5):
-                await asyncio.sleep(0)
-        assert len(nc.published) == 1  # stored, and still no second frame: it waits out the frame wait
-        await until(lambda: len(nc.published) == 2)
-        stream_log._stopping = True
-        stream_log._poke()
-        await writer
+            let_run()
+        assert len(hub.published) == 1  # stored, and still no second frame: it waits out the frame wait
+        until(lambda: len(hub.published) == 2)
+        stop(stream_log, writer)
 
-    asyncio.run(scenario())
-    assert nc.published[1].payload == b"r2\nr3"
+    scenario()
+    assert hub.published[1].payload == b"r2\nr3"
 
 
 def test_commits_that_fill_a_frame_do_not_wait() -> None:
     """A snapshot's chunks, or a burst: a full frame gains nothing by waiting (a snapshot holds the hub meanwhile)."""
     stream_log = shared_stream_log(frame_wait_seconds=60.0)
-    nc = FakeNats()
+    hub = FakeHub()
     full = b"x" * stream_log.max_payload
 
-    async def scenario() -> None:
-        stream_log.bridge.call_soon = asyncio.get_running_loop().call_soon  # type: ignore[method-assign]
-        writer = asyncio.ensure_future(stream_log._write_until_stopped(nc))
+    def scenario() -> None:
+        writer = gevent.spawn(stream_log._write_until_stopped, hub)
         stream_log.append(b"r1")
         stream_log.commit()
-        await until(lambda: len(nc.published) == 1)
-        await nc.ack(0, seq=3)
+        until(lambda: len(hub.published) == 1)
+        hub.ack(0, seq=3)
         stream_log.append(full)
         stream_log.commit()
-        await until(lambda: len(nc.published) == 2)  # within the test's bound, not after a minute
-        stream_log._stopping = True
-        stream_log._poke()
-        await writer
+        until(lambda: len(hub.published) == 2)  # within the test's bound, not after a minute
+        stop(stream_log, writer)
 
-    asyncio.run(scenario())
-    assert nc.published[1].payload == full
+    scenario()
+    assert hub.published[1].payload == full
 
 @pytest.mark.parametrize("leader_says", [7, 8])
 def test_an_idle_owner_beats_with_the_last_sequence_unless_the_log_grew_past_it(
@@ -157,24 +169,23 @@ def test_an_idle_owner_beats_with_the_last_sequence_unless_the_log_grew_past_it(
     stream_log = shared_stream_log(lease_seconds=12.0)
     stream_log.heartbeat_seconds = 0.02
     stream_log.epoch, stream_log._tail_seq = 3, 7  # taken over at 7
-    nc = FakeNats(last_seq=leader_says)
+    hub = FakeHub()
+    stream_log.bridge = FakeBridge(last_seq=leader_says)  # type: ignore[assignment]
     trouble: list[str | None] = []
 
-    async def scenario() -> None:
-        writer = asyncio.ensure_future(stream_log._write_until_stopped(nc))
-        await until(lambda: bool(nc.published) or stream_log._trouble is not None)
+    def scenario() -> None:
+        writer = gevent.spawn(stream_log._write_until_stopped, hub)
+        until(lambda: bool(hub.published) or stream_log._trouble is not None)
         trouble.append(stream_log._trouble)
-        stream_log._stopping = True
-        stream_log._poke()
-        await writer
+        stop(stream_log, writer)
 
-    asyncio.run(scenario())
+    scenario()
     if leader_says == 7:
-        beat, = nc.published  # a core NATS message: no reply inbox, so no PubAck, nothing stored
+        beat, = hub.published  # a core NATS message: no reply inbox, so no PubAck, nothing stored
         assert (beat.subject, beat.payload, beat.reply) == ("mqks.beat.s-0-of-2", b"", "")
         assert beat.headers == {EPOCH: "3", LAST: "7"}
     else:
-        assert nc.published == []  # a rival appended after 7: no beat keeps the standbys waiting for this owner
+        assert hub.published == []  # a rival appended after 7: no beat keeps the standbys waiting for this owner
         assert "last sequence is 8, past this writer's 7" in (trouble[0] or "")  # its tail is read next
 
 
@@ -186,30 +197,27 @@ def test_unsynced_bytes_come_back_to_zero_once_every_part_and_every_merged_commi
     stream_log = (JetStreamLog(["nats://127.0.0.1:1"], "s", "test") if own_stream else shared_stream_log())
     stream_log._refuse = None
     stream_log.max_payload = 10
-    nc = FakeNats()
+    hub = FakeHub()
 
-    async def scenario() -> None:
-        stream_log.bridge.call_soon = asyncio.get_running_loop().call_soon  # type: ignore[method-assign]
-        writer = asyncio.ensure_future(stream_log._write_until_stopped(nc))
+    def scenario() -> None:
+        writer = gevent.spawn(stream_log._write_until_stopped, hub)
         stream_log.append(b"x" * 35)  # four parts: 10, 10, 10, 5
         stream_log.commit(new_segment=True)
         for part in range(4):
-            await until(lambda part=part: len(nc.published) > part)
-            await nc.ack(part, seq=part + 1)  # one PubAck at a time, as NATS answers them
-        await until(lambda: stream_log.poll()[0] == 1)
+            until(lambda part=part: len(hub.published) > part)
+            hub.ack(part, seq=part + 1)  # one PubAck at a time, as NATS answers them
+        until(lambda: stream_log.poll()[0] == 1)
         assert stream_log.unsynced_bytes == 0
         for record in (b"a1", b"b2", b"c3"):  # handed together: one frame "a1\nb2\nc3"
             stream_log.append(record)
             stream_log.commit()
-        await until(lambda: len(nc.published) == 5)
-        assert nc.published[4].payload == b"a1\nb2\nc3"
+        until(lambda: len(hub.published) == 5)
+        assert hub.published[4].payload == b"a1\nb2\nc3"
         assert stream_log.unsynced_bytes == 6
-        await nc.ack(4, seq=5)
-        await until(lambda: stream_log.poll()[0] == 4)
+        hub.ack(4, seq=5)
+        until(lambda: stream_log.poll()[0] == 4)
         assert stream_log.unsynced_bytes == 0
-        stream_log._stopping = True
-        stream_log._poke()
-        await writer
+        stop(stream_log, writer)
 
-    asyncio.run(scenario())
-    assert [frame.payload for frame in nc.published[:4]] == [b"x" * 10] * 3 + [b"x" * 5]
+    scenario()
+    assert [frame.payload for frame in hub.published[:4]] == [b"x" * 10] * 3 + [b"x" * 5]

@@ -1,0 +1,97 @@
+"""The hub's own NATS connection (server/journal/hub_nats.py) against a real three-node NATS cluster: messages with
+headers and replies go both ways, a kill -9 of the server it is connected to is followed by a connection to
+another one with every subscription made again, and a server that is not there is one clear error. Credentials
+and TLS are tested through the broker in test_nats_access.py and test_cluster_tls.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import gevent
+import pytest
+from helpers import free_port
+
+pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
+
+from mqks.client.nats_local import load, restart
+from mqks.server.journal.hub_nats import BridgeError, HubNats
+
+pytestmark = pytest.mark.timeout(120)
+
+Heard = list[tuple[str, str, "dict[str, str] | None", bytes]]
+
+
+def wait_until_true(condition, what: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds:g} s: {what}"
+        gevent.sleep(0.02)
+
+
+def connected(urls: list[str]) -> HubNats:
+    hub = HubNats(urls)
+    hub.connect()
+    return hub
+
+
+def test_messages_with_headers_and_replies_go_both_ways(nats_cluster):
+    _, urls = nats_cluster
+    answering, asking = connected(urls[:1]), connected(urls[2:])
+    answers: Heard = []
+    try:
+        def answer(subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> None:
+            answering.publish(reply, data.upper(), headers={"Seen-By": "answering", **(headers or {})})
+
+        answering.subscribe("hub.echo", answer)
+        inbox = asking.new_inbox()
+        asking.subscribe(inbox, lambda *message: answers.append(message))
+        asking.sync()
+        answering.sync()
+        asking.publish("hub.echo", b"hello", inbox, {"Mqks-Epoch": "4"})
+        asking.publish("hub.echo", b"plain", inbox)
+        wait_until_true(lambda: len(answers) == 2, "two answers")
+    finally:
+        answering.close()
+        asking.close()
+    assert answers == [(inbox, "", {"Seen-By": "answering", "Mqks-Epoch": "4"}, b"HELLO"),
+                       (inbox, "", {"Seen-By": "answering"}, b"PLAIN")]
+
+
+def test_a_killed_server_is_followed_by_another_with_every_subscription_made_again(nats_cluster):
+    directory, urls = nats_cluster
+    listening, talking = connected(urls), connected(urls)
+    heard: list[bytes] = []
+    nodes = load(str(directory))
+    killed = None
+    try:
+        listening.subscribe("hub.after", lambda subject, reply, headers, data: heard.append(data))
+        listening.sync()
+        port = listening._sock.getpeername()[1]
+        node, = [node for node in nodes if node.url.endswith(f":{port}")]
+        os.kill(node.pid, signal.SIGKILL)
+        killed = node
+        wait_until_true(lambda: listening.reconnects == 1 and listening.connected, "connected again")
+        assert listening._sock.getpeername()[1] != port
+        listening.sync()  # its subscription is on the new server
+
+        def heard_one() -> bool:
+            if talking.connected:
+                talking.publish("hub.after", b"again")
+            gevent.sleep(0.2)
+            return bool(heard)
+
+        wait_until_true(heard_one, "a message heard after the reconnect")
+    finally:
+        listening.close()
+        talking.close()
+        if killed is not None:
+            restart(str(directory), killed.name)
+
+
+def test_no_server_at_start_is_one_clear_error_naming_it():
+    port = free_port()
+    hub = HubNats([f"nats://127.0.0.1:{port}"], connect_timeout=1.0)
+    with pytest.raises(BridgeError, match=f"nats://127.0.0.1:{port}: ConnectionRefusedError"):
+        hub.connect()
