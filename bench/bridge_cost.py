@@ -1,21 +1,22 @@
-"""What a stored frame costs the broker's own process, through the NATS bridge and through a socket in the hub.
+"""What a stored frame costs the broker's own process through the replicated log's writer, and through a bare socket.
 
     .venv/bin/python -m bench.bridge_cost [--rate 400] [--seconds 5] [--size 2000] [--reps 2]
 
 At a paced load a cluster node spends its CPU per stream message, not per publish (docs/cluster.md: 68 µs of MQKS
-CPU per confirmed message at 10,000 msg/s through node a, against 25 for one broker). This measures the part that
-is the bridge: on a fresh three-node NATS cluster (R3, `sync_interval: always`), one process appends `--rate`
-frames a second of `--size` bytes, one commit each, and counts its own CPU (every thread) per stored frame:
+CPU per confirmed message at 10,000 msg/s through node a, against 25 for one broker). This measures what the log's
+writer costs per frame: on a fresh three-node NATS cluster (R3, `sync_interval: always`), one process appends
+`--rate` frames a second of `--size` bytes, one commit each, and counts its own CPU (every thread) per stored frame:
 
 - `pacing`: the pacing loop alone (a gevent sleep every 2 ms), subtracted from the others;
-- `bridge`: `JetStreamLog` on a stream of its own, as `mqksd --log` writes: the hub hands each commit to
-  nats-py's asyncio thread (nats_bridge.py), which publishes it with a reply subject and hands the PubAck back;
-- `socket`: the floor of a gevent-native path: one plain TCP socket to NATS read and written by the hub's
-  greenlets (HPUB with the log's headers, PubAcks read in chunks and parsed with json), no thread, no asyncio.
-  It has none of a client's duties (TLS, credentials, reconnects, fencing): it is what those would be added to.
+- `log`: `JetStreamLog` on a stream of its own, as `mqksd --log` writes: its writer greenlet publishes each frame
+  on the hub's own NATS connection (journal/hub_nats.py) and reads the PubAck there (until 372b339 it handed each
+  commit to nats-py's asyncio thread through the bridge and took the PubAck back: 256 µs a frame at 400/s);
+- `socket`: the floor: one plain TCP socket to NATS read and written by the hub's greenlets (HPUB with the log's
+  headers, PubAcks read in chunks and parsed with json), none of a client's or a writer's duties (TLS,
+  credentials, reconnects, fencing, frames tracked until stored).
 
-Medians of `--reps`, the cells interleaved; the difference between `bridge` and `socket` is what a gevent-native
-NATS client for the hot traffic could save per frame (and per standby delivery, which takes the same hops).
+Medians of `--reps`, the cells interleaved; the difference between `log` and `socket` is what the writer and the
+hub connection add to the bare protocol.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from gevent import socket as gsocket
 
 from mqks.client import nats_local
 
-CELLS = ("pacing", "bridge", "socket")
+CELLS = ("pacing", "log", "socket")
 PACE_SECONDS = 0.002
 
 
@@ -56,7 +57,7 @@ def paced(args: argparse.Namespace, send_one: Callable[[], None], stored: Callab
     return (time.process_time() - cpu) / sent
 
 
-def bridge_cell(urls: list[str], stream: str, args: argparse.Namespace) -> float:
+def log_cell(urls: list[str], stream: str, args: argparse.Namespace) -> float:
     from mqks.server.journal.jetstream_log import JetStreamLog
 
     record = b"r" * args.size
@@ -153,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 stream = f"bridgecost{os.getpid()}{cell}{rep}"
                 if cell == "pacing":
                     found[cell].append(paced(args, lambda: None, lambda: 1 << 62))  # nothing to wait for
-                elif cell == "bridge":
-                    found[cell].append(bridge_cell(urls, stream, args))
+                elif cell == "log":
+                    found[cell].append(log_cell(urls, stream, args))
                 else:
                     found[cell].append(socket_cell(urls, stream, args))
     finally:

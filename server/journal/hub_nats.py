@@ -240,6 +240,7 @@ class HubNats:
     def _connect_options(self, parts: urllib.parse.SplitResult, info: dict[str, Any]) -> dict[str, Any]:
         options: dict[str, Any] = {"verbose": False, "pedantic": False, "lang": "python-mqks-hub", "version": "1",
                                    "protocol": 1, "headers": True, "no_responders": True, "name": self.name,
+                                   "echo": False,  # a writer hears a rival's frames on its subject, never its own
                                    "tls_required": bool(info.get("tls_required"))}
         auth = parts if "@" in parts.netloc else (urllib.parse.urlsplit(self._auth_url) if self._auth_url else None)
         if auth is not None:

@@ -93,6 +93,7 @@ REPLICAS_FALLBACK_ERRORS = (10074, 10005)  # insufficient resources, R>1 on a si
 PURGE_RETRY_FIRST_SECONDS = 1.0  # a failed purge is tried again after this, doubling up to the next
 PURGE_RETRY_MAX_SECONDS = 30.0
 STEP_DOWN_MARGIN_SECONDS = 2.0  # an owner that stored nothing for lease minus this stops confirming
+RIVAL_CHECK_PAUSES = (0.05, 0.25, 1.0)  # a rival's frame heard: look at the tail after these (stored, or refused)
 
 
 class LogOwned(Exception):
@@ -273,6 +274,7 @@ class JetStreamLog:
         self._inbox = ""
         self._wake = Event()  # the writer's: commits handed, a PubAck, a check due
         self._writer: gevent.Greenlet | None = None
+        self._rival_check: gevent.Greenlet | None = None
         self._hub: Hub | None = None  # the hub's NATS connection (the bridge's hub_nats), once the log needs it
         self._last_sent_at = 0.0
         self._reader: Any = None  # replay's pull consumer
@@ -518,7 +520,7 @@ class JetStreamLog:
         if self._writer is not None:
             self._writer.join(timeout=1.0)  # its last moments (a tail read) end before the bridge closes under it
             self._writer.kill(block=False)
-        for helper in (self._purging, self._refollowing):
+        for helper in (self._purging, self._refollowing, self._rival_check):
             if helper is not None:
                 helper.kill(block=False)
         self.bridge.close()
@@ -838,82 +840,92 @@ class JetStreamLog:
         self._inbox = hub.new_inbox()
         hub.subscribe(self._inbox + ".*", self._on_puback)
         hub.subscribe(self.owner_subject, self._on_owner_ping)
+        # a rival's takeover is heard as it is published (the hub's connection does not hear its own frames):
+        # an idle owner need not poll its log's tail for one
+        hub.subscribe(self.subject, self._on_foreign_frame)
         heartbeat_seconds = self.heartbeat_seconds
         wake.set()  # commits handed during the replay's end
         last_check = self._last_sent_at = time.monotonic()
         checking: gevent.Greenlet | None = None
-        beating: gevent.Greenlet | None = None
-        # a cluster's idle owner looks at its log's last sequence before each heartbeat: a rival shows there, and
-        # its other check is only the figures (sixteen groups' checks each second were a third of an idle NATS's
-        # API calls)
+        # what the subscription could have missed (a reconnect) and a stream leader out of reach show in the tail
+        # check: each second for one broker, every FIGURES_SECONDS for a cluster's group (sixteen groups' checks each
+        # second, then one per heartbeat, were most of an idle NATS's API calls)
         tail_check_seconds = TAIL_CHECK_SECONDS if heartbeat_seconds is None else FIGURES_SECONDS
-        ticker = gevent.spawn(self._tick)
-        try:
-            while not self._stopping and self.fenced_by is None:
-                wake.wait()
-                wake.clear()
-                if self._in_flight < self.max_in_flight:
-                    # commits wait as handed until a frame can go, then go as one: taken at every wake, a
-                    # writer with one frame in flight queued a frame per hub turn and sent one per PubAck,
-                    # falling behind for good (2 groups in one process: 4,000-6,000 confirms/s, now 162,000)
-                    wait = self._last_frame_at + self.frame_wait_seconds - time.monotonic()
-                    if wait <= 0 or not self._handed or self._handed_fill_a_frame():
-                        self._take_handed()
-                    elif not self._waiting_to_send:
-                        self._waiting_to_send = True
-                        gevent.spawn_later(wait, self._frame_wait_over)
-                now = time.monotonic()
-                if self._in_flight and self._trouble is None:
-                    oldest = min((f.sent_at for f in self._by_token.values()), default=now)
-                    if now - oldest > ACK_SECONDS:
-                        self._in_trouble(f"no PubAck within {ACK_SECONDS:g} s")
-                if self._stalled_since is not None and now - self._stalled_since > self.timeout_seconds:
-                    self._stall_too_long(f"the replicated log has stored nothing for {self.timeout_seconds:g} s")
-                if self._trouble is not None:
-                    self._read_tail()
-                    continue
-                if (heartbeat_seconds is not None and not self._unsent and not self._in_flight
-                        and now - self._last_sent_at >= heartbeat_seconds and (beating is None or beating.dead)):
-                    self._last_sent_at = now  # the lease: standbys take over after silence
-                    beating = gevent.spawn(self._beat_if_owner, hub)
-                self._send(hub)
-                if now - last_check >= tail_check_seconds and (checking is None or checking.dead):
-                    last_check = now
-                    checking = gevent.spawn(self._check_tail)
-        finally:
-            ticker.kill(block=False)
+        reconnects = hub.reconnects
+        while not self._stopping and self.fenced_by is None:
+            if (self._in_flight or self._unsent or self._handed or self._trouble is not None
+                    or self._stalled_since is not None):
+                wake.wait(TAIL_CHECK_SECONDS)  # an unanswered frame and a stall are looked at this often
+            else:  # idle: until the next heartbeat or check is due
+                due = last_check + tail_check_seconds
+                if heartbeat_seconds is not None:
+                    due = min(due, self._last_sent_at + heartbeat_seconds)
+                wake.wait(max(0.0, due - time.monotonic()))
+            wake.clear()
+            if hub.reconnects != reconnects:
+                reconnects, last_check = hub.reconnects, 0.0  # frames published meanwhile were not heard: look now
+            if self._in_flight < self.max_in_flight:
+                # commits wait as handed until a frame can go, then go as one: taken at every wake, a
+                # writer with one frame in flight queued a frame per hub turn and sent one per PubAck,
+                # falling behind for good (2 groups in one process: 4,000-6,000 confirms/s, now 162,000)
+                wait = self._last_frame_at + self.frame_wait_seconds - time.monotonic()
+                if wait <= 0 or not self._handed or self._handed_fill_a_frame():
+                    self._take_handed()
+                elif not self._waiting_to_send:
+                    self._waiting_to_send = True
+                    gevent.spawn_later(wait, self._frame_wait_over)
+            now = time.monotonic()
+            if self._in_flight and self._trouble is None:
+                oldest = min((f.sent_at for f in self._by_token.values()), default=now)
+                if now - oldest > ACK_SECONDS:
+                    self._in_trouble(f"no PubAck within {ACK_SECONDS:g} s")
+            if self._stalled_since is not None and now - self._stalled_since > self.timeout_seconds:
+                self._stall_too_long(f"the replicated log has stored nothing for {self.timeout_seconds:g} s")
+            if self._trouble is not None:
+                self._read_tail()
+                continue
+            if (heartbeat_seconds is not None and not self._unsent and not self._in_flight
+                    and now - self._last_sent_at >= heartbeat_seconds):
+                self._last_sent_at = now  # the lease: standbys take over after silence
+                self._send_beat(hub)
+            self._send(hub)
+            if now - last_check >= tail_check_seconds and (checking is None or checking.dead):
+                last_check = now
+                checking = gevent.spawn(self._check_tail)
 
-    def _beat_if_owner(self, hub: Hub) -> None:
-        """An idle owner's heartbeat: the log's last sequence read from the stream's leader, then a core NATS
-        message to the standbys saying it (nothing stored: a stored heartbeat was an R3 write with fsync every
-        quarter lease per group, kept until the next snapshot). A log that grew past this writer's last frame means
-        a rival (or a late frame): the tail is read, no heartbeat. A leader that does not answer is a stall: this
-        owner sends no heartbeat, and steps down after the lease."""
-        expected = self._tail_seq
+    def _send_beat(self, hub: Hub) -> None:
+        """An idle owner's heartbeat: a core NATS message to the standbys naming its epoch and the last sequence it
+        stored (nothing stored: a stored heartbeat was an R3 write with fsync every quarter lease per group, kept
+        until the next snapshot). It reads nothing: a rival is heard as it appends (_on_foreign_frame), and a stream
+        leader out of reach shows in the tail check, after which this owner sends no heartbeat and steps down after
+        the lease."""
         try:
-            last = self.bridge.run(self._last_seq, timeout=30)
-        except Exception as e:
-            if not self._in_flight and not self._unsent and self._trouble is None:
-                self._in_trouble(f"the log's last sequence could not be read ({type(e).__name__}: {e})")
-                self._poke()
-            return
-        if self._in_flight or self._unsent or expected != self._tail_seq or self._trouble is not None:
-            return  # a frame went meanwhile: it speaks for this owner
-        if last > expected:
-            self._in_trouble(f"the log's last sequence is {last}, past this writer's {expected}")
-            self._poke()
-            return
-        try:
-            hub.publish(self.beat_subject, b"", headers={EPOCH: str(self.epoch), LAST: str(last)})
+            hub.publish(self.beat_subject, b"", headers={EPOCH: str(self.epoch), LAST: str(self._tail_seq)})
         except BridgeError:
             pass  # reconnecting: the next beat goes, or the standbys take over after the lease
 
-    def _tick(self) -> None:
-        """The writer's clock: its checks (an unanswered frame, a stall, the heartbeat, the tail) run at least this
-        often; a timer of its own, not a timeout on each wait (a timer per frame under load)."""
-        while True:
-            gevent.sleep(TAIL_CHECK_SECONDS)
-            self._wake.set()
+    def _on_foreign_frame(self, subject: str, reply: str, headers: Headers | None, data: bytes) -> None:
+        """Another writer published on this log's subject: one of a higher epoch took it over, or tries to (a late
+        frame of a lower epoch is an old owner's, and never counts). Heard as it is published, it may not be stored
+        yet, or may be refused: the log's last sequence says which, read a moment later and again."""
+        try:
+            epoch = int((headers or {}).get(EPOCH, 0))
+        except ValueError:
+            return
+        if self.handoff_to is not None or self._handoff_k == -1:
+            return  # handing the group over: the node it goes to takes it over next, as asked
+        if epoch > self.epoch and not self._stopping and (self._rival_check is None or self._rival_check.dead):
+            log.warning("%s: %s appends with epoch %d; looking at the log's tail", self.label,
+                        (headers or {}).get(OWNER) or "another writer", epoch)
+            self._rival_check = gevent.spawn(self._look_for_rival)
+
+    def _look_for_rival(self) -> None:
+        for pause in RIVAL_CHECK_PAUSES:
+            gevent.sleep(pause)
+            if self._stopping or self.fenced_by is not None or self._trouble is not None:
+                return  # a frame of this writer's was refused meanwhile: its tail read settles it
+            if self._rival_found():
+                return
 
     def _take_handed(self) -> None:
         """The hub's commits into frames: merged up to the frame size, split over max_payload."""
@@ -1080,28 +1092,39 @@ class JetStreamLog:
             self.stream, seq=below, subject=self.subject if self.in_shared_stream else None)
 
     def _check_tail(self) -> None:
-        """Each second, as a greenlet of its own (a slow JetStream API call must not hold the writer): the stream's
-        figures; and a stream that grew past this writer's last frame while it had nothing in flight means a rival
-        (or a late frame): read its tail. A read that overlapped a send is stale, not a rival.
-
-        A cluster's owner only reads the figures, every FIGURES_SECONDS: it looks at the last sequence before each
-        heartbeat (_beat_if_owner), a quarter lease apart."""
+        """Each second (a cluster's group: every FIGURES_SECONDS), as a greenlet of its own (a slow JetStream API
+        call must not hold the writer): the stream's figures; and a stream that grew past this writer's last frame
+        while it had nothing in flight means a rival whose frame was not heard (a reconnect), or a late frame: read
+        its tail. A read that overlapped a send is stale, not a rival. A cluster's owner that cannot read it stops
+        its heartbeats (a stall)."""
         if self.heartbeat_seconds is not None:
             try:
                 self.bridge.run(self._note_figures, timeout=30)
             except Exception:
                 pass
-            return
+        self._rival_found()
+
+    def _rival_found(self) -> bool:
+        """Whether the log grew past this writer's last frame while it had nothing in flight: a rival whose frame was
+        not heard (a reconnect), or a late frame; its tail is read next."""
         expected = self._tail_seq
         idle = not self._in_flight and not self._unsent
         try:
             last = self.bridge.run(self._last_seq, timeout=30)
-        except Exception:
-            return
+        except Exception as e:
+            if (self.heartbeat_seconds is not None and idle and not self._in_flight and not self._unsent
+                    and self._trouble is None):
+                # a leased owner that cannot reach its stream's leader stops its heartbeats: its standbys, which
+                # may reach it, take the group over after the lease
+                self._in_trouble(f"the log's last sequence could not be read ({type(e).__name__}: {e})")
+                self._poke()
+            return False
         if (last > expected and idle and expected == self._tail_seq and not self._in_flight and not self._unsent
                 and self._trouble is None):
             self._in_trouble(f"the stream's last sequence is {last}, past this writer's {expected}")
             self._poke()
+            return True
+        return False
 
     def _read_tail(self) -> None:
         """After a refusal, an error or a timeout: settle every frame from the stream itself, then go on."""

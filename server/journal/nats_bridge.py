@@ -369,6 +369,10 @@ class ScopedHub:
     def connected(self) -> bool:
         return self.hub.connected
 
+    @property
+    def reconnects(self) -> int:
+        return self.hub.reconnects
+
     def subscribe(self, subject: str, callback: Callback) -> int:
         if self.scope.closed:
             raise BridgeError("the NATS bridge is closed")

@@ -1,8 +1,8 @@
 """A group's writer in a shared stream (server/journal/jetstream_log.py): one frame in flight, fenced by the
 subject's last sequence, and every commit handed while it flies goes out in the next frame, together; idle, it
-reads the log's last sequence and sends its standbys a heartbeat naming it (nothing stored), or none when the log
-grew past it (a rival). In process, the writer a greenlet, over a fake hub connection that answers each frame only
-when the test says so."""
+sends its standbys a heartbeat naming the last sequence it stored (nothing stored, nothing read); a rival's frame
+heard on the subject, or found by the periodic tail check, sends it to its tail. In process, the writer a
+greenlet, over a fake hub connection that answers each frame only when the test says so."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
 from mqks.server.journal import jetstream_log
-from mqks.server.journal.jetstream_log import EPOCH, EXPECTED_OF_SUBJECT, LAST, JetStreamLog
+from mqks.server.journal.jetstream_log import EPOCH, EXPECTED_OF_SUBJECT, LAST, OWNER, JetStreamLog
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -31,6 +31,7 @@ class FakeHub:
     def __init__(self) -> None:
         self.published: list[SimpleNamespace] = []
         self.callbacks: dict[str, Any] = {}
+        self.reconnects = 0
 
     def new_inbox(self) -> str:
         return "_INBOX.w"
@@ -50,18 +51,23 @@ class FakeHub:
 
 
 class FakeBridge:
-    """The bridge as the writer's JetStream API calls see it: the group's last sequence, as its leader answers."""
+    """The bridge as the writer's JetStream API calls see it: the group's last sequence, as its leader answers it
+    (None: no answer), and how many calls were made."""
 
-    def __init__(self, last_seq: int = 0) -> None:
+    def __init__(self, last_seq: int | None = 0) -> None:
         self.last_seq = last_seq
+        self.calls = 0
 
     def jetstream(self, timeout: float = 5.0) -> Any:
         async def get_last_msg(stream: str, subject: str) -> SimpleNamespace:
+            if self.last_seq is None:
+                raise TimeoutError("no stream leader")
             return SimpleNamespace(seq=self.last_seq)
 
         return SimpleNamespace(get_last_msg=get_last_msg)
 
     def run(self, make: Callable[[Any], Any], timeout: float = 10.0) -> Any:
+        self.calls += 1
         return asyncio.run(make(self))
 
 
@@ -162,31 +168,68 @@ def test_commits_that_fill_a_frame_do_not_wait() -> None:
     scenario()
     assert hub.published[1].payload == full
 
-@pytest.mark.parametrize("leader_says", [7, 8])
-def test_an_idle_owner_beats_with_the_last_sequence_unless_the_log_grew_past_it(
-        leader_says: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jetstream_log, "TAIL_CHECK_SECONDS", 0.005)  # the writer's clock, to reach a beat soon
+def test_an_idle_owner_beats_with_the_last_sequence_it_stored_and_reads_nothing_for_it() -> None:
     stream_log = shared_stream_log(lease_seconds=12.0)
     stream_log.heartbeat_seconds = 0.02
     stream_log.epoch, stream_log._tail_seq = 3, 7  # taken over at 7
     hub = FakeHub()
-    stream_log.bridge = FakeBridge(last_seq=leader_says)  # type: ignore[assignment]
-    trouble: list[str | None] = []
-
-    def scenario() -> None:
-        writer = gevent.spawn(stream_log._write_until_stopped, hub)
-        until(lambda: bool(hub.published) or stream_log._trouble is not None)
-        trouble.append(stream_log._trouble)
-        stop(stream_log, writer)
-
-    scenario()
-    if leader_says == 7:
-        beat, = hub.published  # a core NATS message: no reply inbox, so no PubAck, nothing stored
+    bridge = stream_log.bridge = FakeBridge(last_seq=7)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    until(lambda: len(hub.published) >= 3)
+    stop(stream_log, writer)
+    for beat in hub.published:  # core NATS messages: no reply inbox, so no PubAck, nothing stored
         assert (beat.subject, beat.payload, beat.reply) == ("mqks.beat.s-0-of-2", b"", "")
         assert beat.headers == {EPOCH: "3", LAST: "7"}
+    assert bridge.calls == 0  # a JetStream API call per heartbeat per group was most of an idle NATS's load
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["its-takeover-stored", "its-takeover-refused"])
+def test_a_rivals_frame_on_the_subject_sends_the_owner_to_its_tail_once_stored_and_an_old_owners_does_not(
+        stored: bool) -> None:
+    """Heard as it is published, a takeover may not be stored yet (CI: an owner that read its tail at once found
+    nothing and answered for its group on), or may be refused: the log's last sequence decides, looked at again."""
+    stream_log = shared_stream_log(lease_seconds=12.0)
+    stream_log.epoch, stream_log._tail_seq = 3, 7
+    hub = FakeHub()
+    bridge = stream_log.bridge = FakeBridge(last_seq=7)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    until(lambda: "mqks.log.s-0-of-2" in hub.callbacks)
+    heard = hub.callbacks["mqks.log.s-0-of-2"]
+    heard("mqks.log.s-0-of-2", "_INBOX.old.1", {EPOCH: "2", OWNER: "node c"}, b"late")
+    assert stream_log._rival_check is None  # an old owner's late frame: nothing to look at
+    heard("mqks.log.s-0-of-2", "_INBOX.rival.1", {EPOCH: "4", OWNER: "node b"}, b"W 4 node b")
+    rival_check = stream_log._rival_check
+    assert rival_check is not None
+    until(lambda: bridge.calls >= 1)
+    assert stream_log._trouble is None  # not stored yet when first looked at
+    if stored:
+        bridge.last_seq = 8
+        until(lambda: stream_log._trouble is not None)
+        assert "last sequence is 8, past this writer's 7" in (stream_log._trouble or "")  # its tail is read next
     else:
-        assert hub.published == []  # a rival appended after 7: no beat keeps the standbys waiting for this owner
-        assert "last sequence is 8, past this writer's 7" in (trouble[0] or "")  # its tail is read next
+        rival_check.join(timeout=3)
+        assert rival_check.dead and stream_log._trouble is None and bridge.calls == 3  # looked three times, then on
+    stop(stream_log, writer)
+
+
+@pytest.mark.parametrize("leader_says", [7, 8, None])
+def test_the_tail_check_finds_a_rival_it_did_not_hear_and_a_leader_out_of_reach(
+        leader_says: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jetstream_log, "FIGURES_SECONDS", 0.01)
+    stream_log = shared_stream_log(lease_seconds=12.0)
+    stream_log.epoch, stream_log._tail_seq = 3, 7
+    hub = FakeHub()
+    bridge = stream_log.bridge = FakeBridge(last_seq=leader_says)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    until(lambda: bridge.calls >= 4 or stream_log._trouble is not None)
+    trouble = stream_log._trouble
+    stop(stream_log, writer)
+    if leader_says == 7:
+        assert trouble is None
+    elif leader_says == 8:
+        assert "last sequence is 8, past this writer's 7" in (trouble or "")
+    else:  # no heartbeat while it cannot read its log: a standby that can takes the group over after the lease
+        assert "could not be read" in (trouble or "")
 
 
 @pytest.mark.parametrize("own_stream", [True, False], ids=["own-stream", "shared-stream"])
