@@ -232,7 +232,7 @@ BEANSTALKD_PROBE = (b"stats\r\n", b"OK ")
 
 def start_mqks(core: int | None, log_dir: str, python: str = sys.executable,
                extra_args: tuple[str, ...] = (), profile_path: str | None = None,
-               data_dir: str | None = None, fsync: str = "everysec", wait: bool = True, pure: bool = True) -> Server:
+               data_dir: str | None = None, fsync: str = "everysec", wait: bool = True, pure: bool = False) -> Server:
     """mqksd on a free port, with --eval so the benchmark can check its stats; with `data_dir`,
     durable (`--data-dir data_dir --fsync fsync`, logging at info for its recovery line); with `pure`, the
     hot path's plain sources even where the install compiled them (MQKS_PURE=1)."""
