@@ -9,8 +9,15 @@ from typing import Any
 
 import pytest
 
+from mqks.client.cluster import STANDBY_DOWN_SECONDS
 from mqks.server.cluster.candidacy import CLAIM_DELAY_CAP_SECONDS, CLAIM_DELAY_PER_GROUP_SECONDS, Candidacy
-from mqks.server.cluster.election import BALANCE_SECONDS, STANDBY_REPORT_SECONDS, Standby, replay_as_candidate
+from mqks.server.cluster.election import (
+    BALANCE_SECONDS,
+    STANDBY_IDLE_REPORT_SECONDS,
+    STANDBY_REPORT_SECONDS,
+    Standby,
+    replay_as_candidate,
+)
 from mqks.server.journal.jetstream_log import EPOCH, FRAME, HANDOFF, OWNER, Replayer
 
 pytestmark = pytest.mark.timeout(10)
@@ -340,6 +347,16 @@ def test_a_standby_reports_how_far_it_has_read():
     assert cluster_map.reports[0] == 2  # at once: what the replay read
     assert len(cluster_map.reports) >= (3 * LEASE) // STANDBY_REPORT_SECONDS
     assert cluster_map.reports == sorted(cluster_map.reports) and cluster_map.reports[-1] > 2
+
+
+def test_a_standby_that_read_nothing_new_reports_less_often_but_before_status_would_show_it_down():
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)  # and then silent: taken over after the lease
+    cluster_map = FakeMap()
+    list(replay_as_candidate(stream, standby(clock, stream, cluster_map)))
+    assert cluster_map.reports == [2]  # at once; not again 10 s later with the same position (one R3 put saved)
+    assert STANDBY_REPORT_SECONDS < STANDBY_IDLE_REPORT_SECONDS < STANDBY_DOWN_SECONDS
 
 
 def balancing(cluster_map: FakeMap, node: Node) -> FakeStream:
