@@ -238,9 +238,9 @@ class JetStreamLog:
         self.unsynced_bytes = 0
         self._refuse: str | None = "replay() the stream to its end before the first commit"
         self._closed = False
-        # handed over: the hub appends, the writer pops (deque appends and poplefts are atomic)
+        # handed over: commit() appends, the writer greenlet takes them when a frame can go
         self._handed: deque[tuple[int, bytes, bool, bool, float]] = deque()
-        # written by the writer, read by the hub
+        # written by the writer greenlet, read by the journal
         self._durable = 0
         self._durable_bytes = 0
         self._failed: deque[int] = deque()
@@ -525,7 +525,7 @@ class JetStreamLog:
                 helper.kill(block=False)
         self.bridge.close()
 
-    # -- the asyncio thread's side: stream management -------------------------------------------
+    # -- the JetStream API, in the bridge's asyncio thread: stream management ---------------------
 
     async def _ensure_stream(self, nc: Any) -> None:
         from nats.errors import NoRespondersError
@@ -812,7 +812,7 @@ class JetStreamLog:
     def _handed_fill_a_frame(self) -> bool:
         """Whether the commits waiting fill a frame already (a snapshot's chunks do): waiting would gain nothing."""
         size = 0
-        for _, payload, _, _, _ in list(self._handed):  # a copy: the hub appends meanwhile, from its thread
+        for _, payload, _, _, _ in self._handed:
             size += len(payload) + 1
             if size >= self.max_payload:
                 return True

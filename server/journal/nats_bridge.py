@@ -1,16 +1,21 @@
 """The hop between the broker's gevent hub and nats-py, which is asyncio only: its event loop runs in an OS
 thread of its own (the cluster extra). Nothing is monkey-patched.
 
-Hub -> asyncio: `call_soon` (one `call_soon_threadsafe`) and `spawn`; the replicated log (jetstream_log.py)
-hands over one group commit per call, never one message. asyncio -> hub: `run` answers through a deque and
-a ref'd libev async watcher (`ev_async_send`, safe from any thread; several sends coalesce): the calling
-greenlet waits, the hub goes on. The PubAck parser is here because nats-py's `publish_async` never resolves
-when the server answers an error (and leaks its slot): the log publishes with a reply subject of its own
-and parses the answers itself. shared/notes/replication.md has the measurements and the traps this follows.
+It carries the JetStream API: streams, consumers, tail reads, purges, the takeover append, the cluster map's
+bucket. The log's frames, their PubAcks, heartbeats, owner pings and a standby's pushed frames do not come here:
+they go over `hub_nats()`, a core NATS connection the hub reads and writes itself (hub_nats.py), made beside
+this one on first use (through the bridge, a frame cost its process three times what it costs there).
 
-One broker's log has a connection of its own. A cluster node's process shares one between its groups
-(`SharedNats`): one thread, one socket and one hub wake for all of them; each group holds a `BridgeScope`,
-which ends what the group subscribed and spawned when the group's server ends, and nothing else.
+Hub -> asyncio: `spawn` (one `call_soon_threadsafe`). asyncio -> hub: `run` answers through a deque and a ref'd
+libev async watcher (`ev_async_send`, safe from any thread; several sends coalesce): the calling greenlet waits,
+the hub goes on. The PubAck parser is here because nats-py's `publish_async` never resolves when the server
+answers an error (and leaks its slot): the log publishes with a reply subject of its own and parses the answers
+itself. shared/notes/replication.md has the measurements and the traps this follows.
+
+One broker's log has a bridge of its own. A cluster node's process shares one between its groups (`SharedNats`):
+one thread, two sockets (the bridge's and the hub's) and one hub wake for all of them; each group holds a
+`BridgeScope`, which ends what the group subscribed (on either connection) and spawned when the group's server
+ends, and nothing else.
 """
 
 from __future__ import annotations
@@ -117,7 +122,7 @@ class NatsBridge:
             return self.hub
 
     def call_soon(self, callback: Callable[[], Any]) -> None:
-        """Run `callback` in the asyncio thread soon (one `call_soon_threadsafe`: a group commit's hand-over)."""
+        """Run `callback` in the asyncio thread soon (one `call_soon_threadsafe`)."""
         if self.loop is None or self.closing:
             raise BridgeError("the NATS bridge is closed")
         self.loop.call_soon_threadsafe(callback)
@@ -306,9 +311,6 @@ class BridgeScope:
         if self.hub is None:
             self.hub = ScopedHub(self.live().hub_nats(), self)
         return self.hub
-
-    def call_soon(self, callback: Callable[[], Any]) -> None:
-        self.live().call_soon(callback)
 
     def spawn(self, make: Callable[[Any], Awaitable[Any]]) -> None:
         def start() -> None:
