@@ -212,6 +212,21 @@ def test_a_rivals_frame_on_the_subject_sends_the_owner_to_its_tail_once_stored_a
     stop(stream_log, writer)
 
 
+def test_the_node_a_group_is_handed_to_is_not_a_rival() -> None:
+    """Its takeover can be heard before this owner's own hand-off frame is answered (CI: the old owner read its
+    tail, found itself fenced and stopped as taken over instead of as handed over)."""
+    stream_log = shared_stream_log(lease_seconds=12.0)
+    stream_log.epoch, stream_log._tail_seq = 3, 7
+    stream_log.handoff_to = "b"  # mqks cluster move: this owner hands the group to node b
+    hub = FakeHub()
+    stream_log.bridge = FakeBridge(last_seq=8)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    until(lambda: "mqks.log.s-0-of-2" in hub.callbacks)
+    hub.callbacks["mqks.log.s-0-of-2"]("mqks.log.s-0-of-2", "_INBOX.b.1", {EPOCH: "4", OWNER: "node b"}, b"W 4 b")
+    assert stream_log._rival_check is None and stream_log._trouble is None
+    stop(stream_log, writer)
+
+
 @pytest.mark.parametrize("leader_says", [7, 8, None])
 def test_the_tail_check_finds_a_rival_it_did_not_hear_and_a_leader_out_of_reach(
         leader_says: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
