@@ -230,6 +230,9 @@ class JetStreamLog:
         # a cluster node's process shares one connection between its groups (`shared`); else the log has its own
         self.bridge: Bridge = (NatsBridge(servers, connect_timeout, nats_options) if shared is None
                                                  else shared.scope())
+        # ... and its groups read their shared stream's figures together
+        self._shared_figures = shared.figures if shared is not None and self.in_shared_stream else None
+        self._stream_last_checked = -1  # the stream's last sequence when the last tail check found no rival
         # hub side
         self._records: list[bytes] = []
         self.append = self._records.append
@@ -618,13 +621,18 @@ class JetStreamLog:
         except NotFoundError:
             return 0
 
-    async def _note_figures(self, nc: Any) -> None:
-        """The stream's figures for `stats()`; in a shared stream, the messages are its subject's."""
-        info = await nc.jetstream(timeout=5).stream_info(
-            self.stream, subjects_filter=self.subject if self.in_shared_stream else None)
+    async def _note_figures(self, nc: Any) -> int:
+        """The stream's figures for `stats()` (in a shared stream, the messages are its subject's); its last
+        sequence."""
+        if self._shared_figures is not None:
+            info = await self._shared_figures.info(nc, self.stream)
+        else:
+            info = await nc.jetstream(timeout=5).stream_info(
+                self.stream, subjects_filter=self.subject if self.in_shared_stream else None)
         self._note_info(info)
         if self.in_shared_stream:
             self._stream_messages = int((info.state.subjects or {}).get(self.subject, 0))
+        return int(info.state.last_seq)
 
     async def _open_reader(self, nc: Any, start_seq: int = 0) -> int:
         """A reader from `start_seq` (the start: 0); the stream's last sequence. A reader that cannot be made now
@@ -852,6 +860,7 @@ class JetStreamLog:
         # second, then one per heartbeat, were most of an idle NATS's API calls)
         tail_check_seconds = TAIL_CHECK_SECONDS if heartbeat_seconds is None else FIGURES_SECONDS
         reconnects = hub.reconnects
+        reconnected = False
         while not self._stopping and self.fenced_by is None:
             if (self._in_flight or self._unsent or self._handed or self._trouble is not None
                     or self._stalled_since is not None):
@@ -863,7 +872,8 @@ class JetStreamLog:
                 wake.wait(max(0.0, due - time.monotonic()))
             wake.clear()
             if hub.reconnects != reconnects:
-                reconnects, last_check = hub.reconnects, 0.0  # frames published meanwhile were not heard: look now
+                # frames published meanwhile were not heard: look now, at the group's own tail
+                reconnects, last_check, reconnected = hub.reconnects, 0.0, True
             if self._in_flight < self.max_in_flight:
                 # commits wait as handed until a frame can go, then go as one: taken at every wake, a
                 # writer with one frame in flight queued a frame per hub turn and sent one per PubAck,
@@ -891,7 +901,8 @@ class JetStreamLog:
             self._send(hub)
             if now - last_check >= tail_check_seconds and (checking is None or checking.dead):
                 last_check = now
-                checking = gevent.spawn(self._check_tail)
+                checking = gevent.spawn(self._check_tail, reconnected)
+                reconnected = False
 
     def _send_beat(self, hub: Hub) -> None:
         """An idle owner's heartbeat: a core NATS message to the standbys naming its epoch and the last sequence it
@@ -1091,18 +1102,24 @@ class JetStreamLog:
         await nc.jetstream(timeout=self.timeout_seconds).purge_stream(
             self.stream, seq=below, subject=self.subject if self.in_shared_stream else None)
 
-    def _check_tail(self) -> None:
+    def _check_tail(self, after_reconnect: bool = False) -> None:
         """Each second (a cluster's group: every FIGURES_SECONDS), as a greenlet of its own (a slow JetStream API
         call must not hold the writer): the stream's figures; and a stream that grew past this writer's last frame
         while it had nothing in flight means a rival whose frame was not heard (a reconnect), or a late frame: read
         its tail. A read that overlapped a send is stale, not a rival. A cluster's owner that cannot read it stops
-        its heartbeats (a stall)."""
+        its heartbeats (a stall). A stream that stored nothing since the last check found no rival has no rival's
+        frame either: its group's tail is not read (an idle cluster's owners read nothing but the figures, which a
+        process's groups share)."""
+        stream_last = None
         if self.heartbeat_seconds is not None:
             try:
-                self.bridge.run(self._note_figures, timeout=30)
+                stream_last = self.bridge.run(self._note_figures, timeout=30)
             except Exception:
                 pass
-        self._rival_found()
+            if stream_last is not None and stream_last == self._stream_last_checked and not after_reconnect:
+                return
+        if not self._rival_found() and stream_last is not None and self._trouble is None:
+            self._stream_last_checked = stream_last
 
     def _rival_found(self) -> bool:
         """Whether the log grew past this writer's last frame while it had nothing in flight: a rival whose frame was

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,8 +38,14 @@ from .hub_nats import BridgeError, Callback, HubNats, NatsUnreachable
 
 log = logging.getLogger("mqks.journal")
 
-PING_SECONDS = 1  # nats-py's default (120 s, 2 missed) notices a dead connection only after minutes
+# nats-py's default (120 s, 2 missed) notices a hung connection only after minutes; the traffic that must notice
+# within a second or two (frames, PubAcks, heartbeats) is on the hub's connection (hub_nats.py), and a closed
+# socket is noticed at once
+PING_SECONDS = 5
 START_SECONDS = 10.0
+# a shared stream's info, read for one group, answers the process's other groups for this long (each reads it every
+# 10 s: jetstream_log.py's FIGURES_SECONDS)
+SHARED_FIGURES_SECONDS = 5.0
 
 
 class PubAck:
@@ -254,6 +261,36 @@ class NatsBridge:
             self.first_error = error
 
 
+class SharedFigures:
+    """A shared stream's info as the groups of a node process read it (in the asyncio thread): one read answers
+    every group that asks within `max_age` seconds, and groups that ask while it is on the way wait for it. Each
+    owned group read its own every 10 s: with a tail check, two JetStream API calls per group, most of an idle
+    cluster's."""
+
+    def __init__(self, max_age: float) -> None:
+        self.max_age = max_age
+        self.infos: dict[str, tuple[float, Any]] = {}  # stream: when read (monotonic), its info
+        self.reading: dict[str, asyncio.Future[Any]] = {}
+
+    async def info(self, nc: Any, stream: str) -> Any:
+        """The stream's info with every subject's message count, at most `max_age` old."""
+        known = self.infos.get(stream)
+        if known is not None and time.monotonic() - known[0] < self.max_age:
+            return known[1]
+        reading = self.reading.get(stream)
+        if reading is None:
+            reading = self.reading[stream] = asyncio.ensure_future(self._read(nc, stream))
+        return await asyncio.shield(reading)
+
+    async def _read(self, nc: Any, stream: str) -> Any:
+        try:
+            info = await nc.jetstream(timeout=5).stream_info(stream, subjects_filter=">")
+            self.infos[stream] = (time.monotonic(), info)
+            return info
+        finally:
+            del self.reading[stream]
+
+
 class SharedNats:
     """One NATS connection for the groups of a cluster node's process (node/group_host.py): each group's log and
     map use a `BridgeScope` of it. Connected by the first scope that starts; a failed connect is tried anew by the
@@ -265,6 +302,7 @@ class SharedNats:
         self.options = options
         self.bridge: NatsBridge | None = None
         self.connecting = Semaphore()
+        self.figures = SharedFigures(SHARED_FIGURES_SECONDS)
 
     def scope(self) -> BridgeScope:
         return BridgeScope(self)

@@ -20,6 +20,7 @@ pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster
 
 from mqks.server.journal import jetstream_log
 from mqks.server.journal.jetstream_log import EPOCH, EXPECTED_OF_SUBJECT, LAST, OWNER, JetStreamLog
+from mqks.server.journal.nats_bridge import SharedFigures
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -54,17 +55,28 @@ class FakeBridge:
     """The bridge as the writer's JetStream API calls see it: the group's last sequence, as its leader answers it
     (None: no answer), and how many calls were made."""
 
-    def __init__(self, last_seq: int | None = 0) -> None:
+    def __init__(self, last_seq: int | None = 0, stream_last: int | None = None) -> None:
         self.last_seq = last_seq
+        self.stream_last = stream_last  # the whole stream's last sequence, as its info says (None: no info)
         self.calls = 0
+        self.tail_reads = 0
+        self.infos = 0
 
     def jetstream(self, timeout: float = 5.0) -> Any:
         async def get_last_msg(stream: str, subject: str) -> SimpleNamespace:
+            self.tail_reads += 1
             if self.last_seq is None:
                 raise TimeoutError("no stream leader")
             return SimpleNamespace(seq=self.last_seq)
 
-        return SimpleNamespace(get_last_msg=get_last_msg)
+        async def stream_info(stream: str, subjects_filter: str | None = None) -> SimpleNamespace:
+            if self.stream_last is None:
+                raise TimeoutError("no stream leader")
+            self.infos += 1
+            state = SimpleNamespace(bytes=0, messages=0, subjects={}, last_seq=self.stream_last)
+            return SimpleNamespace(state=state, cluster=None)
+
+        return SimpleNamespace(get_last_msg=get_last_msg, stream_info=stream_info)
 
     def run(self, make: Callable[[Any], Any], timeout: float = 10.0) -> Any:
         self.calls += 1
@@ -245,6 +257,57 @@ def test_the_tail_check_finds_a_rival_it_did_not_hear_and_a_leader_out_of_reach(
         assert "last sequence is 8, past this writer's 7" in (trouble or "")
     else:  # no heartbeat while it cannot read its log: a standby that can takes the group over after the lease
         assert "could not be read" in (trouble or "")
+
+
+def test_the_tail_is_read_again_only_once_the_stream_has_grown_or_the_hub_reconnected(monkeypatch) -> None:
+    """An idle cluster's owners read their stream's figures (which a process's groups share), not each its own tail:
+    a stream that stored nothing since a check found no rival holds no rival's frame."""
+    monkeypatch.setattr(jetstream_log, "FIGURES_SECONDS", 0.01)
+    stream_log = shared_stream_log(lease_seconds=12.0)
+    stream_log.epoch, stream_log._tail_seq = 3, 7
+    hub = FakeHub()
+    bridge = stream_log.bridge = FakeBridge(last_seq=7, stream_last=40)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    until(lambda: bridge.infos >= 5)
+    assert bridge.tail_reads == 1  # the first check read it; the others found the stream as it was
+    bridge.stream_last = 41  # another group stored a frame
+    until(lambda: bridge.tail_reads == 2)
+    infos = bridge.infos
+    until(lambda: bridge.infos >= infos + 3)
+    assert bridge.tail_reads == 2
+    hub.reconnects += 1  # frames published meanwhile were not heard
+    stream_log._poke()
+    until(lambda: bridge.tail_reads == 3)
+    assert stream_log._trouble is None
+    stop(stream_log, writer)
+
+
+def test_a_processs_groups_share_one_read_of_the_streams_figures() -> None:
+    """nats_bridge.py's SharedFigures: groups asking together wait for one read; a read younger than max_age answers
+    without NATS; a failed read fails every group that waited for it, and the next ask reads again."""
+    reads: list[str] = []
+
+    async def stream_info(stream: str, subjects_filter: str | None = None) -> SimpleNamespace:
+        reads.append(stream)
+        await asyncio.sleep(0.01)
+        if stream == "gone":
+            raise TimeoutError("no stream leader")
+        return SimpleNamespace(state=SimpleNamespace(last_seq=len(reads)))
+
+    nc = SimpleNamespace(jetstream=lambda timeout: SimpleNamespace(stream_info=stream_info))
+    figures = SharedFigures(max_age=60.0)
+
+    async def scenario() -> tuple[list[Any], Any, list[Any], Any]:
+        together = await asyncio.gather(*(figures.info(nc, "s") for _ in range(3)))
+        later = await figures.info(nc, "s")
+        failed = await asyncio.gather(*(figures.info(nc, "gone") for _ in range(2)), return_exceptions=True)
+        figures.max_age = 0.0
+        return together, later, failed, await figures.info(nc, "s")
+
+    together, later, failed, aged = asyncio.run(scenario())
+    assert [info.state.last_seq for info in together] == [1, 1, 1] and later is together[0]
+    assert all(isinstance(e, TimeoutError) for e in failed) and reads == ["s", "gone", "s"]
+    assert aged.state.last_seq == 3
 
 
 @pytest.mark.parametrize("own_stream", [True, False], ids=["own-stream", "shared-stream"])
