@@ -13,7 +13,8 @@ from mqks.common.cluster_names import Layout, bucket_of, group_name, layout_of, 
 from mqks.common.nats_urls import NatsAccess, quiet_tls_noise, shown
 
 STANDBY_WAIT_SECONDS = 20.0  # `mqks cluster move` waits this long for the target node's standby to report
-# a standby reports every 10 s (server/cluster/election.py); silent for three reports, status calls it down
+# a node process reports its standbys within 10 s of a change and every 20 s anyway (server/cluster/map.py's
+# SharedMap); silent for this long, status calls them down
 STANDBY_DOWN_SECONDS = 30.0
 LAG_COUNTED = 100  # a standby's lag in a shared stream is counted frame by frame up to this
 
@@ -124,6 +125,7 @@ async def read_cluster(urls: list[str], cluster: str, access: NatsAccess | None 
             streams = {group: by_name[info.config.name] for group, info in streams.items()}
         entries: dict[str, dict[str, Any]] = {}
         pins: dict[int, str] = {}
+        reports: dict[tuple[int, str], dict[str, Any]] = {}  # (group, node): the freshest report of its standby
         try:
             values = await read_bucket(js, bucket_of(cluster))
         except BucketNotFoundError:
@@ -135,9 +137,17 @@ async def read_cluster(urls: list[str], cluster: str, access: NatsAccess | None 
                 pins[int(key.partition(".")[2])] = value.decode()
                 continue
             try:
-                entries[key] = json.loads(value or b"{}")
+                entry = json.loads(value or b"{}")
             except ValueError:
                 continue
+            if key.startswith("standbys."):  # a node process's standbys: group and the sequence read to
+                for group_key, seq in (entry.get("groups") or {}).items():
+                    report = {"node": entry.get("node"), "seq": seq, "at": float(entry.get("at", 0))}
+                    known = reports.get((int(group_key), str(report["node"])))
+                    if known is None or known["at"] < report["at"]:  # a process of the node's earlier start
+                        reports[(int(group_key), str(report["node"]))] = report
+                continue
+            entries[key] = entry
         rows = []
         for group, info in sorted(streams.items()):
             name = group_name(cluster, group, layout.groups)
@@ -148,8 +158,8 @@ async def read_cluster(urls: list[str], cluster: str, access: NatsAccess | None 
                 answering = None
             last_seq, messages, size = await group_figures(js, cluster, layout, group, info)
             standbys = []
-            for key, report in entries.items():
-                if key.startswith(f"standby.{group}."):
+            for (reported_group, _), report in reports.items():
+                if reported_group == group:
                     seen_ago = round(time.time() - float(report.get("at", 0)), 1)
                     lag = await frames_after(js, info.config.name, layout, name, int(report.get("seq", 0)), last_seq)
                     standbys.append({"node": report.get("node"), "lag": lag,

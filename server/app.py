@@ -45,6 +45,7 @@ from .wire.protocol import format_error
 if TYPE_CHECKING:
     from gevent.pywsgi import WSGIServer
 
+    from .cluster.map import SharedMap
     from .cluster.node import ClusterGroup
     from .journal.jetstream_log import JetStreamLog
     from .journal.nats_bridge import SharedNats
@@ -86,9 +87,11 @@ class ErrorIds:
 class Server:
     """The process: config, workers, timers, error ids, live connections, the listener."""
 
-    def __init__(self, config: Config, shared_nats: SharedNats | None = None) -> None:
+    def __init__(self, config: Config, shared_nats: SharedNats | None = None,
+                 shared_map: SharedMap | None = None) -> None:
         self.config = config
         self.shared_nats = shared_nats  # a cluster node's process: its groups' logs share one NATS connection
+        self.shared_map = shared_map  # ... and one watch of the cluster map, one report of their standbys
         self.connections: set[Connection] = set()
         self.timers_due = Event()
         self.timers = Timers(on_earlier=self.timers_due.set)
@@ -100,8 +103,8 @@ class Server:
         self.link_tls: ssl.SSLContext | None = None  # with --cluster and --tls-cert: what its link port accepts with
         self.stream_log: JetStreamLog | None = None  # with --log: the journal's log, which a cluster's node steers
         self.log_wake: Any = None  # with a journal: the hub's watcher its writer wakes
+        self.peers: Peers | None = None  # before the journal: a cluster's map tells on_map_change as it opens
         self.journal = self.open_journal() if config.data_dir or config.log else None
-        self.peers: Peers | None = None
         self.tables = ONE_PROCESS  # the sessions' handler tables; a worker of several wraps them (link_workers)
         # one broker per process: worker i of n with --workers n (the supervisor started it), else worker 0 of 1
         worker, count = (0, 1) if config.worker_index is None else (config.worker_index, config.workers)
@@ -219,7 +222,7 @@ class Server:
             if config.cluster is not None:
                 from .cluster.node import ClusterGroup
 
-                self.cluster = ClusterGroup(config, stream, self.on_map_change)
+                self.cluster = ClusterGroup(config, stream, self.on_map_change, self.shared_map)
                 self.cluster.start()
             return Journal(stream, self.error_line, config.compact_min_bytes)
         from .journal.log import Log  # only durable servers load the storage layer
@@ -602,6 +605,8 @@ class Server:
         server, and makes another): close what a process's exit would have, so nothing of this one keeps running."""
         if self.timer_greenlet is not None:
             self.timer_greenlet.kill(block=False)
+        if self.cluster is not None:
+            self.cluster.close()
         for listener in (self.stream_server, self.tls_server, self.link_listener, *self.direct_listeners):
             if listener is not None:
                 listener.close()

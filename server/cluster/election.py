@@ -29,7 +29,6 @@ STANDBY_REPORT_SECONDS = 10.0  # a standby tells `mqks cluster status` how far i
 STANDBY_IDLE_REPORT_SECONDS = 20.0
 BALANCE_SECONDS = 5.0  # a caught-up standby looks this often whether its node should own this group instead
 RETRY_SECONDS = 0.5  # following failed (NATS unreachable): try again after this
-FOLLOW_WAIT_SECONDS = 1.0  # the longest wait for followed frames: the clock is looked at this often at least
 
 
 class Reading(Protocol):
@@ -145,7 +144,15 @@ class Standby:
                 if not following:
                     stream.follow(reading)
                     following = True
-                heard, records = stream.read_followed(reading, min(FOLLOW_WAIT_SECONDS, max(0.05, expires - now)))
+                # frames and heartbeats wake it; else it sleeps until the next thing due: the claim, a report, a
+                # look at balancing or at the tail (it looked at the clock each second: a quarter of an idle
+                # node's wakeups, sixteen standbys per node)
+                due = min(expires, balanced_at + min(BALANCE_SECONDS, lease / 2),
+                          reported + (STANDBY_REPORT_SECONDS if reading.read != reported_seq
+                                      else STANDBY_IDLE_REPORT_SECONDS),
+                          max(heard_at + candidacy.heartbeat_seconds * 1.5,
+                              tail_checked_at + candidacy.heartbeat_seconds))
+                heard, records = stream.read_followed(reading, max(0.05, due - now))
                 if (not heard and now - heard_at >= candidacy.heartbeat_seconds * 1.5
                         and now - tail_checked_at >= candidacy.heartbeat_seconds):
                     # a quiet stream, or a follower that lost its NATS node? The owner's heartbeat comes this

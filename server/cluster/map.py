@@ -21,9 +21,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..journal.nats_bridge import Bridge
+import gevent
+import gevent.event
+
+from ..journal.nats_bridge import Bridge, SharedNats
 from .candidacy import Candidacy
-from .election import HandOffRequests
+from .election import STANDBY_IDLE_REPORT_SECONDS, STANDBY_REPORT_SECONDS, HandOffRequests
 
 log = logging.getLogger("mqks.cluster")
 
@@ -96,28 +99,155 @@ class OwnerWatch:
                 pass
 
 
-async def open_bucket(nc: Any, candidacy: Candidacy, replicas: int) -> Any:
+async def open_bucket(nc: Any, bucket: str, replicas: int) -> Any:
     """The cluster's bucket, made by the first node that needs it."""
     from nats.js.api import KeyValueConfig, StorageType
     from nats.js.errors import BucketNotFoundError
 
     js = nc.jetstream(timeout=5)
     try:
-        return await js.key_value(candidacy.bucket)
+        return await js.key_value(bucket)
     except BucketNotFoundError:
         pass
     for tries in range(replicas, 0, -1):
         try:
-            return await js.create_key_value(KeyValueConfig(bucket=candidacy.bucket, history=1, replicas=tries,
+            return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, replicas=tries,
                                                             storage=StorageType.FILE))
         except Exception as e:  # fewer NATS servers than replicas; or made by another node meanwhile
             try:
-                return await js.key_value(candidacy.bucket)
+                return await js.key_value(bucket)
             except BucketNotFoundError:
                 if tries == 1:
                     raise
-                log.warning("bucket %s: %s; trying %d replicas", candidacy.bucket, e, tries - 1)
+                log.warning("bucket %s: %s; trying %d replicas", bucket, e, tries - 1)
     raise AssertionError("unreachable")
+
+
+async def watch_owners(bridge: Bridge, bucket: str, replicas: int, learn: Callable[[int, dict[str, Any]], None],
+                       nc: Any) -> None:
+    """One watch of the owners' entries for as long as it runs: a push consumer of the bucket's stream that sends
+    the latest entry of each group, then every new one, and an idle heartbeat. nats-py's watcher (an ordered
+    consumer) woke each process four times a second for its flow control; here an idle watch wakes once per
+    heartbeat. A watch that hears nothing for two heartbeats (its NATS node went) or skips a delivery is made
+    anew, which sends every entry again."""
+    while True:
+        watch = OwnerWatch(bridge, learn)
+        try:
+            await open_bucket(nc, bucket, replicas)
+            await watch.run(nc, bucket)
+        except Exception as e:  # NATS went away, or the watch went quiet: make it again
+            log.debug("cluster map: watch ended (%s); again", e)
+            await asyncio.sleep(RETRY_SECONDS)
+        finally:
+            await watch.stop()
+
+
+def standbys_key(node: str, reporter: str) -> str:
+    """The bucket's key for the standbys one process of a node reports (`reporter`: the process's index, or a
+    lone group's `gN`): `mqks cluster status` reads them."""
+    return f"standbys.{node}.{reporter}"
+
+
+class SharedMap:
+    """The map as the groups of one node process share it (node/group_host.py holds several groups in a process):
+    one watch of the owners' entries, and one report of where every standby of the process has read to. Made per
+    group, an idle default cluster kept 48 watches, and its 32 standbys put an R3 entry each every 20 s."""
+
+    def __init__(self, shared: SharedNats, bucket: str, node: str, process: int, replicas: int,
+                 report_seconds: float = STANDBY_REPORT_SECONDS,
+                 idle_report_seconds: float = STANDBY_IDLE_REPORT_SECONDS) -> None:
+        self.shared = shared
+        self.report_seconds = report_seconds
+        self.idle_report_seconds = idle_report_seconds
+        self.bucket = bucket
+        self.node = node
+        self.process = process
+        self.replicas = replicas
+        self.entries: dict[int, dict[str, Any]] = {}  # the owners' entries as the watch brought them (in the hub)
+        self.maps: list[ClusterMap] = []  # the groups' maps, each told every entry
+        self.positions: dict[int, int] = {}  # group: the sequence its standby here has read to
+        self.reported: dict[int, int] = {}  # as the last report put them
+        self.changed = gevent.event.Event()
+        self.reporter: gevent.Greenlet | None = None
+        self.watching = False
+        self._kv: Any = None
+
+    def join(self, cluster_map: ClusterMap) -> None:
+        """A group's map learns every entry known and every one to come (in the hub)."""
+        self.maps.append(cluster_map)
+        for group, entry in list(self.entries.items()):
+            cluster_map.learn(group, entry)
+        if not self.watching:
+            self.watching = True
+            bridge = self.shared.started()
+            bridge.spawn(functools.partial(watch_owners, bridge, self.bucket, self.replicas, self.learn))
+
+    def leave(self, cluster_map: ClusterMap) -> None:
+        """A group's `Server` ended: its map hears no more, and its standby is no longer reported from here."""
+        if cluster_map in self.maps:
+            self.maps.remove(cluster_map)
+        self.stands_by_no_more(cluster_map.candidacy.group)
+
+    def stands_by_no_more(self, group: int) -> None:
+        """The group's `Server` here owns it now, or ended."""
+        if self.positions.pop(group, None) is not None:
+            self.changed.set()
+
+    def learn(self, group: int, entry: dict[str, Any]) -> None:
+        """In the hub: an entry the watch brought; a lower epoch than one known never replaces it."""
+        known = self.entries.get(group)
+        if known is not None and known.get("epoch", 0) > entry.get("epoch", 0):
+            return
+        self.entries[group] = entry
+        for cluster_map in list(self.maps):
+            cluster_map.learn(group, entry)
+
+    def report(self, group: int, seq: int) -> None:
+        """The standby of `group` has read to `seq` (in the hub): the process's next report says so. A standby new
+        here is reported at once (`mqks cluster move` waits to see it)."""
+        if self.positions.get(group) == seq:
+            return
+        self.positions[group] = seq
+        self.changed.set()
+        if self.reporter is None:
+            self.reporter = gevent.spawn(self._report)
+
+    def _report(self) -> None:
+        """Put the process's standbys' positions: at once for a standby not reported yet, within `report_seconds`
+        of a change, and every `idle_report_seconds` anyway (status calls a standby down after
+        client/cluster.py's STANDBY_DOWN_SECONDS of silence)."""
+        last_put = -1e9
+        while True:
+            now = time.monotonic()
+            due = self.report_due(now, last_put)
+            if now >= due:
+                last_put = now
+                self.reported = dict(self.positions)
+                self.shared.started().spawn(functools.partial(self._put, positions=self.reported))
+                continue
+            self.changed.clear()
+            self.changed.wait(None if due == float("inf") else due - now)
+
+    def report_due(self, now: float, last_put: float) -> float:
+        """When the next report goes, the last one having gone at `last_put` (inf: none is needed)."""
+        if not self.positions and not self.reported:  # every group of the process is owned here
+            return float("inf")
+        if self.positions.keys() - self.reported.keys():
+            return now
+        if self.positions != self.reported:
+            return last_put + self.report_seconds
+        return last_put + self.idle_report_seconds
+
+    async def _put(self, nc: Any, positions: dict[int, int]) -> None:
+        try:
+            if self._kv is None:
+                self._kv = await open_bucket(nc, self.bucket, self.replicas)
+            await self._kv.put(standbys_key(self.node, str(self.process)), json.dumps(
+                {"node": self.node, "pid": os.getpid(), "at": time.time(),
+                 "groups": {str(group): seq for group, seq in sorted(positions.items())}}).encode())
+        except Exception as e:
+            self._kv = None
+            log.debug("standby report failed: %s", e)
 
 
 class NodeDir:
@@ -163,8 +293,9 @@ class ClusterMap:
     """Each group's owner as its entry in the bucket says: node, epoch, and the addresses it listens on."""
 
     def __init__(self, bridge: Bridge, candidacy: Candidacy, replicas: int,
-                 on_change: Callable[[int], None]) -> None:
+                 on_change: Callable[[int], None], shared: SharedMap | None = None) -> None:
         self.bridge = bridge
+        self.shared = shared  # a node process's groups share one watch and one standby report
         self.candidacy = candidacy
         self.replicas = replicas
         self.on_change = on_change  # called in the hub with the group whose entry changed
@@ -177,11 +308,22 @@ class ClusterMap:
 
     def watch(self) -> None:
         """Follow every group's entry from now on: a standby balances by it, an owner links by it."""
-        self.bridge.spawn(self._watch)
+        if self.shared is not None:
+            self.shared.join(self)
+            return
+        self.bridge.spawn(functools.partial(watch_owners, self.bridge, self.candidacy.bucket, self.replicas,
+                                            self.learn))
+
+    def close(self) -> None:
+        """The group's `Server` ended: no more entries, and no more reports of its standby."""
+        if self.shared is not None:
+            self.shared.leave(self)
 
     def start(self, about: dict[str, Any]) -> None:
         """This process owns its group now: put its entry (the watch runs since watch())."""
         self.serving = True
+        if self.shared is not None:
+            self.shared.stands_by_no_more(self.candidacy.group)
         self.bridge.spawn(lambda nc: self._put(nc, about))
 
     def balance_view(self, fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]:
@@ -206,7 +348,7 @@ class ClusterMap:
 
     async def _bucket(self, nc: Any) -> Any:
         if self._kv is None:
-            self._kv = await open_bucket(nc, self.candidacy, self.replicas)
+            self._kv = await open_bucket(nc, self.candidacy.bucket, self.replicas)
         return self._kv
 
     async def _read_pin(self, nc: Any) -> str | None:
@@ -222,16 +364,20 @@ class ClusterMap:
             raise
 
     def report_standby(self, seq: int) -> None:
-        """A standby tells `mqks cluster status` how far it has read (a put in the background)."""
+        """A standby tells `mqks cluster status` how far it has read: in its process's report, or in one of its
+        own (a put in the background)."""
+        if self.shared is not None:
+            self.shared.report(self.candidacy.group, seq)
+            return
         self.bridge.spawn(functools.partial(self._report_standby, seq=seq))
 
     async def _report_standby(self, nc: Any, seq: int) -> None:
         candidacy = self.candidacy
         try:
             kv = await self._bucket(nc)
-            await kv.put(f"standby.{candidacy.group}.{candidacy.node}", json.dumps(
-                {"node": candidacy.node, "group": candidacy.group, "seq": seq, "pid": os.getpid(),
-                 "at": time.time()}).encode())
+            await kv.put(standbys_key(candidacy.node, f"g{candidacy.group}"), json.dumps(
+                {"node": candidacy.node, "pid": os.getpid(), "at": time.time(),
+                 "groups": {str(candidacy.group): seq}}).encode())
         except Exception as e:
             self._kv = None
             log.debug("group %d: standby report failed: %s", candidacy.group, e)
@@ -281,7 +427,7 @@ class ClusterMap:
         sock.settimeout(None)
         return sock
 
-    def _learn(self, group: int, entry: dict[str, Any]) -> None:
+    def learn(self, group: int, entry: dict[str, Any]) -> None:
         """In the hub: a newer entry for `group` replaces what was known."""
         known = self.entries.get(group)
         if known is not None and known.get("epoch", 0) > entry.get("epoch", 0):
@@ -302,20 +448,3 @@ class ClusterMap:
                 self._kv = None
                 log.warning("cluster map: cannot publish this owner's entry (%s); again", e)
                 await asyncio.sleep(RETRY_SECONDS)
-
-    async def _watch(self, nc: Any) -> None:
-        """One watch of the owners' entries for the life of the process: a push consumer of the bucket's stream
-        that sends the latest entry of each group, then every new one, and an idle heartbeat. nats-py's watcher
-        (an ordered consumer) woke each process four times a second for its flow control, 48 processes in a
-        default cluster; here an idle watch wakes once per heartbeat. A watch that hears nothing for two
-        heartbeats (its NATS node went) or skips a delivery is made anew, which sends every entry again."""
-        while True:
-            watch = OwnerWatch(self.bridge, self._learn)
-            try:
-                await open_bucket(nc, self.candidacy, self.replicas)
-                await watch.run(nc, self.candidacy.bucket)
-            except Exception as e:  # NATS went away, or the watch went quiet: make it again
-                log.debug("cluster map: watch ended (%s); again", e)
-                await asyncio.sleep(RETRY_SECONDS)
-            finally:
-                await watch.stop()

@@ -1,6 +1,7 @@
 """This process's slot group in a cluster: what `Server` (app.py) asks the cluster layer, in a few places.
 
     start          the map's watch begins (links and `hello` need every owner's address)
+    close          the group's Server ended: its map hears no more, its standby is reported no more
     replay         the group's records up to this node's takeover: standing by may take hours
     serve          this process owns the group now: its entry in the map, the hand-off requests
     move_to        a node asked for the group: drain and stop (the node starts this process again, as a standby)
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .candidacy import Candidacy
 from .election import HandOffRequests, Standby, replay_as_candidate
-from .map import ClusterMap, NodeDir
+from .map import ClusterMap, NodeDir, SharedMap
 
 if TYPE_CHECKING:
     from ..journal.jetstream_log import JetStreamLog
@@ -31,7 +32,8 @@ def owner_description(config: Config) -> str:
 class ClusterGroup:
     """One slot group of the cluster, as this process takes part in it: standby first, then maybe owner."""
 
-    def __init__(self, config: Config, stream_log: JetStreamLog, on_map_change: Callable[[int], None]) -> None:
+    def __init__(self, config: Config, stream_log: JetStreamLog, on_map_change: Callable[[int], None],
+                 shared_map: SharedMap | None = None) -> None:
         assert config.cluster is not None and config.node is not None
         self.config = config
         self.stream_log = stream_log
@@ -40,11 +42,15 @@ class ClusterGroup:
         self.candidacy = Candidacy(config.cluster, config.node, self.group, config.lease_seconds,
                                    owned_here=self.node_dir.owned, may_pull=self.node_dir.take_pull_turn,
                                    end_pull=self.node_dir.end_pull_turn)
-        self.map = ClusterMap(stream_log.bridge, self.candidacy, config.log_replicas, on_map_change)
+        self.map = ClusterMap(stream_log.bridge, self.candidacy, config.log_replicas, on_map_change, shared_map)
         self.hand_offs = HandOffRequests(config.node, stream_log.owner, stream_log.wake)
 
     def start(self) -> None:
         self.map.watch()
+
+    def close(self) -> None:
+        """The group's `Server` ended (the process goes on, and may serve the group again)."""
+        self.map.close()
 
     def replay(self) -> Iterator[bytes]:
         """The group's records up to this node's takeover record (the journal's recovery reads them)."""
