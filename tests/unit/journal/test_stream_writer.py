@@ -2,7 +2,8 @@
 subject's last sequence, and every commit handed while it flies goes out in the next frame, together; idle, it
 sends its standbys a heartbeat naming the last sequence it stored (nothing stored, nothing read); a rival's frame
 heard on the subject, or found by the periodic tail check, sends it to its tail. In process, the writer a
-greenlet, over a fake hub connection that answers each frame only when the test says so."""
+greenlet, over a fake hub connection that answers each frame only when the test says so. A stream of its own (one
+broker's `--log`) holds what is handed while a frame flies, too, and pipelines full frames."""
 
 from __future__ import annotations
 
@@ -308,6 +309,39 @@ def test_a_processs_groups_share_one_read_of_the_streams_figures() -> None:
     assert [info.state.last_seq for info in together] == [1, 1, 1] and later is together[0]
     assert all(isinstance(e, TimeoutError) for e in failed) and reads == ["s", "gone", "s"]
     assert aged.state.last_seq == 3
+
+
+def test_a_stream_of_its_own_sends_what_is_handed_during_a_flight_as_one_frame_and_pipelines_full_ones() -> None:
+    """Group commit that waits for the pipeline: a commit with nothing in flight goes at once (a lone confirm waits
+    no longer); commits handed while a frame flies go together once it is stored (fuller frames cost NATS less per
+    message); frames that are full already (a snapshot's parts) go without waiting for each other."""
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s", "test")
+    stream_log._refuse = None
+    hub = FakeHub()
+
+    def scenario() -> None:
+        writer = gevent.spawn(stream_log._write_until_stopped, hub)
+        stream_log.append(b"a1")
+        stream_log.commit()
+        until(lambda: len(hub.published) == 1)
+        for record in (b"b2", b"c3"):
+            stream_log.append(record)
+            stream_log.commit()
+        let_run()
+        assert len(hub.published) == 1  # held while the first frame flies
+        hub.ack(0, seq=1)
+        until(lambda: len(hub.published) == 2)
+        assert hub.published[1].payload == b"b2\nc3"
+        hub.ack(1, seq=2)
+        until(lambda: stream_log.poll()[0] == 3)
+        stream_log.max_payload = 10
+        stream_log.append(b"x" * 35)  # four parts: full frames, sent without waiting for each other
+        stream_log.commit(new_segment=True)
+        until(lambda: len(hub.published) == 6)
+        assert [len(frame.payload) for frame in hub.published[2:]] == [10, 10, 10, 5]
+        stop(stream_log, writer)
+
+    scenario()
 
 
 @pytest.mark.parametrize("own_stream", [True, False], ids=["own-stream", "shared-stream"])
