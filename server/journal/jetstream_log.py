@@ -455,8 +455,11 @@ class JetStreamLog:
 
     @property
     def frames_waiting(self) -> bool:
-        """True while commits wait to be sent (a snapshot holds back its next chunk); never during a stall."""
-        return bool(self._handed or len(self._unsent) > 2) and self._stalled_since is None
+        """Never: a snapshot's next chunk must not wait for this writer. It is a greenlet of the hub the snapshot
+        holds (the disk log's writer is a thread): waiting for it blocked the broker for good. A snapshot's
+        chunks wait in memory, handed, until it ends; the journal stops reading publishers meanwhile (their
+        bytes are unsynced)."""
+        return False
 
     @property
     def handed_bytes(self) -> int:

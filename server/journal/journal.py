@@ -196,7 +196,8 @@ class Journal:
     def _wait_for_the_writer(self) -> None:
         """Block (the whole loop) until the writer thread has taken the last chunk, so at most two exist:
         the one it writes and the one being built. Not on a log that cannot write: then the chunks wait
-        in memory, as any commit's do on a full disk."""
+        in memory, as any commit's do on a full disk; nor on a log whose writer runs in this loop (the
+        replicated log's frames_waiting is never true)."""
         log_ = self.log
         while log_.frames_waiting and not log_.blocked:
             time.sleep(SNAPSHOT_WAIT_SECONDS)

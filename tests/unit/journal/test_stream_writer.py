@@ -21,6 +21,7 @@ pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster
 
 from mqks.server.journal import jetstream_log
 from mqks.server.journal.jetstream_log import EPOCH, EXPECTED_OF_SUBJECT, LAST, OWNER, JetStreamLog
+from mqks.server.journal.journal import SNAPSHOT_CHUNK_BYTES, Journal
 from mqks.server.journal.nats_bridge import SharedFigures
 
 pytestmark = pytest.mark.timeout(10)
@@ -342,6 +343,25 @@ def test_a_stream_of_its_own_sends_what_is_handed_during_a_flight_as_one_frame_a
         stop(stream_log, writer)
 
     scenario()
+
+
+@pytest.mark.parametrize("own_stream", [True, False], ids=["own-stream", "shared-stream"])
+def test_a_snapshot_of_several_chunks_does_not_wait_for_a_writer_that_runs_in_its_own_loop(own_stream) -> None:
+    """The journal blocks the hub between a snapshot's 4 MB chunks until the log's writer took the last one (the
+    disk log's writer is a thread). The replicated log's writer is a greenlet of that hub: waiting for it blocked
+    the broker for good (a --log broker or cluster group whose live state passed 4 MB at a snapshot, since
+    372b339). Its chunks wait in memory until the snapshot ends, then go as full frames."""
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s", "test") if own_stream else shared_stream_log()
+    stream_log._refuse = None
+    hub = FakeHub()
+    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    let_run()
+    journal = Journal(stream_log, lambda rid, reason: b"")
+    line = b"x" * 1000
+    journal.snapshot(line for _ in range(3 * (SNAPSHOT_CHUNK_BYTES // len(line))))  # three chunks and more
+    until(lambda: len(hub.published) >= 1)
+    assert stream_log._commits >= 4
+    stop(stream_log, writer)
 
 
 @pytest.mark.parametrize("own_stream", [True, False], ids=["own-stream", "shared-stream"])
