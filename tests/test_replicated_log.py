@@ -302,6 +302,27 @@ def test_compaction_under_load_keeps_the_stream_small_and_the_state_exact(make_b
     assert len(restored) == len(kept) and set(restored) == kept
 
 
+def test_a_snapshot_of_several_chunks_does_not_stop_the_broker(make_broker, shared_nats_cluster):
+    """A live state of more than two 4 MB chunks at a snapshot: the journal waited between chunks for a writer that
+    runs in the loop it blocked, and the broker answered nothing more (since 372b339, until 7ac6546). Every
+    confirmed publish is answered through the snapshot, and a fresh broker restores them all."""
+    stream = unique("s").replace("-", "_")
+    server = replicated(make_broker, shared_nats_cluster, stream, "--compact-min-bytes", "1000000")
+    queue, event = b(unique("q")), b(unique("e"))
+    bind(server, queue, event)
+    wire = server.wire()
+    body = b"x" * 400
+    for batch in range(60):  # 60 x 500 messages of 400 bytes: 12 MB and more of live state, three chunks
+        wire.send(*(b"m%d publish --confirm %b %b" % (batch * 500 + i, event, body) for i in range(500)))
+        for i in range(500):
+            wire.expect(b"m%d ok " % (batch * 500 + i), timeout=60)
+    snapshots = server_stats(server)["log"]["snapshots"]
+    assert snapshots >= 1
+    server.kill()
+    fresh = replicated(make_broker, shared_nats_cluster, stream)
+    assert len(drain(fresh, queue)) == 30_000
+
+
 # -- in one process: two writers on one stream, through JetStreamLog itself ----------------------------------
 
 def open_log(urls: list[str], stream: str, owner: str, takeover: bool = False) -> tuple[JetStreamLog, list]:
