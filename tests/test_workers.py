@@ -683,7 +683,10 @@ def test_a_stalled_consumer_on_a_worker_that_does_not_own_its_queue_loses_nothin
 def test_a_backlog_of_big_messages_relayed_to_a_consumer_on_the_other_worker_is_held_about_once(make_broker):
     # issue 31.10: 512 KiB messages relayed between workers peaked well above what they weigh; with a
     # backlog bigger than --max-output-bytes the owner pushed it all across and the client was cut off
-    broker = make_broker("--workers", str(WORKERS))
+    # glibc raises its mmap threshold after each big free, up to 32 MiB, and then keeps freed bodies in the heap
+    # for later: how much of that shows as resident depended on timing (CI, beside the cluster tier: 1.76x, alone
+    # 1.50-1.59x). A fixed threshold returns each freed 512 KiB body at once: what is measured is what MQKS holds.
+    broker = make_broker("--workers", str(WORKERS), env={"MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
     queue = queue_on(1)
     publisher = direct(broker, 0)
     publisher.send(b"r rebind --confirm %b big" % queue)
@@ -713,8 +716,10 @@ def test_a_backlog_of_big_messages_relayed_to_a_consumer_on_the_other_worker_is_
         sampling.set()
         sampler.join()
     payload = count * len(body)
-    # measured 1.49x with the 8 MiB window (1.97x with 16 MiB); the messages themselves are 1x
-    assert peak[0] - start <= 1.75 * payload, f"{(peak[0] - start) >> 20} MiB over the start for {payload >> 20} MiB"
+    print(f"relayed big messages: the workers grew {(peak[0] - start) / payload:.2f}x the payload")
+    # 1.14-1.17x with the fixed mmap threshold, beside two busy cores too (1.49x with glibc's default, 1.97x with a
+    # 16 MiB window); the messages themselves are 1x: held twice would be 2x
+    assert peak[0] - start <= 1.4 * payload, f"{(peak[0] - start) >> 20} MiB over the start for {payload >> 20} MiB"
     consumer.close()
     publisher.close()
 
