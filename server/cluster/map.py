@@ -148,6 +148,12 @@ def standbys_key(node: str, reporter: str) -> str:
     return f"standbys.{node}.{reporter}"
 
 
+def standbys_entry(node: str, positions: dict[int, int]) -> bytes:
+    """What a standby report says: its node, its process, when, and each group's sequence read to."""
+    return json.dumps({"node": node, "pid": os.getpid(), "at": time.time(),
+                       "groups": {str(group): seq for group, seq in sorted(positions.items())}}).encode()
+
+
 class SharedMap:
     """The map as the groups of one node process share it (node/group_host.py holds several groups in a process):
     one watch of the owners' entries, and one report of where every standby of the process has read to. Made per
@@ -242,9 +248,7 @@ class SharedMap:
         try:
             if self._kv is None:
                 self._kv = await open_bucket(nc, self.bucket, self.replicas)
-            await self._kv.put(standbys_key(self.node, str(self.process)), json.dumps(
-                {"node": self.node, "pid": os.getpid(), "at": time.time(),
-                 "groups": {str(group): seq for group, seq in sorted(positions.items())}}).encode())
+            await self._kv.put(standbys_key(self.node, str(self.process)), standbys_entry(self.node, positions))
         except Exception as e:
             self._kv = None
             log.debug("standby report failed: %s", e)
@@ -375,9 +379,8 @@ class ClusterMap:
         candidacy = self.candidacy
         try:
             kv = await self._bucket(nc)
-            await kv.put(standbys_key(candidacy.node, f"g{candidacy.group}"), json.dumps(
-                {"node": candidacy.node, "pid": os.getpid(), "at": time.time(),
-                 "groups": {str(candidacy.group): seq}}).encode())
+            await kv.put(standbys_key(candidacy.node, f"g{candidacy.group}"),
+                         standbys_entry(candidacy.node, {candidacy.group: seq}))
         except Exception as e:
             self._kv = None
             log.debug("group %d: standby report failed: %s", candidacy.group, e)
