@@ -437,12 +437,14 @@ class Server:
                         "lines for its queues get an error")
             from ..common.figures import log_trouble
 
-            for answer in self.peers.ask_all(b"h stats"):
+            # a cluster node answers for the groups it owns: another node's trouble is that node's /healthz
+            owned = self.cluster.node_dir.owned_groups() if self.cluster is not None else None
+            for answer in self.peers.ask_all(b"h stats", workers=owned):
                 stats = json.loads(answer.partition(b" ok ")[2])
                 trouble = log_trouble(stats)
                 if trouble is not None:
-                    return (f"worker {stats.get('worker')}: {trouble}: its log cannot write, confirmed publishes "
-                            "to its queues are refused")
+                    return (f"{self.peers.unit} {stats.get('worker')}: {trouble}: its log cannot write, confirmed "
+                            "publishes to its queues are refused")
         return None
 
     def listen(self) -> None:
@@ -455,7 +457,9 @@ class Server:
             self.tls_server = tcp_listener(config.host, config.tls_port, self.handle_tls, " for TLS", shared)
         if self.peers is not None:
             self.listen_direct()
-        if config.metrics_port is not None and (self.peers is None or self.peers.worker == 0):
+        # worker 0 speaks for a broker of several; on a cluster node every owner accepts, and speaks for the node
+        speaks = self.peers is None or self.peers.worker == 0 or self.cluster is not None
+        if config.metrics_port is not None and speaks:
             from .node.console import BrokerLine, Console
             from .node.metrics import metrics_server  # prometheus_client is loaded only when asked for
 
@@ -465,15 +469,29 @@ class Server:
                 # the console asks the broker as a client would: on the plain port, else (--port 0) on the TLS one
                 line = BrokerLine(config.host, config.port or config.tls_port or 0, not config.port)
                 console = Console(line, tokens, config.console_actions)
-            self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.process,
-                                                 config.metrics_max_queues, self.health, console)
             try:
+                self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.metrics_registry(),
+                                                     self.health, console, shared=self.cluster is not None)
                 self.metrics_server.start()
             except OSError as e:
                 raise CannotListen(f"cannot listen for metrics on {config.metrics_host}:{config.metrics_port}: "
                                    f"{e}") from None
             log.info("metrics on http://%s:%d/metrics and /healthz%s", config.metrics_host,
                      self.metrics_server.server_port, ", the console at /" if console is not None else "")
+
+    def metrics_registry(self) -> Any:
+        """The figures /metrics shows: the broker's, or on a cluster node those of the node (its groups owned now,
+        and its processes)."""
+        from .node.metrics import make_registry
+        from .node.supervisor import supervisor_pid
+
+        config = self.config
+        if self.cluster is None:
+            return make_registry(self.process, config.metrics_max_queues)
+        assert config.cluster is not None and config.node is not None
+        node_dir = self.cluster.node_dir
+        return make_registry(self.process, config.metrics_max_queues, node_dir.owned_groups,
+                             {"cluster": config.cluster, "node": config.node}, supervisor_pid())
 
     def listen_direct(self) -> None:
         """Worker i's own addresses: a TCP port and a Unix socket for clients, a Unix socket for the other workers.

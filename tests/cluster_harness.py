@@ -98,7 +98,8 @@ class Cluster:
 
     def __init__(self, name: str, urls: list[str], nodes: tuple[str, ...] = ("A", "B", "C"), groups: int = 4,
                  lease: float = 6.0, node_urls: dict[str, list[str]] | None = None,
-                 extra: tuple[str, ...] = (), streams: int = 1) -> None:
+                 extra: tuple[str, ...] = (), streams: int = 1, node_extra: dict[str, tuple[str, ...]] | None = None
+                 ) -> None:
         Cluster.made.append(self)
         self.name = name
         self.urls = urls
@@ -109,7 +110,8 @@ class Cluster:
         self.nodes: dict[str, ClusterNode] = {}
         for node in nodes:  # started together, as an operator's three hosts would be
             log = ",".join((node_urls or {}).get(node, urls))  # a node may reach NATS its own way (a proxy)
-            self.nodes[node] = ClusterNode(node, *self.args, "--log", log, "--node", node, port=free_port())
+            self.nodes[node] = ClusterNode(node, *self.args, *(node_extra or {}).get(node, ()), "--log", log,
+                                           "--node", node, port=free_port())
 
     @staticmethod
     def args_for(name: str, groups: int, lease: float) -> tuple[str, ...]:

@@ -6,13 +6,14 @@ One NATS cluster for the module (no test kills a NATS node); each test runs its 
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
 import pytest
-from cluster_harness import Cluster
+from cluster_harness import Cluster, ask
 from conftest import CALL_FAILED
-from helpers import unique
+from helpers import free_port, http_get, unique
 from waiting import wait_for
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
@@ -126,3 +127,68 @@ def test_a_consume_sent_while_its_owner_fails_over_waits_for_the_new_owner(clust
     finally:
         client.close()
         aio_thread.join(10)
+
+
+def metric(body: bytes, name: bytes) -> float | None:
+    """The value of the unlabelled sample `name` in a /metrics page, or None."""
+    for line in body.split(b"\n"):
+        if line.startswith(name + b" "):
+            return float(line.split()[1])
+    return None
+
+
+def test_every_node_serves_metrics_and_healthz_for_the_groups_it_owns(shared_nats_cluster):
+    """`--metrics-port` on each node: every node answers /healthz and /metrics (before, only the node owning group 0
+    did, and the port moved with it), with the figures of the groups it owns now and of all its processes, so the
+    nodes' figures add up to the cluster's: one message waits in a queue of each group, and the nodes count four."""
+    _, urls = shared_nats_cluster
+    metrics_ports = {node: free_port() for node in ("A", "B", "C")}
+    made = Cluster(unique("cm").replace("-", "_"), urls, lease=LEASE,
+                   node_extra={node: ("--metrics-port", str(port)) for node, port in metrics_ports.items()})
+    try:
+        made.wait_balanced()
+        through = next(iter(made.nodes.values())).port
+        for group in range(made.groups):
+            queue = made.queue_of(group, unique("mq"))
+            wait_for(lambda q=queue: ask(through, b"r rebind --confirm %b %b.e" % (q.encode(), q.encode()))
+                     == [b"r ok "], f"a queue of group {group} bound", 60, interval=0.2)
+            assert ask(through, b"p publish --confirm %b.e hi" % queue.encode()) == [b"p ok "]
+
+        def pages() -> dict[str, bytes] | None:
+            found = {}
+            for node, port in metrics_ports.items():
+                try:
+                    status, body = http_get(port, "/metrics")
+                except OSError:  # no owner of the node accepts yet
+                    return None
+                if status != 200:
+                    return None
+                found[node] = body
+            return found
+
+        def adds_up() -> dict[str, bytes] | None:
+            found = pages()
+            owners = made.owners()
+            if found is None or len(owners) != made.groups:
+                return None
+            per_node = {node: metric(body, b"mqks_workers") for node, body in found.items()}
+            owned = {node: sum(owner == node for owner in owners.values()) for node in found}
+            waiting = sum(metric(body, b"mqks_messages_waiting") or 0 for body in found.values())
+            return found if per_node == owned and waiting == made.groups else None
+
+        found = wait_for(adds_up, "each node's /metrics to count the groups it owns, and their messages", 60)
+        for node, body in found.items():
+            assert b'mqks_cluster_node_info{cluster="%b",node="%b"} 1.0' % (made.name.encode(), node.encode()) in body
+            processes = made.nodes[node].group_pids()
+            single = max(resident_bytes(pid) for pid in processes)
+            assert (metric(body, b"process_resident_memory_bytes") or 0) > single, \
+                f"node {node}: the node's memory is its {len(processes)} processes' and its supervisor's"
+            assert http_get(metrics_ports[node], "/healthz") == (200, b"ok\n")
+    finally:
+        made.stop()
+        made.remove()
+
+
+def resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -265,6 +265,10 @@ class NodeDir:
         """Groups this node owns now."""
         return sum(name.startswith("owns-") for name in os.listdir(self.path))
 
+    def owned_groups(self) -> list[int]:
+        """The groups this node owns now, in order."""
+        return sorted(int(name[5:]) for name in os.listdir(self.path) if name.startswith("owns-"))
+
     def owner_of(self, group: int) -> None:
         """This process owns `group`; the pull that brought it here (if one did) is over."""
         with open(os.path.join(self.path, f"owns-{group}"), "w", encoding="utf-8") as f:

@@ -19,7 +19,7 @@ import heapq
 import importlib.metadata
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...common.figures import ranked
@@ -60,9 +60,10 @@ class Peering(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
-    def cluster_stats(self) -> dict[str, Any]: ...
+    def cluster_stats(self, workers: Collection[int] | None = None) -> dict[str, Any]: ...
 
-    def cluster_deepest_queues(self, limit: int) -> list[tuple[str, int, int, int]]: ...
+    def cluster_deepest_queues(self, limit: int, workers: Collection[int] | None = None
+                               ) -> list[tuple[str, int, int, int]]: ...
 
 
 class Forwarding(Protocol):

@@ -56,15 +56,23 @@ def tcp_listener(host: str, port: int, handle: Any, what: str, shared: bool = Fa
             listener = Listener((host, port), handle, backlog=1024)
             listener.init_socket()
             return listener
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = gevent.socket.socket(family, socket.SOCK_STREAM)
+        return Listener(reuse_port_socket(host, port), handle)
+    except OSError as e:
+        raise CannotListen(f"cannot listen{what} on {host}:{port}: {e}") from None
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket with SO_REUSEPORT: every process of a broker (or owner of a node) accepts on the port."""
+    sock = gevent.socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(1024)
-        return Listener(sock, handle)
-    except OSError as e:
-        raise CannotListen(f"cannot listen{what} on {host}:{port}: {e}") from None
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 def unix_listener(path: str, handle: Any) -> Listener:
     if os.path.exists(path):

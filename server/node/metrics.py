@@ -5,11 +5,16 @@ loop (a `gevent.pywsgi.WSGIServer`, no thread), and it only reads. `StatsCollect
 `Process.stats()` and the deepest queues into metric families when a scrape asks, so
 nothing is counted per message for it. figures.py names each key's kind and help; a key it
 does not name (one a later issue adds) is still exported, as a gauge, if it is a number.
+
+With `--workers N`, worker 0 serves the port and speaks for the whole broker. On a cluster node every group
+owner of the node accepts on it (SO_REUSEPORT, as on the client port) and speaks for the node: the groups it
+owns now and its processes, so Prometheus sums the nodes' figures into the cluster's, as for any set of targets.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -22,6 +27,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from ...common.figures import COUNTER, FIGURES, GAUGE, LOG_FIGURES, Figure
 from ..dispatch.process import Process
 from .console import Console
+from .listeners import reuse_port_socket
 
 log = logging.getLogger("mqks.metrics")
 
@@ -35,16 +41,26 @@ def _number(value: Any) -> float | None:
 
 
 class StatsCollector(Collector):
-    """Reads the workers when scraped: the process's figures, the log's, and the deepest queues."""
+    """Reads the workers when scraped: the process's figures, the log's, and the deepest queues.
 
-    def __init__(self, process: Process, max_queues: int) -> None:
+    `scope` gives the workers to read (None: every one); a cluster node reads the groups it owns now, and `node`
+    names it: {"cluster": ..., "node": ...}."""
+
+    def __init__(self, process: Process, max_queues: int, scope: Callable[[], list[int] | None] = lambda: None,
+                 node: dict[str, str] | None = None) -> None:
         self.process = process
         self.max_queues = max_queues
+        self.scope = scope
+        self.node = node
 
     def collect(self) -> Iterable[Metric]:
         peers = self.process.peers  # with worker processes: every worker's figures, asked for now
-        stats = self.process.stats() if peers is None else peers.cluster_stats()
+        workers = self.scope()
+        stats = self.process.stats() if peers is None else peers.cluster_stats(workers)
         yield InfoMetricFamily("mqks_build", "The mqksd version.", value={"version": str(stats["version"])})
+        if self.node is not None:
+            yield InfoMetricFamily("mqks_cluster_node", "The cluster and the node these figures are of: the slot "
+                                   "groups it owns now (mqks_workers of them).", value=self.node)
         for key, value in stats.items():
             figure = FIGURES.get(key) or Figure(GAUGE, f"stats: {key}.")  # a key the table lacks: a gauge
             sample = _number(value)
@@ -72,7 +88,7 @@ class StatsCollector(Collector):
                                    "(the same queues as mqks_queue_depth).", labels=["queue"])
         peers = self.process.peers
         deepest = (self.process.deepest_queues(self.max_queues) if peers is None
-                   else peers.cluster_deepest_queues(self.max_queues))
+                   else peers.cluster_deepest_queues(self.max_queues, self.scope()))
         for name, waiting, held, under_lease in deepest:
             depth.add_metric([name], waiting)
             unacked.add_metric([name], held)
@@ -88,11 +104,60 @@ def _family(name: str, kind: str, help_text: str, value: float) -> Metric:
     return GaugeMetricFamily(name, help_text, value=value)
 
 
-def make_registry(process: Process, max_queues: int) -> CollectorRegistry:
-    """A registry of its own (not prometheus_client's global one): the broker's figures and the process's."""
+class NodeProcessCollector(Collector):
+    """A cluster node's processes as one (its supervisor and every process under it): prometheus_client's
+    `process_*` names for memory, CPU and descriptors, summed from /proc at scrape time. One process's figures would
+    change with the process that happens to accept the scrape."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self.page_bytes = os.sysconf("SC_PAGE_SIZE")
+        self.ticks = os.sysconf("SC_CLK_TCK")
+
+    def collect(self) -> Iterable[Metric]:
+        resident = cpu = descriptors = 0.0
+        for pid in process_tree(self.root_pid):
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+                cpu += (int(fields[11]) + int(fields[12])) / self.ticks
+                resident += int(fields[21]) * self.page_bytes
+                descriptors += len(os.listdir(f"/proc/{pid}/fd"))
+            except (OSError, IndexError, ValueError):
+                continue  # it ended meanwhile
+        yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory of the node's processes, summed, "
+                                "in bytes.", value=resident)
+        yield CounterMetricFamily("process_cpu_seconds", "CPU time of the node's processes, user and system, "
+                                  "summed, in seconds.", value=cpu)
+        yield GaugeMetricFamily("process_open_fds", "Open file descriptors of the node's processes, summed.",
+                                value=descriptors)
+
+
+def process_tree(root_pid: int) -> list[int]:
+    """`root_pid` and its live descendants."""
+    found, pending = [], [root_pid]
+    while pending:
+        pid = pending.pop()
+        found.append(pid)
+        try:
+            for thread in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{thread}/children", encoding="ascii") as f:
+                    pending += [int(child) for child in f.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def make_registry(process: Process, max_queues: int, scope: Callable[[], list[int] | None] = lambda: None,
+                  node: dict[str, str] | None = None, node_root_pid: int | None = None) -> CollectorRegistry:
+    """A registry of its own (not prometheus_client's global one): the broker's figures and the process's (a cluster
+    node's: those of the groups it owns, and of all its processes)."""
     registry = CollectorRegistry()
-    registry.register(StatsCollector(process, max_queues))
-    ProcessCollector(registry=registry)  # memory, CPU and descriptors, read from /proc at scrape time
+    registry.register(StatsCollector(process, max_queues, scope, node))
+    if node_root_pid is None:
+        ProcessCollector(registry=registry)  # memory, CPU and descriptors, read from /proc at scrape time
+    else:
+        registry.register(NodeProcessCollector(node_root_pid))
     return registry
 
 
@@ -126,9 +191,10 @@ def _answer(start_response: Callable[..., Any], status: str, body: bytes,
     return [body]
 
 
-def metrics_server(host: str, port: int, process: Process, max_queues: int,
-                   health: Callable[[], str | None], console: Console | None = None) -> WSGIServer:
-    """The HTTP server, not started: `start()` binds it on the caller's gevent loop."""
-    app = make_app(make_registry(process, max_queues), health, console)
+def metrics_server(host: str, port: int, registry: CollectorRegistry, health: Callable[[], str | None],
+                   console: Console | None = None, shared: bool = False) -> WSGIServer:
+    """The HTTP server, not started: `start()` binds it on the caller's gevent loop (`shared`: bound now, with
+    SO_REUSEPORT, beside the node's other group owners; OSError if it cannot be)."""
+    app = make_app(registry, health, console)
     # log=None: no access line per scrape; errors go to the broker's log
-    return WSGIServer((host, port), app, log=None, error_log=log)
+    return WSGIServer(reuse_port_socket(host, port) if shared else (host, port), app, log=None, error_log=log)

@@ -94,15 +94,18 @@ class Supervisor:
         A bind without SO_REUSEPORT fails while a socket listens on the port, shared or not.
         """
         config = self.config
-        for port in (config.port, config.tls_port):
+        shared = [(config.host, config.port), (config.host, config.tls_port)]
+        if config.cluster:  # every owner of a node accepts on its metrics port too
+            shared.append((config.metrics_host, config.metrics_port))
+        for host, port in shared:
             if not port:
                 continue
-            probe = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+            probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past connections in TIME_WAIT do not count
             try:
-                probe.bind((config.host, port))
+                probe.bind((host, port))
             except OSError as e:
-                log.error("cannot listen on %s:%d: %s", config.host, port, e)
+                log.error("cannot listen on %s:%d: %s", host, port, e)
                 raise SystemExit(1) from None
             finally:
                 probe.close()
@@ -237,9 +240,14 @@ class Supervisor:
             self.start(worker)
 
 
+def supervisor_pid() -> int:
+    """A worker's (or a cluster node process's) supervisor."""
+    return int(os.environ.get(SUPERVISOR_PID_ENV, "0")) or os.getppid()
+
+
 def die_with_parent() -> None:
     """A worker: be killed when the supervisor goes (Linux), so no worker outlives a killed broker."""
-    parent_pid = int(os.environ.get(SUPERVISOR_PID_ENV, "0")) or os.getppid()
+    parent_pid = supervisor_pid()
     try:
         import ctypes
 

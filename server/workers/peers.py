@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
 import gevent
@@ -355,11 +355,12 @@ class Peers:
         self.on_link_lost(link.worker)
         self.process.flush_pending()
 
-    def ask_all(self, line: bytes, timeout: float = ASK_SECONDS) -> list[bytes]:
-        """Run `line` on every other worker and wait (this greenlet only) for their answers; a worker that is
-        restarting, or silent past `timeout`, is left out."""
+    def ask_all(self, line: bytes, timeout: float = ASK_SECONDS, workers: Collection[int] | None = None) -> list[bytes]:
+        """Run `line` on every other worker (or every other one of `workers`) and wait (this greenlet only) for their
+        answers; a worker that is restarting, or silent past `timeout`, is left out."""
         key = self.new_key(b"g")
-        links = [link for worker, link in enumerate(self.links) if link is not None and worker != self.worker]
+        links = [link for worker, link in enumerate(self.links) if link is not None and worker != self.worker
+                 and (workers is None or worker in workers)]
         waiter = Waiter(len(links))
         self.targets[key] = waiter
         try:
@@ -372,13 +373,15 @@ class Peers:
             self.targets.pop(key, None)
         return waiter.answers
 
-    def cluster_stats(self) -> dict[str, Any]:
-        """`stats` summed over every worker, for a reader that is not a client (/metrics)."""
-        return merge_stats(self.ask_all(b"m stats"), self.process.stats(), self.distinct_events())
+    def cluster_stats(self, workers: Collection[int] | None = None) -> dict[str, Any]:
+        """`stats` summed over every worker (or this one and `workers`), for a reader that is not a client
+        (/metrics)."""
+        return merge_stats(self.ask_all(b"m stats", workers=workers), self.process.stats(), self.distinct_events())
 
-    def cluster_deepest_queues(self, limit: int) -> list[tuple[str, int, int, int]]:
+    def cluster_deepest_queues(self, limit: int, workers: Collection[int] | None = None
+                               ) -> list[tuple[str, int, int, int]]:
         rows = list(self.process.deepest_queues(limit))
-        for answer in self.ask_all(b"m queues"):
+        for answer in self.ask_all(b"m queues", workers=workers):
             for line in answer.split(NEWLINE):
                 body = line.partition(b" ok ")[2]
                 if body and body != b"--end":
