@@ -449,8 +449,11 @@ class JetStreamLog:
         self._handed_bytes += len(payload)
         self.unsynced_bytes = self._handed_bytes - self._durable_bytes
         self._handed.append((number, payload, new_segment, completes, time.monotonic()))
-        if len(self._handed) == 1 and not self._writer_done:
-            self._wake.set()  # once per batch the writer has not taken: it takes every commit waiting when it wakes
+        if len(self._handed) == 1 and not self._writer_done and self._in_flight < self.max_in_flight:
+            # once per batch the writer has not taken: it takes every commit waiting when it wakes; a group's writer
+            # with its frame in flight takes them once that frame is stored, as its PubAck wakes it (waking it for
+            # nothing was a third of its wakes under load)
+            self._wake.set()
         return number
 
     @property
