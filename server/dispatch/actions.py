@@ -23,7 +23,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from ..core.schedules import BadRule
-from ..core.state import Consumer, Queue, SeqConsumer, TimedConsumer, TimedSeqConsumer
+from ..core.state import Broker, Consumer, Queue, SeqConsumer, TimedConsumer, TimedSeqConsumer
 from ..wire.outbox import Outbox
 from ..wire.protocol import (
     Held,
@@ -123,7 +123,11 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
     if confirm:
         publish_confirmed(session, rid, event, tail)
         return
-    session.publisher.publish(rid, event, tail)
+    publisher = session.publisher
+    if type(publisher) is Broker:
+        publisher.publish(rid, event, tail)  # typed Broker here: a direct call when compiled, not a method lookup
+    else:
+        publisher.publish(rid, event, tail)
 
 
 def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
@@ -865,6 +869,7 @@ def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]])
     A `None` in `lines` is a line the splitter refused; its (rid, reason) waits in `rejected`.
     """
     handlers = session.handlers
+    publish = handle_publish  # looked up once a batch: most lines are publishes, called directly when compiled
     remaining = iter(lines)  # with worker processes, a Held keeps what is left of it for later
     for line in remaining:
         if not line:
@@ -896,7 +901,9 @@ def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]])
         try:
             if not args and (action := session.actions[action_name]).needs_args:
                 raise ProtocolError(action.missing_args)
-            if (held := handler(session, rid, args, confirm)) is not None:
+            if handler is publish:  # it never holds
+                handle_publish(session, rid, args, confirm)
+            elif (held := handler(session, rid, args, confirm)) is not None:
                 relay = session.relay
                 assert relay is not None, "only a relayed handler holds"
                 relay.hold(line, remaining, held)
