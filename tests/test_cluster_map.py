@@ -21,6 +21,7 @@ from waiting import wait_for
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
 from mqks.client.cluster import STANDBY_DOWN_SECONDS
+from mqks.server.cluster.election import BALANCE_SECONDS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,14 +75,25 @@ def test_a_default_cluster_status_stays_true_and_its_map_keeps_a_bounded_number_
         assert [row["group"] for row in rows] == list(range(16))
         return rows
 
+    steady: list = [None, 0.0]  # the owners last seen settled, and since when
+
     def settled(rows: list[dict]) -> bool:
-        """Every group owned and answering, spread evenly: no balancing move is due any more."""
+        """Every group owned and answering, spread evenly, and the same owners for longer than a standby's
+        balancing period: one look at an even spread can fall between two moves of a chain (a node handing a
+        group on while it pulls another), and the next move would be a hand-off under the watch below."""
         owners = [row["owner"] for row in rows]
         counts = [owners.count(node) for node in cluster.nodes]
-        return all(row["owner"] and row["answering"] == row["owner"] for row in rows) and max(counts) - min(counts) <= 1
+        if not (all(row["owner"] and row["answering"] == row["owner"] for row in rows)
+                and max(counts) - min(counts) <= 1):
+            steady[0] = None
+            return False
+        if steady[0] != owners:
+            steady[:] = [owners, time.monotonic()]
+        return time.monotonic() - steady[1] > BALANCE_SECONDS + 1
 
     try:
-        wait_for(lambda: settled(status()), "the default cluster's groups owned and spread", 120, interval=1.0)
+        wait_for(lambda: settled(status()), "the default cluster's groups owned, spread and steady", 120,
+                 interval=1.0)
         counts = []
         deadline = time.monotonic() + WATCH_SECONDS
         while time.monotonic() < deadline:
