@@ -869,7 +869,8 @@ def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]])
     A `None` in `lines` is a line the splitter refused; its (rid, reason) waits in `rejected`.
     """
     handlers = session.handlers
-    publish = handle_publish  # looked up once a batch: most lines are publishes, called directly when compiled
+    # looked up once a batch: most lines are publishes or acks, called directly when compiled (neither holds)
+    publish, ack = handle_publish, handle_ack
     remaining = iter(lines)  # with worker processes, a Held keeps what is left of it for later
     for line in remaining:
         if not line:
@@ -901,8 +902,10 @@ def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]])
         try:
             if not args and (action := session.actions[action_name]).needs_args:
                 raise ProtocolError(action.missing_args)
-            if handler is publish:  # it never holds
+            if handler is publish:
                 handle_publish(session, rid, args, confirm)
+            elif handler is ack:
+                handle_ack(session, rid, args, confirm)
             elif (held := handler(session, rid, args, confirm)) is not None:
                 relay = session.relay
                 assert relay is not None, "only a relayed handler holds"
