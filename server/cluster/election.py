@@ -102,13 +102,16 @@ class Standby:
         appended nothing for the lease (then the claim delay), or handed the group to this node (or to any)."""
         candidacy, stream, clock = self.candidacy, self.stream, self.clock
         lease = candidacy.lease_seconds
-        try:
-            owner = stream.ask_owner(silent_is_owner=True)
-        except Exception:  # NATS out of reach: as if an owner answered, so nobody claims in a hurry
-            owner = "?"
+        replayer = reading.replayer
+        owner = self.ask_owner()
         now = clock()
         if owner is None:  # nobody answers for it: a new cluster, or its owner is gone
             expires = now + candidacy.first_claim_delay
+            if replayer.owner:
+                # the log names an owner: one that took over a moment ago on another NATS server may have no
+                # interest here yet (CI under load: a node took back the group it had just handed over). Its
+                # heartbeat comes within this, and the claim asks again first
+                expires = max(expires, now + candidacy.heartbeat_seconds * 1.5)
             log.info("%s: no owner answers; claiming it in %.1f s unless another node does first",
                      stream.label, expires - now)
         else:
@@ -118,7 +121,6 @@ class Standby:
         reported_seq = -1
         balanced_at = heard_at = now  # heard_at: the owner's last frame or heartbeat
         following = False
-        replayer = reading.replayer
         replayer.handoff = None  # a hand-off read before this node stood by was meant for the standbys of then
         while True:
             if replayer.handoff in (candidacy.node, "*"):
@@ -132,7 +134,13 @@ class Standby:
                     expires = now + candidacy.claim_delay()
                     if expires > now:
                         continue
-                if owner is not None:
+                if owner is None:
+                    owner = self.ask_owner()  # the first ask's silence, confirmed
+                    if owner is not None:
+                        log.info("%s: owned by %s after all; standing by (lease %g s)", stream.label, owner, lease)
+                        expires, claimed_at = clock() + lease, -1e9
+                        continue
+                else:
                     log.warning("%s: nothing from its owner %s for %g s: taking it over", stream.label,
                                 replayer.owner or "?", lease)
                 stream.stop_following(reading)
@@ -180,6 +188,13 @@ class Standby:
             elif now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
                 balanced_at = now
                 self.balance()
+
+    def ask_owner(self) -> str | None:
+        """The owner's answer to its ping; None when none listens."""
+        try:
+            return self.stream.ask_owner(silent_is_owner=True)
+        except Exception:  # NATS out of reach: as if an owner answered, so nobody claims in a hurry
+            return "?"
 
     def balance(self) -> None:
         """Ask for this group when it is pinned here (`mqks cluster move` put it on this node, and a failover took it

@@ -64,6 +64,8 @@ class FakeStream:
     def __init__(self, clock: Clock, owner: str | None = None) -> None:
         self.clock = clock
         self.owner = owner  # what the owner ping answers (None: nobody listens)
+        self.first_answers: list[str | None] = []  # what the first pings answer, before `owner`
+        self.asked = 0
         self.messages: list[tuple[dict[str, str], bytes]] = []
         self.arrivals: list[tuple[float, tuple[dict[str, str], bytes]]] = []  # (at, message), in time order
         self.following_from = 0  # 0: not following
@@ -100,7 +102,8 @@ class FakeStream:
         yield from self._feed(reading, reading.last_seq)
 
     def ask_owner(self, silent_is_owner: bool = False) -> str | None:
-        return self.owner
+        self.asked += 1
+        return self.first_answers.pop(0) if self.first_answers else self.owner
 
     def follow(self, reading: Reading) -> None:
         self.following_from = reading.read + 1
@@ -214,6 +217,32 @@ def test_a_new_group_nobody_answers_for_is_claimed_after_its_spread_delay():
     assert records == [b"W 1 node a"]  # its own takeover record ends the replay
     assert stream.takeovers == [0]
     assert clock.now - started == pytest.approx(candidacy_delay, abs=0.06)
+
+
+def test_an_owner_named_by_the_log_whose_ping_finds_no_listener_yet_is_not_claimed_from():
+    """Node b took the group over a moment ago, on another NATS server whose interest has not reached this
+    standby's yet: the first ping finds no listener. Its heartbeats keep the group with b."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    stream.first_answers = [None]
+    owned_by_b(stream)
+    heartbeats(stream, LEASE / 4, 3 * LEASE)
+    started = clock.now
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    assert clock.now - started >= 4 * LEASE  # a lease after b's last heartbeat, not a spread delay after the ping
+    assert records[-1] == b"W 2 node a" and len(stream.takeovers) == 1
+
+
+def test_a_claim_after_a_silent_ping_asks_again_and_stands_by_when_the_owner_answers_now():
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    stream.first_answers = [None]
+    owned_by_b(stream)  # and b stays silent: no heartbeat reaches this standby
+    started = clock.now
+    list(replay_as_candidate(stream, standby(clock, stream)))
+    assert stream.asked == 2
+    # the second ask answered: the claim waited out b's lease after it (its heartbeat never came)
+    assert clock.now - started >= LEASE
 
 
 def test_a_standby_applies_what_the_owner_stores_and_never_claims_while_it_hears_heartbeats():
