@@ -20,6 +20,9 @@ from gevent.event import Event
 log = logging.getLogger("mqks.peers")
 
 NEWLINE = b"\n"
+# what a link's reader or writer meets when the link ends under it: a TLS link that shut() shut in another greenlet
+# reads as "Read on closed or unwrapped SSL socket." (ValueError), not as an end of file
+LINK_ENDED = (OSError, ValueError)
 
 
 class Frame(IntEnum):
@@ -198,7 +201,7 @@ class FrameSocket:
                     self.writing = True
                     self.sock.sendall(data)
                     self.writing = False
-        except OSError as e:
+        except LINK_ENDED as e:
             self.lost(f"write failed: {e}")
 
     def lost(self, reason: str) -> None:

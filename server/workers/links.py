@@ -24,7 +24,7 @@ import gevent
 from ..dispatch.actions import ONE_PROCESS, actions_for, run_lines
 from ..wire.outbox import Outbox
 from ..wire.protocol import format_ok, msg_id_of
-from .frames import NEWLINE, Frame, FrameReader, FrameSocket
+from .frames import LINK_ENDED, NEWLINE, Frame, FrameReader, FrameSocket
 
 if TYPE_CHECKING:
     from ..dispatch.actions import Publisher
@@ -81,7 +81,7 @@ class PeerLink(FrameSocket):
                     if handle is not None:
                         handle(key, payload)
                 flush_pending()
-        except OSError as e:
+        except LINK_ENDED as e:
             self.lost(f"read failed: {e}")
             return
         self.lost("closed by the peer")
@@ -239,7 +239,7 @@ class IncomingLink(FrameSocket):
         writer = gevent.spawn(self.write_loop)
         try:
             self.read_loop(process, first_bytes)
-        except OSError as e:
+        except LINK_ENDED as e:
             log.info("link from worker %d failed: %s", self.worker, e)
         finally:
             self.lost("closed")

@@ -324,6 +324,9 @@ class Peers:
             writer = gevent.spawn(link.write_loop)
             try:
                 link.read_loop()
+            except Exception:  # a bug in a frame's handling must not end the linking: the worker is out of reach
+                log.exception("link to worker %d failed", worker)
+                link.lost("its reader failed")
             finally:  # lost, or this group's server ended (close)
                 writer.kill(block=False)
                 sock.close()
