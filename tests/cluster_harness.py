@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 import gevent
 import gevent.server
 import gevent.socket
-from conftest import READY_TIMEOUT_SECONDS, BrokerProcess, child_pids
+import pytest
+from conftest import CALL_FAILED, READY_TIMEOUT_SECONDS, BrokerProcess, child_pids
 from helpers import free_port
 from waiting import wait_for
 
@@ -30,6 +31,17 @@ from mqks.common.cluster_names import Layout, group_name, log_subject
 from mqks.server.dispatch.slots import owner_of
 
 T = TypeVar("T")
+
+
+@pytest.fixture(autouse=True)
+def node_logs_on_failure(request):
+    """A failed scenario prints the end of each node's log (CI keeps nothing else of them). Autouse in every
+    module that imports it."""
+    Cluster.made.clear()
+    yield
+    if request.node.stash.get(CALL_FAILED, False):
+        for made in Cluster.made:
+            print(made.log_tails())
 
 
 class ClusterNode(BrokerProcess):

@@ -21,8 +21,13 @@ from pathlib import Path
 
 import gevent
 import pytest
-from cluster_harness import Cluster, History, ask, percentile
-from conftest import CALL_FAILED
+from cluster_harness import (
+    Cluster,
+    History,
+    ask,
+    node_logs_on_failure,  # noqa: F401 (autouse: a failed test prints the nodes' logs)
+    percentile,
+)
 from helpers import MQKS, unique
 from waiting import wait_for, wait_until
 
@@ -35,16 +40,6 @@ pytestmark = pytest.mark.timeout(300)
 
 LEASE = 6.0  # short, so a failover test takes seconds; the default (12) is for elections of slow networks
 ELECTION_LEASE = 30.0  # longer than a NATS election on a loaded machine: a test that must see no failover
-
-
-@pytest.fixture(autouse=True)
-def node_logs_on_failure(request):
-    """A failed scenario prints the end of each node's log (CI keeps nothing else of them)."""
-    Cluster.made.clear()
-    yield
-    if request.node.stash.get(CALL_FAILED, False):
-        for made in Cluster.made:
-            print(made.log_tails())
 
 
 @pytest.fixture

@@ -11,8 +11,11 @@ import socket
 import threading
 
 import pytest
-from cluster_harness import Cluster, ask
-from conftest import CALL_FAILED
+from cluster_harness import (
+    Cluster,
+    ask,
+    node_logs_on_failure,  # noqa: F401 (autouse: a failed test prints the nodes' logs)
+)
 from helpers import free_port, http_get, unique
 from waiting import wait_for
 
@@ -23,15 +26,6 @@ from mqks.client import Client
 pytestmark = pytest.mark.timeout(240)
 
 LEASE = 6.0
-
-
-@pytest.fixture(autouse=True)
-def node_logs_on_failure(request):
-    Cluster.made.clear()
-    yield
-    if request.node.stash.get(CALL_FAILED, False):
-        for made in Cluster.made:
-            print(made.log_tails())
 
 
 @pytest.fixture

@@ -13,8 +13,10 @@ import sys
 import time
 
 import pytest
-from cluster_harness import Cluster
-from conftest import CALL_FAILED
+from cluster_harness import (
+    Cluster,
+    node_logs_on_failure,  # noqa: F401 (autouse: a failed test prints the nodes' logs)
+)
 from helpers import MQKS, free_port, unique
 from waiting import wait_for
 
@@ -32,15 +34,6 @@ WATCH_SECONDS = 45.0
 # right after the groups settle, 48 once that has passed (before issue 39: ~6 more every second, without end)
 SETTLED_CONSUMERS = 48
 CONSUMERS_BOUND = 120
-
-
-@pytest.fixture(autouse=True)
-def node_logs_on_failure(request):
-    Cluster.made.clear()
-    yield
-    if request.node.stash.get(CALL_FAILED, False):
-        for made in Cluster.made:
-            print(made.log_tails())
 
 
 def mqks_cluster(*args: str) -> subprocess.CompletedProcess:

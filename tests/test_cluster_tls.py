@@ -11,7 +11,10 @@ import ssl
 import subprocess
 
 import pytest
-from cluster_harness import Cluster
+from cluster_harness import (
+    Cluster,
+    node_logs_on_failure,  # noqa: F401 (autouse: a failed test prints the nodes' logs)
+)
 from conftest import Wire
 from helpers import MQKS, unique
 from tls_certs import Certs
