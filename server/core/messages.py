@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from mypy_extensions import mypyc_attr
 
@@ -24,9 +24,9 @@ from ..wire.protocol import msg_id_of, with_field
 # tails per Packed run: ~128 KiB of 100-byte messages, past glibc's mmap threshold, so a run
 # gets pages of its own instead of pinning holes in the heap (measured, 1M queued messages:
 # 256-tail runs gave 134 or 183 bytes/msg from run to run, 1024-tail runs 128 every time)
-PACK_TAILS = 1024
-PACK_MIN_DEPTH = 4096  # shallower queues are left alone: they drain soon anyway
-NEWLINE = b"\n"
+PACK_TAILS: Final = 1024
+PACK_MIN_DEPTH: Final = 4096  # shallower queues are left alone: they drain soon anyway
+NEWLINE: Final = b"\n"
 
 
 @mypyc_attr(native_class=False)  # the compiled build (setup.py) cannot make a bytes subclass a native class

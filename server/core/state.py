@@ -451,7 +451,8 @@ class Broker:
     def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
         """Put a copy of the message into every queue bound to `event`."""
         self.published += 1
-        queues = self.route_cache.get(event)
+        # typed: the compiled build calls Queue.put natively (the cache's tuples hold Any: a lookup by name per call)
+        queues: tuple[Queue, ...] | None = self.route_cache.get(event)
         if queues is None:
             queues = self.routing.route(event)
         if not queues:  # no queue is bound: counted, so an operator sees where messages went

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias
 
 from ..core.schedules import BadRule
 from ..core.state import Broker, Consumer, Queue, SeqConsumer, TimedConsumer, TimedSeqConsumer
@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mqks.actions")
 
-DASH = 45  # b"-"[0]: the first byte of a flag
-SPACE = 32  # b" "[0]
-CONFIRM = b"--confirm"
+DASH: Final = 45  # b"-"[0]: the first byte of a flag
+SPACE: Final = 32  # b" "[0]
+CONFIRM: Final = b"--confirm"
 CONSUME_MISSING = "consume: queue expected: {consumer_id} consume {queue} [{event} ...] [flags]"
 REBIND_MISSING = ("rebind: queue expected: {id} rebind {queue} [{event} ...] [--remove ...] [--remove-mask ...] "
                   "[--add ...]")

@@ -11,14 +11,15 @@ puts it on the process's `pending` list, and `Process.flush_pending` calls each 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 DEFAULT_HIGH_WATER_BYTES = 4 << 20
 # a reply is a fresh bytes object in a list: its header, the list slot and malloc's rounding
 # cost about this much beside its length (measured: counting the length alone, a client that
 # never reads grew the server by 5.6x --max-output-bytes before it was cut off)
-REPLY_OVERHEAD_BYTES = 56
-NEWLINE = b"\n"
+REPLY_OVERHEAD_BYTES: Final = 56
+# Final: the compiled build inlines it (a plain module global is a dict lookup by name on every use)
+NEWLINE: Final = b"\n"
 
 
 def _no_flush() -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections import deque
 from enum import Enum
+from typing import Final
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
-CR = 13  # b"\r"[0]: telnet ends lines with \r\n
+CR: Final = 13  # b"\r"[0]: telnet ends lines with \r\n
 RID_PEEK_BYTES = 64  # enough to recover a rid from the head of a rejected line
 HTTP_METHODS = (b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ")
 
