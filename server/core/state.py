@@ -71,14 +71,12 @@ class Consumer:
         self.outbox.deliver(self.consumer_id, tail, len(tail) + self.line_overhead)
         if self.manual_ack:
             self.unacked[seq] = tail if held is None else held
-            seq_by_msg_id = self.seq_by_msg_id
-            if msg_id in seq_by_msg_id:
+            # one lookup (setdefault is native when compiled): the id's first copy in flight, or this one
+            if self.seq_by_msg_id.setdefault(msg_id, seq) != seq:
                 later = self.later_seqs_by_msg_id.get(msg_id)
                 if later is None:
                     later = self.later_seqs_by_msg_id[msg_id] = deque()
                 later.append(seq)
-            else:
-                seq_by_msg_id[msg_id] = seq
 
     def take_unacked(self, msg_id: bytes) -> tuple[int, Item] | None:
         """Remove the oldest un-acked copy of `msg_id`: (seq, message), or None. O(1)."""
@@ -124,13 +122,14 @@ class Consumer:
                     seqs.append(found[0])
             return seqs
         # no repeated ids in flight (the usual case), inlined: a call per ack is measurable
-        pop_seq, pop_unacked = self.seq_by_msg_id.pop, self.unacked.pop
+        seq_by_msg_id, unacked = self.seq_by_msg_id, self.unacked
         for msg_id in msg_ids:
-            seq = pop_seq(msg_id, None)
-            if seq is None:
+            seq = seq_by_msg_id.get(msg_id, -1)  # as take_acked_one
+            if seq < 0:
                 unknown.append(msg_id)
             else:
-                pop_unacked(seq)
+                del seq_by_msg_id[msg_id]
+                del unacked[seq]
                 seqs.append(seq)
         return seqs
 
@@ -139,8 +138,10 @@ class Consumer:
         if self.later_seqs_by_msg_id:
             found = self.take_unacked(msg_id)
             return -1 if found is None else found[0]
-        seq = self.seq_by_msg_id.pop(msg_id, -1)
+        seq_by_msg_id = self.seq_by_msg_id
+        seq = seq_by_msg_id.get(msg_id, -1)  # get and del are native when compiled; pop is a call by name
         if seq >= 0:
+            del seq_by_msg_id[msg_id]
             del self.unacked[seq]
         return seq
 

@@ -423,10 +423,10 @@ def parse_ack(session: Session, action: str, args: bytes) -> tuple[Consumer, lis
 def handle_ack(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     # `{consumer_id} {msg_id}`, one id in flight: straight to the broker, with no token list (an ack line per
     # message is what msg.ack() and nc users send); anything else, errors included, takes settle's way
-    space = args.find(b" ")
-    if space > 0 and args.find(b" ", space + 1) < 0 and args[space + 1 : space + 2] != b"-":
-        consumer = session.consumers_by_id.get(args[:space])
-        if consumer is not None and session.process.broker.ack_one(consumer, args[space + 1 :]):
+    parts = args.split(b" ")  # one call by name (a find is another, and parses its arguments the old way)
+    if len(parts) == 2 and parts[0] and parts[1] and parts[1][0] != DASH:
+        consumer = session.consumers_by_id.get(parts[0])
+        if consumer is not None and session.process.broker.ack_one(consumer, parts[1]):
             if confirm:
                 session.ok(rid)
             return
