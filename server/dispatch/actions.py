@@ -863,7 +863,7 @@ ONE_PROCESS = HandlerTables()
 handlers_for = ONE_PROCESS.for_session
 
 
-def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]]) -> None:
+def run_lines(session: Session, lines: list[bytes | None], rejected: deque[tuple[bytes, str]]) -> None:
     """Run complete lines in order; a bad line costs only its own error answer.
 
     A `None` in `lines` is a line the splitter refused; its (rid, reason) waits in `rejected`.
@@ -871,7 +871,9 @@ def run_lines(session: Session, lines: list, rejected: deque[tuple[bytes, str]])
     handlers = session.handlers
     # looked up once a batch: most lines are publishes or acks, called directly when compiled (neither holds)
     publish, ack = handle_publish, handle_ack
-    remaining = iter(lines)  # with worker processes, a Held keeps what is left of it for later
+    # with worker processes, a Held keeps what is left of it for later. Typed: the compiled build indexes the split
+    # line's list and tests bytes natively (an untyped line made every one of those a generic call)
+    remaining = iter(lines)
     for line in remaining:
         if not line:
             if line is None:

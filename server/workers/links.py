@@ -17,7 +17,7 @@ import logging
 import socket
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import gevent
 
@@ -306,7 +306,7 @@ class IncomingLink(FrameSocket):
             session = self.sessions[key] = RemoteSession(self, key)
             if self.process.draining:
                 session.outbox.paused = True
-        run_lines(session, payload.split(NEWLINE)[:-1], self.no_rejects)
+        run_lines(session, cast("list[bytes | None]", payload.split(NEWLINE)[:-1]), self.no_rejects)
 
     def on_mark(self, key: bytes, payload: bytes) -> None:
         peers = self.peers
