@@ -112,11 +112,8 @@ def handle_publish(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
     # partition, not find: find is a METH_VARARGS call (an argument tuple, then PyArg_ParseTuple), measured at twice
     # the cost of a partition and its copy of the data
     event, space, _ = args.partition(b" ")
-    if not space:
-        # the spec's delivery always has a space before {data}, even an empty one
-        tail = b"".join((b" ok ", rid, b" event=", args, b" "))
-    else:
-        tail = b"".join((b" ok ", rid, b" event=", args))
+    # the spec's delivery always has a space before {data}, even an empty one
+    tail = b"".join((b" ok ", rid, b" event=", args) if space else (b" ok ", rid, b" event=", args, b" "))
     if not event or (event[0] == DASH and event.startswith(b"--")):
         publish_flagged(session, rid, args, confirm)
         return
