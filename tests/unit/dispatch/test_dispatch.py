@@ -135,3 +135,16 @@ def test_an_auth_opens_the_full_table_for_the_rest_of_the_same_batch():
     run(session, b"a1 auth s3cret", b"s1 stats")
     assert session.answers()[0] == b"a1 ok " and session.answers()[1].startswith(b"s1 ok {")
     assert session.errors == []
+
+
+@pytest.mark.parametrize(("line", "delivery"), [
+    (b"m1 publish e hello world", b"c1 ok m1 event=e hello world"),
+    (b"m2 publish e", b"c1 ok m2 event=e "),  # the spec's delivery has a space before {data}, even an empty one
+    (b"m3 publish --confirm e  two  spaces ", b"c1 ok m3 event=e  two  spaces "),
+])
+def test_a_publish_is_delivered_with_its_event_and_data_as_sent(line, delivery):
+    process = Process()
+    session = Session(process)
+    run(session, b"c1 consume q e")
+    run(session, line)
+    assert delivery in session.answers()
