@@ -32,11 +32,15 @@ PEER_PACKAGES = {
 SEARCH_DIRS = ("/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin", "/bin", "/sbin")
 
 
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(avoid: tuple[str, ...] = ()) -> int:
+    """A port nobody listens on right now, and none of `avoid` (a port already chosen for the same server: the
+    kernel may hand a closed port out again at once)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if str(port) not in avoid:
+            return port
 
 
 def find_binary(name: str) -> str | None:
@@ -236,7 +240,7 @@ def start_mqks(core: int | None, log_dir: str, python: str = sys.executable,
     """mqksd on a free port, with --eval so the benchmark can check its stats; with `data_dir`,
     durable (`--data-dir data_dir --fsync fsync`, logging at info for its recovery line); with `pure`, the
     hot path's plain sources even where the install compiled them (MQKS_PURE=1)."""
-    port = free_port()
+    port = free_port(avoid=extra_args)  # extra_args may hold a --tls-port chosen before
     prof = ["-m", "cProfile", "-o", profile_path] if profile_path else []
     durable = ["--data-dir", data_dir, "--fsync", fsync, "--log-level", "info"] if data_dir else []
     cmd = [python, *prof, "-m", "mqks.server", "--host", "127.0.0.1", "--port", str(port),
