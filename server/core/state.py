@@ -41,8 +41,8 @@ Schedule = Callable[[float, Callable[[], None]], Callable[[], None]]  # (seconds
 class Consumer:
     """One `consume` of one connection: a queue, flags, and its un-acked messages."""
 
-    __slots__ = ("consumer_id", "line_overhead", "queue", "outbox", "manual_ack", "wants_seq", "prefetch", "unacked",
-                 "seq_by_msg_id", "later_seqs_by_msg_id", "delete_when_unused_seconds")
+    __slots__ = ("consumer_id", "continued_id", "line_overhead", "queue", "outbox", "manual_ack", "wants_seq",
+                 "prefetch", "unacked", "seq_by_msg_id", "later_seqs_by_msg_id", "delete_when_unused_seconds")
 
     shows_seq = False  # SeqConsumer's deliveries show it
     relayed = False  # a stand-in for a consumer another worker process holds (server/workers/relay.py) says True
@@ -50,6 +50,7 @@ class Consumer:
     def __init__(self, consumer_id: bytes, queue: Queue, outbox: Outbox, manual_ack: bool = False,
                  prefetch: int = 0, delete_when_unused_seconds: float | None = None) -> None:
         self.consumer_id = consumer_id
+        self.continued_id = b"\n" + consumer_id  # after another delivery in the outbox: its newline, then this id
         self.line_overhead = len(consumer_id) + 1  # a delivery line is consumer id + tail + newline
         self.queue = queue
         self.outbox = outbox
@@ -68,7 +69,7 @@ class Consumer:
 
     def deliver(self, tail: bytes, seq: int, msg_id: bytes, held: Item | None = None) -> None:
         """Owe the client this tail; with manual ack, hold the message (`held`, else the tail) under `seq`."""
-        self.outbox.deliver(self.consumer_id, tail, len(tail) + self.line_overhead)
+        self.outbox.deliver(self.consumer_id, self.continued_id, tail, len(tail) + self.line_overhead)
         if self.manual_ack:
             self.unacked[seq] = tail if held is None else held
             # one lookup (setdefault is native when compiled): the id's first copy in flight, or this one

@@ -239,7 +239,7 @@ class Connection:
         if self.writing or outbox.paused or self.closed:
             self.wake.set()
             return
-        out = outbox.out
+        out = outbox.pieces()
         data = b"".join(out) if len(out) != 1 else out[0]
         try:
             # self.fd is -1 once the connection closed: a descriptor number the kernel has
@@ -270,9 +270,8 @@ class Connection:
         most CLOSE_FLUSH_SECONDS for a peer that does not read.
         """
         if flush_first and not self.closed and self.outbox.out and not self.writing:
-            out = self.outbox.out
-            data = b"".join(out)
-            out.clear()
+            data = b"".join(self.outbox.pieces())
+            self.outbox.discard()
             self.outbox.out_bytes = 0
             try:
                 with gevent.Timeout(CLOSE_FLUSH_SECONDS):
@@ -280,7 +279,7 @@ class Connection:
             except (OSError, gevent.Timeout):
                 pass
         self.closed = True
-        self.outbox.out.clear()
+        self.outbox.discard()
         if self.fd >= 0:
             # shut down in the kernel, beneath gevent's wrapper: gevent's own shutdown() cancels
             # the reader's wait with EBADF ("File descriptor was closed in another greenlet"),
@@ -323,7 +322,7 @@ class Connection:
         process.detach(self.outbox, self._log_failed_detach)
         if self.relay is not None:
             self.relay.leave()
-        self.outbox.out.clear()
+        self.outbox.discard()
         try:
             process.flush_pending()  # the requeued messages, to the consumers that remain
         except Exception:
@@ -469,7 +468,7 @@ class Connection:
                 wake.wait()
                 wake.clear()
                 while outbox.out and not self.closed:
-                    out = outbox.out
+                    out = outbox.pieces()
                     outbox.out = []
                     outbox.out_bytes = 0
                     self.writing = True

@@ -184,7 +184,7 @@ class RemoteSession:
     def flush(self) -> None:
         """Move the client's bytes into the link, as one `>` frame; they stay owed until credited."""
         outbox = self.outbox
-        out = outbox.out
+        out = outbox.pieces()
         if out:
             payload = b"".join(out)
             self.link.frame(Frame.OUTPUT, self.key, payload)
@@ -220,7 +220,7 @@ class IncomingLink(FrameSocket):
         self.no_rejects: deque[tuple[bytes, str]] = deque()  # run_lines' rejects: a forwarded line has none
 
     def flush_confirms(self) -> None:
-        out = self.confirms.out
+        out = self.confirms.pieces()
         if out:
             self.frame(Frame.CONFIRMS, b"-", b"".join(out))
             out.clear()

@@ -32,8 +32,8 @@ def publish(broker: Broker, msg_id: bytes, event: bytes, data: bytes = b"d") -> 
 
 
 def delivered(outbox: Outbox) -> list[bytes]:
-    lines = b"".join(outbox.out).split(b"\n")[:-1]
-    outbox.out.clear()
+    lines = b"".join(outbox.pieces()).split(b"\n")[:-1]
+    outbox.discard()
     outbox.out_bytes = 0
     return lines
 

@@ -71,7 +71,7 @@ class Session:
         self.ttl_seconds = seconds
 
     def answers(self) -> list[bytes]:
-        return b"".join(bytes(piece) for piece in self.outbox.out).split(b"\n")[:-1]
+        return b"".join(bytes(piece) for piece in self.outbox.pieces()).split(b"\n")[:-1]
 
 
 def run(session: Session, *lines: bytes | None, rejected: list[tuple[bytes, str]] = ()) -> None:

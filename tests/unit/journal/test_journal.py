@@ -73,7 +73,7 @@ def new_journal() -> tuple[Journal, FakeLog, Outbox, list[Outbox]]:
 
 
 def written(outbox: Outbox) -> bytes:
-    return b"".join(bytes(piece) for piece in outbox.out)
+    return b"".join(bytes(piece) for piece in outbox.pieces())
 
 
 def test_a_confirm_waits_for_its_commit_to_be_durable_and_confirms_keep_their_order():

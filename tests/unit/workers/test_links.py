@@ -36,7 +36,7 @@ def pair():
 
 
 def written(outbox: Outbox) -> bytes:
-    return b"".join(bytes(piece) for piece in outbox.out)
+    return b"".join(bytes(piece) for piece in outbox.pieces())
 
 
 def test_each_side_of_a_link_handles_every_kind_the_other_side_sends(peers, pair):
@@ -56,7 +56,7 @@ def test_a_forwarded_confirmed_publish_is_answered_under_its_fan_in_id(peers, pa
     assert written(link.confirms) == b"7 ok \n"  # in memory: at once
     assert broker.queues[b"q"].depth() == 1 and broker.published == 0  # counted by the client's worker
     full.max_length = 1
-    link.confirms.out.clear()
+    link.confirms.discard()
     link.on_confirmed(b"-", b"8 e ok m2 event=e data\n")
     answer = written(link.confirms)
     assert answer.startswith(b"8 error ") and b"queue full is full (--max-length=1)" in answer
