@@ -71,10 +71,7 @@ class Outbox:
 
     def write(self, data: bytes) -> None:
         """A reply line (or lines), counted with the overhead of the object that holds it."""
-        if self.line_open:
-            self.out.append(NEWLINE)
-            self.line_open = False
-        self.out.append(data)
+        self.pieces().append(data)  # after an open delivery line is closed
         self.out_bytes += len(data) + REPLY_OVERHEAD_BYTES
         if not self.flush_pending:
             self.flush_pending = True
@@ -83,10 +80,7 @@ class Outbox:
     def take(self, data: bytes) -> None:
         """A block of output another worker relayed (answers, deliveries), counted as its bytes alone:
         past the high-water mark the outbox pauses, as if its own consumers had filled it."""
-        if self.line_open:
-            self.out.append(NEWLINE)
-            self.line_open = False
-        self.out.append(data)
+        self.pieces().append(data)
         self.out_bytes += len(data)
         if not self.flush_pending:
             self.flush_pending = True
