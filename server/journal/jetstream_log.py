@@ -871,7 +871,7 @@ class JetStreamLog:
         reconnected = False
         while not self._stopping and self.fenced_by is None:
             if (self._in_flight or self._unsent or self._handed or self._trouble is not None
-                    or self._stalled_since is not None):
+                    or self._stalled_since is not None or self.blocked is not None):
                 wake.wait(TAIL_CHECK_SECONDS)  # an unanswered frame and a stall are looked at this often
             else:  # idle: until the next heartbeat or check is due
                 due = last_check + tail_check_seconds
@@ -897,6 +897,11 @@ class JetStreamLog:
                     self._waiting_to_send = True
                     gevent.spawn_later(wait, self._frame_wait_over)
             now = time.monotonic()
+            if (self.blocked is not None and self._trouble is None and not self._in_flight and not self._unsent
+                    and not self._handed):
+                # refusing confirms, no publish writes a frame that could show the log takes writes again: probe it
+                # with an empty frame (a reader takes it for a heartbeat); stored, it ends the refusal
+                self._add_frame([b""], False, 0, False, False)
             if self._in_flight and self._trouble is None:
                 oldest = min((f.sent_at for f in self._by_token.values()), default=now)
                 if now - oldest > ACK_SECONDS:
@@ -1051,7 +1056,7 @@ class JetStreamLog:
         frame.seq = seq
         if self.in_shared_stream and seq > self._tail_seq:
             self._tail_seq = seq
-        if self._stalled_since is not None:
+        if self._stalled_since is not None or (self.blocked is not None and self.fenced_by is None):
             self._stall_ended("frames are stored again")
         frames = self._frames
         durable = self._durable
@@ -1085,7 +1090,8 @@ class JetStreamLog:
             self._purging = gevent.spawn(self._purge, purge)
 
     def _stall_ended(self, how: str) -> None:
-        log.info("%s: %s after %.1f s", self.label, how, time.monotonic() - (self._stalled_since or 0.0))
+        if self._stalled_since is not None:
+            log.info("%s: %s after %.1f s", self.label, how, time.monotonic() - self._stalled_since)
         self._stalled_since = None
         self._stall_logged = False
         if self.blocked is not None and self.fenced_by is None:
@@ -1162,7 +1168,6 @@ class JetStreamLog:
             log.warning("%s: %s; reading the tail", self.label, self._trouble)
             self._stall_logged = True
             self._stalls += 1
-        stalled_since = self._stalled_since or started
         if self._trouble is not None and self._trouble.startswith("error"):
             # refused: the frames behind it are answered within moments (a timeout waits for nothing)
             while self._in_flight and time.monotonic() - started < ACK_SECONDS:
@@ -1182,7 +1187,10 @@ class JetStreamLog:
                             self._stored(frame, seq)
                 break
             except Exception as e:
-                if time.monotonic() - stalled_since > self.timeout_seconds:
+                # the stall as it is now: a PubAck that came meanwhile ended it (issue 56: read once, at the start,
+                # a stall a PubAck had ended still refused confirms here, and nothing ever cleared that)
+                stalled_since = self._stalled_since
+                if stalled_since is not None and time.monotonic() - stalled_since > self.timeout_seconds:
                     self._stall_too_long(f"the replicated log has not answered for {self.timeout_seconds:g} s "
                                          f"({type(e).__name__}: {e})")
                 gevent.sleep(RETRY_SECONDS)
@@ -1241,8 +1249,10 @@ class JetStreamLog:
 
         A cluster node's owner that has stored nothing for the whole lease steps down: a standby that can reach
         NATS takes the group over now, and this owner's clients must move there."""
+        if self._stalled_since is None:
+            return  # a frame was stored meanwhile: the log takes writes
         lease = self.lease_seconds
-        if lease is not None and self._stalled_since is not None and time.monotonic() - self._stalled_since > lease:
+        if lease is not None and time.monotonic() - self._stalled_since > lease:
             log.error("%s: %s: this node steps down as its owner", self.label, reason)
             self._stop_with(f"the replicated log has stored nothing for {lease:g} s: this node "
                             f"stepped down as the owner of {self.label}")

@@ -396,3 +396,57 @@ def test_unsynced_bytes_come_back_to_zero_once_every_part_and_every_merged_commi
 
     scenario()
     assert [frame.payload for frame in hub.published[:4]] == [b"x" * 10] * 3 + [b"x" * 5]
+
+
+def test_a_puback_that_comes_while_the_tail_read_fails_ends_the_stall_and_leaves_no_refusal_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 56's wedge, replayed: a frame gets no PubAck in time, the tail read that follows fails (a NATS leader
+    change), the PubAck comes meanwhile, and the read goes on failing past the timeout. The writer refused every
+    confirmed publish from then on, for minutes, and nothing ended it."""
+    monkeypatch.setattr(jetstream_log, "ACK_SECONDS", 0.05)
+    monkeypatch.setattr(jetstream_log, "RETRY_SECONDS", 0.02)
+    stream_log = shared_stream_log(lease_seconds=12.0)
+    stream_log.timeout_seconds = 0.3
+    stream_log.epoch, stream_log._tail_seq = 3, 7
+    hub = FakeHub()
+    bridge = stream_log.bridge = FakeBridge(last_seq=None)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    stream_log.append(b"r1")
+    stream_log.commit()
+    until(lambda: bridge.tail_reads >= 1)  # no PubAck in time: reading the tail, which does not answer
+    hub.ack(0, seq=8)  # the PubAck, late: the frame is stored and the stall is over
+    assert stream_log.poll()[0] == 1 and stream_log._stalled_since is None
+    reads = bridge.tail_reads
+    deadline = time.monotonic() + 0.5  # the read goes on failing past the timeout
+    while time.monotonic() < deadline or bridge.tail_reads < reads + 3:
+        assert stream_log.blocked is None, "a stall a PubAck ended refuses confirmed publishes"
+        gevent.sleep(0.01)
+    bridge.last_seq = 8  # the log answers again
+    until(lambda: stream_log._trouble is None)
+    stream_log.append(b"r2")
+    stream_log.commit()
+    until(lambda: len(hub.published) == 2)
+    hub.ack(1, seq=9)
+    until(lambda: stream_log.poll()[0] == 2)
+    assert stream_log.blocked is None
+    stop(stream_log, writer)
+
+
+def test_a_writer_that_refuses_confirms_probes_the_log_and_takes_writes_again_once_it_stores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing a refused publish writes could show that the log takes writes again: the writer probes it itself, with
+    an empty frame (a reader takes it for a heartbeat), and the first one stored ends the refusal."""
+    monkeypatch.setattr(jetstream_log, "TAIL_CHECK_SECONDS", 0.02)
+    stream_log = shared_stream_log(lease_seconds=12.0)
+    stream_log.epoch, stream_log._tail_seq = 3, 7
+    stream_log.blocked = "the replicated log does not answer"  # however it came to refuse
+    hub = FakeHub()
+    stream_log.bridge = FakeBridge(last_seq=7)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    until(lambda: any(message.subject == "mqks.log.s-0-of-2" for message in hub.published))
+    probes = [i for i, message in enumerate(hub.published) if message.subject == "mqks.log.s-0-of-2"]
+    assert len(probes) == 1 and hub.published[probes[0]].payload == b""  # one at a time
+    assert stream_log.blocked is not None
+    hub.ack(probes[0], seq=8)
+    until(lambda: stream_log.blocked is None)
+    stop(stream_log, writer)
