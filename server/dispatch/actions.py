@@ -172,11 +172,10 @@ def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) ->
 
 
 def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
-    """Publish, then `ok`: at once in memory, once the log has it with --data-dir."""
+    """Publish, then `ok`: at once in memory, once the log has it with --data-dir. Each worker's log answers for its
+    own queues (publish_confirmed_here): one that takes no writes must not refuse what goes to the others' (issue 56:
+    one wedged group refused a client's publishes to every queue of the cluster)."""
     process = session.process
-    journal = process.journal
-    if journal is not None and journal.blocked:
-        raise ProtocolError(journal.refusal())
     publisher = session.publisher
     # a line another worker forwarded (its session publishes to this worker's broker only) is never sent on
     forwarder, peers = process.forwarder, process.peers

@@ -148,3 +148,50 @@ def test_a_publish_is_delivered_with_its_event_and_data_as_sent(line, delivery):
     run(session, b"c1 consume q e")
     run(session, line)
     assert delivery in session.answers()
+
+
+class BlockedJournal:
+    """A worker's log that takes no writes (dispatch/process.py asks it `blocked`, then `refusal()`)."""
+
+    blocked = "the replicated log does not answer"
+
+    def refusal(self) -> str:
+        return f"{self.blocked}: confirmed publishes are refused until the log can write again"
+
+    def append(self, record: bytes) -> None:
+        raise AssertionError("a refused publish writes nothing")
+
+
+class OtherWorkers:
+    """The forwarder and peers of a worker some of whose events are bound only to another worker's queues."""
+
+    unlinked = False
+
+    def __init__(self, process: Process, elsewhere: set[bytes]) -> None:
+        self.process = process
+        self.elsewhere = elsewhere
+        self.forwarded: list[bytes] = []
+
+    def permits(self, event: bytes) -> bool:
+        return True
+
+    def routes_elsewhere(self, event: bytes) -> bool:
+        return event in self.elsewhere
+
+    def publish_confirmed(self, session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
+        self.forwarded.append(event)
+        session.ok(rid)  # as the other worker's log would once it has it
+
+
+def test_a_worker_whose_log_takes_no_writes_refuses_only_what_goes_to_its_own_queues():
+    """Issue 56: a wedged group refused a client's confirmed publishes to every queue of the cluster."""
+    process = Process()
+    process.journal = BlockedJournal()  # type: ignore[assignment]
+    others = OtherWorkers(process, elsewhere={b"theirs"})
+    process.peers = process.forwarder = others  # type: ignore[assignment]
+    session = Session(process)
+    session.publisher = others
+    run(session, b"1 consume mine ours", b"2 publish --confirm theirs x", b"3 publish --confirm ours y")
+    assert others.forwarded == [b"theirs"]
+    assert format_ok(b"2") in b"".join(bytes(piece) for piece in session.outbox.pieces())
+    assert session.errors == [(b"3", BlockedJournal().refusal())]
