@@ -30,6 +30,9 @@ STANDBY_IDLE_REPORT_SECONDS = 20.0
 BALANCE_SECONDS = 5.0  # a caught-up standby looks this often whether its node should own this group instead
 FOLLOW_BATCH_SECONDS = 0.05  # a standby reading under load takes what came meanwhile at once
 RETRY_SECONDS = 0.5  # following failed (NATS unreachable): try again after this
+# a silent owner that answers its ping is waited for up to this many leases of silence: it steps down after one
+# lease of a log it cannot write to, so only an owner wedged in a way nobody foresaw is claimed from
+OWNER_ANSWERS_LEASES = 2.0
 
 
 class Reading(Protocol):
@@ -118,6 +121,7 @@ class Standby:
             expires = now + lease
             log.info("%s: owned by %s; standing by (lease %g s)", stream.label, owner, lease)
         reported = claimed_at = tail_checked_at = -1e9
+        owner_waited_for = False  # a silent owner that answers its ping was waited for (logged once)
         reported_seq = -1
         balanced_at = heard_at = now  # heard_at: the owner's last frame or heartbeat
         following = False
@@ -141,8 +145,22 @@ class Standby:
                         expires, claimed_at = clock() + lease, -1e9
                         continue
                 else:
-                    log.warning("%s: nothing from its owner %s for %g s: taking it over", stream.label,
-                                replayer.owner or "?", lease)
+                    silent = now - heard_at
+                    answer = self.ask_owner(silent_is_owner=False)
+                    if answer is not None and silent < OWNER_ANSWERS_LEASES * lease:
+                        # alive and reachable, yet silent: its log out of reach for now (a NATS election, a cut
+                        # stream leader). A claim would hit the same log, and take the group from a live owner
+                        # (issue 56: healthy groups changed hands while another host was cut). The owner steps
+                        # down by itself after a lease of that; this wait is bounded all the same
+                        if not owner_waited_for:
+                            log.warning("%s: nothing from its owner %s for %.0f s, but it answers its ping: waiting "
+                                        "for its log (at most %g s more)", stream.label, answer, silent,
+                                        OWNER_ANSWERS_LEASES * lease - silent)
+                            owner_waited_for = True
+                        expires = now + candidacy.heartbeat_seconds
+                        continue
+                    log.warning("%s: nothing from its owner %s for %.0f s: taking it over", stream.label,
+                                replayer.owner or "?", silent)
                 stream.stop_following(reading)
                 return
             if now - reported >= STANDBY_REPORT_SECONDS and (
@@ -185,14 +203,18 @@ class Standby:
                 heard_at = clock()
                 expires = heard_at + lease
                 claimed_at = -1e9
+                if owner_waited_for:
+                    log.info("%s: its owner %s is heard again", stream.label, owner)
+                    owner_waited_for = False
             elif now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
                 balanced_at = now
                 self.balance()
 
-    def ask_owner(self) -> str | None:
-        """The owner's answer to its ping; None when none listens."""
+    def ask_owner(self, silent_is_owner: bool = True) -> str | None:
+        """The owner's answer to its ping; None when none listens (or, unless `silent_is_owner`, none answers: an
+        owner cut off from this side of a partition still has listeners here until NATS's routes notice)."""
         try:
-            return self.stream.ask_owner(silent_is_owner=True)
+            return self.stream.ask_owner(silent_is_owner=silent_is_owner)
         except Exception:  # NATS out of reach: as if an owner answered, so nobody claims in a hurry
             return "?"
 

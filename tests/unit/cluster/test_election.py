@@ -65,6 +65,9 @@ class FakeStream:
         self.clock = clock
         self.owner = owner  # what the owner ping answers (None: nobody listens)
         self.first_answers: list[str | None] = []  # what the first pings answer, before `owner`
+        # a ping that must be answered to count (the claim's last look) finds the owner alive until this fake time
+        # (by default it is gone: an owner that stopped storing and beating died)
+        self.answers_until = 0.0
         self.asked = 0
         self.messages: list[tuple[dict[str, str], bytes]] = []
         self.arrivals: list[tuple[float, tuple[dict[str, str], bytes]]] = []  # (at, message), in time order
@@ -103,7 +106,11 @@ class FakeStream:
 
     def ask_owner(self, silent_is_owner: bool = False) -> str | None:
         self.asked += 1
-        return self.first_answers.pop(0) if self.first_answers else self.owner
+        if self.first_answers:
+            return self.first_answers.pop(0)
+        if not silent_is_owner and self.clock.now >= self.answers_until:
+            return None
+        return self.owner
 
     def follow(self, reading: Reading) -> None:
         self.following_from = reading.read + 1
@@ -240,7 +247,7 @@ def test_a_claim_after_a_silent_ping_asks_again_and_stands_by_when_the_owner_ans
     owned_by_b(stream)  # and b stays silent: no heartbeat reaches this standby
     started = clock.now
     list(replay_as_candidate(stream, standby(clock, stream)))
-    assert stream.asked == 2
+    assert stream.asked == 3  # the first ask, the one before the claim, and the last look after b's lease
     # the second ask answered: the claim waited out b's lease after it (its heartbeat never came)
     assert clock.now - started >= LEASE
 
@@ -257,6 +264,49 @@ def test_a_standby_applies_what_the_owner_stores_and_never_claims_while_it_hears
     assert clock.now - started >= 11 * LEASE
     assert records[:4] == [b"W 1 node b", b"P one", b"P two", b"P three"]
     assert records[-1] == b"W 2 node a" and stream.takeovers == [len(stream.messages) - 1]
+
+
+def test_a_silent_owner_that_answers_its_ping_is_waited_for_and_kept_once_it_is_heard_again():
+    """Issue 56: while another host was cut off, NATS elected new stream leaders; owners that could not store for a
+    while went silent, and standbys took their groups over though the owners were alive and reachable."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    started = clock.now
+    stream.answers_until = started + 9 * LEASE  # alive all along, then gone
+    stream.at(1.8 * LEASE, frame(1, 2, b"P stored after the election"))  # heard again before 2 leases of silence
+    for k in range(3, 27):  # then its heartbeats, each quarter lease, up to 8 leases
+        stream.at(1.8 * LEASE + (k - 2) * LEASE / 4, frame(1, k, b""))
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    assert b"P stored after the election" in records
+    # not claimed while b answered: only after it was gone (its last heartbeat at 7.8 leases, gone at 9)
+    assert 9 * LEASE <= clock.now - started < 9.5 * LEASE
+    assert records[-1] == b"W 2 node a" and len(stream.takeovers) == 1
+
+
+def test_a_silent_owner_that_answers_its_ping_is_claimed_from_after_two_leases_all_the_same():
+    """The wait is bounded: an owner steps down by itself after a lease of a log it cannot write to, and one that
+    does not (wedged in a way nobody foresaw) must not hold its group for good. The takeover fences it."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    started = clock.now
+    stream.answers_until = float("inf")
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    assert 2 * LEASE <= clock.now - started <= 2 * LEASE + LEASE / 4 + 0.1
+    assert records[-1] == b"W 2 node a"
+
+
+def test_an_owner_cut_off_from_this_side_is_claimed_from_after_its_lease_though_its_ping_times_out():
+    """Its listeners stay known here until NATS's routes notice the cut: its ping times out, which the claim's last
+    look does not take for an answer (the first ask does: an owner may be paused)."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="an owner that does not answer")  # a timeout, with silent_is_owner
+    owned_by_b(stream)
+    started = clock.now
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    assert LEASE <= clock.now - started < 1.5 * LEASE
+    assert records[-1] == b"W 2 node a"
 
 
 def test_a_node_that_owns_groups_claims_later_by_its_claim_delay():
