@@ -297,10 +297,13 @@ class Server:
         assert journal is not None
         cannot_start: tuple[type[Exception], ...]
         if self.config.log is not None:
+            from nats.errors import Error as NatsError
+
             from .journal.jetstream_log import LogOwned
             from .journal.nats_bridge import BridgeError
 
-            cannot_start = (LogOwned, BridgeError)
+            # NatsError: JetStream's 503 while NATS elects a leader (a heal, issue 56) is a wait, not a traceback
+            cannot_start = (LogOwned, BridgeError, NatsError)
         else:
             from .journal.log import LogCorrupt
 
@@ -312,7 +315,8 @@ class Server:
             queues, messages = rebuild(recovery.queues, lambda name: self.process.broker)
             self.process.restore(recovery)
         except cannot_start as e:
-            log.error("cannot start: %s", e)  # names the file and offset and --repair, or the stream's owner
+            # names the file and offset and --repair, or the stream's owner, or what NATS answered
+            log.error("cannot start: %s", str(e) or type(e).__name__)
             if self.cluster is not None:  # NATS went away while standing by: the node starts this one again
                 sys.exit(FENCED_EXIT_CODE)
             sys.exit(1 if self.config.worker_index is None else CANNOT_START_EXIT_CODE)

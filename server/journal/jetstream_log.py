@@ -88,6 +88,7 @@ FOLLOW_IDLE_SECONDS = 10.0  # NATS drops a standby's push consumer this long aft
 REPLAY_RETRY_SECONDS = 30.0  # replay: a read that keeps failing this long (NATS away) ends the start
 STARTING_NATS_SECONDS = 30.0  # open: JetStream calls that time out this long (a NATS just started) end the start
 OWNER_PING_SECONDS = 1.5
+TAKEOVER_SECONDS = 10.0  # a takeover no stream leader answers for this long stands by again (NATS elects in 2-14 s)
 FIGURES_SECONDS = 10.0  # a cluster's owner reads its stream's figures this often
 SUBJECTS_OVERLAP = 10065
 PUBACK_SAMPLES = 1024
@@ -382,6 +383,10 @@ class JetStreamLog:
         self.epoch = replayer.epoch + 1
         record = b"W %d %b" % (self.epoch, self.owner.encode())
         answer = run(functools.partial(self._append_takeover, record=record, last_seq=reading.read), timeout=60)
+        if answer is None:  # no stream leader answered for a while: NATS is electing one (a heal); stand by again
+            log.warning("%s: no stream leader answers the takeover (NATS is electing one): standing by again",
+                        self.label)
+            return None
         if answer.error_code == WRONG_LAST_SEQUENCE:
             reading.last_seq = run(self._last_seq, timeout=60)
             return None
@@ -802,12 +807,14 @@ class JetStreamLog:
             return answer.data.decode(errors="replace")
 
     async def _append_takeover(self, nc: Any, record: bytes, last_seq: int) -> Any:
+        """The takeover's PubAck; None when no stream leader answered within TAKEOVER_SECONDS. The same Msg-Id makes a
+        later try safe: stored meanwhile, it is answered with the first one's sequence."""
         from nats.errors import NoRespondersError
         from nats.errors import TimeoutError as NatsTimeout
 
         headers = {EPOCH: str(self.epoch), FRAME: "0", OWNER: self.owner,
                    MSG_ID: f"{self.name}.{self.epoch}.{self.writer_id}.0", self._fence: str(last_seq)}
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + TAKEOVER_SECONDS
         while True:
             try:
                 msg = await nc.request(self.subject, record, timeout=ACK_SECONDS, headers=headers)
@@ -820,7 +827,7 @@ class JetStreamLog:
             except (NoRespondersError, NatsTimeout):
                 pass
             if time.monotonic() > deadline:
-                raise BridgeError(f"{self.label}: no stream leader answers")
+                return None
             await asyncio.sleep(RETRY_SECONDS)  # an election: the same Msg-Id makes the retry safe
 
     # -- the writer ------------------------------------------------------------------------------

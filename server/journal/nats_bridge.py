@@ -38,10 +38,10 @@ from .hub_nats import BridgeError, Callback, HubNats, NatsUnreachable
 
 log = logging.getLogger("mqks.journal")
 
-# nats-py's default (120 s, 2 missed) notices a hung connection only after minutes; the traffic that must notice
-# within a second or two (frames, PubAcks, heartbeats) is on the hub's connection (hub_nats.py), and a closed
-# socket is noticed at once
-PING_SECONDS = 5
+# nats-py's default (120 s, 2 missed) notices a hung connection only after minutes. As the hub's own connection
+# (hub_nats.py): a server cut off by a partition drops no socket, and at 5 s the tail reads, the takeover append and
+# the map went to it for 10-15 s after the hub's connection had moved on (issue 56); a PING a second costs nothing
+PING_SECONDS = 1
 START_SECONDS = 10.0
 # a shared stream's info, read for one group, answers the process's other groups for this long (each reads it every
 # 10 s: jetstream_log.py's FIGURES_SECONDS)

@@ -450,3 +450,27 @@ def test_a_writer_that_refuses_confirms_probes_the_log_and_takes_writes_again_on
     hub.ack(probes[0], seq=8)
     until(lambda: stream_log.blocked is None)
     stop(stream_log, writer)
+
+
+def test_a_takeover_no_stream_leader_answers_stands_by_again_instead_of_ending_the_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 56: after a heal, JetStream answered 503 for 5-14 s while it elected leaders, and a standby claiming then
+    ended its group with "no stream leader answers" (a restart with a back-off). Now the claim stands by again."""
+    from nats.errors import NoRespondersError  # what nats-py raises for JetStream's 503
+
+    monkeypatch.setattr(jetstream_log, "TAKEOVER_SECONDS", 0.05)
+    monkeypatch.setattr(jetstream_log, "RETRY_SECONDS", 0.01)
+    stream_log = shared_stream_log(lease_seconds=12.0)
+    stream_log._hub = FakeHub()  # type: ignore[assignment]
+    requests = []
+
+    class Electing(FakeBridge):
+        async def request(self, subject: str, data: bytes, timeout: float, headers: dict[str, str]) -> Any:
+            requests.append(headers[jetstream_log.MSG_ID])
+            raise NoRespondersError
+
+    stream_log.bridge = Electing(last_seq=7)  # type: ignore[assignment]
+    reading = SimpleNamespace(replayer=jetstream_log.Replayer(), read=7, last_seq=7)
+    assert stream_log.take_over(reading) is None  # type: ignore[arg-type]
+    assert len(requests) >= 2 and len(set(requests)) == 1  # asked again with one Msg-Id: stored once if at all
+    assert stream_log._writer is None
