@@ -327,12 +327,13 @@ class ClusterMap:
         if self.shared is not None:
             self.shared.leave(self)
 
-    def start(self, about: dict[str, Any]) -> None:
-        """This process owns its group now: put its entry (the watch runs since watch())."""
+    def start(self, about: dict[str, Any], still_owner: Callable[[], bool] = lambda: True) -> None:
+        """This process owns its group now: put its entry (the watch runs since watch()), for as long as
+        `still_owner()` says it does."""
         self.serving = True
         if self.shared is not None:
             self.shared.stands_by_no_more(self.candidacy.group)
-        self.bridge.spawn(lambda nc: self._put(nc, about))
+        self.bridge.spawn(lambda nc: self._put(nc, about, still_owner))
 
     def balance_view(self, fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]:
         """In the hub: how many groups each node owns as the map says, this group's owner, and the node it is
@@ -445,13 +446,35 @@ class ClusterMap:
                     group, entry.get("node"), entry.get("epoch"), entry.get("host"), entry.get("port"))
             self.on_change(group)
 
-    async def _put(self, nc: Any, about: dict[str, Any]) -> None:
-        while True:
+    async def _put(self, nc: Any, about: dict[str, Any], still_owner: Callable[[], bool]) -> None:
+        """Put this owner's entry, never over a newer owner's: a conditional update on the entry's revision, after a
+        look at its epoch, retried while NATS does not answer and this process still owns the group. (Issue 56: an
+        owner cut off by a partition retried an unconditional put through the heal; it landed after another node
+        had taken the group over, and the map named the fenced node for good.)"""
+        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+        key = f"owner.{self.candidacy.group}"
+        value = json.dumps(about).encode()
+        while still_owner():
             try:
                 kv = await self._bucket(nc)
-                await kv.put(f"owner.{self.candidacy.group}", json.dumps(about).encode())
+                try:
+                    entry = await kv.get(key)  # KeyDeletedError is a KeyNotFoundError
+                except KeyNotFoundError:
+                    entry = None
+                if entry is None:
+                    await kv.create(key, value)
+                    return
+                newer = json.loads(entry.value or b"{}").get("epoch", 0)
+                if newer > about["epoch"]:
+                    log.warning("cluster map: group %d has a newer owner (epoch %d > %d); this entry is not put",
+                                self.candidacy.group, newer, about["epoch"])
+                    return
+                await kv.update(key, value, last=entry.revision)
                 return
+            except KeyWrongLastSequenceError:
+                continue  # another put came between the look and the update: look again
             except Exception as e:
                 self._kv = None
-                log.warning("cluster map: cannot publish this owner's entry (%s); again", e)
+                log.warning("cluster map: cannot publish this owner's entry (%s); again", e or type(e).__name__)
                 await asyncio.sleep(RETRY_SECONDS)

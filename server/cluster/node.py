@@ -71,7 +71,7 @@ class ClusterGroup:
         if tls_port is not None:
             about["tls_port"] = tls_port
         self.map.entries[self.group] = about
-        self.map.start(about)
+        self.map.start(about, still_owner=lambda: self.stream_log.fenced_by is None)
         self.map.serve_hand_offs(self.stream_log.name, self.hand_offs)
         if config.run_dir is not None:
             self.node_dir.owner_of(self.group)
