@@ -23,7 +23,7 @@ import gevent
 
 from . import wire
 from .connection import Connection, Link
-from .consumers import Consumer, Consumers, Message, MessageCallback
+from .consumers import Consumer, Consumers, Message, MessageCallback, notice
 from .errors import (
     FAILOVER_SECONDS,
     TRANSIENT_RETRY_MAX_SECONDS,
@@ -62,6 +62,12 @@ class Client:
     next of `fallbacks` ([(host, port), ...], also tried in turn when one cannot be reached), else to
     the same address once it is back. A consume refused while its queue's owner fails over (a cluster's
     takeover, a worker's restart) is sent again with a back-off for up to `failover_seconds`.
+
+    `on_refused(error)` is called with the `MqksError` of each error the broker answers to a request nobody
+    waits for (one sent without confirm: a `mandatory` publish with no queue bound, a publish a scoped token
+    may not make), in a greenlet of its own, started before `close()` returns: a hook that does not yield (a
+    list's append) has seen every error to the lines sent before. Without it, such an error is a WARNING in
+    the `mqks.client` log.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, ping_seconds: float = 15.0,
@@ -69,7 +75,8 @@ class Client:
                  reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
                  connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
                  ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = (),
-                 anonymous: bool = False, failover_seconds: float = FAILOVER_SECONDS) -> None:
+                 anonymous: bool = False, failover_seconds: float = FAILOVER_SECONDS,
+                 on_refused: Callable[[MqksError], Any] | None = None) -> None:
         # what every link shares: direct links speak the same protocol, TLS and token included
         self._link_options = link_settings(
             ping_seconds=ping_seconds, ping_timeout_seconds=ping_timeout_seconds,
@@ -81,8 +88,10 @@ class Client:
         self.timeout_seconds = timeout_seconds
         self.failover_seconds = failover_seconds
         self._new_rid = wire.rid_maker()
+        self.on_refused = on_refused
         by_any_id: dict[str, Consumer] = {}
-        self._consumers = Consumers(f"{host}:{port}", self._new_rid, by_any_id, on_connect=self._on_connect)
+        self._consumers = Consumers(f"{host}:{port}", self._new_rid, by_any_id, on_connect=self._on_connect,
+                                    on_refused=self._refused if on_refused is not None else None)
         self._link = Link(host, port, self._consumers, self._new_rid, fallbacks=fallbacks, **self._link_options)
         self._consumers.link = self._link
         # the links consumers live on: the public one, one per owning worker under the last hello's slot map
@@ -349,7 +358,7 @@ class Client:
         if route.worker in self._direct:
             self._retire(route.worker)
         session = Consumers(f"{route.host}:{route.port}", self._new_rid, self._consumers.by_any_id, route.worker,
-                            self._on_connect)
+                            self._on_connect, self._consumers.on_refused)
         # the public addresses as fallbacks, the one in use first: a direct port a firewall hides still leaves a
         # working (relayed) route, and when the owner is gone (a cluster's failover) the hello of any live seed
         # tells the new map
@@ -382,6 +391,12 @@ class Client:
         self._homeless += self._homes.misplaced_on(session)
         if changed or self._homeless:
             self._schedule_rehome()
+
+    def _refused(self, error: MqksError) -> None:
+        """Run on_refused in a greenlet of its own: the reader runs no user code. Its start is queued on the hub
+        before the wake-up of any later answer's waiter, so it starts before a ping barrier (close's) returns."""
+        assert self.on_refused is not None
+        gevent.spawn(notice(self.on_refused, error))
 
     def _schedule_rehome(self) -> None:
         if self._rehoming is not None and not self._rehoming.dead:

@@ -113,7 +113,7 @@ class Consumer(ConsumerState):
         self.wakeup.set()
 
     def notice(self, hook: Callable[..., Any], *args: Any) -> None:
-        self.pending.append(_notice(hook, *args))
+        self.pending.append(notice(hook, *args))
         self.wakeup.set()
 
     def wake(self) -> None:
@@ -154,8 +154,9 @@ class Consumers(Registry[Consumer]):
     __slots__ = ("worker", "link", "on_connect")
 
     def __init__(self, where: str, new_rid: Callable[[], bytes], by_any_id: dict[str, Consumer] | None = None,
-                 worker: int | None = None, on_connect: Callable[[Consumers], None] | None = None) -> None:
-        super().__init__(where, new_rid, by_any_id)
+                 worker: int | None = None, on_connect: Callable[[Consumers], None] | None = None,
+                 on_refused: Callable[[MqksError], None] | None = None) -> None:
+        super().__init__(where, new_rid, by_any_id, on_refused)
         self.worker = worker  # the worker whose direct link this is; None: the public link
         self.link: Link | None = None  # set by the client once the link exists
         # runs first on every new connection, its hello read: the client learns the slot map there
@@ -201,7 +202,7 @@ def _no_answer(token: str, data: Any, json: bool, confirm: bool) -> None:
     raise MqksError("this consumer was made without a client: it cannot reply")
 
 
-def _notice(callback: Callable[..., Any], *args: Any) -> Callable[[], None]:
+def notice(callback: Callable[..., Any], *args: Any) -> Callable[[], None]:
     """A queued call to a user hook that logs instead of raising."""
     def run() -> None:
         try:

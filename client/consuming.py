@@ -200,14 +200,17 @@ C = TypeVar("C", bound=ConsumerState)
 class Registry(Generic[C]):
     """The live consumers on one link, by id; the router's `Deliveries` (see answers.py)."""
 
-    __slots__ = ("where", "new_rid", "by_id", "by_any_id")
+    __slots__ = ("where", "new_rid", "by_id", "by_any_id", "on_refused")
 
-    def __init__(self, where: str, new_rid: Callable[[], bytes], by_any_id: dict[str, C] | None = None) -> None:
+    def __init__(self, where: str, new_rid: Callable[[], bytes], by_any_id: dict[str, C] | None = None,
+                 on_refused: Callable[[MqksError], None] | None = None) -> None:
         self.where = where  # host:port, for the log
         self.new_rid = new_rid
         self.by_id: dict[str, C] = {}  # current ids only
         # current and recent ids, shared by every link of one client
         self.by_any_id: dict[str, C] = {} if by_any_id is None else by_any_id
+        # hands the client's on_refused an error answer nobody waits for, without running it here; None: logged
+        self.on_refused = on_refused
 
     def add(self, consumer: C) -> None:
         """Know `consumer` by its id here and client-wide."""
@@ -335,10 +338,13 @@ class Registry(Generic[C]):
             consumer.notice(consumer.on_reconnect, old_id, consumer.id)
 
     def refused(self, rid: bytes, error: MqksError) -> bool:
-        """Take an error answer nobody waits for; False when `rid` names no consumer."""
+        """Take an error answer nobody waits for; False when `rid` names no consumer and no on_refused takes it."""
         consumer = self.by_id.get(rid.decode(errors="replace"))
         if consumer is None:
-            return False
+            if self.on_refused is None:
+                return False
+            self.on_refused(error)  # a request sent without confirm: a refused publish, ack, rebind...
+            return True
         # only a consume line uses the consumer id as rid: the broker refused that consumer
         log.error("mqks %s: consumer %s on queue %s refused: %s", self.where, consumer.reported_id, consumer.queue,
                   error)

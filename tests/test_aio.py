@@ -618,3 +618,24 @@ def test_inside_an_asgi_app_a_request_handler_publishes(make_broker: Callable[..
             await serving
 
     assert run(main) == [{"item": 0}, {"item": 1}, {"item": 2}]
+
+
+def test_on_refused_gets_the_error_of_a_publish_sent_without_confirm_before_close_returns(
+        broker: BrokerProcess) -> None:
+    """As the gevent client's: plain and async hooks both, each refusal in by the time close() returns."""
+    event = unique("unbound")
+    refused: list[MqksError] = []
+
+    async def later(error: MqksError) -> None:
+        await asyncio.sleep(0)
+        refused.append(error)
+
+    async def main() -> None:
+        for hook in (refused.append, later):
+            client = client_of(broker, on_refused=hook)
+            async with client:
+                await client.publish(event, "refused", mandatory=True)
+                await client.publish(event, "gone quietly")
+
+    run(main)
+    assert len(refused) == 2 and all(f"no queue is bound to '{event}'" in e.reason for e in refused), refused

@@ -557,3 +557,20 @@ def test_the_line_helpers_import_without_gevent() -> None:
 
     code = "import sys, mqks.client.wire; assert 'gevent' not in sys.modules, 'gevent was imported'"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_on_refused_gets_the_error_of_a_publish_sent_without_confirm_before_close_returns(
+        broker: BrokerProcess) -> None:
+    """A refusal nobody waits for goes to on_refused (issue 55: the CLI exits 1 with it), every one of them in by
+    the time close()'s barrier returns; a publish that was not refused adds nothing."""
+    refused: list[MqksError] = []
+    client = make_client(broker, on_refused=refused.append)
+    event = unique("unbound")
+    try:
+        client.publish(event, "one", mandatory=True)
+        client.publish(event, "gone quietly")
+        client.publish(event, "two", mandatory=True)
+    finally:
+        client.close()
+    assert [type(error) for error in refused] == [MqksError, MqksError], refused
+    assert all(f"no queue is bound to '{event}'" in error.reason and error.error_id for error in refused), refused

@@ -34,7 +34,7 @@ from mqks.client.linking import connect_error, link_settings
 from mqks.client.placement import Homes, Route
 
 from .connection import Connection, Link
-from .consumers import DEFAULT_MAX_BUFFERED, Consumer, Consumers, Hook, MessageCallback
+from .consumers import DEFAULT_MAX_BUFFERED, Consumer, Consumers, Hook, MessageCallback, call_hook
 
 log = logging.getLogger("mqks.aio")
 
@@ -50,7 +50,8 @@ class Client:
     wait at most `timeout_seconds` (or their own `timeout`), a reconnect included, then raise
     `MqksConnectionError` or `MqksTimeoutError`. The options are the gevent client's (`mqks.client.Client`):
     `tls`, `token` (else MQKS_AUTH_TOKEN), `ttl_seconds`, `fallbacks`, pings and back-off, and
-    `failover_seconds` (how long a consume refused while its queue's owner fails over keeps trying).
+    `failover_seconds` (how long a consume refused while its queue's owner fails over keeps trying), and
+    `on_refused(error)` (plain or async: run in a task of its own, started before `close()`'s barrier returns).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, ping_seconds: float = 15.0,
@@ -58,7 +59,8 @@ class Client:
                  reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
                  connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
                  ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = (),
-                 anonymous: bool = False, failover_seconds: float = FAILOVER_SECONDS) -> None:
+                 anonymous: bool = False, failover_seconds: float = FAILOVER_SECONDS,
+                 on_refused: Callable[[MqksError], Any] | None = None) -> None:
         self._link_options = link_settings(
             ping_seconds=ping_seconds, ping_timeout_seconds=ping_timeout_seconds,
             reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
@@ -69,7 +71,9 @@ class Client:
         self.timeout_seconds = timeout_seconds
         self.failover_seconds = failover_seconds
         self._new_rid = wire.rid_maker()
-        self._consumers = Consumers(f"{host}:{port}", self._new_rid, on_connect=self._on_connect)
+        self.on_refused = on_refused
+        self._consumers = Consumers(f"{host}:{port}", self._new_rid, on_connect=self._on_connect,
+                                    on_refused=self._refused if on_refused is not None else None)
         self._link = Link(host, port, self._consumers, self._new_rid, fallbacks=fallbacks, **self._link_options)
         self._consumers.link = self._link
         self._homes = Homes(self._consumers, lambda: (self._link.host, self._link.tls is not None))
@@ -77,7 +81,7 @@ class Client:
         self._rehoming: asyncio.Task[None] | None = None
         self._rehome_again = False
         self._moving: set[asyncio.Task[None]] = set()  # moved consumers' consumes on their way to their new link
-        self._closing: list[Awaitable[None]] = []  # direct links being retired
+        self._closing: list[Awaitable[None]] = []  # direct links being retired, on_refused hooks running
 
     @property
     def server_info(self) -> dict[str, Any] | None:
@@ -336,7 +340,7 @@ class Client:
         if route.worker in self._homes.direct:
             self._retire(route.worker)
         session = Consumers(f"{route.host}:{route.port}", self._new_rid, self._consumers.by_any_id, route.worker,
-                            self._on_connect)
+                            self._on_connect, self._consumers.on_refused)
         # the public addresses as fallbacks, the one in use first: a direct port a firewall hides still leaves
         # a working (relayed) route, and a dead owner's (a cluster's failover) hello of any live seed the new map
         public = self._link.addresses
@@ -347,6 +351,12 @@ class Client:
         self._homes.direct[route.worker] = (route, session)
         session.link.begin()
         return session
+
+    def _refused(self, error: MqksError) -> None:
+        """Run on_refused in a task of its own (the protocol runs no user code), awaited by close(); its first step
+        is queued on the loop before the wake-up of any later answer's waiter, as close()'s barrier."""
+        assert self.on_refused is not None
+        self._track(call_hook(self.on_refused, (error,)))
 
     def _track(self, awaitable: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(awaitable)

@@ -120,7 +120,7 @@ class Consumer(ConsumerState):
 
     def notice(self, hook: Hook, *args: Any) -> None:
         """Queue a call to a user hook (plain or async) in delivery order."""
-        self.pending.append(lambda: _call_hook(hook, args))
+        self.pending.append(lambda: call_hook(hook, args))
         self.wake()
 
     def wake(self) -> None:
@@ -192,7 +192,7 @@ class Consumer(ConsumerState):
                 log.warning("mqks consumer %s: cannot reject message %s: %s", message.consumer_id, message.id, e)
 
 
-async def _call_hook(hook: Hook, args: tuple[Any, ...]) -> None:
+async def call_hook(hook: Hook, args: tuple[Any, ...]) -> None:
     """Run a user hook (plain or async); it logs instead of raising."""
     try:
         result = hook(*args)
@@ -208,8 +208,9 @@ class Consumers(Registry[Consumer]):
     __slots__ = ("worker", "link", "on_connect")
 
     def __init__(self, where: str, new_rid: Callable[[], bytes], by_any_id: dict[str, Consumer] | None = None,
-                 worker: int | None = None, on_connect: Callable[[Consumers], None] | None = None) -> None:
-        super().__init__(where, new_rid, by_any_id)
+                 worker: int | None = None, on_connect: Callable[[Consumers], None] | None = None,
+                 on_refused: Callable[[MqksError], None] | None = None) -> None:
+        super().__init__(where, new_rid, by_any_id, on_refused)
         self.worker = worker  # the worker whose direct link this is; None: the public link
         self.link: Link | None = None  # set by the client once the link exists
         self.on_connect = on_connect  # runs first on every new connection, its hello read
