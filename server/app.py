@@ -41,6 +41,7 @@ from .node.listeners import AcceptFailed, CannotListen, Listener, tcp_listener, 
 from .node.memory import MemoryGuard
 from .node.sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
 from .wire.protocol import format_error
+from .workers.links import notice_dead_peer
 
 if TYPE_CHECKING:
     from gevent.pywsgi import WSGIServer
@@ -543,6 +544,8 @@ class Server:
         """Another worker's link: its first line says which worker it is (after the TLS handshake, between the nodes
         of a cluster whose nodes have --tls-cert: a link that does not speak TLS is refused)."""
         assert self.peers is not None
+        if self.cluster is not None:
+            notice_dead_peer(sock)  # from another host, which a partition may cut off
         if self.link_tls is not None:
             tls_sock = self.link_tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             try:
@@ -601,7 +604,7 @@ class Server:
             ports.append(f"{config.host}:{self.direct_listeners[0].server_port} (this worker's own)")
         log.info("mqksd listening on %s (workers=%d, eval=%s, auth=%s, %s, %s)", ", ".join(ports), config.workers,
                  "refused: token auth beyond loopback" if self.eval_refusal else "on" if config.eval_enabled else "off",
-                 f"{len(self.tokens.tokens)} tokens" if self.tokens is not None else "off",
+                 self.tokens.describe() if self.tokens is not None else "off",
                  f"data dir {config.data_dir}, fsync {config.fsync}" if config.data_dir else
                  f"replicated log {self.log_shown()}" if config.log else "in memory", build.kind)
         if self.peers is not None:

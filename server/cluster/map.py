@@ -25,6 +25,7 @@ import gevent
 import gevent.event
 
 from ..journal.nats_bridge import Bridge, SharedNats
+from ..workers.links import notice_dead_peer
 from .candidacy import Candidacy
 from .election import STANDBY_IDLE_REPORT_SECONDS, STANDBY_REPORT_SECONDS, HandOffRequests
 
@@ -424,7 +425,7 @@ class ClusterMap:
         if address is None:
             raise OSError(f"no owner of group {group} is known yet")
         sock = gevent.socket.create_connection(address, timeout=5)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        notice_dead_peer(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.link_tls is not None:  # the other node's certificate is checked against the host it advertised
             try:

@@ -73,3 +73,21 @@ def test_a_worker_lost_before_it_answered_fails_the_fan_in_with_its_number(peers
     peers.link_lost(link, "closed by the peer")
     assert written(client).startswith(b"p1 error ") and b"worker 1 stopped before it had the message" in written(client)
     assert peers.fanins == {}
+
+
+def test_a_cluster_links_tcp_socket_fails_within_seconds_once_its_peers_host_stops_answering():
+    """Issue 56: a link to a host cut off by a partition kept forwarded confirmed publishes waiting for minutes."""
+    import socket
+
+    from mqks.server.workers.links import DEAD_PEER_SECONDS, notice_dead_peer
+
+    with socket.socket() as tcp, socket.socket(socket.AF_UNIX) as unix:
+        notice_dead_peer(tcp)
+        notice_dead_peer(unix)  # a Unix socket's peer is on this host: nothing to set, nothing raised
+        assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == DEAD_PEER_SECONDS * 1000
+            idle = tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+            probes = tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+            interval = tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+            assert idle + probes * interval <= DEAD_PEER_SECONDS
