@@ -3,11 +3,16 @@
 `from mqks.client import Client, Message, MqksError`. Importing it never monkey-patches:
 the client uses gevent's own sockets, so it works in any gevent program. The names load on
 first use, so `mqks.client.wire` (pure line helpers) and `mqks.client.errors` can be imported
-without gevent, as the Spark data source does.
+without gevent, as the Spark data source does. A library's convention for its log: the `mqks.client`
+logger has a NullHandler, so an application that configures no logging hears nothing from it (Python's
+last-resort handler would print every reconnect's WARNING on stderr); one that does gets every record.
 """
 
+import logging
 from importlib import import_module
 from typing import Any
+
+logging.getLogger("mqks.client").addHandler(logging.NullHandler())
 
 _MODULE_BY_NAME = {
     "Client": "client",

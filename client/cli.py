@@ -583,8 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((arg for arg in argv if arg in COMMANDS), None)
     args = build_parser(json_errors=command in JSON_COMMANDS and "--json" in argv).parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=stats.LOG_FORMAT)
     try:
         if args.command == "nats":
             return cmd_nats(args)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import ssl
 import sys
@@ -29,6 +30,7 @@ from .errors import MqksError
 from .placement import parse_seeds
 from .tls import client_context, token_setting
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # `mqks`'s and stats.py's log lines on stderr
 EXIT_INTERRUPTED = 130  # a one-shot command interrupted by Ctrl-C (a --watch ends with 0, as `mqks consume`)
 
 # (key in the stats answer, label) in the order a message lives: published, queued, consumed, acked
@@ -273,4 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                     json_errors="--json" in argv)
     add_connection_arguments(parser)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    # a program's own output, as `mqks`'s: the client's loggers are silent until someone configures logging
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
+    return run(args)

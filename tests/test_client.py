@@ -574,3 +574,43 @@ def test_on_refused_gets_the_error_of_a_publish_sent_without_confirm_before_clos
         client.close()
     assert [type(error) for error in refused] == [MqksError, MqksError], refused
     assert all(f"no queue is bound to '{event}'" in error.reason and error.error_id for error in refused), refused
+
+
+QUIET_SCRIPT = """
+import logging, sys, time
+import gevent
+from mqks import aio  # its logger too
+from mqks.client import Client
+
+client = Client("127.0.0.1", int(sys.argv[1]), reconnect_max_seconds=0.1).connect()
+print("connected", flush=True)
+sys.stdin.readline()  # the test has killed the broker
+deadline = time.monotonic() + 10
+# lost (a WARNING), then a reconnect attempt failed (a WARNING each)
+while not (client.reconnects and client._link.last_error is not None) and time.monotonic() < deadline:
+    gevent.sleep(0.01)
+logging.getLogger("mqks.aio").warning("the asyncio client's logger")
+client.close(flush=False)
+print("reconnecting" if client.reconnects and client._link.last_error else "never lost", flush=True)
+"""
+
+
+def test_a_program_that_configures_no_logging_hears_nothing_of_the_clients(
+        make_broker: Callable[..., BrokerProcess]) -> None:
+    """The clients' loggers have a NullHandler (issue 55): Python's last resort printed each reconnect's WARNING
+    on the stderr of an application that never configured logging (25 lines in one failover)."""
+    import subprocess
+    import sys
+
+    server = make_broker()
+    proc = subprocess.Popen([sys.executable, "-c", QUIET_SCRIPT, str(server.port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "connected\n"
+        server.kill()
+        stdout, stderr = proc.communicate("\n", timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (proc.returncode, stdout, stderr) == (0, "reconnecting\n", "")
