@@ -170,7 +170,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--tls-ca", default=d.tls_ca, metavar="FILE",
                         help="clients must present a certificate signed by this CA (PEM)")
     parser.add_argument("--auth-token-file", default=d.auth_token_file, metavar="FILE",
-                        help="require `{id} auth {token}` first; one token per line, re-read on SIGHUP "
+                        help="require `{id} auth {token}` first; one token per line, or TOML [[token]] tables "
+                             "(scoped tokens), re-read on SIGHUP "
                              f"(the environment variable {AUTH_TOKEN_ENV} adds one token; default: no auth)")
     parser.add_argument("--client-ttl", type=float, default=d.client_ttl, metavar="SECONDS",
                         help="close any connection silent for 2x this, returning its un-acked messages "

@@ -258,3 +258,43 @@ def test_failed_auths_slow_the_address_down_and_the_log_never_holds_an_attempt(s
     late.expect(b"k ok ")
     log = scoped.log()
     assert not [attempt for attempt in attempts if attempt in log] and ORDERS[:10] not in log
+
+
+def test_a_toml_file_under_another_name_is_scoped_and_every_token_is_counted(make_broker, tmp_path):
+    path = tmp_path / "tokens.conf"  # not *.toml: once read one token per line, `[[token]]` had full access
+    path.write_text(TOKENS_TOML)
+    server = make_broker("--auth-token-file", str(path), env={"MQKS_AUTH_TOKEN": "env-s3cret-0123456789"})
+    # orders and reports are scoped; admin (everything) and the environment's token are not
+    wait_for(lambda: "auth=4 tokens (2 scoped)" in server.log(), "the start-up line's count")
+    wire = server.wire()
+    wire.send(b"a auth [[token]]")
+    wire.expect_error(b"a", b"authentication failed")
+    orders = authed(server, ORDERS)
+    refused(orders, b"m1", b"publish payments.x y", "may not publish 'payments.x'")
+    server.signal(signal.SIGHUP)
+    wait_for(lambda: "token file re-read: 4 tokens (2 scoped)" in server.log(), "the reload's count")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_mqksd_refuses_a_plain_token_file_with_a_toml_line_naming_the_line_not_its_content(tmp_path, workers):
+    path = tmp_path / "tokens"
+    path.write_text(f"{ORDERS}\n[[token]]\nname = 'x1234'\n")
+    result = subprocess.run([sys.executable, "-m", "mqks.server", "--port", str(free_port()), "--auth-token-file",
+                             str(path), "--workers", workers], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1 and f"{path}: line 2 looks like TOML" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and ORDERS not in result.stderr and "x1234" not in result.stderr
+
+
+def test_sighup_keeps_the_old_tokens_when_a_plain_file_gets_a_toml_line(make_broker, tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text(ADMIN + "\n")
+    server = make_broker("--auth-token-file", str(path))
+    path.write_text(f"{ORDERS}\n[[token]]\n")
+    server.signal(signal.SIGHUP)
+    wait_for(lambda: f"{path}: line 2 looks like TOML" in server.log(), "the refused reload in the log")
+    authed(server, ADMIN)  # the tokens in use stay
+    for secret in (ORDERS, "[[token]]"):
+        wire = server.wire()
+        wire.send(b"a auth " + secret.encode())
+        wire.expect_error(b"a", b"authentication failed")
+    assert ORDERS not in server.log()

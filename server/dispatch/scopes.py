@@ -1,5 +1,5 @@
-"""Token scopes (`--auth-token-file NAME.toml`): the events a token may publish to (names, dot-star masks, or `*`
-for any), the queues it may read (fnmatch patterns), and whether it may manage queues and schedules.
+"""Token scopes (a TOML `--auth-token-file`, whatever its name): the events a token may publish to (names, dot-star
+masks, or `*` for any), the queues it may read (fnmatch patterns), and whether it may manage queues and schedules.
 
 Beside the dispatcher, never in it: a session whose token is scoped runs a handler table whose guarded actions
 are wrapped with their check, built once per token and base table (`Scope.table`), and publishes through a

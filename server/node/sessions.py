@@ -57,7 +57,8 @@ class Token:
 
 class Tokens:
     """The accepted auth tokens, re-read on `reload`: one per line of a file (full access), or the tables of a
-    TOML file (`NAME.toml`: scoped tokens, and the cluster's link secret); plus one from the environment."""
+    TOML file (scoped tokens, and the cluster's link secret: a file named *.toml, or any file that parses as TOML
+    with a [[token]] or [cluster] table); plus one from the environment."""
 
     __slots__ = ("path", "env_token", "entries", "cluster_secret", "throttle")
 
@@ -81,21 +82,32 @@ class Tokens:
     def scoped(self) -> int:
         return sum(entry.scope is not None for entry in self.entries)
 
+    def describe(self) -> str:
+        """How many tokens are accepted and how many of them are scoped: the start-up and the reload lines say it."""
+        count = len(self.entries)
+        return f"{count} token{'' if count == 1 else 's'} ({self.scoped} scoped)"
+
     def _read(self) -> tuple[list[Token], bytes | None]:
+        """The file's format is decided by its content, never by its name alone: a scoped file read one token per
+        line would make each of its lines (`[[token]]` among them) a full-access token."""
         entries = [] if self.env_token is None else [Token("env", self.env_token)]
         cluster_secret = None
-        if self.path is not None and self.path.endswith(".toml"):
+        if self.path is not None:
             with open(self.path, "rb") as f:
-                try:
-                    document = tomllib.load(f)
-                except tomllib.TOMLDecodeError as e:
+                content = f.read()
+            try:
+                document = tomllib.loads(content.decode())
+                why_not = "it parses as TOML, with no [[token]] and no [cluster] table"
+            except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+                if self.path.endswith(".toml"):
                     raise ValueError(f"{self.path}: not TOML: {e}") from None
-            tables, cluster_secret = token_tables(document, self.path)
-            entries += tables
-        elif self.path is not None:
-            with open(self.path, "rb") as f:
-                entries += [Token(f"line {number}", line.strip()) for number, line in enumerate(f, 1)
-                            if line.strip() and not line.startswith(b"#")]
+                document, why_not = {}, "not UTF-8" if isinstance(e, UnicodeDecodeError) else _where(e)
+            # not any TOML: a one-per-line file could parse as one (a token `key=1`), whose error would quote it
+            if self.path.endswith(".toml") or "token" in document or "cluster" in document:
+                tables, cluster_secret = token_tables(document, self.path)
+                entries += tables
+            else:
+                entries += token_lines(content, self.path, why_not)
         return entries, cluster_secret
 
     def reload(self) -> None:
@@ -111,7 +123,7 @@ class Tokens:
                       len(self.entries))
             return
         self.entries, self.cluster_secret = entries, cluster_secret
-        log.info("token file re-read: %d tokens, %d of them scoped", len(entries), self.scoped)  # never a secret
+        log.info("token file re-read: %s", self.describe())  # never a secret
 
     def find(self, token: bytes) -> Token | None:
         """The entry `token` is the secret of, or None; every entry is compared, so timing tells nothing."""
@@ -168,6 +180,30 @@ class AuthThrottle:
 
 
 TOKEN_KEYS = {"name", "secret", "secret_sha256", "publish", "consume", "manage"}
+
+
+def token_lines(content: bytes, path: str, why_not: str) -> list[Token]:
+    """The full-access tokens of a one-per-line file; ValueError names the first line that looks like TOML (a
+    `[table]`, a `key = value`, a quote) by its number, never its content, which may be a secret. `why_not`
+    says why the file is not read as TOML."""
+    entries = []
+    for number, line in enumerate(content.split(b"\n"), 1):
+        token = line.strip()
+        if not token or line.startswith(b"#"):
+            continue
+        # `=` only at the end is base64's padding (`openssl rand -base64 16`), never TOML: a key wants a value
+        if token[:1] == b"[" or b"=" in token.rstrip(b"=") or b'"' in token or b"'" in token:
+            raise ValueError(f"{path}: line {number} looks like TOML ([, = or a quote), but the file is no TOML "
+                             f"token file ({why_not}); read one token per line, that line would be a full-access "
+                             "token")
+        entries.append(Token(f"line {number}", token))
+    return entries
+
+
+def _where(error: tomllib.TOMLDecodeError) -> str:
+    """Where TOML's parser stopped, without its words: they may quote the file."""
+    found = re.search(r"\((at [^()]*)\)$", str(error))
+    return f"TOML stops {found.group(1) if found else 'somewhere'}"
 
 
 def token_tables(document: dict[str, Any], path: str) -> tuple[list[Token], bytes | None]:
