@@ -158,8 +158,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--no-console", dest="console", action="store_false",
                         help="no web console at / of the metrics port (it is on whenever --metrics-port is)")
     parser.add_argument("--console-actions", action="store_true",
-                        help="let the web console delete queues (POST with the token and a CSRF token); "
-                             "default: read-only")
+                        help="let the web console purge and delete queues and move dead letters back (POST "
+                             "with the token and a CSRF token; a scoped token needs manage); default: read-only")
     parser.add_argument("--tls-port", type=int, default=d.tls_port, metavar="PORT",
                         help="also listen for TLS (1.2 or newer) on this port; needs --tls-cert and --tls-key "
                              "(default: off; --port 0 leaves TLS alone)")

@@ -201,6 +201,9 @@ def test_refusals_are_on_the_metrics_page_and_the_console_refuses_changes_withou
     orders.expect(b"c1 ok ")
     status, body = console("GET", "/api/queues", ORDERS)  # reading is open to every token
     assert status == 200 and any(row["queue"] == queue for row in body)
+    # the page shows its action buttons where /api/session says actions: only to a token that may manage
+    assert console("GET", "/api/session", ORDERS)[1]["actions"] is False
+    assert console("GET", "/api/session", ADMIN)[1]["actions"] is True
     status, body = console("POST", f"/api/queue/purge?name={queue}", ORDERS)
     assert status == 403 and "token 'orders' may not purge_queue" in body["error"], body
     status, body = console("POST", f"/api/queue/purge?name={queue}", ADMIN)

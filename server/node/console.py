@@ -202,9 +202,18 @@ class Console:
             rows = [json.loads(row) for row in self.broker.ask("queues", f"--detail {name}", token=session)]
             dead = [json.loads(row) for row in self.broker.ask("queues", f"--detail {name}.dead", token=session)]
             return {"queue": rows[0] if rows else None, "dead_letters": dead[0] if dead else None}
-        if path == "/api/session":
-            return {"auth": self.tokens is not None, "actions": self.actions, "csrf": self._csrf(session)}
+        if path == "/api/session":  # the page shows the action buttons only where `actions` is true
+            return {"auth": self.tokens is not None, "actions": self.actions and self._may_manage(session),
+                    "csrf": self._csrf(session)}
         return None
+
+    def _may_manage(self, session: str) -> bool:
+        """True if the session's token may purge, delete and requeue (a scoped token needs `manage`); the broker
+        checks it again on each action."""
+        if self.tokens is None:
+            return True
+        found = self.tokens.find(session.encode())
+        return found is not None and (found.scope is None or found.scope.manage)
 
     def _act(self, environ: dict[str, Any], path: str, session: str, start_response: StartResponse) -> Answer:
         """A POST that changes something: off unless --console-actions; the CSRF token and our own origin only."""
