@@ -162,7 +162,7 @@ def cmd_consume(client: Client, args: argparse.Namespace) -> int:
             # print before ack: a message that was never shown must come back
             print(f"{message.id} event={message.event}{retry} {message.data}", flush=True)
         except BrokenPipeError:
-            stdout_closed()
+            stats.stdout_closed()
             stop.set()
             return
         message.ack()
@@ -206,19 +206,10 @@ def wait_stdout_closed(stop: Event) -> None:
     while not stop.is_set():
         gevent.socket.wait_read(fd)
         if any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0)):
-            stdout_closed()
+            stats.stdout_closed()
             stop.set()
             return
         gevent.sleep(0.1)  # not closed: a wakeup for some other reason, and it may repeat
-
-
-def stdout_closed() -> None:
-    """The reader of stdout is gone: send what is still buffered for it to /dev/null, so exit stays quiet."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    finally:
-        os.close(devnull)
 
 
 class NoSuchQueue(Exception):
@@ -593,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
             return stats.run(args)
         return run_command(args)
     except BrokenPipeError:
-        stdout_closed()  # the reader of stdout went away (`| head -1`): nothing left to say to it
+        stats.stdout_closed()  # the reader of stdout went away (`| head -1`): nothing left to say to it
         return EXIT_OK
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -240,7 +241,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_stats(client: Client, args: argparse.Namespace, address: str, fail: Callable[[str, int], int]) -> int:
-    """Connect and print the stats, once or every --watch seconds; the exit code."""
+    """Connect and print the stats, once or every --watch seconds; the exit code (0 once the reader of stdout went).
+
+    It runs in a greenlet of its own: a BrokenPipeError let out of here would be printed by gevent's hub as a
+    traceback before any caller could catch it.
+    """
     try:
         client.connect(retry=False)
         clear_screen = args.watch is not None and not args.json and sys.stdout.isatty()
@@ -264,8 +269,20 @@ def print_stats(client: Client, args: argparse.Namespace, address: str, fail: Ca
             gevent.sleep(args.watch)
     except MqksError as e:
         return fail(str(e) if str(e).startswith(("cannot connect", address)) else f"{address}: {e}", 1)
+    except BrokenPipeError:
+        stdout_closed()  # `| head -1`: as `mqks consume` does, nothing left to say and nothing wrong
+        return 0
     finally:
         client.close()
+
+
+def stdout_closed() -> None:
+    """The reader of stdout is gone: send what is still buffered for it to /dev/null, so exit stays quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 def main(argv: list[str] | None = None) -> int:
