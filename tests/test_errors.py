@@ -62,7 +62,7 @@ BAD_LINES = [
     (b"r16 _eval --worker=7 1", b"r16", b"no worker 7"),
     (b"r17 _eval 1/0", b"r17", b"ZeroDivisionError"),
     (b"r18 publish --confirm", b"r18", b"event expected"),
-    (b"nospace", b"-", b"expected {request_id} {action} {data}"),
+    (b"nospace", b"nospace", b"expected {request_id} {action} {data}"),  # a lone word is the line's id
     (b" ping x", b"-", b"expected {request_id} {action} {data}"),
     (b"bad publish e \xff\xfe", b"bad", b"not valid UTF-8"),
 ]

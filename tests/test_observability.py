@@ -100,7 +100,7 @@ def test_stats_counts_known_traffic_over_every_worker(broker_per_worker_count):
     consumer.expect(b"c3 ok m1 event=%b,retry=1 x" % event)  # rejected, back to the only consumer at once
     consumer.expect(b"r ok ")
     wire.send(b"bad")
-    wire.expect_error(b"-")
+    wire.expect_error(b"bad")
     wire.send(b"st stats")
     answer = wire.recv_line()
     after = json.loads(answer[len(b"st ok "):])

@@ -932,8 +932,9 @@ def refuse(session: Session, rid: bytes, action_name: bytes, line: bytes) -> Non
             session.close(flush_first=True)
     elif rid == b"help" and not action_name:
         session.error(b"-", unknown_action(session, b"help"), line)  # a person at `nc` asking
-    elif not rid or not action_name:
-        session.error(b"-", f"expected {{request_id}} {{action}} {{data}}; actions: {action_names(session)}", line)
+    elif not rid or not action_name:  # a lone word is its id: the answer goes where the client looks
+        session.error(rid or b"-", f"expected {{request_id}} {{action}} {{data}}; actions: {action_names(session)}",
+                      line)
     elif (action := ACTIONS.get(action_name)) is not None and action.protected:
         if session.eval_refusal is not None:
             session.error(rid, session.eval_refusal, line)

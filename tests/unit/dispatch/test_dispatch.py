@@ -90,6 +90,15 @@ def test_bad_lines_cost_their_own_error_and_the_lines_around_them_run():
     assert not session.closed
 
 
+def test_a_line_of_one_word_is_answered_under_that_word_and_a_tab_is_an_ordinary_byte():
+    session = Session(Process())
+    run(session, b"x", b"y ", b"help", b"p\tq ping a\tb", b"t ping\tx")
+    assert [rid for rid, _ in session.errors] == [b"x", b"y", b"-", b"t"]  # `help` alone is a person asking
+    assert "expected {request_id} {action} {data}" in dict(session.errors)[b"x"]
+    assert "unknown action" in dict(session.errors)[b"t"]  # a tab separates nothing: `ping\tx` is one word
+    assert session.answers() == [b"p\tq ok a\tb"]
+
+
 @pytest.mark.parametrize("line", [b"r1 rebind", b"c1 consume --confirm", b"p1 publish --confirm",
                                   b"c1 consume q1 --prefetch=-3", b"c1 consume q1 --ack-timeout=nan",
                                   b"a1 ack c-none m1", b"d1 delete_queue", b"f1 fetch q1 --max=x",
