@@ -54,7 +54,7 @@ class Config:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None  # set: clients must present a certificate signed by this CA
-    auth_token_file: str | None = None  # one token per line, re-read on SIGHUP; MQKS_AUTH_TOKEN adds one
+    auth_token_file: str | None = None  # one token a line or TOML tables, re-read on SIGHUP; MQKS_AUTH_TOKEN adds one
     client_ttl: float | None = None  # None: a connection may stay silent for ever unless it says hello --ttl
     drain_seconds: float = 5.0  # on SIGTERM: how long consumers get to settle what they hold
     log_close_seconds: float = 10.0  # on SIGTERM: how long a log that cannot write (full disk) may hold the stop
