@@ -1,7 +1,8 @@
 """The declared actions, one small handler each, and the dispatcher.
 
 `ACTIONS` declares every action: its handler, its error for a missing argument, and what the dispatcher must
-know (needs arguments, protected like `_eval`, needs auth, writes to the log). Each
+know (needs arguments, protected like `_eval`, needs auth, writes to the log), what a scoped token needs to
+run it (`ScopeCheck`, checked in dispatch/scopes.py) and where it runs among workers (`Placement`). Each
 session runs lines against a table built once from those declarations for what it may
 do (`actions_for`), so a protected action a session may not run is simply absent and the
 hot path pays nothing for the check. `run_lines` splits each line, strips a leading
@@ -738,12 +739,27 @@ class Placement(Enum):
     AFTER_OTHER_WORKERS = "here, once the other workers ran what this session sent them"
 
 
+class ScopeCheck(Enum):
+    """What a scoped token (`--auth-token-file`) needs to run an action; dispatch/scopes.py checks it, in one place.
+
+    Every action declares one: an action that forgot would otherwise be open to every scoped token.
+    """
+
+    ANY = "any token"  # no name of the token's to check (its consumer, lease or reply token, or no argument)
+    PUBLISH = "the event it publishes"  # checked by the session's publisher (ScopedPublisher), as it publishes
+    SCHEDULE = "the event its schedule publishes"  # checked when the schedule is set: it publishes later, unscoped
+    READ_QUEUE = "the queue its first argument names"  # matched against the token's `consume` patterns
+    MANAGE = "manage = true"  # deletes, purges or requeues what other tokens may read
+    FULL_ACCESS_ONLY = "a full-access token"  # _eval: a Python prompt in the broker is every right at once
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
     """An action as the dispatcher sees it."""
 
     handler: Handler
     missing_args: str  # the error for a line with no {data}, when the action needs some
+    scope: ScopeCheck  # no default: an Action that does not say is refused (TypeError) when ACTIONS is built
     needs_args: bool = True
     protected: bool = False  # only with `mqksd --eval`, and only for loopback peers
     needs_auth: bool = True  # refused before `auth` on a server that wants a token
@@ -754,33 +770,38 @@ SETTLE_USAGE = "expected {consumer_id} {msg_id}|--all"
 PURGE_USAGE = "purge_queue: expected {id} purge_queue {queue}"
 REQUEUE_DEAD_USAGE = "requeue_dead: expected {id} requeue_dead {queue} [--limit=N | {msg_id}...]"
 
-P = Placement
+P, S = Placement, ScopeCheck
 ACTIONS: dict[bytes, Action] = {
-    b"publish": Action(handle_publish, "publish: event expected"),
-    b"consume": Action(handle_consume, CONSUME_MISSING, placement=P.QUEUE_OWNER),
-    b"ack": Action(handle_ack, "ack: " + SETTLE_USAGE, placement=P.CONSUMER_OWNER),
-    b"reject": Action(handle_reject, "reject: " + SETTLE_USAGE, placement=P.CONSUMER_OWNER),
-    b"touch": Action(handle_touch, "touch: " + SETTLE_USAGE, placement=P.CONSUMER_OWNER),
-    b"rebind": Action(handle_rebind, REBIND_MISSING, placement=P.QUEUE_OWNER),
-    b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}",
+    b"publish": Action(handle_publish, "publish: event expected", scope=S.PUBLISH),
+    b"consume": Action(handle_consume, CONSUME_MISSING, scope=S.READ_QUEUE, placement=P.QUEUE_OWNER),
+    b"ack": Action(handle_ack, "ack: " + SETTLE_USAGE, scope=S.ANY, placement=P.CONSUMER_OWNER),
+    b"reject": Action(handle_reject, "reject: " + SETTLE_USAGE, scope=S.ANY, placement=P.CONSUMER_OWNER),
+    b"touch": Action(handle_touch, "touch: " + SETTLE_USAGE, scope=S.ANY, placement=P.CONSUMER_OWNER),
+    b"rebind": Action(handle_rebind, REBIND_MISSING, scope=S.READ_QUEUE, placement=P.QUEUE_OWNER),
+    b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", scope=S.ANY,
                                placement=P.CONSUMER_OWNER),
-    b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", placement=P.QUEUE_OWNER),
-    b"purge_queue": Action(handle_purge_queue, PURGE_USAGE, placement=P.QUEUE_OWNER),
-    b"requeue_dead": Action(handle_requeue_dead, REQUEUE_DEAD_USAGE, placement=P.DEAD_QUEUE_OWNER),
-    b"request": Action(handle_request, "request: event expected: {id} request [--timeout=S] {event} {data}"),
-    b"reply": Action(handle_reply, "reply: expected {id} reply {token} {data}", placement=P.TOKEN_ISSUER),
-    b"schedule": Action(handle_schedule, "schedule: name expected: " + SCHEDULE_USAGE, placement=P.SCHEDULE_OWNER),
-    b"unschedule": Action(handle_unschedule, "unschedule: expected {id} unschedule {name}",
+    b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", scope=S.MANAGE,
+                            placement=P.QUEUE_OWNER),
+    b"purge_queue": Action(handle_purge_queue, PURGE_USAGE, scope=S.MANAGE, placement=P.QUEUE_OWNER),
+    b"requeue_dead": Action(handle_requeue_dead, REQUEUE_DEAD_USAGE, scope=S.MANAGE, placement=P.DEAD_QUEUE_OWNER),
+    b"request": Action(handle_request, "request: event expected: {id} request [--timeout=S] {event} {data}",
+                       scope=S.PUBLISH),
+    b"reply": Action(handle_reply, "reply: expected {id} reply {token} {data}", scope=S.ANY,
+                     placement=P.TOKEN_ISSUER),
+    b"schedule": Action(handle_schedule, "schedule: name expected: " + SCHEDULE_USAGE, scope=S.SCHEDULE,
+                        placement=P.SCHEDULE_OWNER),
+    b"unschedule": Action(handle_unschedule, "unschedule: expected {id} unschedule {name}", scope=S.MANAGE,
                           placement=P.SCHEDULE_OWNER),
-    b"schedules": Action(handle_schedules, "", needs_args=False, placement=P.EVERY_WORKER_ROWS_BY_NAME),
-    b"ping": Action(handle_ping, "", needs_args=False, needs_auth=False, placement=P.AFTER_OTHER_WORKERS),
-    b"stats": Action(handle_stats, "", needs_args=False, placement=P.EVERY_WORKER_STATS),
-    b"queues": Action(handle_queues, "", needs_args=False, placement=P.EVERY_WORKER_ROWS_BY_QUEUE),
-    b"auth": Action(handle_auth, "auth: expected {id} auth {token}", needs_auth=False),
-    b"hello": Action(handle_hello, "", needs_args=False),
-    b"fetch": Action(handle_fetch, FETCH_USAGE, placement=P.QUEUE_OWNER),
-    b"settle": Action(handle_settle, SETTLE_LEASE_USAGE, placement=P.EVERY_WORKER_SUM),
-    b"_eval": Action(handle_eval, "_eval: expected a Python expression", protected=True,
+    b"schedules": Action(handle_schedules, "", scope=S.ANY, needs_args=False, placement=P.EVERY_WORKER_ROWS_BY_NAME),
+    b"ping": Action(handle_ping, "", scope=S.ANY, needs_args=False, needs_auth=False,
+                    placement=P.AFTER_OTHER_WORKERS),
+    b"stats": Action(handle_stats, "", scope=S.ANY, needs_args=False, placement=P.EVERY_WORKER_STATS),
+    b"queues": Action(handle_queues, "", scope=S.ANY, needs_args=False, placement=P.EVERY_WORKER_ROWS_BY_QUEUE),
+    b"auth": Action(handle_auth, "auth: expected {id} auth {token}", scope=S.ANY, needs_auth=False),
+    b"hello": Action(handle_hello, "", scope=S.ANY, needs_args=False),
+    b"fetch": Action(handle_fetch, FETCH_USAGE, scope=S.READ_QUEUE, placement=P.QUEUE_OWNER),
+    b"settle": Action(handle_settle, SETTLE_LEASE_USAGE, scope=S.ANY, placement=P.EVERY_WORKER_SUM),
+    b"_eval": Action(handle_eval, "_eval: expected a Python expression", scope=S.FULL_ACCESS_ONLY, protected=True,
                      placement=P.CHOSEN_WORKER),
 }
 

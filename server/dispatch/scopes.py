@@ -1,8 +1,9 @@
 """Token scopes (a TOML `--auth-token-file`, whatever its name): the events a token may publish to (names, dot-star
 masks, or `*` for any), the queues it may read (fnmatch patterns), and whether it may manage queues and schedules.
 
-Beside the dispatcher, never in it: a session whose token is scoped runs a handler table whose guarded actions
-are wrapped with their check, built once per token and base table (`Scope.table`), and publishes through a
+Beside the dispatcher, never in it: each action declares what a scoped token needs (`Action.scope`, a
+`ScopeCheck`), and a session whose token is scoped runs a handler table whose guarded actions are wrapped with
+that check, built once per token and base table (`Scope.table`, the one place it is read), and publishes through a
 `ScopedPublisher`, which checks the event the handler already cut out against the token's set of events
 decided allowed (one method call and one set lookup per publish: a wrapper that cut the event out again cost
 three times that). A full-access session runs the plain table and the process's publisher, so scopes cost
@@ -19,12 +20,11 @@ from typing import Any
 
 from ..core.routing import compile_mask, is_mask
 from ..wire.protocol import ProtocolError
+from .actions import ACTIONS, ScopeCheck
 
 Handler = Callable[[Any, bytes, bytes, bool], Any]
 
 MAX_DECIDED = 65536  # names a token's cache keeps; a client inventing names forever must not grow it forever
-READING = (b"consume", b"rebind", b"fetch")  # the queue is the line's first word
-MANAGING = (b"delete_queue", b"purge_queue", b"requeue_dead", b"unschedule")
 
 
 def schedule_event(args: bytes) -> bytes:
@@ -84,22 +84,27 @@ class Scope:
                              f"{name.decode(errors='replace')!r}")
 
     def table(self, base: dict[bytes, Handler]) -> dict[bytes, Handler]:
-        """`base` with every guarded action wrapped by this scope's check (made once per base table)."""
+        """`base` with every action wrapped by the check its `Action.scope` declares (made once per base table)."""
         made = self._tables.get(id(base))
         if made is not None and made[0] is base:
             return made[1]
-        table = dict(base)
-        for name, handler in base.items():
-            if name == b"schedule":  # a schedule publishes later, from the process: checked when it is set
-                table[name] = self._guard(handler, schedule_event, self.may_publish, "schedule to")
-            elif name in READING:
-                table[name] = self._guard(handler, _first_word, self.may_consume, name.decode())
-            elif name in MANAGING and not self.manage:
-                table[name] = self._refused(name.decode())
-            elif name == b"_eval":  # a Python prompt in the broker is every right at once: full-access tokens only
-                table[name] = self._refused("_eval")
+        table = {name: self.guarded(name, ACTIONS[name].scope, handler) for name, handler in base.items()}
         self._tables[id(base)] = (base, table)
         return table
+
+    def guarded(self, name: bytes, check: ScopeCheck, handler: Handler) -> Handler:
+        """`handler` behind `check` for this token; `handler` itself where there is nothing to check here."""
+        if check is ScopeCheck.READ_QUEUE:
+            return self._guard(handler, _first_word, self.may_consume, name.decode())
+        if check is ScopeCheck.SCHEDULE:  # a schedule publishes later, from the process: checked when it is set
+            return self._guard(handler, schedule_event, self.may_publish, "schedule to")
+        if check is ScopeCheck.MANAGE:
+            return handler if self.manage else self._refused(name.decode())
+        if check is ScopeCheck.FULL_ACCESS_ONLY:
+            return self._refused(name.decode())
+        if check is ScopeCheck.ANY or check is ScopeCheck.PUBLISH:  # PUBLISH: ScopedPublisher checks the event
+            return handler
+        raise ValueError(f"{name.decode()}: no check for {check}")  # a new kind of scope: closed until it has one
 
     def _guard(self, handler: Handler, name_of: Callable[[bytes], bytes], may: Callable[[bytes], bool],
                what: str) -> Handler:
