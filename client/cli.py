@@ -525,20 +525,62 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"mqks cluster {args.cluster_action}: {e}", file=sys.stderr)
         return EXIT_BROKER
     except Exception as e:  # nats-py's own errors: no servers, no JetStream
-        print(f"mqks cluster {args.cluster_action}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"mqks cluster {args.cluster_action}: {nats_error(e, urls)}", file=sys.stderr)
         return EXIT_BROKER
     if args.json:
         print(json.dumps(rows))
         return EXIT_OK
-    table = [("GROUP", "OWNER", "EPOCH", "ADDRESS", "ANSWERS", "PINNED", "NATS LEADER", "LAST SEQ", "STANDBYS (LAG)")]
-    for row in rows:
-        standbys = ", ".join(f"{s['node']} (down {duration(s['seen_seconds_ago'])})" if s["down"]
-                             else f"{s['node']} ({s['lag']})" for s in row["standbys"]) or "-"
-        table.append((str(row["group"]), str(row["owner"] or "-"), str(row["epoch"] or "-"), str(row["address"] or "-"),
-                      "yes" if row["answering"] == row["owner"] and row["owner"] else "NO", row["pinned"] or "-",
-                      str(row["leader"] or "-"), str(row["last_seq"]), standbys))
-    print(render_table(table, (0, 2, 7), "no groups"))
+    print(render_cluster(rows))
     return EXIT_OK
+
+
+def nats_error(error: Exception, urls: list[str]) -> str:
+    """One of nats-py's errors as the operator reads it: a 503 means NATS is electing a JetStream leader."""
+    from nats.js.errors import ServiceUnavailableError
+
+    from mqks.client.cluster import electing
+
+    return electing(urls) if isinstance(error, ServiceUnavailableError) else f"{type(error).__name__}: {error}"
+
+
+LEADER_CHARS = 8  # a NATS server without server_name is named by its 56-character id: cut to this, with ".."
+
+
+def render_cluster(rows: list[dict]) -> str:
+    """`mqks cluster status`'s table, within 80 columns for three nodes; then how old the standbys' reports are, and
+    the pins.
+
+    A lag is frames behind LAST SEQ at the standby's last report (each node process reports every 20 s, and within
+    10 s of a change); `100+`: counted up to 100, and more; `down`: not reported for 30 s (the line under the table
+    says since when).
+    """
+    table = [("GROUP", "OWNER", "EPOCH", "ADDRESS", "ANSWERS", "LEADER", "LAST SEQ", "STANDBY LAG")]
+    ages: dict[str, float] = {}  # node: its oldest report shown
+    pins = []
+    for row in rows:
+        lags = []
+        for standby in row["standbys"]:
+            node = str(standby["node"])
+            ages[node] = max(ages.get(node, 0.0), float(standby["seen_seconds_ago"]))
+            if standby["down"]:
+                lags.append(f"{node} down")
+            else:
+                lags.append(f"{node} {standby['lag']}{'+' if standby.get('lag_capped') else ''}")
+        leader = str(row["leader"] or "-")
+        if len(leader) > LEADER_CHARS:
+            leader = leader[:LEADER_CHARS - 2] + ".."
+        if row["pinned"]:
+            pins.append(f"group {row['group']} to {row['pinned']}")
+        table.append((str(row["group"]), str(row["owner"] or "-"), str(row["epoch"] or "-"), str(row["address"] or "-"),
+                      "yes" if row["answering"] == row["owner"] and row["owner"] else "NO", leader,
+                      str(row["last_seq"]), ", ".join(lags) or "-"))
+    lines = [render_table(table, (0, 2, 6), "no groups")]
+    if ages:
+        reported = ", ".join(f"{node} {duration(age)}" for node, age in sorted(ages.items()))
+        lines.append(f"STANDBY LAG in frames, as reported {reported} ago")
+    if pins:
+        lines.append(f"pinned (mqks cluster unpin lets them go): {', '.join(pins)}")
+    return "\n".join(lines)
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
