@@ -445,13 +445,14 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     nats = commands.add_parser("nats", help="(cluster extra) a local NATS JetStream cluster for the replicated log")
     nats_actions = nats.add_subparsers(dest="nats_action", required=True, metavar="ACTION",
                                        parser_class=stats.Parser)
-    nats_up = nats_actions.add_parser("up", help="start the nodes on loopback, print their URLs")
+    nats_up = nats_actions.add_parser("up", help="start the nodes on loopback (again, after down: same data and "
+                                                 "ports), print their URLs")
     nats_up.add_argument("--nodes", type=int, default=3, help="nats-server processes (default: %(default)s)")
     nats_up.add_argument("--base-port", type=int, default=None, metavar="PORT",
                          help="node i listens on PORT+i, its routes on PORT+100+i, its HTTP on PORT+200+i "
                               "(default: free ports below 32768)")
     nats_up.add_argument("--cluster", default="mqks", help="the cluster's name (default: %(default)s)")
-    nats_down = nats_actions.add_parser("down", help="stop the nodes (their files stay)")
+    nats_down = nats_actions.add_parser("down", help="stop the nodes (their files stay: up starts them again)")
     nats_down.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",  # nats_local.STOP_SECONDS
                            help="SIGKILL a node still running this long after its SIGTERM (default: %(default)s)")
     for action in (nats_up, nats_down, nats_actions.add_parser("status", help="each node's URL, pid and health")):
@@ -589,22 +590,28 @@ def cmd_nats(args: argparse.Namespace) -> int:
 
     try:
         if args.nats_action == "up":
-            nodes = nats_local.up(args.dir, args.nodes, args.cluster, args.base_port)
+            try:
+                nodes = nats_local.up(args.dir, args.nodes, args.cluster, args.base_port)
+            except nats_local.AlreadyUp as e:  # as the first `up` printed it: NATS=$(mqks nats up | sed -n 1p)
+                print(f"mqks nats up: {e}", file=sys.stderr)
+                nodes = e.nodes
             print(",".join(node.url for node in nodes))
             for node in nodes:
                 print(f"  {node.name}  {node.url}  pid {node.pid}  http://127.0.0.1:{node.http_port}  log {node.log}")
         elif args.nats_action == "down":
             for node in nats_local.down(args.dir, args.timeout):
-                print(f"  {node.name}  stopped (pid {node.pid})")
+                print(f"  {node.name}  stopped (pid {node.pid})" if node.pid else f"  {node.name}  was not running")
         else:
             nodes = nats_local.load(args.dir)
             print(",".join(node.url for node in nodes))  # as `up` printed it: NATS=$(mqks nats status | sed -n 1p)
             for node in nodes:
-                if nats_local.healthy(node):
+                if not node.pid:
+                    state = f"stopped (mqks nats up --dir {args.dir} starts it again, with its data)"
+                elif nats_local.healthy(node):
                     state = "up"
                 else:
                     state = "running, not ready" if nats_local.alive(node.pid) else "down"
-                print(f"  {node.name}  {node.url}  pid {node.pid}  {state}")
+                print(f"  {node.name}  {node.url}  pid {node.pid or '-'}  {state}")
     except nats_local.NatsError as e:
         print(f"mqks nats {args.nats_action}: {e}", file=sys.stderr)
         return EXIT_BROKER

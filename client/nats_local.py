@@ -1,6 +1,7 @@
 """A NATS JetStream cluster on this host, for development and tests of the replicated log: `mqks nats up`
 starts N `nats-server` processes on loopback with cluster routes and JetStream fsyncing before it
-acknowledges (`sync_interval: always`); `mqks nats down` stops them. A real deployment points at the
+acknowledges (`sync_interval: always`); `mqks nats down` stops them, and the next `up` starts them again with
+their data, on the same ports while those are free. A real deployment points at the
 operator's own cluster (docs/operating.md says what MQKS needs of it).
 
 The binary is `$MQKS_NATS_SERVER`, else the one the `cluster` extra installs beside this Python
@@ -37,6 +38,15 @@ POLL_SECONDS = 0.05
 
 class NatsError(Exception):
     """The cluster cannot be started, reached or stopped; the message says why."""
+
+
+class AlreadyUp(NatsError):
+    """`up` found every node of the directory's cluster running: `nodes` are they, as `up` would return them."""
+
+    def __init__(self, directory: str, nodes: list[Node]) -> None:
+        super().__init__(f"the cluster in {directory} is up already (mqks nats status --dir {directory}; "
+                         f"mqks nats down --dir {directory} stops it)")
+        self.nodes = nodes
 
 
 @dataclass
@@ -88,13 +98,8 @@ def free_low_port(taken: set[int]) -> int:
     """A port below the ephemeral range that nobody listens on now."""
     for _ in range(1000):
         port = random.randint(*LOW_PORTS)
-        if port in taken:
+        if port in taken or not port_free(port):
             continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
         taken.add(port)
         return port
     raise NatsError(f"no free port in {LOW_PORTS[0]}..{LOW_PORTS[1]}")
@@ -114,27 +119,43 @@ def node_config(node: Node, nodes: list[Node], cluster: str) -> str:
 
 
 def up(directory: str, nodes: int = 3, cluster: str = "mqks", base_port: int | None = None) -> list[Node]:
-    """Start `nodes` servers with their files under `directory`, wait until JetStream is ready on each."""
+    """Start `nodes` servers with their files under `directory`, wait until JetStream is ready on each.
+
+    A directory whose cluster was stopped (`down`) starts again with its data, on its ports while they are free (on
+    new ones, every node's, when one is taken); one whose nodes all run raises AlreadyUp, which names them.
+    """
     if nodes < 1:
         raise NatsError("a cluster needs at least one node")
     binary = nats_server_binary()
     directory = os.path.abspath(directory)
     if os.path.exists(os.path.join(directory, STATE_FILE)):
-        raise NatsError(f"{directory} holds a running cluster already (mqks nats down --dir {directory} first)")
+        return start_again(binary, directory, nodes, cluster, base_port)
     os.makedirs(directory, exist_ok=True)
+    members = [Node(f"n{i}", 0, 0, 0, os.path.join(directory, f"n{i}"), os.path.join(directory, f"n{i}.conf"),
+                    os.path.join(directory, f"n{i}.log")) for i in range(nodes)]
+    configure(members, cluster, base_port)
+    return start(binary, directory, members)
+
+
+def configure(members: list[Node], cluster: str, base_port: int | None) -> None:
+    """Give every node its ports (PORT+i, PORT+100+i, PORT+200+i; else free ones) and write its config."""
     taken: set[int] = set()
 
     def port(offset: int) -> int:
         return base_port + offset if base_port else free_low_port(taken)
 
-    members = [Node(f"n{i}", port(i), port(100 + i), port(200 + i), os.path.join(directory, f"n{i}"),
-                    os.path.join(directory, f"n{i}.conf"), os.path.join(directory, f"n{i}.log"))
-               for i in range(nodes)]
+    for i, node in enumerate(members):
+        node.port, node.cluster_port, node.http_port = port(i), port(100 + i), port(200 + i)
     for node in members:
         with open(node.config, "w", encoding="utf-8") as f:
             f.write(node_config(node, members, cluster))
+
+
+def start(binary: str, directory: str, members: list[Node]) -> list[Node]:
+    """Start the nodes of `members` that do not run, and wait until every one is ready; stopped again on failure."""
     for node in members:
-        start_node(binary, node)
+        if not (node.pid and alive(node.pid)):
+            start_node(binary, node)
     save(directory, members)
     try:
         wait_ready(members)
@@ -142,6 +163,43 @@ def up(directory: str, nodes: int = 3, cluster: str = "mqks", base_port: int | N
         down(directory)
         raise
     return members
+
+
+def start_again(binary: str, directory: str, nodes: int, cluster: str, base_port: int | None) -> list[Node]:
+    """`up` in a directory that holds a cluster: start its stopped nodes, with their data and ports."""
+    members = load(directory)
+    running = [node for node in members if node.pid and alive(node.pid)]
+    if len(running) == len(members):
+        raise AlreadyUp(directory, members)
+    named = cluster_name(members[0])
+    if nodes != len(members) or named != cluster or (base_port and base_port != members[0].port):
+        raise NatsError(f"{directory} holds the cluster {named!r} of {len(members)} nodes from port "
+                        f"{members[0].port} (mqks nats up --dir {directory} starts it again as it was); give "
+                        "another --dir for another cluster")
+    if not running and not all(port_free(port, reuse=True) for node in members
+                               for port in (node.port, node.cluster_port, node.http_port)):
+        configure(members, cluster, base_port)  # its data does not depend on the ports: routes are by address
+    return start(binary, directory, members)
+
+
+def cluster_name(node: Node) -> str:
+    """The cluster name in `node`'s config, as node_config wrote it."""
+    with open(node.config, encoding="utf-8") as f:
+        found = re.search(r"^cluster \{\n  name: (\S+)$", f.read(), re.MULTILINE)
+    return found.group(1) if found else ""
+
+
+def port_free(port: int, reuse: bool = False) -> bool:
+    """True when nobody listens on `port`; `reuse` allows what nats-server's own bind allows (SO_REUSEADDR): a
+    cluster just stopped leaves its routes' connections in TIME_WAIT on its ports for a minute."""
+    with socket.socket() as sock:
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def start_node(binary: str, node: Node) -> None:
@@ -208,20 +266,28 @@ def alive(pid: int) -> bool:
 
 
 def down(directory: str, timeout: float = STOP_SECONDS) -> list[Node]:
-    """Stop every node (SIGTERM, then SIGKILL after `timeout`) and forget the cluster; its files stay."""
+    """Stop every node (SIGTERM, then SIGKILL after `timeout`); the nodes as they ran (pid 0: it was not running).
+
+    The cluster stays known, stopped (its nodes' pids 0), with its files: `up` starts it again on its ports.
+    """
     members = load(directory)
-    for node in members:
+    ran = [Node(**asdict(node)) for node in members]
+    for node in ran:
         if node.pid and alive(node.pid):
             os.kill(node.pid, signal.SIGTERM)
+        else:
+            node.pid = 0
     deadline = time.monotonic() + timeout
-    for node in members:
+    for node in ran:
         while node.pid and alive(node.pid):
             if time.monotonic() > deadline:
                 os.kill(node.pid, signal.SIGKILL)
                 break
             time.sleep(POLL_SECONDS)
-    os.unlink(os.path.join(directory, STATE_FILE))
-    return members
+    for node in members:
+        node.pid = 0
+    save(directory, members)
+    return ran
 
 
 def save(directory: str, members: list[Node]) -> None:

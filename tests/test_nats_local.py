@@ -118,7 +118,28 @@ def test_up_starts_three_ready_nodes_and_down_stops_them(nats_cluster):
     assert done.returncode == 0, done.stderr
     wait_for(lambda: not any(pid_alive(pid) for pid in pids), "every nats-server to exit")
     again = mqks_nats("status", "--dir", str(directory))
-    assert again.returncode == 1 and "no cluster" in again.stderr
+    assert again.returncode == 0 and again.stdout.count(" stopped (mqks nats up") == 3, again.stdout
+
+
+def test_down_then_up_brings_the_cluster_back_with_its_data_on_its_ports(nats_cluster):
+    """Issue 55: after `down`, status said "no cluster" though the data stayed, and the next `up` came back on new
+    ports (a $NATS of the first run, and every node's --log, pointed at nothing)."""
+    directory, urls = nats_cluster
+    seqs, _ = asyncio.run(publish_and_read(urls, "KEPT", 3))
+    assert mqks_nats("down", "--dir", str(directory)).returncode == 0
+    done = mqks_nats("up", "--dir", str(directory))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == ",".join(urls)
+
+    async def messages() -> int:
+        nc = await nats.connect(servers=urls, connect_timeout=5)
+        try:
+            js = nc.jetstream(timeout=10)
+            await until_awaited(lambda: stream_has_leader(js, "KEPT"), "the kept stream's leader", ELECTION_SECONDS)
+            return int((await js.stream_info("KEPT")).state.messages)
+        finally:
+            await nc.close()
+    assert asyncio.run(messages()) == len(seqs)
 
 
 def test_an_r3_stream_keeps_every_acknowledged_message_when_its_leader_is_killed(nats_cluster):
@@ -135,7 +156,11 @@ def test_an_r3_stream_keeps_every_acknowledged_message_when_its_leader_is_killed
     assert messages == 30
 
 
-def test_up_refuses_a_directory_that_holds_a_running_cluster(nats_cluster):
-    directory, _ = nats_cluster
+def test_up_of_a_running_cluster_prints_its_urls_again(nats_cluster):
+    """`NATS=$(mqks nats up | sed -n 1p)` a second time (operating.md, then cluster.md as printed) left $NATS empty
+    before issue 55: the refusal went to stderr only."""
+    directory, urls = nats_cluster
     again = mqks_nats("up", "--dir", str(directory))
-    assert again.returncode == 1 and "running cluster already" in again.stderr
+    assert again.returncode == 0 and again.stdout.splitlines()[0] == ",".join(urls), again.stderr
+    assert again.stderr == (f"mqks nats up: the cluster in {directory} is up already (mqks nats status --dir "
+                            f"{directory}; mqks nats down --dir {directory} stops it)\n")
