@@ -727,8 +727,10 @@ class Placement(Enum):
 
     HERE = "here"  # the worker the client is connected to (publish routes on from there)
     QUEUE_OWNER = "queue owner"  # the owner of the queue its first argument names
+    QUEUE_OWNER_NEW_CONSUMER = "queue owner, making a consumer"  # and a stub here stands for the consumer it makes
     DEAD_QUEUE_OWNER = "dead-letter queue owner"  # the owner of `{queue}.dead`, its first argument naming {queue}
     CONSUMER_OWNER = "consumer owner"  # the owner of the queue of the consumer its first argument names
+    CONSUMER_OWNER_ENDING = "consumer owner, ending it"  # and the consumer's stub here goes at once
     SCHEDULE_OWNER = "schedule owner"  # the owner of the schedule its first argument names
     TOKEN_ISSUER = "token issuer"  # the worker that issued the reply token
     EVERY_WORKER_STATS = "every worker, figures summed"
@@ -773,13 +775,13 @@ REQUEUE_DEAD_USAGE = "requeue_dead: expected {id} requeue_dead {queue} [--limit=
 P, S = Placement, ScopeCheck
 ACTIONS: dict[bytes, Action] = {
     b"publish": Action(handle_publish, "publish: event expected", scope=S.PUBLISH),
-    b"consume": Action(handle_consume, CONSUME_MISSING, scope=S.READ_QUEUE, placement=P.QUEUE_OWNER),
+    b"consume": Action(handle_consume, CONSUME_MISSING, scope=S.READ_QUEUE, placement=P.QUEUE_OWNER_NEW_CONSUMER),
     b"ack": Action(handle_ack, "ack: " + SETTLE_USAGE, scope=S.ANY, placement=P.CONSUMER_OWNER),
     b"reject": Action(handle_reject, "reject: " + SETTLE_USAGE, scope=S.ANY, placement=P.CONSUMER_OWNER),
     b"touch": Action(handle_touch, "touch: " + SETTLE_USAGE, scope=S.ANY, placement=P.CONSUMER_OWNER),
     b"rebind": Action(handle_rebind, REBIND_MISSING, scope=S.READ_QUEUE, placement=P.QUEUE_OWNER),
     b"delete_consumer": Action(handle_delete_consumer, "delete_consumer: expected {consumer_id}", scope=S.ANY,
-                               placement=P.CONSUMER_OWNER),
+                               placement=P.CONSUMER_OWNER_ENDING),
     b"delete_queue": Action(handle_delete_queue, "delete_queue: expected {queue}", scope=S.MANAGE,
                             placement=P.QUEUE_OWNER),
     b"purge_queue": Action(handle_purge_queue, PURGE_USAGE, scope=S.MANAGE, placement=P.QUEUE_OWNER),

@@ -214,45 +214,60 @@ def first_token(args: bytes) -> bytes:
     return args.split(None, 1)[0] if args.strip() else b""
 
 
+def queue_owner(peers: Peers, queue: bytes, suffix: bytes) -> int:
+    """The worker that owns `queue + suffix`; this one for a line with no queue (the handler answers its error)."""
+    return peers.owner(queue + suffix) if queue else peers.worker
+
+
 def by_queue(name: bytes, handler: Handler, suffix: bytes = b"") -> Handler:
-    """consume, rebind, delete_queue, purge_queue, fetch: run by the queue's owner; requeue_dead
-    (suffix `.dead`): by the owner of the queue's dead letters."""
+    """rebind, delete_queue, purge_queue, fetch: run by the queue's owner; requeue_dead (suffix `.dead`): by the
+    owner of the queue's dead letters."""
 
     def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
         relay = relay_of(session)
-        peers = relay.peers
         queue = first_token(args)
-        owner = peers.owner(queue + suffix) if queue else peers.worker
-        if owner == peers.worker:
+        owner = queue_owner(relay.peers, queue, suffix)
+        if owner == relay.peers.worker:
             return handler(session, rid, args, confirm)
-        if name == b"consume":
-            parse_consume(args)  # a bad line gets its error from here, as from the owner
-            if rid in session.consumers_by_id:
-                raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
-            session.consumers_by_id[rid] = cast(Consumer, RelayStub(rid, owner))  # stands in for one
-            try:
-                return relay.send(owner, line_of(rid, name, args, confirm), answer_first=True)
-            except ProtocolError:
-                # refused here (its owner is restarting): no consumer stands under that id, so the client's
-                # "try again" with the same id must not be told it is already consuming
-                del session.consumers_by_id[rid]
-                raise
-        else:
-            check_name(queue, f"{name.decode()}: queue")
+        check_name(queue, f"{name.decode()}: queue")
         return relay.send(owner, line_of(rid, name, args, confirm), answer_first=True)
 
     return run
 
 
-def by_consumer(name: bytes, handler: Handler) -> Handler:
-    """ack, reject, touch, delete_consumer: run where the consumer's queue is."""
+def by_queue_new_consumer(name: bytes, handler: Handler) -> Handler:
+    """consume: run by the queue's owner; a `RelayStub` stands here for the consumer it makes there."""
+
+    def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
+        relay = relay_of(session)
+        owner = queue_owner(relay.peers, first_token(args), b"")
+        if owner == relay.peers.worker:
+            return handler(session, rid, args, confirm)
+        parse_consume(args)  # a bad line gets its error from here, as from the owner
+        if rid in session.consumers_by_id:
+            raise ProtocolError(f"{name.decode()}: consumer {text(rid)!r} is already consuming on this connection")
+        session.consumers_by_id[rid] = cast(Consumer, RelayStub(rid, owner))  # stands in for one
+        try:
+            return relay.send(owner, line_of(rid, name, args, confirm), answer_first=True)
+        except ProtocolError:
+            # refused here (its owner is restarting): no consumer stands under that id, so the client's
+            # "try again" with the same id must not be told it is already consuming
+            del session.consumers_by_id[rid]
+            raise
+
+    return run
+
+
+def by_consumer(name: bytes, handler: Handler, ending: bool = False) -> Handler:
+    """ack, reject, touch: run where the consumer's queue is; delete_consumer (`ending`) too, and its stub here
+    goes at once."""
 
     def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
         stub = session.consumers_by_id.get(first_token(args))
         if type(stub) is not RelayStub:
             return handler(session, rid, args, confirm)
         answer_first = confirm
-        if name == b"delete_consumer":
+        if ending:
             del session.consumers_by_id[stub.consumer_id]
             answer_first = True  # the queue may be deleted with it: bindings change
         return relay_of(session).send(stub.owner, line_of(rid, name, args, confirm), answer_first)
@@ -458,8 +473,10 @@ def after_other_workers(name: bytes, handler: Handler) -> Handler:
 
 WRAPPERS: dict[Placement, Callable[[bytes, Handler], Handler]] = {
     Placement.QUEUE_OWNER: by_queue,
+    Placement.QUEUE_OWNER_NEW_CONSUMER: by_queue_new_consumer,
     Placement.DEAD_QUEUE_OWNER: lambda name, handler: by_queue(name, handler, b".dead"),
     Placement.CONSUMER_OWNER: by_consumer,
+    Placement.CONSUMER_OWNER_ENDING: lambda name, handler: by_consumer(name, handler, ending=True),
     Placement.SCHEDULE_OWNER: lambda name, handler: by_token(name, handler, schedule_owner),
     Placement.TOKEN_ISSUER: lambda name, handler: by_token(name, handler, token_owner),
     Placement.EVERY_WORKER_STATS: every_worker_stats,
