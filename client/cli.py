@@ -213,7 +213,7 @@ def wait_stdout_closed(stop: Event) -> None:
 
 
 class NoSuchQueue(Exception):
-    """The command names a queue the broker does not have (exit 1; a typo should not read as "done")."""
+    """`delete-queue` names a queue the broker does not have (exit 1; a typo should not read as "deleted")."""
 
 
 def require_queue(client: Client, queue: str) -> None:
@@ -239,16 +239,27 @@ def cmd_delete_queue(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_purge(client: Client, args: argparse.Namespace) -> int:
-    require_queue(client, args.queue)
-    print(f"purged {client.purge_queue(args.queue)} messages from {args.queue}", flush=True)
+    purged = client.purge_queue(args.queue)
+    print(f"purged {purged} messages from {args.queue}{absent(client, args.queue, purged)}", flush=True)
     return EXIT_OK
 
 
 def cmd_requeue_dead(client: Client, args: argparse.Namespace) -> int:
-    require_queue(client, f"{args.queue}.dead")
     moved = client.requeue_dead(args.queue, limit=args.limit, msg_ids=args.msg_ids or None)
-    print(f"moved {moved} dead letters from {args.queue}.dead back to {args.queue}", flush=True)
+    dead = f"{args.queue}.dead"
+    print(f"moved {moved} dead letters from {dead} back to {args.queue}{absent(client, dead, moved)}", flush=True)
     return EXIT_OK
+
+
+def absent(client: Client, queue: str, count: int) -> str:
+    """` (there is no queue 'q')` after a count of 0 from a queue the broker does not have, else "".
+
+    The broker's rule, and client.purge_queue's: purging a queue that is not there, or moving back the dead
+    letters of a queue none died in yet, does nothing and answers 0. The note lets a typo show all the same.
+    """
+    if count or any(row["queue"] == queue for row in client.queues(queue)):
+        return ""
+    return f" (there is no queue {queue!r})"
 
 
 def cmd_ping(client: Client, args: argparse.Namespace) -> int:
