@@ -3,7 +3,7 @@
 Plain Python when MQKS_PURE=1, when the install compiled nothing (no C compiler, MQKS_COMPILE=0), or when a
 compiled module is older than its source: a checkout edited after `pip install -e .` would otherwise run the
 code as it was, not as it reads. The choice is all or none: compiled modules reach into each other's objects
-directly, so a compiled state.py beside a plain outbox.py would fail. `mqksd --version` prints the choice.
+directly, so a compiled core/state.py beside a plain wire/outbox.py would fail. `mqksd --version` prints the choice.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`mqksd`'s command line, on top of everything: the flags as a Config, then a supervisor of worker
-processes or one `Server` (app.py). Every default and its meaning lives in config.py.
+processes or one `Server` (app.py). Every default and its meaning lives in node/config.py.
 
 Exit codes: 0 a clean stop, 1 cannot listen, the log is corrupt, NATS cannot be reached or another broker
 owns the stream, 2 bad flags (argparse), 70 a failed fsync (server/journal/log.py), 75 the replicated log

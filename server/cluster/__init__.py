@@ -1,10 +1,13 @@
 """The cluster layer (`mqksd --cluster NAME --node ID`): who owns each slot group, above a storage-only log.
 
+    node.py       ClusterGroup: what app.Server asks of the layer (start, replay, serve, move_to, topology)
     candidacy.py  a node's claim on one group: its lease, claim delays, the node's other processes
     election.py   standing by (follow the stream, claim after a lease of silence, balance) and the takeover
     map.py        the cluster's bucket: where each owner listens, pins, standby reports, hand-off requests
     layout.py     start-up checks against what NATS already holds (group count, node ids in use)
-    operator.py   `mqks cluster status|move|unpin|remove`
+
+The operator's `mqks cluster status|move|unpin|remove` reads the same bucket from the client side
+(client/cluster.py), never from a broker.
 
 The log below (server/journal/jetstream_log.py) only stores: append, commit, replay to the tail, follow the
 tail, and the conditional append (expecting the last sequence) a takeover is. Nothing below imports this layer.

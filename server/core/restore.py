@@ -1,4 +1,4 @@
-"""The queues replay recovered (recovery.py) put back into their brokers.
+"""The queues replay recovered (journal/recovery.py) put back into their brokers.
 
 Un-acked messages are not lost on a crash: replay finds them delivered and not acked, and they
 come back at the front with their retry raised, as a disconnect would.

@@ -1,4 +1,4 @@
-"""A broker's whole live state as records (records.py), so a snapshot
+"""A broker's whole live state as records (journal/records.py), so a snapshot
 can replace the log before it."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A process runs exactly one broker: worker `worker` of `worker_count`, owning the queues of its
 slot range (slots.py; stable across processes, restarts and the log's re-sharding). With worker
-processes, the relay (relay.py) runs each line where its queue lives, so a handler here always
+processes, the relay (workers/relay.py) runs each line where its queue lives, so a handler here always
 works on `Process.broker`. After a batch of lines, `flush_pending` commits the journal and hands
 every outbox that got bytes to its flush, once. No sockets here: an outbox's flush is whatever
 its owner set.

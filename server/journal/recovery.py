@@ -1,4 +1,4 @@
-"""The log's records replayed into queue states (restore.py puts them into the
+"""The log's records replayed into queue states (core/restore.py puts them into the
 broker).
 
 `recover` applies each record through `APPLY`, a table from its kind to one small function

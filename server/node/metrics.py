@@ -3,7 +3,7 @@
 Beside the flow, not in it: `mqksd --metrics-port P` serves it from the broker's own gevent
 loop (a `gevent.pywsgi.WSGIServer`, no thread), and it only reads. `StatsCollector` turns
 `Process.stats()` and the deepest queues into metric families when a scrape asks, so
-nothing is counted per message for it. figures.py names each key's kind and help; a key it
+nothing is counted per message for it. common/figures.py names each key's kind and help; a key it
 does not name (one a later issue adds) is still exported, as a gauge, if it is a number.
 
 With `--workers N`, worker 0 serves the port and speaks for the whole broker. On a cluster node every group

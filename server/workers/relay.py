@@ -1,6 +1,6 @@
 """Which worker runs a line, and the forward when it is not this one.
 
-Each action declares its `Placement` (actions.py); `place` wraps its handler once, when a
+Each action declares its `Placement` (dispatch/actions.py); `place` wraps its handler once, when a
 worker of several builds its tables. A line about a queue (consume, rebind, delete_queue,
 fetch), a relayed consumer (ack, reject, touch, delete_consumer), a schedule or a reply
 token runs where that lives; `stats`, `queues`, `schedules` and `settle` are asked of every
