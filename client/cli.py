@@ -325,7 +325,7 @@ def cmd_top(client: Client, args: argparse.Namespace) -> int:
     return top.run(client, args)
 
 
-def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
+def build_parser(json_errors: bool = False) -> stats.Parser:
     """The `mqks` parser; `json_errors` makes a usage error of `stats --json` or `queues --json` JSON too."""
     parser = stats.Parser(prog="mqks", description="Talk to an MQKS broker.", json_errors=json_errors)
     parser.add_argument("--version", action="version", version=f"mqks {version()}")
@@ -337,6 +337,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log the client's connection events")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=stats.Parser)
+    parser.commands_by_name = commands.choices
 
     publish = commands.add_parser("publish", parents=[common], help="publish one message")
     publish.add_argument("event", metavar="EVENT")
@@ -388,7 +389,9 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
 
     eval_parser = commands.add_parser("eval", parents=[common], help="evaluate a Python expression in the broker")
     eval_parser.add_argument("code", metavar="EXPRESSION")
-    eval_parser.add_argument("--worker", type=int, default=None)
+    eval_parser.add_argument("--worker", type=int, default=None, metavar="N",
+                             help="evaluate it in worker N of mqksd --workers (default: the one this connection "
+                                  "reached)")
     eval_parser.set_defaults(run=cmd_eval)
 
     request = commands.add_parser(
@@ -633,7 +636,15 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mqks` console script."""
     argv = sys.argv[1:] if argv is None else argv
     command = next((arg for arg in argv if arg in COMMANDS), None)
-    args = build_parser(json_errors=command in JSON_COMMANDS and "--json" in argv).parse_args(argv)
+    parser = build_parser(json_errors=command in JSON_COMMANDS and "--json" in argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command_parser = parser.commands_by_name.get(args.command, parser)
+        if "data" in args and not any(extra.startswith("-") for extra in extras):
+            # argparse reads DATA up to the first option: the words after one are not DATA any more
+            command_parser.error(f"DATA comes in one piece, before the options: {' '.join(extras)!r} came after "
+                                 "one; quote DATA that has spaces (mqks publish EVENT 'hello world' --confirm)")
+        command_parser.error(f"unrecognized arguments: {' '.join(extras)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=stats.LOG_FORMAT)
     try:
         if args.command == "nats":
@@ -641,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "cluster":
             return cmd_cluster(args)
         if args.run is None:
-            return stats.run(args)
+            return stats.run(args, f"mqks {args.command}")
         return run_command(args)
     except BrokenPipeError:
         stats.stdout_closed()  # the reader of stdout went away (`| head -1`): nothing left to say to it
@@ -687,7 +698,7 @@ def run_command(args: argparse.Namespace) -> int:
     except NoSuchQueue as e:
         code = fail(str(e), EXIT_BROKER)
     except MqksConnectionError as e:
-        code = fail(str(e), EXIT_BROKER)
+        code = fail(stats.said_by_a_command(e), EXIT_BROKER)
     except MqksError as e:
         code = fail(f"{args.host}:{args.port} answered {e}", EXIT_BROKER)
     finally:

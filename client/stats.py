@@ -17,7 +17,7 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import gevent
@@ -26,6 +26,7 @@ from gevent.event import Event
 from mqks.common.figures import FIGURES as ALL_FIGURES
 from mqks.common.figures import TOP_QUEUES
 
+from . import wire
 from .client import Client
 from .errors import MqksError
 from .placement import parse_seeds
@@ -46,6 +47,7 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, json_errors: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.json_errors = json_errors
+        self.commands_by_name: Mapping[str, argparse.ArgumentParser] = {}  # `mqks`'s subcommands, for their errors
 
     def error(self, message: str) -> NoReturn:
         if self.json_errors:
@@ -58,6 +60,13 @@ def print_json_error(reason: str) -> None:
     print(json.dumps({"error": reason}), flush=True)
 
 
+def said_by_a_command(error: MqksError) -> str:
+    """A client's error as `mqks` and stats.py say it: a token is given there with --token, not Client(token=...)."""
+    reason = str(error)
+    head, found, _ = reason.partition(wire.TOKEN_REQUIRED)
+    return f"{head}{wire.TOKEN_REQUIRED}: give --token or set MQKS_AUTH_TOKEN" if found else reason
+
+
 def read_stats(client: Client, per_worker: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the whole broker's figures, each worker's); the second is empty with one worker or `per_worker=False`."""
     total = client.stats()
@@ -67,11 +76,12 @@ def read_stats(client: Client, per_worker: bool = True) -> tuple[dict[str, Any],
     return total, [client.stats(worker=worker) for worker in range(workers)]
 
 
-def render_table(total: dict[str, Any], per_worker: list[dict[str, Any]], address: str) -> str:
-    """A plain-text table: one row per figure, a column per worker (when more than one), the total; then
-    the log's figures (with a data dir) and the deepest queues."""
+def render_table(total: dict[str, Any], per_worker: list[dict[str, Any]], address: str, heading: str = "total") -> str:
+    """A plain-text table: one row per figure, a column per worker (when more than one), the total (`heading`
+    names that last column: `worker 1` for `--worker 1`'s figures); then the log's figures (with a data dir) and
+    the deepest queues."""
     columns = [*per_worker, total]
-    headers = [f"worker {stats.get('worker', n)}" for n, stats in enumerate(per_worker)] + ["total"]
+    headers = [f"worker {stats.get('worker', n)}" for n, stats in enumerate(per_worker)] + [heading]
     rows = []
     for key, label in FIGURES:
         if per_worker and key in PROCESS_WIDE_FIGURES:
@@ -157,7 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print again every SECONDS until Ctrl-C")
     parser.add_argument("--json", action="store_true",
                         help="print the broker's figures as one JSON object per print (on failure: {\"error\": ...})")
-    parser.add_argument("--worker", type=int, default=None, metavar="N", help="only worker N's figures")
+    parser.add_argument("--worker", type=int, default=None, metavar="N",
+                        help="only worker N's figures (0 to --workers - 1)")
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -204,15 +215,16 @@ def seeds_setting(text: str | None) -> list[tuple[str, int]]:
     return parse_seeds(text, "--seeds")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print the stats once, or every --watch seconds; returns the exit code (0, 1 broker, 2 usage)."""
+def run(args: argparse.Namespace, program: str = "stats.py") -> int:
+    """Print the stats once, or every --watch seconds; returns the exit code (0, 1 broker, 2 usage). An error line
+    on stderr starts with `program`, as the user typed it (`stats.py`, `mqks stats`)."""
     address = f"{args.host}:{args.port}"
 
     def fail(reason: str, code: int) -> int:
         if args.json:
             print_json_error(reason)
         else:
-            print(f"stats: {reason}", file=sys.stderr)
+            print(f"{program}: {reason}", file=sys.stderr)
         return code
 
     if args.watch is not None and args.watch <= 0:
@@ -258,7 +270,8 @@ def print_stats(client: Client, args: argparse.Namespace, address: str, fail: Ca
             if args.json:
                 text = json.dumps(total, sort_keys=True)
             else:
-                text = render_table(total, per_worker, address)
+                text = render_table(total, per_worker, address,
+                                    "total" if args.worker is None else f"worker {args.worker}")
                 if clear_screen:
                     text = "\x1b[H\x1b[2J" + text  # home and clear: each print replaces the last one
                 elif args.watch is not None:
@@ -268,7 +281,8 @@ def print_stats(client: Client, args: argparse.Namespace, address: str, fail: Ca
                 return 0
             gevent.sleep(args.watch)
     except MqksError as e:
-        return fail(str(e) if str(e).startswith(("cannot connect", address)) else f"{address}: {e}", 1)
+        reason = said_by_a_command(e)
+        return fail(reason if reason.startswith(("cannot connect", address)) else f"{address}: {reason}", 1)
     except BrokenPipeError:
         stdout_closed()  # `| head -1`: as `mqks consume` does, nothing left to say and nothing wrong
         return 0

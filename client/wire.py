@@ -326,6 +326,7 @@ REPLY_PREFIX = b"--reply "  # the answer to a `request`: `{rid} ok --reply {data
 NO_REPLY_REASON = "no reply within"  # the broker's reason when a request times out
 AUTH_FREE_REASONS = ("takes no token", "unknown action")  # an `auth` refusal that only means "no tokens here"
 TOKEN_WANTED_REASON = "authentication required"  # a hello refused until `auth`
+TOKEN_REQUIRED = "the broker requires a token"  # what a client says then; the commands say how to give one their way
 
 
 def body(data: Any, json: bool, kind: str = "data") -> bytes:
@@ -477,7 +478,7 @@ def auth_refusal(error: MqksError) -> MqksError | None:
 def hello_refusal(error: MqksError, have_token: bool, anonymous: bool) -> MqksError | None:
     """The error to raise for a refused `hello`; None when the broker predates hello or the client is anonymous."""
     if TOKEN_WANTED_REASON in error.reason and (have_token or not anonymous):
-        return MqksError("the broker requires a token: pass token= (mqks --token) or set MQKS_AUTH_TOKEN")
+        return MqksError(f"{TOKEN_REQUIRED}: pass Client(token=...) or set MQKS_AUTH_TOKEN")
     return None
 
 

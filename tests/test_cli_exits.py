@@ -97,3 +97,35 @@ def test_stats_into_a_closed_pipe_exits_0_without_a_traceback(broker: BrokerProc
             proc.kill()
             proc.wait()
     assert (proc.returncode, stderr) == (0, b"")
+
+
+def test_the_commands_say_their_own_names_and_flags_in_their_errors(scoped: BrokerProcess) -> None:
+    """Issue 55's wording: a token is `--token` on a command line, not `token=`; stats.py's errors began `stats:`
+    (neither program's name); DATA split by an option ended in the top-level usage and "unrecognized arguments"."""
+    env = {key: value for key, value in os.environ.items() if key != "MQKS_AUTH_TOKEN"}
+    where = f"127.0.0.1:{scoped.port}"
+    for program, name in (([str(MQKS), "stats"], "mqks stats"), ([str(MQKS), "queues"], "mqks queues"),
+                          ([sys.executable, str(REPO / "stats.py")], "stats.py")):
+        done = subprocess.run([*program, "--port", str(scoped.port)], capture_output=True, text=True, env=env,
+                              timeout=RUN_TIMEOUT_SECONDS, cwd=REPO)
+        assert (done.returncode, done.stderr) == (
+            1, f"{name}: cannot connect to {where}: the broker requires a token: give --token or set "
+               "MQKS_AUTH_TOKEN\n")
+    done = mqks(scoped, "publish", "orders.x", "hello", "--confirm", "world", "--token", ORDERS)
+    assert done.returncode == 2 and done.stderr.startswith("usage: mqks publish "), done.stderr
+    assert done.stderr.endswith("mqks publish: error: DATA comes in one piece, before the options: 'world' came "
+                                "after one; quote DATA that has spaces (mqks publish EVENT 'hello world' "
+                                "--confirm)\n"), done.stderr
+
+
+def test_stats_of_one_worker_heads_its_column_with_it(scoped: BrokerProcess) -> None:
+    """`mqks stats --worker 0` headed worker 0's figures "total" (issue 55)."""
+    done = mqks(scoped, "stats", "--worker", "0", "--token", ADMIN)
+    assert done.returncode == 0, done.stderr
+    heading = done.stdout.splitlines()[1]
+    assert heading.split() == ["worker", "0"], done.stdout
+
+
+def test_every_option_of_mqks_eval_says_what_it_does() -> None:
+    done = subprocess.run([str(MQKS), "eval", "--help"], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
+    assert "--worker N            evaluate it in worker N of mqksd --workers" in done.stdout, done.stdout
