@@ -248,7 +248,7 @@ class Server:
     def open_stream(self) -> JetStreamLog:
         """--log: this worker's stream on the NATS cluster (the cluster extra is imported only here)."""
         from ..common.cluster_names import Layout, stream_of
-        from ..common.nats_urls import log_urls, nats_access
+        from ..common.nats_urls import nats_access
         from .journal.jetstream_log import JetStreamLog
         from .journal.nats_bridge import BridgeError
 
@@ -266,13 +266,13 @@ class Server:
             from .cluster.node import owner_description
 
             owner = owner_description(config)
-        assert config.log is not None
+        urls = config.log_urls
         # a cluster's group is leased: an idle owner sends heartbeats, and steps down after a lease of no writes
-        log_ = JetStreamLog(log_urls(config.log), stream, owner, replicas=config.log_replicas,
+        log_ = JetStreamLog(urls, stream, owner, replicas=config.log_replicas,
                             takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
                             lease_seconds=config.lease_seconds if config.cluster else None, node=config.node,
                             frame_wait_seconds=config.frame_wait_ms / 1000 if config.cluster else 0.0,
-                            nats_options=nats_access(config).connect_options(log_urls(config.log)),
+                            nats_options=nats_access(config).connect_options(urls),
                             shared=self.shared_nats, group=group, stream_subjects=subjects)
         try:
             log_.open()
@@ -282,9 +282,9 @@ class Server:
 
     def log_shown(self) -> str:
         """--log's NATS URLs as the log may show them: no password or token."""
-        from ..common.nats_urls import log_urls, shown
+        from ..common.nats_urls import shown
 
-        return shown(log_urls(self.config.log or ""))
+        return shown(self.config.log_urls)
 
     def error_line(self, rid: bytes, reason: str) -> bytes:
         error_id = self.next_error_id()

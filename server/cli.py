@@ -339,14 +339,14 @@ def main(argv: list[str] | None = None) -> None:
 def serve_groups(config: Config) -> int:
     """A cluster node's process: its groups, each a Server, over one NATS connection."""
     from ..common.cluster_names import bucket_of
-    from ..common.nats_urls import log_urls, nats_access
+    from ..common.nats_urls import nats_access
     from .cluster.map import SharedMap
     from .journal.nats_bridge import SharedNats
     from .node.group_host import GroupHost
 
     assert config.log is not None and config.cluster is not None and config.node is not None
     assert config.host_index is not None
-    urls = log_urls(config.log)
+    urls = config.log_urls
     shared = SharedNats(urls, options=nats_access(config).connect_options(urls))
     shared_map = SharedMap(shared, bucket_of(config.cluster), config.node, config.host_index, config.log_replicas)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...common.nats_urls import log_urls
 from ..wire.protocol import DEFAULT_MAX_LINE_BYTES
 
 
@@ -63,6 +64,11 @@ class Config:
     worker_index: int | None = None  # set by the supervisor: this process is worker i of `workers`
     run_dir: str | None = None  # set by the supervisor: where the workers' Unix sockets are
     host_index: int | None = None  # set by a cluster node's supervisor: this process holds groups i, i+P, i+2P, ...
+
+    @property
+    def log_urls(self) -> list[str]:
+        """`--log` as nats-py's list of servers (none without it): the one place the flag's text is read."""
+        return log_urls(self.log or "")
 
 
 DEFAULTS = Config()

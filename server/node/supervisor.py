@@ -117,11 +117,11 @@ class Supervisor:
         if not config.cluster or config.log is None:
             return
         from ...common.cluster_names import Layout
-        from ...common.nats_urls import log_urls, nats_access
+        from ...common.nats_urls import nats_access
         from ..cluster.layout import check_layout
 
         layout = Layout(config.workers, config.streams)
-        reason = check_layout(log_urls(config.log), config.cluster, layout, config.node, nats_access(config))
+        reason = check_layout(config.log_urls, config.cluster, layout, config.node, nats_access(config))
         if reason is not None:
             log.error("cannot start: %s", reason)
             raise SystemExit(1)
