@@ -54,6 +54,7 @@ import gevent
 from gevent.event import Event
 
 from .hub_nats import Headers, ack_sequences
+from .journal import p50_p99, take_failed
 from .nats_bridge import Bridge, BridgeError, Hub, NatsBridge, SharedNats, parse_puback
 
 log = logging.getLogger("mqks.log")
@@ -475,25 +476,18 @@ class JetStreamLog:
 
     def poll(self) -> tuple[int, list[int]]:
         """The highest durable commit, and the commits failed since the last poll."""
-        failed = self._failed
-        if not failed:
-            return self._durable, []
-        numbers = []
-        while failed:
-            numbers.append(failed.popleft())
-        return self._durable, numbers
+        return take_failed(self._durable, self._failed)
 
     def stats(self) -> dict[str, Any]:
-        samples = sorted(tuple(self._puback_ms))
-        n = len(samples)
+        puback_ms_p50, puback_ms_p99 = p50_p99(self._puback_ms)
         return {
             "log_bytes": self._stream_bytes,
             "stream_messages": self._stream_messages,
             "commits": self._commits,
             "frames_in_flight": self._in_flight,
             "bytes_in_flight": self._in_flight_bytes,
-            "puback_ms_p50": samples[n // 2] if n else 0.0,
-            "puback_ms_p99": samples[min(n - 1, n * 99 // 100)] if n else 0.0,
+            "puback_ms_p50": puback_ms_p50,
+            "puback_ms_p99": puback_ms_p99,
             "unsynced_bytes": self.unsynced_bytes,
             "disk_full": False,
             "blocked": self.blocked is not None,

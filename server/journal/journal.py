@@ -67,6 +67,24 @@ class Log(Protocol):
     def replay(self, repair: bool = False) -> Iterator[bytes]: ...
 
 
+def take_failed(durable: int, failed: deque[int]) -> tuple[int, list[int]]:
+    """A Log's `poll` answer: its highest durable commit, and the failed commits taken out of `failed` (one at a
+    time: a writer thread may append meanwhile, and a deque's append and popleft are atomic)."""
+    if not failed:
+        return durable, []
+    numbers = []
+    while failed:
+        numbers.append(failed.popleft())
+    return durable, numbers
+
+
+def p50_p99(samples_ms: deque[float]) -> tuple[float, float]:
+    """The median and the 99th percentile of a Log's latest write latencies (0.0 before the first)."""
+    ordered = sorted(tuple(samples_ms))  # a copy first: the writer may append while this sorts
+    n = len(ordered)
+    return (ordered[n // 2], ordered[min(n - 1, n * 99 // 100)]) if n else (0.0, 0.0)
+
+
 class Journal:
     """The process's records and the confirms that wait for them to be durable."""
 

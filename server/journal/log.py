@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, BinaryIO
 
+from .journal import p50_p99, take_failed
+
 log = logging.getLogger("mqks.log")
 
 HEADER = struct.Struct("<II")  # payload length, crc32 of the payload
@@ -232,25 +234,18 @@ class Log:
 
     def poll(self) -> tuple[int, list[int]]:
         """The highest durable commit number, and the commits whose write failed since the last poll."""
-        failed = self._failed
-        if not failed:
-            return self._durable, []
-        numbers = []
-        while failed:
-            numbers.append(failed.popleft())
-        return self._durable, numbers
+        return take_failed(self._durable, self._failed)
 
     def stats(self) -> dict[str, Any]:
         """Counters for stats and monitoring; fsync latencies over the last 1024 fsyncs."""
-        samples = sorted(tuple(self._fsync_ms))
-        n = len(samples)
+        fsync_ms_p50, fsync_ms_p99 = p50_p99(self._fsync_ms)
         return {
             "log_bytes": self._log_bytes,
             "segments": self._segments,
             "commits": self._commits,
             "fsyncs": self._fsyncs,
-            "fsync_ms_p50": samples[n // 2] if n else 0.0,
-            "fsync_ms_p99": samples[min(n - 1, n * 99 // 100)] if n else 0.0,
+            "fsync_ms_p50": fsync_ms_p50,
+            "fsync_ms_p99": fsync_ms_p99,
             "unsynced_bytes": self.unsynced_bytes,
             "disk_full": self.disk_full,
             "blocked": self.blocked is not None,

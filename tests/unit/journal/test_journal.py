@@ -5,12 +5,13 @@ new segment. In process: the Log is this file's, the outboxes are real."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import pytest
 
 from mqks.server.journal import records
-from mqks.server.journal.journal import Journal
+from mqks.server.journal.journal import Journal, p50_p99, take_failed
 from mqks.server.wire.outbox import Outbox
 
 pytestmark = pytest.mark.timeout(10)
@@ -156,3 +157,16 @@ def test_close_commits_what_is_open_and_answers_what_became_durable():
     log.durable = 1  # the log makes it durable as it closes
     journal.close()
     assert log.closed and written(outbox) == b"m1 ok \n"
+
+
+def test_a_logs_poll_takes_each_failed_commit_once():
+    """Both logs answer `poll` through journal.take_failed: a failed commit is reported once, then forgotten."""
+    failed = deque([3, 5])
+    assert take_failed(7, failed) == (7, [3, 5]) and not failed
+    assert take_failed(8, failed) == (8, [])
+
+
+def test_a_logs_latency_percentiles_read_0_before_the_first_sample():
+    assert p50_p99(deque()) == (0.0, 0.0)
+    assert p50_p99(deque(float(ms) for ms in range(100, 0, -1))) == (51.0, 100.0)
+    assert p50_p99(deque([4.0])) == (4.0, 4.0)
