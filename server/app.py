@@ -40,7 +40,7 @@ from .node.connection import Connection
 from .node.listeners import AcceptFailed, CannotListen, Listener, tcp_listener, unix_listener
 from .node.memory import MemoryGuard
 from .node.sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
-from .wire.protocol import format_error
+from .wire.protocol import format_error, ok_body
 from .workers.links import notice_dead_peer
 
 if TYPE_CHECKING:
@@ -445,7 +445,7 @@ class Server:
             # a cluster node answers for the groups it owns: another node's trouble is that node's /healthz
             owned = self.cluster.node_dir.owned_groups() if self.cluster is not None else None
             for answer in self.peers.ask_all(b"h stats", workers=owned):
-                stats = json.loads(answer.partition(b" ok ")[2])
+                stats = json.loads(ok_body(answer))
                 trouble = log_trouble(stats)
                 if trouble is not None:
                     return (f"{self.peers.unit} {stats.get('worker')}: {trouble}: its log cannot write, confirmed "

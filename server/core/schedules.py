@@ -18,6 +18,7 @@ from typing import Any
 from cronsim import CronSim, CronSimError
 
 from ..journal import records
+from ..wire.protocol import delivery_tail
 
 
 class BadRule(ValueError):
@@ -136,7 +137,7 @@ class Schedules:
         found.fired += 1
         self.firings += 1
         msg_id = b"%b.%d" % (found.name, found.fired)
-        self.publish(msg_id, found.event, b"".join((b" ok ", msg_id, b" event=", found.event, b" ", found.data)))
+        self.publish(msg_id, found.event, delivery_tail(msg_id, found.event, found.data))
         if found.count is not None and found.fired >= found.count:
             self.remove(found.name)
             return

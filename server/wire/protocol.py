@@ -34,6 +34,13 @@ def msg_id_of(tail: bytes) -> bytes:
     return tail[4 : tail.index(b" ", 4)]
 
 
+def delivery_tail(msg_id: bytes, header: bytes, data: bytes) -> bytes:
+    """` ok {msg_id} event={header} {data}`: a message as its queues hold it, built once per publish (a delivery is
+    a consumer's id and this). `header` is the event, with any `,{field}={value}` after it (a request's reply
+    token); the spec's delivery always has the space before {data}, even an empty one."""
+    return b"".join((b" ok ", msg_id, b" event=", header, b" ", data))
+
+
 def with_field(tail: bytes, field: bytes) -> bytes:
     """The tail with `field` (`,retry=1`, `,seq=7`) added to its header, as a delivery shows it.
 
@@ -127,6 +134,11 @@ class LineSplitter:
 
 def format_ok(rid: bytes, data: bytes = b"") -> bytes:
     return b"%b ok %b\n" % (rid, data)
+
+
+def ok_body(line: bytes) -> bytes:
+    """The `{data}` of an answer line `{rid} ok {data}`, all that follows its ok; b"" for a line that is no ok."""
+    return line.partition(b" ok ")[2]
 
 
 def format_error(rid: bytes, error_id: str, reason: str) -> bytes:

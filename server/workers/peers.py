@@ -29,6 +29,7 @@ from ...common.figures import merge_stats
 from ..core.state import Queue
 from ..dispatch.slots import owner_of
 from ..wire.outbox import Outbox
+from ..wire.protocol import ok_body
 from .forwarding import ConfirmTarget, DeadLetterTransfer, Forwarder, RemoteDeadLetters
 from .frames import NEWLINE, Frame
 from .links import RELAY_WINDOW_BYTES, IncomingLink, PeerLink
@@ -386,7 +387,7 @@ class Peers:
         rows = list(self.process.deepest_queues(limit))
         for answer in self.ask_all(b"m queues", workers=workers):
             for line in answer.split(NEWLINE):
-                body = line.partition(b" ok ")[2]
+                body = ok_body(line)
                 if body and body != b"--end":
                     row = json.loads(body)
                     rows.append((row["queue"], row["depth"], row["unacked"], row.get("leased", 0)))

@@ -37,7 +37,7 @@ from ..dispatch.actions import (
     run_lines,
     to_json,
 )
-from ..wire.protocol import Held, ProtocolError, format_ok, parse_flag_value, text
+from ..wire.protocol import Held, ProtocolError, format_ok, ok_body, parse_flag_value, text
 from .frames import Frame
 
 if TYPE_CHECKING:
@@ -401,7 +401,7 @@ def every_worker_rows(key: str) -> Callable[[bytes, Handler], Handler]:
                 rows = []
                 for answer in (local_answer, *answers):
                     for line in answer_lines(answer):
-                        body = line.partition(b" ok ")[2]
+                        body = ok_body(line)
                         if body != b"--end":
                             rows.append(json.loads(body))
                 rows.sort(key=lambda row: row[key])
@@ -425,7 +425,7 @@ def every_worker_sum(name: bytes, handler: Handler) -> Handler:
             total = 0
             for answer in (local_answer, *answers):
                 for line in answer_lines(answer):
-                    total += int(line.partition(b" ok ")[2] or b"0")
+                    total += int(ok_body(line) or b"0")
             return format_ok(rid, b"%d" % total)
 
         return gather(session, line_of(rid, name, args, False), b"".join(capture.parts), merge)

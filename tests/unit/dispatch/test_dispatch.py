@@ -12,7 +12,7 @@ import pytest
 from mqks.server.dispatch.actions import MAX_UNAUTHENTICATED_LINES, ONE_PROCESS, actions_for, run_lines
 from mqks.server.dispatch.process import Process
 from mqks.server.wire.outbox import Outbox
-from mqks.server.wire.protocol import format_ok
+from mqks.server.wire.protocol import delivery_tail, format_ok
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -204,3 +204,35 @@ def test_a_worker_whose_log_takes_no_writes_refuses_only_what_goes_to_its_own_qu
     assert others.forwarded == [b"theirs"]
     assert format_ok(b"2") in b"".join(bytes(piece) for piece in session.outbox.pieces())
     assert session.errors == [(b"3", BlockedJournal().refusal())]
+
+
+class TailRecorder:
+    """A process's publisher that keeps each tail a publish hands it, and routes every event."""
+
+    def __init__(self) -> None:
+        self.tails: list[bytes] = []
+
+    def publish(self, msg_id: bytes, event: bytes, tail: bytes) -> None:
+        self.tails.append(tail)
+
+    def routes(self, event: bytes) -> bool:
+        return True
+
+    def full_queues(self, event: bytes) -> list:
+        return []
+
+    def permits(self, event: bytes) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("line,msg_id,header,data", [
+    (b"m1 publish e1 hello world", b"m1", b"e1", b"hello world"),
+    (b"m2 publish e2", b"m2", b"e2", b""),  # the spec's delivery keeps the space before an empty {data}
+    (b"m3 publish --mandatory e3 x", b"m3", b"e3", b"x"),
+])
+def test_a_publish_hands_its_queues_the_tail_delivery_tail_builds(line, msg_id, header, data):
+    """handle_publish writes delivery_tail's bytes out (the hot path saves the call): the two must not drift."""
+    session = Session(Process())
+    session.publisher = recorder = TailRecorder()
+    run_lines(session, [line], deque())
+    assert recorder.tails == [delivery_tail(msg_id, header, data)] and session.errors == []

@@ -4,10 +4,15 @@ import pytest
 
 from mqks.server.wire.protocol import (
     LineSplitter,
+    delivery_tail,
+    event_of,
     format_error,
     format_ok,
     looks_like_http,
+    msg_id_of,
+    ok_body,
     rid_of,
+    with_field,
 )
 
 pytestmark = [pytest.mark.timeout(10), pytest.mark.core]
@@ -92,3 +97,15 @@ def test_http_is_recognised(line):
 
 def test_mqks_lines_are_not_http():
     assert not looks_like_http(b"GETTER consume q e")
+
+
+def test_a_delivery_tail_is_read_back_by_the_tails_field_readers():
+    tail = delivery_tail(b"m1", b"orders.new,reply=0w7", b"a b")
+    assert tail == b" ok m1 event=orders.new,reply=0w7 a b"
+    assert msg_id_of(tail) == b"m1" and event_of(tail) == b"orders.new,reply=0w7"  # the header, as it is held
+    assert with_field(delivery_tail(b"m2", b"e", b""), b",retry=1") == b" ok m2 event=e,retry=1 "
+
+
+def test_an_ok_body_is_what_follows_the_ok_and_nothing_for_another_answer():
+    assert ok_body(b"q1 ok {\"queue\": \"a b\"}") == b'{"queue": "a b"}'
+    assert ok_body(b"q1 ok ") == b"" and ok_body(b"q1 error e1 no") == b""
