@@ -53,6 +53,7 @@ from typing import Any
 import gevent
 from gevent.event import Event
 
+from . import records
 from .hub_nats import Headers, ack_sequences
 from .journal import p50_p99, take_failed
 from .nats_bridge import Bridge, BridgeError, Hub, NatsBridge, SharedNats, parse_puback
@@ -382,7 +383,7 @@ class JetStreamLog:
         replayer = reading.replayer
         self._hub_nats()  # the writer's connection, before taking over: a log that cannot have it must not
         self.epoch = replayer.epoch + 1
-        record = b"W %d %b" % (self.epoch, self.owner.encode())
+        record = records.takeover(self.epoch, self.owner.encode())
         answer = run(functools.partial(self._append_takeover, record=record, last_seq=reading.read), timeout=60)
         if answer is None:  # no stream leader answered for a while: NATS is electing one (a heal); stand by again
             log.warning("%s: no stream leader answers the takeover (NATS is electing one): standing by again",

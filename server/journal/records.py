@@ -248,3 +248,16 @@ def decode_live(line: bytes) -> tuple[bytes, int, int, bool, bytes]:
     """-> (queue, seq, retry, held, tail)."""
     _, name, seq_text, retry_text, rest = line.split(b" ", 4)
     return name, int(seq_text), int(retry_text), rest[:1] == b"1", rest[1:]
+
+
+# -- W: a takeover of the replicated log --------------------------------------------------------------
+
+def takeover(epoch: int, owner: bytes) -> bytes:
+    """The record a new writer's takeover message carries (journal/jetstream_log.py `take_over`)."""
+    return b"W %d %b" % (epoch, owner)
+
+
+def decode_takeover(line: bytes) -> tuple[int, bytes]:
+    """-> (epoch, owner); an owner may hold spaces (`host:port pid N`)."""
+    _, epoch_text, owner = line.split(b" ", 2)
+    return int(epoch_text), owner

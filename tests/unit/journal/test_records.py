@@ -92,6 +92,12 @@ def test_schedules_round_trip_their_json():
     assert line[:1] == records.SCHEDULE_REMOVED and records.decode_schedule_removed(line) == b"nightly"
 
 
+def test_a_takeover_round_trips_its_epoch_and_an_owner_with_spaces():
+    line = records.takeover(7, b"node-a:25000 pid 4242")
+    assert line == b"W 7 node-a:25000 pid 4242"  # what a standby's replayer and the stream's other readers read
+    assert line[:1] == records.WRITER and records.decode_takeover(line) == (7, b"node-a:25000 pid 4242")
+
+
 def test_no_record_holds_a_newline_and_each_kind_is_its_first_byte():
     """The log splits records on newlines and dispatches on the first byte: both must hold for every kind."""
     made = [records.queue(b"q", None, [b"e"], 1, 2), records.queue_deleted(b"q"),
@@ -99,10 +105,10 @@ def test_no_record_holds_a_newline_and_each_kind_is_its_first_byte():
             records.gone(b"q", [1]), records.requeued(b"q", [msg(1, 1)]), records.parked(b"q", 5, [msg(1, 1)]),
             records.delayed(5, TAILS[0]), records.delayed_fired(5), records.schedule(b"s", b"{}"),
             records.schedule_removed(b"s"), records.dead_letter(b"q", 1, 1, TAILS[0]), records.next_seq(b"q", 1),
-            records.live(b"q", 1, 0, False, TAILS[0])]
+            records.live(b"q", 1, 0, False, TAILS[0]), records.takeover(1, b"node a")]
     kinds = [records.QUEUE, records.QUEUE_DELETED, records.PUBLISHED, records.DELIVERED, records.GONE,
              records.REQUEUED, records.PARKED, records.DELAYED, records.DELAYED_FIRED, records.SCHEDULE,
-             records.SCHEDULE_REMOVED, records.DEAD_LETTER, records.NEXT_SEQ, records.LIVE]
+             records.SCHEDULE_REMOVED, records.DEAD_LETTER, records.NEXT_SEQ, records.LIVE, records.WRITER]
     assert [line[:1] for line in made] == kinds
     assert not [line for line in made if b"\n" in line]
     assert len(set(kinds)) == len(kinds)
