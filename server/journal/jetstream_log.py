@@ -557,11 +557,7 @@ class JetStreamLog:
                 info = None
                 break
             except (NatsTimeout, NoRespondersError, ServiceUnavailableError) as e:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("%s: JetStream does not answer yet (%s); asking again", self.label,
-                            type(e).__name__)
-                await asyncio.sleep(RETRY_SECONDS)
+                await self._ask_again_later(e, deadline)
         if info is None:
             replicas = self.replicas
             while True:
@@ -572,11 +568,7 @@ class JetStreamLog:
                     info = await js.add_stream(config)
                     break
                 except (NatsTimeout, NoRespondersError, ServiceUnavailableError) as e:
-                    if time.monotonic() > deadline:
-                        raise
-                    log.warning("%s: JetStream does not answer yet (%s); asking again", self.label,
-                                type(e).__name__)
-                    await asyncio.sleep(RETRY_SECONDS)
+                    await self._ask_again_later(e, deadline)
                     try:  # a create that timed out may have been made meanwhile
                         info = await js.stream_info(self.stream)
                         break
@@ -609,6 +601,14 @@ class JetStreamLog:
         self._note_info(info)
         if self.in_shared_stream:
             await self._note_figures(nc)
+
+    async def _ask_again_later(self, error: Exception, deadline: float) -> None:
+        """A JetStream call timed out or found no responder, as while NATS elects its meta leader: raise `error`
+        past `deadline`, else say so and wait before the caller asks again."""
+        if time.monotonic() > deadline:
+            raise error
+        log.warning("%s: JetStream does not answer yet (%s); asking again", self.label, type(error).__name__)
+        await asyncio.sleep(RETRY_SECONDS)
 
     def _note_info(self, info: Any) -> None:
         self._stream_bytes = info.state.bytes
