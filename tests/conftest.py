@@ -221,7 +221,7 @@ CALL_FAILED = pytest.StashKey[bool]()
 # The tiers (pytest.ini's markers): `pytest -m unit` runs in process in seconds, the others need real parts.
 CLUSTER_FIXTURES = {"nats_cluster", "shared_nats_cluster", "cluster"}
 CLUSTER_MODULES = {"test_cluster", "test_cluster_clients", "test_cluster_map", "test_replicated_log",
-                   "test_nats_access", "test_nats_bridge", "test_nats_local"}
+                   "test_nats_access", "test_nats_bridge", "test_nats_local", "test_partition"}
 
 
 def tier_of(item: pytest.Item) -> str:
