@@ -129,7 +129,7 @@ class PeerLink(FrameSocket):
             self.peers.linked(self)
 
     def on_forget_bindings(self, key: bytes, payload: bytes) -> None:
-        self.peers.replica.forget(self.worker)
+        self.peers.forget_bindings(self.worker)
 
 
 class MarkAfterConfirms:

@@ -112,9 +112,16 @@ class Peers:
         self.count = count = process.worker_count
         self.run_dir = run_dir
         self.links: list[PeerLink | None] = [None] * count
-        # other workers with no link from here: their binding changes may be unknown here, so a confirmed
-        # publish cannot promise it reached every bound queue (actions.publish_confirmed refuses it)
+        # other workers with no link from here (health says so), and those of them whose bindings this worker has
+        # never had since it started or since they restarted: a confirmed publish cannot promise it reached every
+        # bound queue while one is unknown (actions.publish_confirmed refuses it). A worker whose link was lost is
+        # routed to by the bindings it last sent (its part of a publish fails, and the client tries again): a cut-off
+        # cluster node must not stop confirmed publishes to every queue of the cluster until its groups have new
+        # owners (issue 56). Those owners listen only once linked (Server.serve_forever's connect_all), so a binding
+        # is made there before this worker knows it only if linking timed out.
         self.unlinked = count - 1
+        self.bindings_known = [worker == self.worker for worker in range(count)]
+        self.unlinked_unknown = count - 1
         # how a link is opened: a Unix socket in run_dir here; a cluster's node dials the group's owner over TCP
         self.dial: Callable[[int], socket.socket] = self.dial_unix
         self.unit = "worker"  # what errors call a peer: "group" in a cluster, where a group's owner is on any node
@@ -166,10 +173,20 @@ class Peers:
         made twice, or replaced before the old one is lost), and once CI saw publishes refused for two minutes as
         "group  is not linked here", naming no group, while every link was there."""
         self.unlinked = sum(1 for worker, link in enumerate(self.links) if link is None and worker != self.worker)
+        known = self.bindings_known
+        self.unlinked_unknown = sum(1 for worker, link in enumerate(self.links) if link is None and not known[worker])
+
+    def forget_bindings(self, worker: int) -> None:
+        """`worker` restarted, or a new link to it begins: what the replica had of its bindings is gone until its
+        dump is in (linked)."""
+        self.replica.forget(worker)
+        self.bindings_known[worker] = False
+        self.count_unlinked()
 
     def unlinked_reason(self) -> str:
+        known = self.bindings_known
         missing = ", ".join(str(worker) for worker, link in enumerate(self.links)
-                            if link is None and worker != self.worker)
+                            if link is None and not known[worker])
         why = "its owner failing over" if self.unit == "group" else "restarting"
         return (f"{self.unit} {missing} is not linked here ({why}): the queues it binds are unknown, so the message "
                 "was not published; try again")
@@ -338,6 +355,7 @@ class Peers:
         link.ready = True
         worker = link.worker
         self.links[worker] = link
+        self.bindings_known[worker] = True
         self.count_unlinked()
         log.info("linked to worker %d", worker)
         waiting = self.dead_waiting.pop(worker, [])

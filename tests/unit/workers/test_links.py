@@ -6,6 +6,7 @@ wait. The Process, Peers, links and outboxes are the real ones; only the socket'
 from __future__ import annotations
 
 import socket
+from collections import deque
 
 import pytest
 
@@ -91,3 +92,82 @@ def test_a_cluster_links_tcp_socket_fails_within_seconds_once_its_peers_host_sto
             probes = tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
             interval = tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
             assert idle + probes * interval <= DEAD_PEER_SECONDS
+
+
+def test_a_worker_whose_link_is_lost_is_routed_to_by_its_last_bindings_and_one_never_linked_refuses(tmp_path, pair):
+    """Issue 56: with a cut-off node's links lost, every confirmed publish of the cluster was refused until its groups
+    had new owners. Now only a publish that needs the lost worker fails (its part: the client tries again); a worker
+    whose bindings this one never had, or that restarted (Z), still refuses every confirmed publish."""
+    from mqks.server.dispatch.actions import run_lines
+
+    process = Process(worker=0, worker_count=3)
+    peers = Peers(process, str(tmp_path))
+    process.link(peers)
+    broker = process.broker
+    broker.rebind(broker.queue(b"ours"), [b"mine"])
+    session = Session(process)
+    run_lines(session, [b"1 publish --confirm mine x"], deque())
+    assert session.errors and "not linked here" in session.errors[0][1]  # nothing known of workers 1 and 2
+
+    links = {}
+    for worker, events in ((1, b"q1 theirs"), (2, b"q2 gone")):
+        links[worker] = PeerLink(pair[0], peers, worker)
+        links[worker].on_forget_bindings(b"-", b"")
+        links[worker].on_bindings(b"-", events + b"\n")
+    assert peers.unlinked == 0 and peers.unlinked_unknown == 0
+    links[2].lost("cut off")  # its host is cut off: its bindings as it last sent them stay
+    assert peers.unlinked == 1 and peers.unlinked_unknown == 0
+    session = Session(process)
+    run_lines(session, [b"2 publish --confirm mine x", b"3 publish --confirm gone y"], deque())
+    answers = written(session.outbox)
+    assert b"2 ok" in answers and broker.queues[b"ours"].depth() == 1  # the first was refused: nothing was put
+    assert b"3 error" in answers and b"worker 2, which owns a bound queue" in answers  # the lost worker's part
+
+    replaced = PeerLink(pair[0], peers, 2)
+    replaced.on_forget_bindings(b"-", b"")  # a new link: its dump comes next, and until then nothing is known
+    session = Session(process)
+    run_lines(session, [b"4 publish --confirm mine x"], deque())
+    assert session.errors and "worker 2 is not linked here" in session.errors[0][1]
+
+
+class Session:
+    """What a handler may use of a client, over a real Process and Outbox (as tests/unit/dispatch's)."""
+
+    peer = "127.0.0.1:50000"
+    peer_is_loopback = True
+    eval_refusal = None
+    said_hello = False
+    tls = False
+    ttl_seconds = None
+    relay = None
+    authenticated = True
+    eval_enabled = False
+    token = None
+    closed = False
+
+    def __init__(self, process: Process) -> None:
+        from mqks.server.dispatch.actions import ONE_PROCESS, actions_for
+
+        self.process = process
+        self.publisher = process.publisher
+        self.outbox = Outbox(process.pending)
+        self.consumers_by_id = self.outbox.consumers_by_id
+        self.unauthenticated_lines = 0
+        self.errors: list[tuple[bytes, str]] = []
+        self.actions = actions_for(False, True, True)
+        self.handlers = ONE_PROCESS.for_session(False, True, True)
+
+    def write(self, data: bytes) -> None:
+        self.outbox.write(data)
+
+    def ok(self, rid: bytes, data: bytes = b"") -> None:
+        from mqks.server.wire.protocol import format_ok
+
+        self.write(format_ok(rid, data))
+
+    def error(self, rid: bytes, reason: str, line: bytes) -> None:
+        self.errors.append((rid, reason))
+        self.write(b"%b error - %b\n" % (rid, reason.encode()))
+
+    def close(self, flush_first: bool = False) -> None:
+        self.closed = True
