@@ -54,9 +54,9 @@ class FollowedStream(Protocol):
 
     def ask_owner(self, silent_is_owner: bool = False) -> str | None: ...
 
-    def follow(self, reading: Any) -> None: ...
+    def follow(self, reading: Any, fresh_after: int = 0) -> None: ...
 
-    def read_followed(self, reading: Any, timeout: float) -> tuple[bool, list[bytes]]: ...
+    def read_followed(self, reading: Any, timeout: float) -> tuple[bool, list[bytes]]: ...  # (heard, records)
 
     def last_seq(self) -> int: ...
 
@@ -124,7 +124,8 @@ class Standby:
         owner_waited_for = False  # a silent owner that answers its ping was waited for (logged once)
         reported_seq = -1
         balanced_at = heard_at = now  # heard_at: the owner's last frame or heartbeat
-        following = False
+        following = followed = False
+        stored_before = 0  # frames up to this sequence were stored before the follower (re)started: no sign of life
         replayer.handoff = None  # a hand-off read before this node stood by was meant for the standbys of then
         while True:
             if replayer.handoff in (candidacy.node, "*"):
@@ -169,8 +170,13 @@ class Standby:
                 self.cluster_map.report_standby(reading.read)
             try:
                 if not following:
-                    stream.follow(reading)
-                    following = True
+                    if followed:
+                        # following anew (it failed, or its NATS node went): the frames stored meanwhile come now,
+                        # and an owner that stored them and then died must not look alive for a lease more (issue 56:
+                        # takeovers came 24 s after a cut, not 12)
+                        stored_before = max(stored_before, stream.last_seq())
+                    stream.follow(reading, fresh_after=stored_before)
+                    following = followed = True
                 # frames and heartbeats wake it; else it sleeps until the next thing due: the claim, a report, a
                 # look at balancing or at the tail (it looked at the clock each second: a quarter of an idle
                 # node's wakeups, sixteen standbys per node)
@@ -185,9 +191,10 @@ class Standby:
                     # a quiet stream, or a follower that lost its NATS node? The owner's heartbeat comes this
                     # often; a check per empty read was a stream info a second per standby (issue 39)
                     tail_checked_at = now
-                    if stream.last_seq() > reading.read:  # frames the follower does not bring: follow anew
+                    stored = stream.last_seq()
+                    if stored > reading.read:  # frames the follower does not bring: follow anew
                         following = False
-                        expires = clock() + lease
+                        stored_before = stored
             except (gevent.Timeout, Exception) as e:  # NATS unreachable: this node could not take over either
                 log.warning("%s: following it failed (%r); again", stream.label, e)
                 following = False

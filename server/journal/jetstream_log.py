@@ -296,6 +296,7 @@ class JetStreamLog:
         self._follow_next = 0  # the follower's next frame is at this sequence or after it
         self._follow_next_delivery = 1  # the consumer's count of the frame it sends next
         self._follow_generation = 0  # frames from a follower of another generation are a replaced one's
+        self._fresh_after = 0  # followed frames up to this sequence were stored before following began
         self._follow_event = Event()  # set when frames wait in _followed
         self._refollowing: gevent.Greenlet | None = None
         # figures
@@ -417,8 +418,10 @@ class JetStreamLog:
         """The stream's last sequence now (one stream info)."""
         return self.bridge.run(self._last_seq, timeout=30)
 
-    def follow(self, reading: StreamReading) -> None:
-        """Follow the tail after `reading.read` on a push consumer: NATS sends each message as it is stored."""
+    def follow(self, reading: StreamReading, fresh_after: int = 0) -> None:
+        """Follow the tail after `reading.read` on a push consumer: NATS sends each message as it is stored. Messages up
+        to `fresh_after` were stored before: read_followed applies them but does not count them as the owner heard."""
+        self._fresh_after = fresh_after
         self._follow(reading.read + 1)
 
     def read_followed(self, reading: StreamReading, timeout: float) -> tuple[bool, list[bytes]]:
@@ -430,7 +433,7 @@ class JetStreamLog:
         records = self._feed(reading, batch)
         beat, self._beat = self._beat, None
         heard_beat = beat is not None and beat[0] >= reading.replayer.epoch and beat[1] <= reading.read
-        return bool(batch) or heard_beat, records
+        return (bool(batch) and batch[-1][0] > self._fresh_after) or heard_beat, records
 
     def stop_following(self, reading: StreamReading) -> None:
         """No more following: read_to_tail reads on from after `reading.read` with the pull reader."""

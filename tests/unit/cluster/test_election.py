@@ -74,6 +74,7 @@ class FakeStream:
         self.following_from = 0  # 0: not following
         self.follower_lost = False  # the follower's NATS node went: it brings nothing more until followed anew
         self.follows = 0
+        self.fresh_after = 0
         self.takeovers: list[int] = []  # the sequence each takeover expected
         self.rival_before_claim: tuple[dict[str, str], bytes] | None = None  # another node claims first, once
 
@@ -112,7 +113,8 @@ class FakeStream:
             return None
         return self.owner
 
-    def follow(self, reading: Reading) -> None:
+    def follow(self, reading: Reading, fresh_after: int = 0) -> None:
+        self.fresh_after = fresh_after
         self.following_from = reading.read + 1
         self.follower_lost = False
         self.follows += 1
@@ -126,7 +128,7 @@ class FakeStream:
             self._arrive()
         if self.follower_lost or len(self.messages) == reading.read:
             return False, []
-        return True, self._feed(reading, len(self.messages))
+        return len(self.messages) > self.fresh_after, self._feed(reading, len(self.messages))
 
     def last_seq(self) -> int:
         self._arrive()
@@ -383,8 +385,8 @@ def test_a_follower_that_lost_its_nats_node_is_noticed_by_the_tail_and_made_agai
     heartbeats(stream, LEASE / 4, 4 * LEASE)
     original_follow = stream.follow
 
-    def follow_then_lose(reading: Reading) -> None:
-        original_follow(reading)
+    def follow_then_lose(reading: Reading, fresh_after: int = 0) -> None:
+        original_follow(reading, fresh_after)
         if stream.follows == 1:
             stream.follower_lost = True  # the first follower brings nothing: its NATS node went
 
@@ -396,6 +398,28 @@ def test_a_follower_that_lost_its_nats_node_is_noticed_by_the_tail_and_made_agai
     assert clock.now - started >= 4 * LEASE + LEASE
 
 
+def test_frames_a_new_follower_brings_from_before_it_followed_are_no_sign_of_a_live_owner():
+    """Issue 56: after a cut, standbys followed anew and took the frames the cut owner had stored before it for a
+    sign of life: their takeovers came 24 s after the cut instead of 12."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    stream.at(LEASE / 4, frame(1, 2, b""))  # b's last heartbeat: then it is cut off
+    original_follow = stream.follow
+
+    def follow_then_lose(reading: Reading, fresh_after: int = 0) -> None:
+        original_follow(reading, fresh_after)
+        if stream.follows == 1:
+            stream.follower_lost = True  # the first follower brings nothing: its NATS node went with the cut
+
+    stream.follow = follow_then_lose  # type: ignore[method-assign]
+    started = clock.now
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    assert stream.follows == 2  # the tail showed a frame the follower did not bring
+    assert LEASE <= clock.now - started < LEASE + 1  # a lease after it last heard b, not after the catch-up
+    assert records[-1] == b"W 2 node a"
+
+
 def test_following_that_fails_is_tried_again_and_the_owner_is_not_claimed_meanwhile():
     clock = Clock()
     stream = FakeStream(clock, owner="node b (epoch 1)")
@@ -404,10 +428,10 @@ def test_following_that_fails_is_tried_again_and_the_owner_is_not_claimed_meanwh
 
     original_follow = stream.follow
 
-    def flaky_follow(reading: Reading) -> None:
+    def flaky_follow(reading: Reading, fresh_after: int = 0) -> None:
         if next(failures, False):
             raise OSError("nats: no servers available for connection")
-        original_follow(reading)
+        original_follow(reading, fresh_after)
 
     stream.follow = flaky_follow  # type: ignore[method-assign]
     started = clock.now
