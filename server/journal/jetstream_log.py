@@ -452,6 +452,11 @@ class JetStreamLog:
         if not batch:
             return None
         if self._refuse is not None:
+            if self._closed:
+                # handed over, or stopping: a link's lines still run here for a moment, and what they change is the
+                # next owner's to store (none of it is confirmed: `blocked` refuses confirmed publishes now)
+                batch.clear()
+                return None
             raise RuntimeError(self._refuse)
         payload = b"\n".join(batch)
         batch.clear()
@@ -516,13 +521,16 @@ class JetStreamLog:
             self.commit()
         self._closed = True
         self._refuse = "the log is closed"
+        why_not_stored = self.blocked or "NATS does not answer"
+        if self.blocked is None:  # a confirmed publish forwarded here now gets an error its client retries elsewhere
+            self.blocked = "this node no longer serves the group (handed over, or stopping)"
         deadline = time.monotonic() + (timeout_seconds if timeout_seconds is not None else 3600.0)
         while (self._durable < self._commits and not self._writer_done and self.fenced_by is None
                and time.monotonic() < deadline):
             gevent.sleep(0.01)
         if self._durable < self._commits and self.fenced_by is None:
             log.error("closing %s: %d bytes of unconfirmed records are not stored (%s); stopping without "
-                      "them", self.label, self.unsynced_bytes, self.blocked or "NATS does not answer")
+                      "them", self.label, self.unsynced_bytes, why_not_stored)
         elif self.handoff_to is not None and self.fenced_by is None and not self._writer_done:
             self._add_handoff()
             while self._handoff_k != -1 and not self._writer_done and time.monotonic() < deadline:
@@ -902,8 +910,8 @@ class JetStreamLog:
                     self._waiting_to_send = True
                     gevent.spawn_later(wait, self._frame_wait_over)
             now = time.monotonic()
-            if (self.blocked is not None and self._trouble is None and not self._in_flight and not self._unsent
-                    and not self._handed):
+            if (self.blocked is not None and not self._closed and self._trouble is None and not self._in_flight
+                    and not self._unsent and not self._handed):
                 # refusing confirms, no publish writes a frame that could show the log takes writes again: probe it
                 # with an empty frame (a reader takes it for a heartbeat); stored, it ends the refusal
                 self._add_frame([b""], False, 0, False, False)
@@ -1099,7 +1107,7 @@ class JetStreamLog:
             log.info("%s: %s after %.1f s", self.label, how, time.monotonic() - self._stalled_since)
         self._stalled_since = None
         self._stall_logged = False
-        if self.blocked is not None and self.fenced_by is None:
+        if self.blocked is not None and self.fenced_by is None and not self._closed:  # closed: refused for good
             log.warning("%s: the replicated log takes writes again", self.label)
             self.blocked = None
 

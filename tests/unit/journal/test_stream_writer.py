@@ -474,3 +474,25 @@ def test_a_takeover_no_stream_leader_answers_stands_by_again_instead_of_ending_t
     assert stream_log.take_over(reading) is None  # type: ignore[arg-type]
     assert len(requests) >= 2 and len(set(requests)) == 1  # asked again with one Msg-Id: stored once if at all
     assert stream_log._writer is None
+
+
+def test_after_close_a_links_records_are_dropped_and_confirmed_publishes_refused_not_raised() -> None:
+    """The partition test: right after `handed over to node a`, a link's lines still ran in the group's server and
+    their commit raised `RuntimeError: the log is closed` (a traceback per hand-off). They are the next owner's to
+    store; and a confirmed publish forwarded then must be refused, never answered ok unstored."""
+    stream_log = shared_stream_log(lease_seconds=12.0)
+    hub = FakeHub()
+    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    stream_log._writer = writer
+    stream_log.append(b"r1")
+    stream_log.commit()
+    until(lambda: len(hub.published) == 1)
+    hub.ack(0, seq=1)
+    until(lambda: stream_log.poll()[0] == 1)
+    stream_log.bridge = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+    stream_log.close(timeout_seconds=1)
+    assert stream_log.blocked is not None
+    stream_log.append(b"r2")  # a link's line, after the hand-off
+    assert stream_log.commit() is None
+    stream_log._stall_ended("frames are stored again")  # a late PubAck: still refused for good
+    assert stream_log.blocked is not None
