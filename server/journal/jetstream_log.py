@@ -75,6 +75,9 @@ WRONG_LAST_SEQUENCE = 10071  # a fence: something else was appended (the text sa
 # (bench/subject_fencing.py: 4 in 117,830 frames); the same frame, sent again, is stored once
 WRONG_LAST_SEQUENCE_FOR_NOW = 10164
 NOT_FOUND = 10037
+# "duplicate message id is in process": the takeover sent again while NATS still handles the first (a minority's
+# leader, during a partition): asked again, it is answered as the first one is (the partition test)
+DUPLICATE_IN_PROCESS = 10158
 RESEND_SECONDS = 0.005
 
 # frames sent and not yet answered: full ones (a snapshot's parts); else one, see _write_until_stopped (a group of a
@@ -826,7 +829,7 @@ class JetStreamLog:
                 msg = await nc.request(self.subject, record, timeout=ACK_SECONDS, headers=headers)
                 if msg.data:
                     answer = parse_puback(0, msg.data)
-                    if answer.error_code != WRONG_LAST_SEQUENCE_FOR_NOW:
+                    if answer.error_code not in (WRONG_LAST_SEQUENCE_FOR_NOW, DUPLICATE_IN_PROCESS):
                         return answer
                     await asyncio.sleep(RESEND_SECONDS)
                     continue

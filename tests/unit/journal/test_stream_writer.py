@@ -496,3 +496,19 @@ def test_after_close_a_links_records_are_dropped_and_confirmed_publishes_refused
     assert stream_log.commit() is None
     stream_log._stall_ended("frames are stored again")  # a late PubAck: still refused for good
     assert stream_log.blocked is not None
+
+
+def test_a_takeover_answered_duplicate_in_process_is_sent_again_and_wins_with_the_first_ones_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The partition test: a minority's stream leader answered a resent takeover 10158 ('duplicate message id is in
+    process') and the group ended with 'the takeover was refused'. The same Msg-Id, asked again, is answered."""
+    monkeypatch.setattr(jetstream_log, "RETRY_SECONDS", 0.01)
+    monkeypatch.setattr(jetstream_log, "RESEND_SECONDS", 0.01)
+    answers = [{"error": {"err_code": 10158, "description": "duplicate message id is in process"}},
+               {"stream": "s-g2-s0-of-1", "seq": 8, "duplicate": True}]
+
+    async def request(subject: str, data: bytes, timeout: float, headers: dict[str, str]) -> Any:
+        return SimpleNamespace(data=json.dumps(answers.pop(0)).encode())
+
+    answer = asyncio.run(shared_stream_log()._append_takeover(SimpleNamespace(request=request), b"W 1 a", 7))
+    assert (answer.seq, answer.error_code, answers) == (8, 0, [])
