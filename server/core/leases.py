@@ -53,11 +53,14 @@ class Leases:
         self.by_id: dict[bytes, Lease] = {}
 
     def fetch(self, queue_name: bytes, lease_id: bytes, max_count: int, max_bytes: int, lease_seconds: float,
-              add: bool, prefix: bytes) -> tuple[list[bytes], int]:
+              add: bool, prefix: bytes, runs: bool = False) -> tuple[list[bytes], int]:
         """Take up to `max_count` messages (and `max_bytes` of them; a lease's first one whatever its size).
 
         Returns the answer lines (`{prefix}{tail with seq}\\n`) and how many. Without `add`, what
         the lease held goes back to its queue first. The lease's expiry restarts at `lease_seconds`.
+        With `runs` (fetch --runs), the messages never delivered before come after the redelivered ones,
+        taken and joined in bulk: a line `{prefix} ok --seq-from {seq}`, then theirs without `,seq=`
+        (their seqs are consecutive from that one).
         """
         broker = self.broker
         lease = self.by_id.get(lease_id)
@@ -80,10 +83,14 @@ class Leases:
         count = 0
         seqs: list[int] = []
         record = broker.record
-        while count < max_count and (length := queue.front_size()):
+        first_goes = not held
+        full = False
+        # with runs, one by one only the records in front (redelivered messages: their seqs are their own)
+        while count < max_count and (not runs or queue.requeued) and (length := queue.front_size()):
             if (count or held) and size + length > max_bytes:
                 # a lease's first message goes whatever its size, so nothing blocks the queue; an
                 # --add fetch for a lease that holds some already stays within its bytes
+                full = True
                 break
             seq, item = queue.pop()
             held[seq] = item
@@ -92,6 +99,15 @@ class Leases:
             count += 1
             if record is not None:
                 seqs.append(seq)
+        if runs and not full and count < max_count:
+            first, tails, _ = queue.take_tails(max_count - count, max_bytes - size, first_goes and not count)
+            if tails:
+                held.update(zip(range(first, first + len(tails)), tails))
+                # one join for the run, not a line each: 0.95 -> 0.20 us of broker CPU a message fetched (issue 59)
+                lines.append(b"%b ok --seq-from %d\n%b%b\n" % (prefix, first, prefix, (NEWLINE + prefix).join(tails)))
+                count += len(tails)
+                if record is not None:
+                    seqs.extend(range(first, first + len(tails)))
         if seqs and record is not None:
             record(records.delivered(queue.name, seqs))
         broker.consumed += count

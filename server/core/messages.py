@@ -139,6 +139,36 @@ class MessageStore:
         # the waiting tails, this one included, end at next_seq - 1
         return self.next_seq - (len(messages) + self.packed_extra + 1 - self.requeued), item
 
+    def take_tails(self, max_count: int, max_bytes: int, first_goes: bool) -> tuple[int, list[bytes], int]:
+        """Never-delivered tails off the front, whole Packed runs at a time: (the first one's seq, the tails, their
+        bytes); none while a record is in front. At most `max_count` and `max_bytes` (the first one whatever its
+        size when `first_goes`); the tails taken hold consecutive seqs."""
+        messages = self.messages
+        first = self.next_seq - (len(messages) + self.packed_extra)
+        taken: list[bytes] = []
+        size = 0
+        if self.requeued:
+            return first, taken, size
+        while messages and len(taken) < max_count:
+            item = messages.popleft()
+            if type(item) is Packed:
+                tails = item.split(NEWLINE)
+                self.packed_extra -= len(tails) - 1
+                run_bytes = len(item) - len(tails) + 1
+                if len(taken) + len(tails) <= max_count and size + run_bytes <= max_bytes:
+                    taken += tails
+                    size += run_bytes
+                    continue
+                messages.extendleft(reversed(tails))  # the run does not fit whole: tail by tail
+                item = messages.popleft()
+            length = len(item)
+            if size + length > max_bytes and (taken or not first_goes):
+                messages.appendleft(item)
+                break
+            taken.append(item)
+            size += length
+        return first, taken, size
+
     def requeue(self, taken: list[tuple[int, Item]]) -> None:
         """Put messages back at the front, in the order given, with retry raised."""
         self.put_front([Message(seq, item.retry + 1, item.tail) if isinstance(item, Message) else Message(seq, 1, item)

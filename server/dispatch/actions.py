@@ -654,7 +654,7 @@ def handle_auth(session: Session, rid: bytes, args: bytes, confirm: bool) -> Non
 
 
 FETCH_USAGE = ("fetch: expected {id} fetch {queue} --lease={lease_id} [--max=N] [--max-bytes=B] "
-               "[--lease-seconds=S] [--add]")
+               "[--lease-seconds=S] [--add] [--runs]")
 SETTLE_LEASE_USAGE = "settle: expected {id} settle {lease_id} ... --ack|--release"
 FETCH_MAX_COUNT = 1_000_000
 DEFAULT_FETCH_BYTES = 1 << 20
@@ -669,7 +669,7 @@ def handle_fetch(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
         raise ProtocolError(FETCH_USAGE)
     name = check_name(tokens[0], "fetch: queue")
     lease_id = b""
-    max_count, max_bytes, seconds, add = 1, DEFAULT_FETCH_BYTES, DEFAULT_LEASE_SECONDS, False
+    max_count, max_bytes, seconds, add, runs = 1, DEFAULT_FETCH_BYTES, DEFAULT_LEASE_SECONDS, False, False
     for token in tokens[1:]:
         if (value := parse_flag_value(token, b"--lease")) is not None:
             lease_id = value
@@ -681,6 +681,8 @@ def handle_fetch(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
             seconds = parse_seconds(value, "--lease-seconds")
         elif token == b"--add":
             add = True
+        elif token == b"--runs":  # the never-delivered messages as one run after `--seq-from {seq}` (leases.py)
+            runs = True
         else:
             raise ProtocolError(f"fetch: unexpected {text(token)!r}; {FETCH_USAGE[7:]}")
     if not lease_id:
@@ -695,7 +697,7 @@ def handle_fetch(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
     # limit on unread output with room to spare
     max_bytes = min(max_bytes, session.outbox.high_water_bytes)
     broker = session.process.broker
-    lines, count = broker.leases.fetch(name, lease_id, max_count, max_bytes, seconds, add, rid)
+    lines, count = broker.leases.fetch(name, lease_id, max_count, max_bytes, seconds, add, rid, runs)
     lines.append(b"%b ok --end %d\n" % (rid, count))
     session.write(b"".join(lines))
 
