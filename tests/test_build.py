@@ -3,6 +3,7 @@ is reported, MQKS_PURE=1 forces the plain sources, and a compiled build older th
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -74,3 +75,49 @@ def test_a_source_edited_after_the_build_runs_as_plain_python(tmp_path):
     kind, module_file = which_runs({"MQKS_PURE": ""}, pythonpath=tmp_path)
     assert module_file == str(copy / "core" / "state.py")
     assert "older than core.state.py" in kind, kind
+
+
+def build_in_place(tree: Path) -> set[str]:
+    """`setup.py build_ext --inplace` in tree, at -O0 (quick): the names of the modules it copied from its cache."""
+    done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "MYPYC_OPT_LEVEL": "0", "MQKS_COMPILE": ""})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {line.split()[1] for line in done.stdout.splitlines() if line.startswith("mqks: ") and "copied" in line}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.environ.get("MQKS_PURE") == "1", reason="the build is tested once, not again on the sources")
+@pytest.mark.skipif(any(importlib.util.find_spec(name) is None for name in ("mypyc", "setuptools"))
+                    or not shutil.which(os.environ.get("CC", "cc")),
+                    reason="mypyc (the dev extra), setuptools and a C compiler build the hot path")
+def test_a_build_compiles_only_a_changed_hot_path(tmp_path):
+    """A second build of the same sources (a later `pip install -e '.[cluster]'`) copies every module from
+    build/mypyc-cache; after an edit that changes the code, the library is compiled again, never taken from the
+    cache, while the small modules that load it are the same and copied. Each build's modules load and run."""
+    checkout = Path(__file__).resolve().parent.parent
+    for name in ("setup.py", "README.md", "pyproject.toml"):
+        shutil.copy(checkout / name, tmp_path / name)
+    shutil.copytree(checkout / "server", tmp_path / "server", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    modules = {f"mqks.server.{name}" for name in build.HOT_PATH}
+    library = f"mqks.server.{build.LIBRARY}"
+
+    assert build_in_place(tmp_path) == set()
+    first = {path.name: path.read_bytes() for path in (tmp_path / "server").rglob("*.so")}
+    assert len(first) == len(build.HOT_PATH) + 1
+    assert build_in_place(tmp_path) == {library, *modules}
+    assert {path.name: path.read_bytes() for path in (tmp_path / "server").rglob("*.so")} == first
+
+    protocol = tmp_path / "server" / "wire" / "protocol.py"
+    protocol.write_text(protocol.read_text() + "\n\ndef built_after_an_edit() -> int:\n    return 42\n")
+    assert build_in_place(tmp_path) == modules
+    layout = tmp_path / "site" / "mqks"
+    layout.mkdir(parents=True)
+    (layout / "server").symlink_to(tmp_path / "server")
+    done = subprocess.run([sys.executable, "-c", "import mqks.server.wire.protocol as p, mqks.server.build as b; "
+                           "print(b.kind); print(p.built_after_an_edit()); print(p.__file__)"],
+                          capture_output=True, text=True, timeout=60, cwd="/",
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site"), "MQKS_PURE": ""})
+    assert done.returncode == 0, done.stderr
+    kind, answer, module_file = done.stdout.splitlines()
+    assert (kind, answer) == ("compiled (mypyc)", "42")
+    assert module_file.endswith(".so"), module_file
