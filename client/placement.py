@@ -5,7 +5,7 @@ direct address a consume (and its acks) for that queue goes to; None sends it on
 connection. Routing is only an optimisation: every worker serves every action, relaying to the
 owner, so any doubt about the answer (an older broker, one worker, a malformed map, an entry
 lacking a port) means None, never an error. No gevent: Spark executors import this.
-The slot map comes from the broker, so only the slot function is copied from server/dispatch/slots.py
+The slot map comes from the broker; the slot function is the broker's own, from common/slots.py
 (the client never imports server/: it ships on hosts without the broker's dependencies).
 """
 
@@ -13,21 +13,16 @@ from __future__ import annotations
 
 import bisect
 import logging
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from mqks.common.slots import slot_of
+
 log = logging.getLogger("mqks.client")
 
-SLOTS = 16384  # server/dispatch/slots.py SLOTS; the broker's hello names its own in "slots"
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # a bind address, not one to dial
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-
-
-def slot_of(queue: bytes, slots: int = SLOTS) -> int:
-    """The slot of `queue`, as server/dispatch/slots.py computes it."""
-    return zlib.crc32(queue) % slots
 
 
 def is_loopback(host: str) -> bool:
