@@ -177,5 +177,14 @@ class Leases:
                 held.setdefault(lease.queue.name, []).extend(lease.held.items())
         return held
 
+    def count_by_queue(self) -> dict[bytes, int]:
+        """How many messages leases hold, by queue name: counted, not copied (`queues` asks at every Spark batch)."""
+        counts: dict[bytes, int] = {}
+        for lease in self.by_id.values():
+            if lease.held and self._alive(lease):
+                name = lease.queue.name
+                counts[name] = counts.get(name, 0) + len(lease.held)
+        return counts
+
     def stats(self) -> dict[str, Any]:
         return {"leases": len(self.by_id), "messages_leased": sum(len(lease.held) for lease in self.by_id.values())}

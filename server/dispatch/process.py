@@ -376,7 +376,7 @@ class Process:
 
     def leased_by_queue(self) -> dict[bytes, int]:
         """Messages held under `fetch --lease`, by queue: out of the queue, like un-acked ones."""
-        return {name: len(held) for name, held in self.broker.leases.held_by_queue().items()}
+        return self.broker.leases.count_by_queue()
 
     def deepest_queues(self, limit: int) -> list[tuple[str, int, int, int]]:
         """The `limit` deepest queues of every worker as (name, depth, unacked, leased), deepest first."""
