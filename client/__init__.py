@@ -1,6 +1,6 @@
 """mqks.client: the Python client of MQKS, plus the `mqks` command and the stats view.
 
-`from mqks.client import Client, Message, MqksError`. Importing it never monkey-patches:
+`from mqks.client import Client, ClientSettings, Message, MqksError`. Importing it never monkey-patches:
 the client uses gevent's own sockets, so it works in any gevent program. The names load on
 first use, so `mqks.client.wire` (pure line helpers) and `mqks.client.errors` can be imported
 without gevent, as the Spark data source does. A library's convention for its log: the `mqks.client`
@@ -16,6 +16,7 @@ logging.getLogger("mqks.client").addHandler(logging.NullHandler())
 
 _MODULE_BY_NAME = {
     "Client": "client",
+    "ClientSettings": "linking",
     "Message": "consumers",
     "MqksError": "errors",
     "MqksConnectionError": "errors",

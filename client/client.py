@@ -13,7 +13,6 @@ when it changed (a restart with another --workers), each consumer is re-created 
 from __future__ import annotations
 
 import logging
-import ssl
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -25,7 +24,6 @@ from . import wire
 from .connection import Connection, Link
 from .consumers import Consumer, Consumers, Message, MessageCallback, notice
 from .errors import (
-    FAILOVER_SECONDS,
     TRANSIENT_RETRY_MAX_SECONDS,
     TRANSIENT_RETRY_SECONDS,
     MqksConnectionError,
@@ -35,10 +33,11 @@ from .errors import (
     is_transient,
     not_done_try_again,
 )
-from .linking import connect_error, link_settings
+from .linking import ClientBase, ClientSettings, connect_error
 from .placement import Homes, Route
 
-__all__ = ["Client", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError", "MqksTimeoutError"]
+__all__ = ["Client", "ClientSettings", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError",
+           "MqksTimeoutError"]
 
 log = logging.getLogger("mqks.client")
 
@@ -46,7 +45,7 @@ REQUEST_TIMEOUT_SECONDS = 30.0  # the broker's own default for `request`
 PLACING_POLL_SECONDS = 0.005  # how often a held publish looks again whether every consumer is back
 
 
-class Client:
+class Client(ClientBase):
     """A gevent MQKS client: publish, consume with callbacks, confirms, keepalive and reconnect.
 
     Many greenlets may share one client. Blocking calls wait at most `timeout_seconds` (or their own
@@ -68,31 +67,19 @@ class Client:
     may not make), in a greenlet of its own, started before `close()` returns: a hook that does not yield (a
     list's append) has seen every error to the lines sent before. Without it, such an error is a WARNING in
     the `mqks.client` log.
+
+    The options may come as one `settings=ClientSettings(...)` instead (frozen; one may serve many clients);
+    `client.settings` is what this client was made with either way.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, ping_seconds: float = 15.0,
-                 ping_timeout_seconds: float | None = None, reconnect_min_seconds: float = 0.05,
-                 reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
-                 connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
-                 ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = (),
-                 anonymous: bool = False, failover_seconds: float = FAILOVER_SECONDS,
-                 on_refused: Callable[[MqksError], Any] | None = None) -> None:
-        # what every link shares: direct links speak the same protocol, TLS and token included
-        self._link_options = link_settings(
-            ping_seconds=ping_seconds, ping_timeout_seconds=ping_timeout_seconds,
-            reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
-            timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds, tls=tls, token=token,
-            ttl_seconds=ttl_seconds, anonymous=anonymous)
-        self.host = host
-        self.port = port
-        self.timeout_seconds = timeout_seconds
-        self.failover_seconds = failover_seconds
-        self._new_rid = wire.rid_maker()
-        self.on_refused = on_refused
+    _link: Link
+
+    def _set_up(self) -> None:
         by_any_id: dict[str, Consumer] = {}
-        self._consumers = Consumers(f"{host}:{port}", self._new_rid, by_any_id, on_connect=self._on_connect,
-                                    on_refused=self._refused if on_refused is not None else None)
-        self._link = Link(host, port, self._consumers, self._new_rid, fallbacks=fallbacks, **self._link_options)
+        self._consumers = Consumers(f"{self.host}:{self.port}", self._new_rid, by_any_id, on_connect=self._on_connect,
+                                    on_refused=self._refused if self.on_refused is not None else None)
+        self._link = Link(self.host, self.port, self._consumers, self._new_rid, fallbacks=self.settings.fallbacks,
+                          **self._link_options)
         self._consumers.link = self._link
         # the links consumers live on: the public one, one per owning worker under the last hello's slot map
         self._homes = Homes(self._consumers, lambda: (self._link.host, self._link.tls is not None))
@@ -109,21 +96,6 @@ class Client:
     @property
     def _conn(self) -> Connection | None:
         return self._link.conn
-
-    @property
-    def server_info(self) -> dict[str, Any] | None:
-        """The broker's `hello` answer (version, protocol, extensions, workers, ttl), or None from one without it."""
-        return self._link.server_info
-
-    @property
-    def reconnects(self) -> int:
-        """How many connections were lost so far; each loss starts a reconnect."""
-        return self._link.reconnects
-
-    @property
-    def connected(self) -> bool:
-        """True while a live, handshaken connection exists."""
-        return self._link.connected
 
     def wait_connected(self, timeout: float | None = None) -> bool:
         """Block until connected (or `timeout` passes); returns whether connected."""

@@ -1,11 +1,13 @@
-"""What both clients' links share, whatever runs them: their settings, the addresses tried in turn, back-off,
-the bookkeeping of a lost connection and of its unsent publishes. No I/O.
+"""What both clients and their links share, whatever runs them: the settings, the constructor and the read-only
+view of the link (`ClientBase`), the addresses tried in turn, back-off, the bookkeeping of a lost connection and
+of its unsent publishes. No I/O.
 
-Step in the flow: a client builds its link settings here (`link_settings`), and its `Link` (client/connection.py
-on gevent, client/aio/connection.py on asyncio) subclasses `LinkBase`, adding the transport, the connection
-manager and the waits, which differ. Invariants: addresses rotate in one order (the first is the one given);
-a connection is marked lost once, and every request waiting on it fails then; only plain publishes that never
-reached a lost connection are kept for the next one (a confirmed one is retried by its caller).
+Step in the flow: each client (client/client.py on gevent, client/aio/client.py on asyncio) subclasses
+`ClientBase`, which takes its `ClientSettings` once, and its `Link` (client/connection.py, client/aio/connection.py)
+subclasses `LinkBase`, adding the transport, the connection manager and the waits, which differ. Invariants:
+addresses rotate in one order (the first is the one given); a connection is marked lost once, and every request
+waiting on it fails then; only plain publishes that never reached a lost connection are kept for the next one (a
+confirmed one is retried by its caller).
 """
 
 from __future__ import annotations
@@ -14,28 +16,106 @@ import logging
 import random
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import wire
 from .answers import Answers
-from .errors import MqksConnectionError, MqksError, MqksProtocolError
+from .errors import FAILOVER_SECONDS, MqksConnectionError, MqksError, MqksProtocolError
 from .tls import tls_setting, token_setting
 
 
-def link_settings(*, ping_seconds: float, ping_timeout_seconds: float | None, reconnect_min_seconds: float,
-                  reconnect_max_seconds: float, timeout_seconds: float, connect_timeout_seconds: float,
-                  tls: bool | ssl.SSLContext, token: str | None, ttl_seconds: float | None,
-                  anonymous: bool) -> dict[str, Any]:
-    """A client's options as the keyword arguments of each of its links (public and direct alike)."""
-    if ttl_seconds and ping_seconds > ttl_seconds:
-        # the broker drops a connection silent for 2x its TTL: an idle client must ping well within it
-        raise ValueError(f"ping_seconds ({ping_seconds:g}) must not exceed ttl_seconds ({ttl_seconds:g})")
-    return dict(ping_seconds=ping_seconds,
-                ping_timeout_seconds=ping_seconds if ping_timeout_seconds is None else ping_timeout_seconds,
-                reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
-                timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds,
-                tls=tls_setting(tls), token=token_setting(token),
-                ttl_seconds=2 * ping_seconds if ttl_seconds is None else ttl_seconds, anonymous=anonymous)
+@dataclass(frozen=True, slots=True)
+class ClientSettings:
+    """A client's options, checked once: `Client(host, port, settings=...)` on either transport, or the same names
+    as keyword arguments. Every link of a client (the public one and each direct one) is made from them."""
+
+    ping_seconds: float = 15.0  # keepalive: a ping every this many seconds
+    ping_timeout_seconds: float | None = None  # a pong missing this long means a dead connection; None: ping_seconds
+    reconnect_min_seconds: float = 0.05  # the back-off between attempts starts here, doubles, with jitter
+    reconnect_max_seconds: float = 5.0
+    timeout_seconds: float = 10.0  # what a call waits at most, a reconnect included, unless it names its own
+    connect_timeout_seconds: float = 10.0
+    tls: bool | ssl.SSLContext = False  # True: the system's CAs; a context for a private CA or a client certificate
+    token: str | None = None  # None: MQKS_AUTH_TOKEN, read when the client is made
+    ttl_seconds: float | None = None  # sent as `hello --ttl`; None: 2 * ping_seconds; 0: none
+    fallbacks: tuple[tuple[str, int], ...] = ()  # other brokers, tried in turn; a list is taken too
+    anonymous: bool = False  # connect to a broker that wants a token without one, for what needs none (ping)
+    failover_seconds: float = FAILOVER_SECONDS  # how long a consume refused while its owner fails over keeps trying
+
+    def __post_init__(self) -> None:
+        if self.ttl_seconds and self.ping_seconds > self.ttl_seconds:
+            # the broker drops a connection silent for 2x its TTL: an idle client must ping well within it
+            raise ValueError(f"ping_seconds ({self.ping_seconds:g}) must not exceed ttl_seconds ({self.ttl_seconds:g})")
+        object.__setattr__(self, "fallbacks", tuple((host, port) for host, port in self.fallbacks))
+
+    def link_options(self) -> dict[str, Any]:
+        """The keyword arguments of each of a client's links (its fallbacks go to the public one only): the TLS
+        context made and the token read once, here."""
+        return dict(ping_seconds=self.ping_seconds,
+                    ping_timeout_seconds=self.ping_seconds if self.ping_timeout_seconds is None
+                    else self.ping_timeout_seconds,
+                    reconnect_min_seconds=self.reconnect_min_seconds, reconnect_max_seconds=self.reconnect_max_seconds,
+                    timeout_seconds=self.timeout_seconds, connect_timeout_seconds=self.connect_timeout_seconds,
+                    tls=tls_setting(self.tls), token=token_setting(self.token),
+                    ttl_seconds=2 * self.ping_seconds if self.ttl_seconds is None else self.ttl_seconds,
+                    anonymous=self.anonymous)
+
+
+DEFAULT_SETTINGS = ClientSettings()
+
+
+class ClientBase:
+    """What both clients are before their transport: their settings, taken once, and a read-only view of their
+    public link. Each client's `_set_up` makes its consumers and links; everything else is its own."""
+
+    _link: LinkBase
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, settings: ClientSettings | None = None,
+                 ping_seconds: float = 15.0, ping_timeout_seconds: float | None = None,
+                 reconnect_min_seconds: float = 0.05, reconnect_max_seconds: float = 5.0,
+                 timeout_seconds: float = 10.0, connect_timeout_seconds: float = 10.0,
+                 tls: bool | ssl.SSLContext = False, token: str | None = None, ttl_seconds: float | None = None,
+                 fallbacks: list[tuple[str, int]] | tuple[()] = (), anonymous: bool = False,
+                 failover_seconds: float = FAILOVER_SECONDS,
+                 on_refused: Callable[[MqksError], Any] | None = None) -> None:
+        given = ClientSettings(
+            ping_seconds=ping_seconds, ping_timeout_seconds=ping_timeout_seconds,
+            reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
+            timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds, tls=tls, token=token,
+            ttl_seconds=ttl_seconds, fallbacks=tuple(fallbacks), anonymous=anonymous, failover_seconds=failover_seconds)
+        if settings is not None and given != DEFAULT_SETTINGS:
+            # an option beside settings= would be dropped without a word
+            raise TypeError("give settings= or the options it holds, not both")
+        self.settings = given if settings is None else settings
+        self.host = host
+        self.port = port
+        self.timeout_seconds = self.settings.timeout_seconds
+        self.failover_seconds = self.settings.failover_seconds
+        self.on_refused = on_refused
+        self._new_rid = wire.rid_maker()
+        # what every link shares: direct links speak the same protocol, TLS and token included
+        self._link_options = self.settings.link_options()
+        self._set_up()
+
+    def _set_up(self) -> None:
+        """The transport's part of the constructor: its consumers, its public link (`_link`) and their homes."""
+        raise NotImplementedError
+
+    @property
+    def server_info(self) -> dict[str, Any] | None:
+        """The broker's `hello` answer (version, protocol, extensions, workers, ttl), or None from one without it."""
+        return self._link.server_info
+
+    @property
+    def reconnects(self) -> int:
+        """How many connections were lost so far; each loss starts a reconnect."""
+        return self._link.reconnects
+
+    @property
+    def connected(self) -> bool:
+        """True while a live, handshaken connection exists."""
+        return self._link.connected
 
 
 def connect_error(cause: BaseException | None, where: str, timeout: float, retry: bool) -> MqksError:

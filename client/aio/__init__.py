@@ -17,6 +17,7 @@ imports gevent. The errors are the gevent client's, so one `except MqksError` se
 import logging
 
 from mqks.client.errors import MqksConnectionError, MqksError, MqksProtocolError, MqksTimeoutError
+from mqks.client.linking import ClientSettings
 from mqks.client.tls import client_context
 
 from .client import Client
@@ -24,5 +25,5 @@ from .consumers import Consumer, Message
 
 logging.getLogger("mqks.aio").addHandler(logging.NullHandler())
 
-__all__ = ["Client", "Consumer", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError",
+__all__ = ["Client", "ClientSettings", "Consumer", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError",
            "MqksTimeoutError", "client_context"]

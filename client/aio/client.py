@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -21,7 +20,6 @@ from typing import Any
 
 from mqks.client import wire
 from mqks.client.errors import (
-    FAILOVER_SECONDS,
     TRANSIENT_RETRY_MAX_SECONDS,
     TRANSIENT_RETRY_SECONDS,
     MqksConnectionError,
@@ -30,7 +28,7 @@ from mqks.client.errors import (
     is_transient,
     not_done_try_again,
 )
-from mqks.client.linking import connect_error, link_settings
+from mqks.client.linking import ClientBase, connect_error
 from mqks.client.placement import Homes, Route
 
 from .connection import Connection, Link
@@ -43,7 +41,7 @@ PLACING_POLL_SECONDS = 0.005  # how often a held publish looks again whether eve
 CALLBACK_GRACE_SECONDS = 1.0  # close() lets a running callback finish this long, then cancels it
 
 
-class Client:
+class Client(ClientBase):
     """An asyncio MQKS client: publish, consume as an async iterator or with a callback, confirms, reconnect.
 
     Any number of tasks may share one client; it belongs to the event loop it was connected on. Calls
@@ -52,29 +50,16 @@ class Client:
     `tls`, `token` (else MQKS_AUTH_TOKEN), `ttl_seconds`, `fallbacks`, pings and back-off, and
     `failover_seconds` (how long a consume refused while its queue's owner fails over keeps trying), and
     `on_refused(error)` (plain or async: run in a task of its own, started before `close()`'s barrier returns).
+    The options may come as one `settings=aio.ClientSettings(...)` instead, the gevent client's class.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, ping_seconds: float = 15.0,
-                 ping_timeout_seconds: float | None = None, reconnect_min_seconds: float = 0.05,
-                 reconnect_max_seconds: float = 5.0, timeout_seconds: float = 10.0,
-                 connect_timeout_seconds: float = 10.0, tls: bool | ssl.SSLContext = False, token: str | None = None,
-                 ttl_seconds: float | None = None, fallbacks: list[tuple[str, int]] | tuple[()] = (),
-                 anonymous: bool = False, failover_seconds: float = FAILOVER_SECONDS,
-                 on_refused: Callable[[MqksError], Any] | None = None) -> None:
-        self._link_options = link_settings(
-            ping_seconds=ping_seconds, ping_timeout_seconds=ping_timeout_seconds,
-            reconnect_min_seconds=reconnect_min_seconds, reconnect_max_seconds=reconnect_max_seconds,
-            timeout_seconds=timeout_seconds, connect_timeout_seconds=connect_timeout_seconds, tls=tls, token=token,
-            ttl_seconds=ttl_seconds, anonymous=anonymous)
-        self.host = host
-        self.port = port
-        self.timeout_seconds = timeout_seconds
-        self.failover_seconds = failover_seconds
-        self._new_rid = wire.rid_maker()
-        self.on_refused = on_refused
-        self._consumers = Consumers(f"{host}:{port}", self._new_rid, on_connect=self._on_connect,
-                                    on_refused=self._refused if on_refused is not None else None)
-        self._link = Link(host, port, self._consumers, self._new_rid, fallbacks=fallbacks, **self._link_options)
+    _link: Link
+
+    def _set_up(self) -> None:
+        self._consumers = Consumers(f"{self.host}:{self.port}", self._new_rid, on_connect=self._on_connect,
+                                    on_refused=self._refused if self.on_refused is not None else None)
+        self._link = Link(self.host, self.port, self._consumers, self._new_rid, fallbacks=self.settings.fallbacks,
+                          **self._link_options)
         self._consumers.link = self._link
         self._homes = Homes(self._consumers, lambda: (self._link.host, self._link.tls is not None))
         self._homeless: list[Consumer] = []  # consumers taken off a link, waiting for _rehome to place them
@@ -82,21 +67,6 @@ class Client:
         self._rehome_again = False
         self._moving: set[asyncio.Task[None]] = set()  # moved consumers' consumes on their way to their new link
         self._closing: list[Awaitable[None]] = []  # direct links being retired, on_refused hooks running
-
-    @property
-    def server_info(self) -> dict[str, Any] | None:
-        """The broker's `hello` answer (version, extensions, workers, ttl), or None from one without it."""
-        return self._link.server_info
-
-    @property
-    def reconnects(self) -> int:
-        """How many connections were lost so far; each loss starts a reconnect."""
-        return self._link.reconnects
-
-    @property
-    def connected(self) -> bool:
-        """True while a live, handshaken connection exists."""
-        return self._link.connected
 
     async def wait_connected(self, timeout: float | None = None) -> bool:
         """Wait until connected (or `timeout` passes); returns whether connected."""
