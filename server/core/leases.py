@@ -102,7 +102,7 @@ class Leases:
         if runs and not full and count < max_count:
             first, tails, _ = queue.take_tails(max_count - count, max_bytes - size, first_goes and not count)
             if tails:
-                held.update(zip(range(first, first + len(tails)), tails))
+                held.update(zip(range(first, first + len(tails)), tails, strict=True))
                 # one join for the run, not a line each: 0.95 -> 0.20 us of broker CPU a message fetched (issue 59)
                 lines.append(b"%b ok --seq-from %d\n%b%b\n" % (prefix, first, prefix, (NEWLINE + prefix).join(tails)))
                 count += len(tails)
