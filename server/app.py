@@ -159,6 +159,8 @@ class Server:
             self.peers.dial = self.cluster.dial
             self.peers.unit = "group"
             self.peers.address_of = self.cluster.address
+            cluster_map = self.cluster.map
+            self.peers.owner_epoch = lambda group: cluster_map.entries.get(group, {}).get("epoch")
             self.peers.connect_retry_seconds = CLUSTER_DIAL_RETRY_SECONDS
             if self.config.tls_cert and self.config.tls_key:  # links cross hosts: as encrypted as the clients' TLS
                 from .node.sessions import link_tls_contexts

@@ -183,7 +183,7 @@ def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -
     # a line another worker forwarded (its session publishes to this worker's broker only) is never sent on
     forwarder, peers = process.forwarder, process.peers
     if forwarder is not None and peers is not None and publisher is not process.broker and publisher.permits(event):
-        if peers.unlinked_unknown:
+        if peers.unlinked and peers.routing_unknown():
             raise ProtocolError(peers.unlinked_reason())
         if forwarder.routes_elsewhere(event):
             forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'

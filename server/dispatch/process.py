@@ -51,7 +51,8 @@ class Peering(Protocol):
     """What this process asks of the other workers when it is one of several (server/workers/peers.py's Peers)."""
 
     unlinked: int  # other workers with no link from here
-    unlinked_unknown: int  # ... whose bindings this worker has not had since it started or they restarted
+
+    def routing_unknown(self) -> bool: ...
 
     def holds_output(self) -> bool: ...
 

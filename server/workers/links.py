@@ -17,7 +17,7 @@ import logging
 import socket
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import gevent
 
@@ -63,7 +63,7 @@ def notice_dead_peer(sock: socket.socket) -> None:
 class PeerLink(FrameSocket):
     """This worker's link to peer `worker`: requests out, answers and the peer's bindings in."""
 
-    __slots__ = ("worker", "peers", "reader", "ready")
+    __slots__ = ("worker", "peers", "reader", "ready", "owner_epoch")
 
     def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
         super().__init__(sock, peers.process.pending, f"link to worker {worker}", peers.max_backlog)
@@ -71,6 +71,7 @@ class PeerLink(FrameSocket):
         self.peers = peers
         self.reader = FrameReader()
         self.ready = False  # the peer's bindings are in: lines and publishes may go (Peers.linked)
+        self.owner_epoch: Any = None  # a cluster's group: the epoch of the owner dialled (Peers.unknown_bindings)
 
     def lost(self, reason: str) -> None:
         if self.shut():

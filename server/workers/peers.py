@@ -112,16 +112,13 @@ class Peers:
         self.count = count = process.worker_count
         self.run_dir = run_dir
         self.links: list[PeerLink | None] = [None] * count
-        # other workers with no link from here (health says so), and those of them whose bindings this worker has
-        # never had since it started or since they restarted: a confirmed publish cannot promise it reached every
-        # bound queue while one is unknown (actions.publish_confirmed refuses it). A worker whose link was lost is
-        # routed to by the bindings it last sent (its part of a publish fails, and the client tries again): a cut-off
-        # cluster node must not stop confirmed publishes to every queue of the cluster until its groups have new
-        # owners (issue 56). Those owners listen only once linked (Server.serve_forever's connect_all), so a binding
-        # is made there before this worker knows it only if linking timed out.
+        # other workers with no link from here: while one's bindings are unknown here, a confirmed publish cannot
+        # promise it reached every bound queue (actions.publish_confirmed refuses it; see routing_unknown)
         self.unlinked = count - 1
-        self.bindings_known = [worker == self.worker for worker in range(count)]
-        self.unlinked_unknown = count - 1
+        # a cluster's group: the epoch of the owner that sent the bindings the replica holds, and the epoch the map
+        # names now (None: not a cluster, where a lost link's bindings are never trusted)
+        self.bindings_epoch: list[Any] = [None] * count
+        self.owner_epoch: Callable[[int], Any] = lambda worker: None
         # how a link is opened: a Unix socket in run_dir here; a cluster's node dials the group's owner over TCP
         self.dial: Callable[[int], socket.socket] = self.dial_unix
         self.unit = "worker"  # what errors call a peer: "group" in a cluster, where a group's owner is on any node
@@ -173,20 +170,34 @@ class Peers:
         made twice, or replaced before the old one is lost), and once CI saw publishes refused for two minutes as
         "group  is not linked here", naming no group, while every link was there."""
         self.unlinked = sum(1 for worker, link in enumerate(self.links) if link is None and worker != self.worker)
-        known = self.bindings_known
-        self.unlinked_unknown = sum(1 for worker, link in enumerate(self.links) if link is None and not known[worker])
+
+    def unknown_bindings(self) -> list[int]:
+        """The unlinked workers whose bindings are not known here. A cluster's group whose link was lost is routed to by
+        the bindings its owner last sent while the map still names that owner (its part of a publish fails, and the
+        client tries again): a cut-off node must not stop confirmed publishes to every queue of the cluster until its
+        groups have new owners (issue 56). Once the map names a new owner, whose clients may bind queues before it
+        links here, they are unknown until its own bindings come."""
+        epochs, owner_epoch = self.bindings_epoch, self.owner_epoch
+        unknown = []
+        for worker, link in enumerate(self.links):
+            if link is None and worker != self.worker:
+                epoch = epochs[worker]
+                if epoch is None or owner_epoch(worker) != epoch:
+                    unknown.append(worker)
+        return unknown
+
+    def routing_unknown(self) -> bool:
+        """True while a confirmed publish may miss a bound queue (called only while a link is missing)."""
+        return bool(self.unknown_bindings())
 
     def forget_bindings(self, worker: int) -> None:
         """`worker` restarted, or a new link to it begins: what the replica had of its bindings is gone until its
         dump is in (linked)."""
         self.replica.forget(worker)
-        self.bindings_known[worker] = False
-        self.count_unlinked()
+        self.bindings_epoch[worker] = None
 
     def unlinked_reason(self) -> str:
-        known = self.bindings_known
-        missing = ", ".join(str(worker) for worker, link in enumerate(self.links)
-                            if link is None and not known[worker])
+        missing = ", ".join(map(str, self.unknown_bindings()))
         why = "its owner failing over" if self.unit == "group" else "restarting"
         return (f"{self.unit} {missing} is not linked here ({why}): the queues it binds are unknown, so the message "
                 "was not published; try again")
@@ -326,6 +337,7 @@ class Peers:
         """Connect to `worker`, and again whenever the link is lost (the peer restarts)."""
         while True:
             address = self.address_of(worker)
+            epoch = self.owner_epoch(worker)  # the owner this address is of: its bindings come on the link
             try:
                 sock = self.dial(worker)
             except OSError:
@@ -338,6 +350,7 @@ class Peers:
                 gevent.sleep(self.connect_retry_seconds)
                 continue
             link = PeerLink(sock, self, worker)
+            link.owner_epoch = epoch
             self.dialled[worker] = (address, link)
             writer = gevent.spawn(link.write_loop)
             try:
@@ -355,7 +368,7 @@ class Peers:
         link.ready = True
         worker = link.worker
         self.links[worker] = link
-        self.bindings_known[worker] = True
+        self.bindings_epoch[worker] = link.owner_epoch
         self.count_unlinked()
         log.info("linked to worker %d", worker)
         waiting = self.dead_waiting.pop(worker, [])

@@ -175,7 +175,7 @@ class BlockedJournal:
 class OtherWorkers:
     """The forwarder and peers of a worker some of whose events are bound only to another worker's queues."""
 
-    unlinked = unlinked_unknown = 0
+    unlinked = 0
 
     def __init__(self, process: Process, elsewhere: set[bytes]) -> None:
         self.process = process
