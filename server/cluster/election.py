@@ -33,6 +33,11 @@ RETRY_SECONDS = 0.5  # following failed (NATS unreachable): try again after this
 # a silent owner that answers its ping is waited for up to this many leases of silence: it steps down after one
 # lease of a log it cannot write to, so only an owner wedged in a way nobody foresaw is claimed from
 OWNER_ANSWERS_LEASES = 2.0
+# balancing moves a group whose owner took it over lately at once; one its owner has held longer only once the
+# counts have stayed uneven this long: after a failover the failed node's groups spread, not the others' (issue 56:
+# healthy groups changed hands while a host was cut off)
+RECENT_OWNER_LEASES = 3.0
+UNEVEN_PATIENCE_SECONDS = 60.0
 
 
 class Reading(Protocol):
@@ -99,6 +104,8 @@ class Standby:
         self.cluster_map = cluster_map
         self.clock = clock
         self.sleep = sleep
+        self.owner_since = clock()  # since when this standby has seen the group's current owner (its epoch)
+        self.uneven_since: float | None = None  # since when the counts have asked for this group without a pause
 
     def stand_by(self, reading: Reading) -> Iterator[bytes]:
         """The records of the frames the owner stores, until this node should claim the group: its owner has
@@ -108,6 +115,7 @@ class Standby:
         replayer = reading.replayer
         owner = self.ask_owner()
         now = clock()
+        seen_epoch = replayer.epoch
         if owner is None:  # nobody answers for it: a new cluster, or its owner is gone
             expires = now + candidacy.first_claim_delay
             if replayer.owner:
@@ -201,6 +209,8 @@ class Standby:
                 self.sleep(RETRY_SECONDS)
                 continue
             yield from records
+            if replayer.epoch != seen_epoch:  # a new owner: taken over, or handed on
+                seen_epoch, self.owner_since = replayer.epoch, clock()
             if records:
                 # under load, the frames of the next moment are read and applied together: a read per frame (two
                 # standbys of every group each read each frame) was most of a standby's cost beside applying them
@@ -246,8 +256,15 @@ class Standby:
                 return
             why = f"it is pinned to this node (mqks cluster move) and node {owner} has it"
         elif counts.get(owner, 0) - candidacy.owned_here() >= 2:
+            now = self.clock()
+            if self.uneven_since is None:
+                self.uneven_since = now
+            if (now - self.owner_since >= RECENT_OWNER_LEASES * candidacy.lease_seconds
+                    and now - self.uneven_since < UNEVEN_PATIENCE_SECONDS):
+                return  # held long by its owner: a group taken over lately goes first
             why = f"node {owner} owns {counts[owner]} groups, this node {candidacy.owned_here()}"
         else:
+            self.uneven_since = None
             return
         if not candidacy.may_pull():
             return

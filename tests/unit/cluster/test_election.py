@@ -13,8 +13,10 @@ from mqks.client.cluster import STANDBY_DOWN_SECONDS
 from mqks.server.cluster.candidacy import CLAIM_DELAY_CAP_SECONDS, CLAIM_DELAY_PER_GROUP_SECONDS, Candidacy
 from mqks.server.cluster.election import (
     BALANCE_SECONDS,
+    RECENT_OWNER_LEASES,
     STANDBY_IDLE_REPORT_SECONDS,
     STANDBY_REPORT_SECONDS,
+    UNEVEN_PATIENCE_SECONDS,
     Standby,
     replay_as_candidate,
 )
@@ -492,6 +494,27 @@ def test_a_node_that_owns_two_groups_fewer_than_the_owners_asks_for_the_group_on
     balancing(cluster_map, node)
     assert cluster_map.asked == [("c-0-of-4", "a")]  # one ask: the node's turn is held until the group comes
     assert cluster_map.fresh_reads >= 1  # the pin read again right before asking
+
+
+def test_a_group_its_owner_has_held_long_is_asked_for_only_once_the_counts_stay_uneven():
+    """Issue 56: while a host was cut off, balancing among the others moved groups they had held all along. A group
+    taken over lately (or one this standby began watching lately) is asked for at once; one held longer only after
+    the counts have stayed uneven for UNEVEN_PATIENCE_SECONDS."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    cluster_map = FakeMap(counts={"b": 9, "a": 7}, owner="b")
+    held_long = standby(clock, stream, cluster_map, Node(owned=7))
+    clock.now += RECENT_OWNER_LEASES * LEASE  # watched b own it for three leases
+    held_long.balance()
+    clock.now += UNEVEN_PATIENCE_SECONDS - 1
+    held_long.balance()
+    assert cluster_map.asked == []
+    clock.now += 1
+    held_long.balance()
+    assert cluster_map.asked == [("c-0-of-4", "a")]
+    taken_lately = standby(clock, stream, FakeMap(counts={"b": 9, "a": 7}, owner="b"), Node(owned=7))
+    taken_lately.balance()
+    assert taken_lately.cluster_map.asked == [("c-0-of-4", "a")]  # type: ignore[attr-defined]
 
 
 def test_a_refused_ask_ends_the_nodes_turn_so_it_may_ask_again():
