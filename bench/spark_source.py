@@ -1,14 +1,27 @@
-"""The `mqks` Spark source and sink beside Spark's own paths, on local-cluster with 1 and 2 executors.
+"""The `mqks` Spark source and sink, each beside a Python data source that does no I/O, in one Spark session.
 
-    .venv/bin/python -m bench.spark_source [--messages 400000] [--executors 1,2] [--data-bytes 100]
+    .venv/bin/python -m bench.spark_source [--messages 200000] [--sink-rows 200000] [--batch-rows 50000,10000]
+                                           [--rounds 3] [--master local[2]] [--partitions 2] [--pure]
 
-Source: --messages messages of --data-bytes bytes wait in a queue; one Trigger.AvailableNow run
-reads them into the `noop` sink (numPartitions = executors). Beside it, an in-memory Python
-data source (the same seven columns built from Python lists in read(), no network) on the same
-session and shape. Rows/s = rows / the summed triggerExecution of the batches with rows. The
-driver's CPU per row is the CPU the driver JVM and its own Python workers used (executors and
-the broker excluded), over the rows. Sink: `df.write.format("mqks")` of the same number of rows
-beside `df.write.format("noop")`. Wrap it in `flock /work/bench.lock` on a shared machine.
+Source cell, per batch size: --messages messages of --data-bytes bytes wait in a queue; one
+Trigger.AvailableNow run reads them into Spark's `noop` sink in batches of --batch-rows rows
+(numPartitions = --partitions). Its ceiling, run right after it on the same session and shape: a
+Python stream reader whose read() yields the same seven columns from memory as Arrow record
+batches (built by Arrow kernels, no network). Rows/s = rows / the summed triggerExecution of the
+batches with rows.
+
+Sink cell: `df.write.format("mqks")` of --sink-rows rows (a cached DataFrame of `event` and `data`,
+one queue bound to the event) beside a Python `DataSourceWriter` that iterates its rows and drops
+them (the ceiling), a `DataSourceArrowWriter` that drops its record batches, and Spark's JVM `noop`.
+Rows/s = rows / the wall time of `save()`.
+
+Every round runs every cell once, in turn (each round reverses the order of the one before); the
+ratios are taken inside a round, and the report gives each one's median over the rounds. One round
+runs first and is not reported: the first full-size run of a shape pays for the JIT and the
+broker's heap. The driver's CPU per row (the driver JVM and its Python workers, executors and the
+broker excluded) goes with each source cell. The broker says whether it runs compiled or as plain
+Python (an edited module runs as plain Python until the next install): compare runs of one kind,
+or pass --pure to both. Wrap it in `flock /work/bench.lock` on a shared machine.
 """
 
 from __future__ import annotations
@@ -16,11 +29,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+MEMORY_BATCH_ROWS = 10_000  # Spark's own Arrow batch (spark.sql.execution.arrow.maxRecordsPerBatch)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -59,15 +82,16 @@ def driver_cpu(driver_jvm: int) -> float:
 
 
 def memory_source_class():
+    """`memorybench`: the source's seven columns from memory as Arrow record batches, no network."""
     from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
     from pyspark.sql.streaming.datasource import ReadMaxRows, SupportsTriggerAvailableNow
 
     from mqks.spark.source import SOURCE_SCHEMA
 
     class Part(InputPartition):
-        def __init__(self, rows: int, data_bytes: int) -> None:
+        def __init__(self, first: int, rows: int, data_bytes: int) -> None:
             super().__init__(None)
-            self.rows, self.data_bytes = rows, data_bytes
+            self.first, self.rows, self.data_bytes = first, rows, data_bytes
 
     class Reader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         def __init__(self, options) -> None:
@@ -89,30 +113,33 @@ def memory_source_class():
             return {"rows": min(self.total, start["rows"] + self.batch_rows)}
 
         def partitions(self, start, end):
-            rows = end["rows"] - start["rows"]
-            return [Part(rows // self.parts + (1 if i < rows % self.parts else 0), self.data_bytes)
-                    for i in range(self.parts)]
+            rows, first, parts = end["rows"] - start["rows"], start["rows"], []
+            for i in range(self.parts):
+                count = rows // self.parts + (1 if i < rows % self.parts else 0)
+                parts.append(Part(first, count, self.data_bytes))
+                first += count
+            return parts
 
         def read(self, partition):
             import pyarrow as pa
+            import pyarrow.compute as pc
 
-            from mqks.spark.source import FETCH_ROWS
-
-            left = partition.rows
-            while left > 0:
-                n = min(left, FETCH_ROWS)
-                payload = b"x" * partition.data_bytes
+            payload = pa.scalar("x" * partition.data_bytes)
+            done = 0
+            while done < partition.rows:
+                n = min(partition.rows - done, MEMORY_BATCH_ROWS)
+                seq = pa.array(range(partition.first + done, partition.first + done + n), type=pa.int64())
                 now_us = int(time.time() * 1_000_000)
                 yield pa.RecordBatch.from_arrays([
-                    pa.array([b"m%d" % i for i in range(n)], type=pa.string()),
-                    pa.array([b"bench.e"] * n, type=pa.string()),
-                    pa.array([payload] * n, type=pa.string()),
-                    pa.array([0] * n, type=pa.int32()),
-                    pa.array(["bench.q"] * n, type=pa.string()),
-                    pa.array([now_us] * n, type=pa.timestamp("us", tz="UTC")),
-                    pa.array(list(range(n)), type=pa.int64()),
+                    pc.binary_join_element_wise("m", pc.cast(seq, pa.string()), ""),
+                    pa.repeat(pa.scalar("bench.e"), n),
+                    pa.repeat(payload, n),
+                    pa.repeat(pa.scalar(0, pa.int32()), n),
+                    pa.repeat(pa.scalar("bench.q"), n),
+                    pa.repeat(pa.scalar(now_us, pa.timestamp("us", tz="UTC")), n),
+                    seq,
                 ], names=["msg_id", "event", "data", "retry", "queue", "received_at", "seq"])
-                left -= n
+                done += n
 
     class MemorySource(DataSource):
         @classmethod
@@ -128,6 +155,44 @@ def memory_source_class():
     return MemorySource
 
 
+def null_sink_classes():
+    """`nullrows` (a Python DataSourceWriter that drops its rows) and `nullarrow` (the same over Arrow batches)."""
+    from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSourceWriter, WriterCommitMessage
+
+    class Dropped(WriterCommitMessage):
+        def __init__(self, count: int) -> None:
+            self.count = count
+
+    class RowWriter(DataSourceWriter):
+        def write(self, iterator):
+            count = 0
+            for _ in iterator:
+                count += 1
+            return Dropped(count)
+
+    class ArrowWriter(DataSourceArrowWriter):
+        def write(self, iterator):
+            return Dropped(sum(batch.num_rows for batch in iterator))
+
+    class NullRows(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "nullrows"
+
+        def writer(self, schema, overwrite):
+            return RowWriter()
+
+    class NullArrow(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "nullarrow"
+
+        def writer(self, schema, overwrite):
+            return ArrowWriter()
+
+    return NullRows, NullArrow
+
+
 def steady_rate(progress: list[dict]) -> tuple[float, int]:
     with_rows = [p for p in progress if p["numInputRows"]]
     rows = sum(p["numInputRows"] for p in with_rows)
@@ -135,108 +200,177 @@ def steady_rate(progress: list[dict]) -> tuple[float, int]:
     return (rows * 1000.0 / millis if millis else 0.0), rows
 
 
-def publish(port: int, queue: str, count: int, data_bytes: int) -> None:
+def call(port: int, lines: list[bytes]) -> None:
+    """Send `lines`, then wait for a ping's answer: the broker has read them all."""
     from mqks.spark.line_client import LineClient
 
     client = LineClient("127.0.0.1", port)
-    client.send([b"b rebind --confirm %s bench.e" % queue.encode()])
-    payload = b"x" * data_bytes
-    for lo in range(0, count, 10_000):
-        client.send([b"m%d publish bench.e %s" % (i, payload) for i in range(lo, min(count, lo + 10_000))])
-    client.send([b"done ping done"])
-    while not any(line.startswith(b"done ok") for line in client.read_lines(60.0)):
-        pass
-    client.close()
-
-
-def warm_up(spark, port: int, executors: int, args: argparse.Namespace) -> None:
-    """One small run of each source first: the first batch of a session pays for starting Python workers."""
-    queue = f"bench.warm.{executors}"
-    publish(port, queue, 20_000, args.data_bytes)
-    for reader in (spark.readStream.format("mqks").option("port", str(port)).option("queue", queue)
-                   .option("numPartitions", str(executors)),
-                   spark.readStream.format("memorybench").option("rows", "20000").option("parts", str(executors))
-                   .option("batchRows", "5000").option("dataBytes", str(args.data_bytes))):
-        reader.load().writeStream.format("noop").trigger(availableNow=True).start().awaitTermination()
-
-
-def run(executors: int, args: argparse.Namespace, port: int) -> dict:
-    from mqks.spark.session import local_session
-
-    spark = local_session(f"bench-{executors}", master=f"local-cluster[{executors},1,1024]")
-    spark.dataSource.register(memory_source_class())
-    driver_jvm = spark.sparkContext._gateway.proc.pid  # type: ignore[union-attr]
-    result: dict = {"executors": executors}
     try:
-        warm_up(spark, port, executors, args)
-        for rep in range(args.reps):
-            queue = f"bench.q.{executors}.{rep}"
-            publish(port, queue, args.messages, args.data_bytes)
-            cpu_before = driver_cpu(driver_jvm)
-            query = (spark.readStream.format("mqks").option("port", str(port)).option("queue", queue)
-                     .option("maxRecordsPerBatch", str(args.batch_rows)).option("numPartitions", str(executors))
-                     .load().writeStream.format("noop").trigger(availableNow=True).start())
-            query.awaitTermination()
-            rate, rows = steady_rate(query.recentProgress)
-            cpu = driver_cpu(driver_jvm) - cpu_before
-            memory = (spark.readStream.format("memorybench").option("rows", str(args.messages))
-                      .option("parts", str(executors)).option("batchRows", str(args.batch_rows))
-                      .option("dataBytes", str(args.data_bytes)).load()
-                      .writeStream.format("noop").trigger(availableNow=True).start())
-            memory.awaitTermination()
-            memory_rate, memory_rows = steady_rate(memory.recentProgress)
-            result.setdefault("memory_driver_cpu_us_per_row", []).append(
-                (driver_cpu(driver_jvm) - cpu_before - cpu) * 1e6 / max(memory_rows, 1))
-            result.setdefault("mqks_rows_per_s", []).append(rate)
-            result.setdefault("memory_rows_per_s", []).append(memory_rate)
-            result.setdefault("driver_cpu_us_per_row", []).append(cpu * 1e6 / max(rows, 1))
-            assert rows == args.messages, f"read {rows} of {args.messages}"
-        df = spark.range(args.messages).selectExpr("'bench.out' AS event", f"repeat('x', {args.data_bytes}) AS data")
-        df = df.repartition(executors).cache()
-        df.count()
-        for fmt in ("noop", "mqks"):
-            started = time.monotonic()
-            df.write.format(fmt).mode("append").option("port", str(port)).save() if fmt == "mqks" else \
-                df.write.format(fmt).mode("append").save()
-            result[f"sink_{fmt}_rows_per_s"] = args.messages / (time.monotonic() - started)
+        for lo in range(0, len(lines), 10_000):
+            client.send(lines[lo:lo + 10_000])
+        client.send([b"done ping done"])
+        while not any(line.startswith(b"done ok") for line in client.read_lines(60.0)):
+            pass
     finally:
-        spark.stop()
-    return result
+        client.close()
+
+
+def publish(port: int, queue: str, count: int, data_bytes: int) -> None:
+    payload = b"x" * data_bytes
+    call(port, [b"b rebind --confirm %s bench.e" % queue.encode()]
+         + [b"m%d publish bench.e %s" % (i, payload) for i in range(count)])
+
+
+def source_rate(spark, fmt: str, options: dict[str, str]) -> tuple[float, int, list[dict]]:
+    reader = spark.readStream.format(fmt)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    query = reader.load().writeStream.format("noop").trigger(availableNow=True).start()
+    query.awaitTermination()
+    rate, rows = steady_rate(query.recentProgress)
+    return rate, rows, query.recentProgress
+
+
+def warm_up(spark, port: int, args: argparse.Namespace) -> None:
+    """One small run of each source and sink first: a session's first job pays for starting Python workers."""
+    publish(port, "bench.warm", 20_000, args.data_bytes)
+    source_rate(spark, "mqks", {"port": str(port), "queue": "bench.warm", "numPartitions": str(args.partitions)})
+    source_rate(spark, "memorybench", {"rows": "20000", "parts": str(args.partitions), "batchRows": "5000",
+                                       "dataBytes": str(args.data_bytes)})
+    df = spark.range(20_000).selectExpr("'bench.warm.out' AS event", "'x' AS data").repartition(args.partitions)
+    for fmt in ("nullrows", "nullarrow", "mqks"):
+        df.write.format(fmt).mode("append").option("port", str(port)).save() if fmt == "mqks" else \
+            df.write.format(fmt).mode("append").save()
+
+
+def source_round(spark, port: int, args: argparse.Namespace, batch_rows: int, round_no: int, driver_jvm: int) -> dict:
+    queue = f"bench.q.{batch_rows}.{round_no}"
+    publish(port, queue, args.messages, args.data_bytes)
+    cells: dict = {}
+    runs = [("mqks", {"port": str(port), "queue": queue, "maxRecordsPerBatch": str(batch_rows),
+                      "numPartitions": str(args.partitions)}),
+            ("memory", {"rows": str(args.messages), "parts": str(args.partitions), "batchRows": str(batch_rows),
+                        "dataBytes": str(args.data_bytes)})]
+    if round_no % 2:
+        runs.reverse()  # neither always goes first
+    for name, options in runs:
+        cpu_before = driver_cpu(driver_jvm)
+        rate, rows, _ = source_rate(spark, "mqks" if name == "mqks" else "memorybench", options)
+        assert rows == args.messages, f"{name} read {rows} of {args.messages}"
+        cells[name] = rate
+        cells[f"{name}_driver_us_per_row"] = (driver_cpu(driver_jvm) - cpu_before) * 1e6 / rows
+    cells["ratio"] = cells["mqks"] / cells["memory"]
+    call(port, [b"d delete_queue %s" % queue.encode()])
+    return cells
+
+
+def sink_round(spark, port: int, args: argparse.Namespace, df, round_no: int) -> dict:
+    call(port, [b"b rebind --confirm bench.sink bench.out"])
+    cells: dict = {}
+    formats = ["nullrows", "mqks", "nullarrow", "noop"]
+    if round_no % 2:
+        formats.reverse()
+    for fmt in formats:
+        started = time.monotonic()
+        writer = df.write.format(fmt).mode("append")
+        (writer.option("port", str(port)) if fmt == "mqks" else writer).save()
+        cells[fmt] = args.sink_rows / (time.monotonic() - started)
+    cells["ratio"] = cells["mqks"] / cells["nullrows"]
+    cells["ratio_arrow"] = cells["mqks"] / cells["nullarrow"]
+    call(port, [b"d delete_queue bench.sink"])
+    return cells
+
+
+def median_of(rounds: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
+
+
+def listed(rounds: list[dict]) -> str:
+    return ", ".join(f"{r['ratio']:.2f}" for r in rounds)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--messages", type=int, default=400_000)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=200_000, help="rows of each source cell")
+    parser.add_argument("--sink-rows", type=int, default=200_000, help="rows of each sink cell")
     parser.add_argument("--data-bytes", type=int, default=100)
-    parser.add_argument("--batch-rows", type=int, default=50_000)
-    parser.add_argument("--executors", default="1,2")
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--batch-rows", default="50000,10000", help="source cells: rows per micro-batch")
+    parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--partitions", type=int, default=2, help="source numPartitions and the sink's partitions")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cells", default="source,sink")
+    parser.add_argument("--pure", action="store_true", help="run the broker as plain Python (MQKS_PURE=1)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-    from helpers import free_port
+    from mqks.spark.session import local_session
 
+    cells = args.cells.split(",")
+    batch_sizes = [int(n) for n in args.batch_rows.split(",")] if "source" in cells else []
     port = free_port()
-    broker = subprocess.Popen([sys.executable, "-m", "mqks.server", "--port", str(port)], stderr=subprocess.DEVNULL)
+    # --pure: the broker as plain Python whatever the build, so that two runs compare the same broker
+    env = dict(os.environ, MQKS_PURE="1") if args.pure else os.environ
+    broker = subprocess.Popen([sys.executable, "-m", "mqks.server", "--port", str(port)], stderr=subprocess.PIPE,
+                              env=env)
+    results: dict = {"source": {n: [] for n in batch_sizes}, "sink": []}
     try:
-        time.sleep(1.0)
-        results = [run(int(n), args, port) for n in args.executors.split(",")]
+        assert broker.stderr is not None
+        banner = broker.stderr.readline().decode(errors="replace").strip()
+        # "... in memory, compiled (mypyc))", "... pure Python (MQKS_PURE=1))", "... pure Python: the build is older ..."
+        mode = banner.split("in memory, ", 1)[-1].rsplit(")", 1)[0].split(":")[0]
+        results["broker"] = mode
+        print(f"broker: {mode}", flush=True)
+        threading.Thread(target=broker.stderr.read, daemon=True).start()  # never let its pipe fill
+        spark = local_session("bench-spark", master=args.master)
+        spark.dataSource.register(memory_source_class())
+        for cls in null_sink_classes():
+            spark.dataSource.register(cls)
+        driver_jvm = spark.sparkContext._gateway.proc.pid  # type: ignore[union-attr]
+        try:
+            warm_up(spark, port, args)
+            df = spark.range(args.sink_rows).selectExpr("'bench.out' AS event",
+                                                       f"repeat('x', {args.data_bytes}) AS data")
+            df = df.repartition(args.partitions).cache()
+            df.count()
+            # round 0 is not reported: the first full-size run of a shape pays for the JIT and the broker's heap
+            for round_no in range(args.rounds + 1):
+                for batch_rows in batch_sizes:
+                    cell = source_round(spark, port, args, batch_rows, round_no, driver_jvm)
+                    if not round_no:
+                        continue
+                    results["source"][batch_rows].append(cell)
+                    print(f"round {round_no} source {batch_rows:,}-row batches: mqks {cell['mqks']:,.0f} rows/s, "
+                          f"memory Arrow {cell['memory']:,.0f} rows/s, {cell['ratio']:.2f}x", flush=True)
+                if "sink" in cells:
+                    cell = sink_round(spark, port, args, df, round_no)
+                    if not round_no:
+                        continue
+                    results["sink"].append(cell)
+                    print(f"round {round_no} sink: mqks {cell['mqks']:,.0f} rows/s, null rows writer "
+                          f"{cell['nullrows']:,.0f}, null Arrow writer {cell['nullarrow']:,.0f}, "
+                          f"noop {cell['noop']:,.0f}: {cell['ratio']:.2f}x the rows writer, "
+                          f"{cell['ratio_arrow']:.2f}x the Arrow writer", flush=True)
+        finally:
+            spark.stop()
     finally:
         broker.kill()
         broker.wait()
-    best = {r["executors"]: r for r in results}
-    for r in results:
-        mq, mem = max(r["mqks_rows_per_s"]), max(r["memory_rows_per_s"])
-        print(f"{r['executors']} executor(s): mqks {mq:,.0f} rows/s, in-memory Python source {mem:,.0f} rows/s, "
-              f"ratio {mq / mem:.2f}x; driver CPU {min(r['driver_cpu_us_per_row']):.2f} us/row "
-              f"(in-memory source: {min(r['memory_driver_cpu_us_per_row']):.2f}); "
-              f"sink: mqks {r['sink_mqks_rows_per_s']:,.0f} rows/s, noop {r['sink_noop_rows_per_s']:,.0f} rows/s "
-              f"({r['sink_mqks_rows_per_s'] / r['sink_noop_rows_per_s']:.2f}x)")
-    if 1 in best and 2 in best:
-        print(f"2 executors / 1: mqks {max(best[2]['mqks_rows_per_s']) / max(best[1]['mqks_rows_per_s']):.2f}x, "
-              f"in-memory {max(best[2]['memory_rows_per_s']) / max(best[1]['memory_rows_per_s']):.2f}x "
-              f"({os.cpu_count()} cores)")
+    print(f"medians of {args.rounds} rounds, {args.master}, {args.partitions} partitions, {args.messages:,} source "
+          f"rows and {args.sink_rows:,} sink rows of {args.data_bytes} B, {os.cpu_count()} cores, broker "
+          f"{results['broker']}:")
+    for batch_rows, rounds in results["source"].items():
+        print(f"  source, {batch_rows:,}-row batches: mqks {median_of(rounds, 'mqks'):,.0f} rows/s, memory Arrow "
+              f"{median_of(rounds, 'memory'):,.0f}: ratio {median_of(rounds, 'ratio'):.2f}x "
+              f"(rounds {listed(rounds)}); driver CPU "
+              f"{median_of(rounds, 'mqks_driver_us_per_row'):.2f} us/row "
+              f"(memory {median_of(rounds, 'memory_driver_us_per_row'):.2f})")
+    if results["sink"]:
+        rounds = results["sink"]
+        print(f"  sink: mqks {median_of(rounds, 'mqks'):,.0f} rows/s, null rows writer "
+              f"{median_of(rounds, 'nullrows'):,.0f}, null Arrow writer {median_of(rounds, 'nullarrow'):,.0f}, "
+              f"noop {median_of(rounds, 'noop'):,.0f}: ratio {median_of(rounds, 'ratio'):.2f}x "
+              f"(rounds {listed(rounds)}), "
+              f"{median_of(rounds, 'ratio_arrow'):.2f}x the Arrow writer")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
