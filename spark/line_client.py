@@ -13,7 +13,7 @@ import select
 import socket
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,8 @@ from mqks.client.wire import answer_error, auth_refusal, hello_info, split_answe
 __all__ = ["LineClient", "MqksConnectionError", "MqksError", "Security", "split_answer"]
 
 RECV_BYTES = 65536
+BLOCK_RECV_BYTES = 1 << 20  # read_through: a fetch answer is megabytes, read in as few calls as the kernel allows
+QUIET_SECONDS = 0.05  # read_through looks through every byte for its line only after this long without one
 IO_TIMEOUT_SECONDS = 60.0  # no progress for this long on a send: the connection is dead
 MAX_LINES_PER_READ = 100_000  # bounds one read_lines() call; the rest waits in the kernel
 AUTH_RID = b"spark.auth"
@@ -154,6 +156,73 @@ class LineClient:
             raise self._fail("server closed the connection")
         lines, self.ready = self.ready, []
         return lines
+
+    def read_through(self, markers: tuple[bytes, ...], timeout_seconds: float,
+                     accept: Callable[[bytes], bool] | None = None) -> bytearray | None:
+        """Every byte up to and with the first whole line that starts with one of `markers` (and that `accept`
+        takes, when given), as one buffer of its own.
+
+        The bytes are not split into lines: a fetch answer of 20,000 lines is read as one block (lines an
+        earlier call split come first). None when no such line came within `timeout_seconds` of silence; what
+        arrived stays buffered. Raises MqksConnectionError once the server closed without sending one.
+        """
+        buf = bytearray()
+        if self.ready:
+            buf += b"\n".join(self.ready) + b"\n"
+            self.ready = []
+        buf += self.tail
+        self.tail = b""
+        patterns = [b"\n" + marker for marker in markers]
+        scanned = 0  # a marker line starting before here was looked for already
+        found = -1  # where the marker line starts, once seen
+        silent = False
+        while True:
+            if found < 0 and buf.endswith(b"\n"):
+                # an answer's last line is the last one that came (nothing else was asked on the connection
+                # meanwhile): looking there alone saves a pass over every byte
+                last = buf.rfind(b"\n", 0, len(buf) - 1) + 1
+                if buf.startswith(markers, last) and (accept is None or accept(bytes(buf[last:-1]))):
+                    found = last
+            if found < 0 and silent:  # quiet, and no marker last: maybe it came with something after it
+                if buf.startswith(markers):
+                    found = 0
+                else:
+                    hits = [i + 1 for pattern in patterns if (i := buf.find(pattern, max(0, scanned - 1))) >= 0]
+                    found = min(hits) if hits else -1
+                    scanned = len(buf) if found < 0 else found
+            if found >= 0 and (end := buf.find(b"\n", found)) >= 0:
+                if accept is not None and not accept(bytes(memoryview(buf)[found:end])):
+                    scanned, found = end + 1, -1  # a line that only looks like one (a msg id such as --end)
+                    continue
+                lines = bytes(memoryview(buf)[end + 1 :]).split(b"\n")  # usually nothing: the block is the answer
+                self.tail = lines.pop()
+                self.ready = lines
+                del buf[end + 1 :]
+                return buf  # not copied: callers read it in place
+            if self.closed:
+                self.tail = bytes(buf)
+                raise self._fail("server closed the connection")
+            try:
+                chunk = self.sock.recv(BLOCK_RECV_BYTES)
+            except WOULD_BLOCK:
+                chunk = None
+            except OSError as e:
+                self.tail = bytes(buf)
+                raise self._fail(f"recv failed: {e}") from e
+            if chunk is None:
+                if self._pending() or select.select([self.sock], [], [], QUIET_SECONDS)[0]:
+                    continue
+                if not silent:
+                    silent = True
+                    continue
+                if not select.select([self.sock], [], [], timeout_seconds)[0]:
+                    self.tail = bytes(buf)
+                    return None
+            elif chunk:
+                buf += chunk
+                silent = False
+            else:
+                self.closed = True
 
     def _receive(self) -> bool:
         """Read one chunk without blocking; False if nothing was there or the peer closed."""

@@ -18,6 +18,7 @@ settles go anywhere (the broker sums a lease's settle over its workers). Invaria
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -461,49 +462,54 @@ def _fetch_client(endpoint: Endpoint, queue: bytes, fresh: bool) -> LineClient:
     return client
 
 
-def _fetch(client: LineClient, rid: bytes, line: bytes) -> tuple[list[bytes], int]:
-    """Send one fetch and read its answer: (message lines without the rid, their bytes)."""
-    client.send([line])
-    return _answer(client, rid)
+def _answer(client: LineClient, rid: bytes) -> bytearray:
+    """The answer to the fetch `rid` as one block, its `--end` line (or the broker's refusal) last.
 
-
-def _answer(client: LineClient, rid: bytes) -> tuple[list[bytes], int]:
-    """Read the answer to the fetch `rid`: its message lines as sent (`{rid} ok ...`) and their bytes.
-
-    An answer comes in one piece, so when a read starts and ends with this rid's lines every line
-    between is one of them: no per-line Python work but at the edges.
+    Lines of an earlier fetch abandoned on this connection may come first: they carry another rid.
     """
-    mine = rid + b" ok "
-    end = mine + b"--end "
-    lines: list[bytes] = []
+    end, refused = rid + b" ok --end ", rid + b" error "
+
+    def whole(line: bytes) -> bool:  # not a message whose msg id is --end
+        return line.startswith(refused) or line[len(end) :].isdigit()
+
     deadline = time.monotonic() + ANSWER_TIMEOUT_SECONDS
-    while True:
-        got = client.read_lines(1.0)
-        if not got:
-            if time.monotonic() > deadline:
-                raise MqksConnectionError(f"mqks source: no fetch answer within {ANSWER_TIMEOUT_SECONDS:g}s")
-            continue
-        if not (got[0].startswith(mine) and got[-1].startswith(mine)):
-            got = _own_lines(got, rid, mine)  # lines of an earlier, abandoned fetch first, or a refusal
-            if not got:
-                continue
-        last = got[-1]
-        if last.startswith(end) and b" " not in last[len(end) :]:
-            lines += got[:-1]
-            return lines, sum(map(len, lines))
-        lines += got
+    while (block := client.read_through((end, refused), 1.0, whole)) is None:
+        if time.monotonic() > deadline:
+            raise MqksConnectionError(f"mqks source: no fetch answer within {ANSWER_TIMEOUT_SECONDS:g}s")
+    return block
 
 
-def _own_lines(got: list[bytes], rid: bytes, mine: bytes) -> list[bytes]:
-    """The lines of `got` that answer `rid`; raises on the broker's refusal."""
-    refused = rid + b" error "
-    own = []
-    for line in got:
-        if line.startswith(mine):
-            own.append(line)
-        elif line.startswith(refused):
-            raise MqksError(f"mqks source: broker refused fetch: {line[len(rid) + 1 :][:300].decode(errors='replace')}")
-    return own
+def _answer_count(block: bytearray, rid: bytes) -> int:
+    """How many messages the answer `block` holds (its `--end` line says); raises on the broker's refusal."""
+    last = bytes(block[block.rfind(b"\n", 0, len(block) - 1) + 1 : -1])
+    if last.startswith(rid + b" error "):
+        raise MqksError(f"mqks source: broker refused fetch: {last[len(rid) + 1 :][:300].decode(errors='replace')}")
+    return int(last[len(rid) + 9 :])  # after "{rid} ok --end "
+
+
+def _decode(block: bytearray, rid: bytes, count: int, queue: str, names: list[str], arrow_schema, pa) -> list:
+    """A fetch answer -> record batches: its run read in place by Arrow, any other line the slower way."""
+    body_end = block.rfind(b"\n", 0, len(block) - 1) + 1  # the --end line starts here
+    seq_from = rid + b" ok --seq-from "
+
+    def seq_line(line: bytes) -> bool:  # not a message whose msg id is --seq-from
+        return line.startswith(seq_from) and line[len(seq_from) :].isdigit()
+
+    newline = block.index(b"\n")
+    if seq_line(bytes(block[:newline])):  # the usual answer: one run of never-delivered messages, nothing else
+        return [run_batch(memoryview(block)[newline + 1 : body_end], count, int(block[len(seq_from) : newline]),
+                          len(rid) + 4, queue, names, arrow_schema, pa)]
+    mine = rid + b" ok "
+    lines = [line for line in bytes(block[:body_end]).split(b"\n") if line.startswith(mine)]  # not an earlier fetch's
+    marker = next((i for i, line in enumerate(lines) if seq_line(line)), len(lines))
+    batches = []
+    if marker:  # redelivered messages (or an older broker's answer): each line carries its seq
+        batches.append(to_record_batch(lines[:marker], queue, names, arrow_schema, pa, skip_fields=2))
+    if marker < len(lines) - 1:
+        run = b"\n".join(lines[marker + 1 :]) + b"\n"
+        batches.append(run_batch(memoryview(run), len(lines) - marker - 1, int(lines[marker][len(seq_from) :]),
+                                 len(rid) + 4, queue, names, arrow_schema, pa))
+    return batches
 
 
 def fetch_part(options: SourceOptions, schema: StructType, partition: MqksPartition) -> Iterator:
@@ -515,7 +521,8 @@ def fetch_part(options: SourceOptions, schema: StructType, partition: MqksPartit
     names = schema.fieldNames()
     queue_name = encode_token(partition.queue, "queue")
     lease = partition.lease_id.encode()
-    rid = b"rd." + lease
+    # one rid per attempt: the late answer of an attempt that stopped early is never read as a retry's
+    rid = b"rd.%b.%d" % (lease, next(_ATTEMPTS))
     try:
         yield from _fetch_chunks(options, partition, queue_name, lease, rid, names, arrow_schema, pa)
     except GeneratorExit:
@@ -529,37 +536,52 @@ def fetch_part(options: SourceOptions, schema: StructType, partition: MqksPartit
         raise
 
 
+_ATTEMPTS = itertools.count()
+# brokers (by address) older than `fetch --runs`: this process fetches from them in the per-line format
+_WITHOUT_RUNS: set[tuple[str, int]] = set()
+
+
 def _fetch_release(client: LineClient, lease: bytes) -> None:
     client.send([b"rl.%b settle %b --release" % (lease, lease)])
 
 
 def _fetch_chunks(options: SourceOptions, partition: MqksPartition, queue_name: bytes, lease: bytes, rid: bytes,
                   names: list[str], arrow_schema, pa) -> Iterator:
-    """Fetch until the part's rows or bytes are read, or the queue runs dry; one record batch per fetch.
+    """Fetch until the part's rows or bytes are read, or the queue runs dry; a record batch per fetch (two when
+    it holds redelivered messages).
 
-    The next fetch is sent before this one's lines are decoded, so the broker works while we do.
+    Each fetch asks `--runs`: the broker takes the never-delivered messages in bulk and the answer is read
+    in place (run_batch). The next fetch is sent before this one's answer is decoded, so the broker works
+    while we do.
     """
     rows_left, bytes_left = partition.rows, partition.max_bytes
 
-    def fetch_line(add: bool) -> tuple[bytes, int, int]:
+    def fetch_line(add: bool, runs: bool) -> tuple[bytes, int, int]:
         chunk_rows = min(rows_left, FETCH_ROWS)
         chunk_bytes = min(bytes_left, FETCH_BYTES) if bytes_left else FETCH_BYTES
-        line = b"%b fetch %b --max=%d --max-bytes=%d --lease=%b --lease-seconds=%r%b" % (
-            rid, queue_name, chunk_rows, chunk_bytes, lease, options.lease_seconds, b" --add" if add else b"")
+        line = b"%b fetch %b --max=%d --max-bytes=%d --lease=%b --lease-seconds=%r%b%b" % (
+            rid, queue_name, chunk_rows, chunk_bytes, lease, options.lease_seconds, b" --add" if add else b"",
+            b" --runs" if runs else b"")
         return line, chunk_rows, chunk_bytes
 
-    line, chunk_rows, chunk_bytes = fetch_line(add=False)
     # nothing yielded yet: a dead cached connection is replaced and the fetch sent again (same lease, not
     # --add: what a lost attempt took is released first), and so is a fetch refused while the queue's owner
     # restarts or fails over, until the endpoint's reconnectSeconds
     deadline = time.monotonic() + options.endpoint.reconnect_seconds
-    fresh, delay = False, 0.0
+    fresh, delay, runs = False, 0.0, False
     while True:
         try:
             client = _fetch_client(options.endpoint, queue_name, fresh=fresh)
-            lines, size = _fetch(client, rid, line)
+            runs = (client.host, client.port) not in _WITHOUT_RUNS
+            line, chunk_rows, chunk_bytes = fetch_line(False, runs)
+            client.send([line])
+            answer = _answer(client, rid)
+            count = _answer_count(answer, rid)
             break
         except MqksError as e:
+            if runs and "unexpected '--runs'" in str(e):  # a broker from before the flag: ask as it understands
+                _WITHOUT_RUNS.add((client.host, client.port))
+                continue
             if not worth_asking_again(e) or time.monotonic() + delay > deadline:
                 raise
             log.warning("mqks source: fetch of %s: %s; again in %.1fs", partition.queue, e, delay)
@@ -567,19 +589,79 @@ def _fetch_chunks(options: SourceOptions, partition: MqksPartition, queue_name: 
             # a restart (maybe with another worker count) or a new owner: a fresh hello routes by the new map
             fresh, delay = True, min(2.0, max(0.1, delay * 2))
     while True:
-        rows_left -= len(lines)
+        size = len(answer)
+        rows_left -= count
         if bytes_left:
             bytes_left -= size
-        dry = len(lines) < chunk_rows and size < chunk_bytes // 2  # the byte limit did not stop it
+        dry = count < chunk_rows and size < chunk_bytes // 2  # the byte limit did not stop it
         more = rows_left > 0 and not dry and (not partition.max_bytes or bytes_left > 0)
         if more:
-            line, chunk_rows, chunk_bytes = fetch_line(add=True)
+            line, chunk_rows, chunk_bytes = fetch_line(True, runs)
             client.send([line])
-        if lines:
-            yield to_record_batch(lines, partition.queue, names, arrow_schema, pa, skip_fields=2)
+        if count:
+            yield from _decode(answer, rid, count, partition.queue, names, arrow_schema, pa)
         if not more:
             return
-        lines, size = _answer(client, rid)
+        answer = _answer(client, rid)
+        count = _answer_count(answer, rid)
+
+
+_COUNTING: list = []  # this process's 0, 1, 2, ... as an Arrow int64 array, grown on demand (a run's seqs)
+
+
+def _counting(count: int, pa):
+    if not _COUNTING or len(_COUNTING[0]) < count:
+        _COUNTING[:] = [pa.array(range(max(count, FETCH_ROWS)), type=pa.int64())]
+    return _COUNTING[0].slice(0, count)
+
+
+_PICKS: list = []  # per field of a run's three: its index in each row's fields, field + 3 * row, grown on demand
+
+
+def _pick(count: int, field: int, pa):
+    if not _PICKS or len(_PICKS[0]) < count:
+        size = max(count, FETCH_ROWS)
+        _PICKS[:] = [pa.array(range(one, 3 * size, 3), type=pa.int64()) for one in range(3)]
+    return _PICKS[field].slice(0, count)
+
+
+def run_batch(lines: memoryview, count: int, first_seq: int, prefix_bytes: int, queue: str, names: list[str],
+              arrow_schema, pa):
+    """`count` lines `{rid} ok {msg_id} event={event} {data}\\n` with seqs from `first_seq` -> a record batch.
+
+    Read in place: one Arrow string over the lines is split by Arrow's kernels at each line's
+    `\\n{rid} ok ` and then at two spaces, never a Python object per line (measured: 0.13 us a row
+    against 0.6 for lines split in Python first). A line that is not UTF-8 or holds more header fields
+    (a request's reply token) takes the Python path.
+    """
+    import pyarrow.compute as pc
+
+    try:
+        inner = lines[prefix_bytes : len(lines) - 1]  # from the first msg id to the last data, both newlines out
+        text = pa.StringArray.from_buffers(1, pa.py_buffer(pa.array([0, len(inner)], pa.int32()).buffers()[1]),
+                                           pa.py_buffer(inner))
+        text.validate(full=True)  # UTF-8: from_buffers checks nothing
+        rows = pc.split_pattern(text, "\n" + bytes(lines[: prefix_bytes]).decode()).values
+        fields = pc.split_pattern(rows, " ", max_splits=2).values  # msg_id, head, data of each row in turn
+        if len(rows) != count or len(fields) != 3 * count:
+            raise ValueError("a line without its fields")
+        head = pc.take(fields, _pick(count, 1, pa))
+        if not pc.all(pc.starts_with(head, "event=")).as_py() or pc.any(pc.match_substring(head, ",")).as_py():
+            raise ValueError("a head with more than its event")
+        columns = {
+            "msg_id": pc.take(fields, _pick(count, 0, pa)),
+            "event": pc.utf8_slice_codeunits(head, 6),
+            "data": pc.take(fields, _pick(count, 2, pa)),
+            "retry": pa.repeat(pa.scalar(0, type=pa.int32()), count),
+            "seq": pc.add(_counting(count, pa), first_seq),
+        }
+    except (pa.ArrowInvalid, ValueError, UnicodeDecodeError):
+        columns = _parse_lines([line[prefix_bytes:] for line in bytes(lines).split(b"\n")[:count]], pa)
+        columns["seq"] = pa.array(range(first_seq, first_seq + count), type=pa.int64())
+    now_us = int(time.time() * 1_000_000)
+    columns["queue"] = pa.repeat(pa.scalar(queue, type=pa.string()), count)
+    columns["received_at"] = pa.repeat(pa.scalar(now_us, type=pa.timestamp("us", tz="UTC")), count)
+    return pa.RecordBatch.from_arrays([columns[name] for name in names], schema=arrow_schema)
 
 
 def to_record_batch(lines: list[bytes], queue: str, names: list[str], arrow_schema, pa, skip_fields: int = 0):

@@ -519,6 +519,90 @@ def test_a_durable_broker_restart_returns_leased_messages_and_loses_none(make_br
         reader.stop()
 
 
+@ON_BOTH
+def test_fetch_runs_sends_never_delivered_messages_after_one_seq_line(broker):
+    queue = "spark.runs"
+    bind(broker, queue, "runs.e")
+    # deep enough to be packed in runs of 1024 (messages.py): a run is taken whole or split where the fetch ends
+    publish(broker, [(f"u{i}", "runs.e", f"d{i} with spaces") for i in range(5000)])
+    wire = broker.wire()
+    try:
+        wire.send(b"f1 fetch spark.runs --lease=R1 --max=2 --runs")
+        for line in (b"f1 ok --seq-from 0", b"f1 ok u0 event=runs.e d0 with spaces",
+                     b"f1 ok u1 event=runs.e d1 with spaces", b"f1 ok --end 2"):
+            wire.expect(line)
+        wire.send(b"r1 settle R1 --release")
+        wire.expect(b"r1 ok 2")
+        # a retry's fetch: the messages that came back carry their own seq (and retry), the run starts after them
+        wire.send(b"f2 fetch spark.runs --lease=R2 --max=4 --runs")
+        for line in (b"f2 ok u0 event=runs.e,retry=1,seq=0 d0 with spaces",
+                     b"f2 ok u1 event=runs.e,retry=1,seq=1 d1 with spaces", b"f2 ok --seq-from 2",
+                     b"f2 ok u2 event=runs.e d2 with spaces", b"f2 ok u3 event=runs.e d3 with spaces", b"f2 ok --end 4"):
+            wire.expect(line)
+        wire.send(b"f3 fetch spark.runs --lease=R2 --max=4000 --max-bytes=1000000 --runs --add",
+                  b"f4 fetch spark.runs --lease=R3 --max=10 --max-bytes=100 --runs")
+        wire.expect(b"f3 ok --seq-from 4")
+        assert [wire.recv_line() for _ in range(4000)][-1] == b"f3 ok u4003 event=runs.e d4003 with spaces"
+        wire.expect(b"f3 ok --end 4000")
+        # the byte limit holds inside a run (40-byte tails: two fit in 100)
+        for line in (b"f4 ok --seq-from 4004", b"f4 ok u4004 event=runs.e d4004 with spaces",
+                     b"f4 ok u4005 event=runs.e d4005 with spaces", b"f4 ok --end 2"):
+            wire.expect(line)
+        wire.send(b"s settle R2 R3 --ack")
+        wire.expect(b"s ok 4006")
+        assert wire.barrier() == []
+    finally:
+        wire.close()
+    assert queue_depths(broker, queue) == (994, 0)
+
+
+def test_the_source_reads_a_broker_without_fetch_runs_line_by_line(broker, monkeypatch):
+    """A broker from before `fetch --runs` refuses the flag: the executor asks again without it, and remembers."""
+    import socket as sockets
+
+    import mqks.spark.source
+    from mqks.spark.source import MqksPartition, SourceOptions, fetch_part, source_struct
+
+    monkeypatch.setattr(mqks.spark.source, "_WITHOUT_RUNS", set())
+    asked: list[bytes] = []
+    listener = sockets.create_server(("127.0.0.1", 0))
+
+    def older_broker() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            buffer = b""
+            while True:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    rid, action, args = (line + b" ").split(b" ", 2)
+                    asked.append(action + b" " + args.split()[-1] if args.strip() else action)
+                    if action == b"hello" or b"--runs" in args:
+                        reason = b"unknown action" if action == b"hello" else b"fetch: unexpected '--runs'; ..."
+                        conn.sendall(b"%b error e1 %b\n" % (rid, reason))
+                    else:
+                        conn.sendall(b"".join(b"%b ok m%d event=old.e,seq=%d data %d\n" % (rid, i, 7 + i, i)
+                                              for i in range(3)) + b"%b ok --end 3\n" % rid)
+
+    thread = threading.Thread(target=older_broker, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    try:
+        options = SourceOptions.parse({"port": str(port), "queue": "old"})
+        batches = list(fetch_part(options, source_struct(), MqksPartition("old", "spark.s.1.0", 3, 0)))
+    finally:
+        mqks.spark.source._CLIENTS.pop(("127.0.0.1", port)).close()
+        listener.close()
+    rows = [row for batch in batches for row in zip(batch.column("msg_id").to_pylist(),
+                                                     batch.column("seq").to_pylist(), strict=True)]
+    assert rows == [("m0", 7), ("m1", 8), ("m2", 9)]
+    assert asked[-2:] == [b"fetch --runs", b"fetch --lease-seconds=300.0"]  # refused once, then asked as before
+    assert ("127.0.0.1", port) in mqks.spark.source._WITHOUT_RUNS
+
+
 def test_plan_splits_rows_over_queues_by_depth_and_bytes_over_parts():
     from mqks.spark.source import plan_parts
 
