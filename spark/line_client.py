@@ -121,9 +121,12 @@ class LineClient:
 
     def send(self, lines: list[bytes]) -> None:
         """Write every line, newline-terminated; reads incoming lines while the socket is full."""
-        if not lines:
-            return
-        data = memoryview(b"\n".join(lines) + b"\n")
+        if lines:
+            self.send_block(b"\n".join(lines) + b"\n")
+
+    def send_block(self, block: bytes | memoryview) -> None:
+        """Write lines already joined, each newline-terminated; reads incoming lines while the socket is full."""
+        data = memoryview(block)
         deadline = time.monotonic() + IO_TIMEOUT_SECONDS
         while data:
             readable, writable, _ = select.select([] if self.closed else [self.sock], [self.sock], [], 1.0)
@@ -156,6 +159,42 @@ class LineClient:
             raise self._fail("server closed the connection")
         lines, self.ready = self.ready, []
         return lines
+
+    def count_lines(self, timeout_seconds: float, flag: bytes) -> tuple[int, bytes | None]:
+        """How many whole lines came, waiting at most `timeout_seconds` for the first, and the first of them
+        that holds `flag` (or None): the lines are counted in bulk, never split (a sink's confirms).
+
+        Raises MqksConnectionError once the server closed and every line it sent was counted.
+        """
+        count = len(self.ready)
+        flagged = next((line for line in self.ready if flag in line), None)
+        self.ready = []
+        if not count and not self.closed and not (self._pending()
+                                                  or select.select([self.sock], [], [], timeout_seconds)[0]):
+            return 0, None
+        while not self.closed:
+            try:
+                chunk = self.sock.recv(BLOCK_RECV_BYTES)
+            except WOULD_BLOCK:
+                break
+            except OSError as e:
+                raise self._fail(f"recv failed: {e}") from e
+            if not chunk:
+                self.closed = True
+                break
+            end = chunk.rfind(b"\n")
+            if end < 0:
+                self.tail += chunk
+                continue
+            whole = self.tail + chunk[: end + 1] if self.tail else chunk[: end + 1]
+            self.tail = chunk[end + 1 :]
+            count += whole.count(b"\n")
+            if flagged is None and flag in whole:
+                at = whole.index(flag)
+                flagged = whole[whole.rfind(b"\n", 0, at) + 1 : whole.index(b"\n", at)]
+        if not count and self.closed:
+            raise self._fail("server closed the connection")
+        return count, flagged
 
     def read_through(self, markers: tuple[bytes, ...], timeout_seconds: float,
                      accept: Callable[[bytes], bool] | None = None) -> bytearray | None:

@@ -603,6 +603,72 @@ def test_the_source_reads_a_broker_without_fetch_runs_line_by_line(broker, monke
     assert ("127.0.0.1", port) in mqks.spark.source._WITHOUT_RUNS
 
 
+def test_a_failed_write_task_retried_publishes_every_row_again_and_loses_none(broker):
+    """What Spark does with a task that fails: it runs it again. Rows the failed attempt sent may come twice,
+    none is lost, and the retry's ids are the first attempt's."""
+    import pyarrow as pa
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from mqks.spark.sink import MqksBatchWriter, SinkOptions
+
+    queue = "spark.sink.retry"
+    bind(broker, queue, "retry.out")
+    schema = StructType([StructField("event", StringType()), StructField("data", StringType())])
+    writer = MqksBatchWriter(SinkOptions.parse({"host": broker.host, "port": str(broker.port),
+                                                "confirmWindow": "7"}), schema)
+
+    def batches(fail_after: int | None):
+        for first in range(0, 100, 25):
+            if fail_after is not None and first >= fail_after:
+                raise RuntimeError("the executor died")
+            yield pa.RecordBatch.from_arrays([pa.array(["retry.out"] * 25), pa.array([f"row {first + i}" for i in
+                                                                                     range(25)])],
+                                             names=["event", "data"])
+
+    with pytest.raises(RuntimeError):
+        writer.write(batches(fail_after=50))
+    done = writer.write(batches(fail_after=None))
+    assert (done.count, done.first_msg_id, done.last_msg_id) == (100, f"{writer.write_id}.0.0",
+                                                                  f"{writer.write_id}.0.99")
+    wire = broker.wire()
+    try:
+        consume(wire, b"c9", queue)
+        # everything waiting is delivered on the consume line, before the barrier's answer
+        got = [line.split(b" ", 4)[2::2] for line in wire.barrier()]
+    finally:
+        wire.close()
+    counts = Counter(data for _, data in got)
+    assert set(counts) == {b"row %d" % i for i in range(100)}  # none lost
+    # duplicates only of what the failed attempt sent (its unconfirmed tail may have died with its connection)
+    assert {data for data, seen in counts.items() if seen > 1} <= {b"row %d" % i for i in range(50)}
+    assert max(counts.values()) <= 2
+    assert {msg_id for msg_id, _ in got} == {b"%s.0.%d" % (writer.write_id.encode(), i) for i in range(100)}
+
+
+def test_the_sink_keeps_its_windows_and_builds_rows_that_need_python_one_by_one(spark, broker):
+    queue = "spark.sink.window"
+    bind(broker, queue, "window.*")
+    n = 3000
+    df = spark.range(n).selectExpr(
+        "CASE WHEN id % 1000 = 7 THEN 'window.été' ELSE 'window.a' END AS event",  # not ASCII: per row
+        "concat('row ', cast(id AS string), ' ', repeat('x', 200)) AS data").coalesce(1)
+    wire = broker.wire()
+    try:
+        consume(wire, b"c8", queue)
+        # 1 KiB of unconfirmed publishes: a few rows a slice, a window bisected by bytes
+        (df.write.format("mqks").mode("append").option("host", broker.host).option("port", str(broker.port))
+         .option("confirmWindow", "5").option("confirmWindowBytes", "1024").save())
+        got = collect_deliveries(wire, b"c8", n)
+    finally:
+        wire.close()
+    assert sorted(int(data.split(b" ")[1]) for _, _, data in got) == list(range(n))
+    assert {head for _, head, _ in got} == {b"event=window.a", "event=window.été".encode()}
+    with pytest.raises(Exception) as refused:
+        (spark.createDataFrame([("window.a", "two\nlines")], "event STRING, data STRING").write.format("mqks")
+         .mode("append").option("host", broker.host).option("port", str(broker.port)).save())
+    assert "contains a newline" in str(refused.value)
+
+
 def test_plan_splits_rows_over_queues_by_depth_and_bytes_over_parts():
     from mqks.spark.source import plan_parts
 
