@@ -316,7 +316,7 @@ def main() -> None:
     try:
         assert broker.stderr is not None
         banner = broker.stderr.readline().decode(errors="replace").strip()
-        # "... in memory, compiled (mypyc))", "... pure Python (MQKS_PURE=1))", "... pure Python: the build is older ..."
+        # "... in memory, compiled (mypyc))", "... pure Python (MQKS_PURE=1))", "... pure Python: the build is ..."
         mode = banner.split("in memory, ", 1)[-1].rsplit(")", 1)[0].split(":")[0]
         results["broker"] = mode
         print(f"broker: {mode}", flush=True)

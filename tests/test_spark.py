@@ -537,7 +537,8 @@ def test_fetch_runs_sends_never_delivered_messages_after_one_seq_line(broker):
         wire.send(b"f2 fetch spark.runs --lease=R2 --max=4 --runs")
         for line in (b"f2 ok u0 event=runs.e,retry=1,seq=0 d0 with spaces",
                      b"f2 ok u1 event=runs.e,retry=1,seq=1 d1 with spaces", b"f2 ok --seq-from 2",
-                     b"f2 ok u2 event=runs.e d2 with spaces", b"f2 ok u3 event=runs.e d3 with spaces", b"f2 ok --end 4"):
+                     b"f2 ok u2 event=runs.e d2 with spaces", b"f2 ok u3 event=runs.e d3 with spaces",
+                     b"f2 ok --end 4"):
             wire.expect(line)
         wire.send(b"f3 fetch spark.runs --lease=R2 --max=4000 --max-bytes=1000000 --runs --add",
                   b"f4 fetch spark.runs --lease=R3 --max=10 --max-bytes=100 --runs")
