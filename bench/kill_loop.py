@@ -6,7 +6,7 @@ Each round starts mqksd on the same data dir, runs a producer that pipelines `pu
 and a consumer that acks what it gets, waits until `--per-round` more publishes are confirmed,
 then SIGKILLs the broker mid-flow. At the end it drains the queue and prints how many confirmed
 messages never arrived (must be 0) and how many arrived more than once (acks not yet on disk at
-the kill come back). CI runs the same check for 5 rounds (tests/test_durability.py).
+the kill come back). CI runs the same check for 5 rounds (tests/e2e/test_durability.py).
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
     sudo .venv/bin/python -m bench.partition [--runs 10] [--cut-seconds 30] [--rate 800] [--groups 16] [--json FILE]
 
-Each run builds tests/test_partition.py's lab afresh (tests/partition_lab.py): three hosts, each a network namespace
-on a private bridge holding one NATS server (one three-node JetStream cluster, `sync_interval: always`) and one
-MQKS node; a client host publishing `--confirm` to `--queues` queues through a node of the majority (an ok counts,
-an error sends the same body again); a small client on the cut host publishing to its own node. Once every group is
-owned and steady, the host whose node owns the most groups is cut off the bridge (frames dropped both ways) for
-`--cut-seconds`, then healed; the run ends when status shows every group owned, the cut node owns one again and
+Each run builds tests/cluster/test_partition.py's lab afresh (tests/partition_lab.py): three hosts, each a network
+namespace on a private bridge holding one NATS server (one three-node JetStream cluster, `sync_interval: always`)
+and one MQKS node; a client host publishing `--confirm` to `--queues` queues through a node of the majority (an ok
+counts, an error sends the same body again); a small client on the cut host publishing to its own node. Once every
+group is owned and steady, the host whose node owns the most groups is cut off the bridge (frames dropped both ways)
+for `--cut-seconds`, then healed; the run ends when status shows every group owned, the cut node owns one again and
 every queue confirmed after that; then every queue is drained. Per run it prints the longest gap between confirms on
 the majority's queues and on the cut node's while cut, when the majority served the cut node's queues again, what
 the heal cost (longest gap after it, every queue's first confirm after it, when status showed every group owned),

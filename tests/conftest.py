@@ -218,24 +218,18 @@ class BrokerProcess:
 
 CALL_FAILED = pytest.StashKey[bool]()
 
-# The tiers (pytest.ini's markers): `pytest -m unit` runs in process in seconds, the others need real parts.
-CLUSTER_FIXTURES = {"nats_cluster", "shared_nats_cluster", "cluster"}
-CLUSTER_MODULES = {"test_cluster", "test_cluster_clients", "test_cluster_map", "test_replicated_log",
-                   "test_nats_access", "test_nats_bridge", "test_nats_local", "test_partition"}
+# The tiers (pytest.ini's markers), one folder each: a test's place says its tier. `pytest -m unit` runs in process in
+# seconds, the others need real parts. The helpers every tier shares (helpers.py, waiting.py, cluster_harness.py, ...)
+# stay here, beside this file, whose folder pytest puts on sys.path.
+TIERS = ("unit", "e2e", "cluster", "spark", "browser")
 
 
 def tier_of(item: pytest.Item) -> str:
-    """unit (tests/unit/), cluster (NATS servers and nodes), spark (a JVM), browser (Chromium), or e2e."""
-    path = Path(str(item.fspath))
-    if "unit" in path.relative_to(Path(__file__).parent).parts[:1]:
-        return "unit"
-    if path.stem in CLUSTER_MODULES or CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
-        return "cluster"
-    if path.stem == "test_spark":
-        return "spark"
-    if path.stem == "test_console":
-        return "browser"
-    return "e2e"
+    """unit (tests/unit/), e2e (real brokers), cluster (NATS servers and nodes), spark (a JVM), browser (Chromium)."""
+    folder = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts[0]
+    if folder not in TIERS:
+        raise pytest.UsageError(f"{item.fspath}: a test lives in the folder of its tier ({', '.join(TIERS)})")
+    return folder
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,4 +1,4 @@
-"""A cluster cut in two, as an operator tries one before trusting it (issue 56), for tests/test_partition.py and
+"""A cluster cut in two, as an operator tries one before trusting it (issue 56), for tests/cluster/test_partition.py and
 bench/partition.py.
 
 Three hosts (network namespaces on one switch, netns.py), each running one NATS server of a three-node JetStream

@@ -1,5 +1,5 @@
 """The write-ahead log's storage on real files, in process: round trips, fsync policies, torn tails, corruption
-(a full disk and a process out of descriptors are in tests/test_log.py: they need a process of their own).
+(a full disk and a process out of descriptors are in tests/e2e/test_log.py: they need a process of their own).
 
 Frames are read back only through `replay()`, except where a test cuts or flips bytes: those
 tests find frame boundaries from the documented header (`<II`: payload length, crc32).

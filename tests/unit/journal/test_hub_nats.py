@@ -1,7 +1,7 @@
 """The hub's own NATS connection (server/journal/hub_nats.py), its protocol side in process: operations split anywhere
 across reads come out whole and in order, headers and statuses read as nats-py shows them, a callback that fails
 does not end the connection, and what it sends is the NATS wire protocol. The connection against real NATS servers
-(credentials, TLS, a killed server) is in tests/test_hub_nats.py."""
+(credentials, TLS, a killed server) is in tests/cluster/test_hub_nats.py."""
 
 from __future__ import annotations
 

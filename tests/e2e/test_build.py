@@ -110,7 +110,7 @@ def test_a_build_compiles_only_a_changed_hot_path(tmp_path):
     """A second build of the same sources (a later `pip install -e '.[cluster]'`) copies every module from
     build/mypyc-cache; after an edit that changes the code, the library is compiled again, never taken from the
     cache, while the small modules that load it are the same and copied. Each build's modules load and run."""
-    checkout = Path(__file__).resolve().parent.parent
+    checkout = Path(__file__).resolve().parents[2]
     for name in ("setup.py", "README.md", "pyproject.toml"):
         shutil.copy(checkout / name, tmp_path / name)
     shutil.copytree(checkout / "server", tmp_path / "server", ignore=shutil.ignore_patterns("__pycache__", "*.so"))

@@ -26,7 +26,7 @@ pytest.importorskip("pyarrow", reason="pyarrow is not installed: pip install -e 
 
 pytestmark = pytest.mark.spark
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: its helper jobs, beside the repository's root
 WAIT_SECONDS = 90.0
 POLL_SECONDS = 0.2  # a poll may run a Spark query: no need to ask more often
 

@@ -18,7 +18,7 @@ from mqks.server.journal.log import Log
 
 pytestmark = pytest.mark.timeout(60)
 
-JOB = Path(__file__).with_name("log_writer_job.py")
+JOB = Path(__file__).resolve().parents[1] / "log_writer_job.py"  # beside conftest.py
 
 
 def replay_all(data_dir: Path, repair: bool = False) -> tuple[list[bytes], dict]:

@@ -25,7 +25,7 @@ from mqks.client import Client, Message
 from mqks.client.client import MqksConnectionError
 
 TOKEN = "client-s3cret-0123456789"
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, beside the repository's root
 MQKS = Path(sys.executable).parent / "mqks"
 STATS_PY = HERE.parent / "stats.py"
 SUBPROCESS_TIMEOUT_SECONDS = 30
