@@ -457,9 +457,10 @@ def test_a_spark_executor_fetches_on_the_owner_and_on_the_public_port_without_a_
     try:
         fetcher = in_thread(source._fetch_client, (endpoint, q1.encode(), False))
         assert fetcher.port == w1.port
-        line = b"f1 fetch %b --max=10 --max-bytes=65536 --lease=spark.t.1.0 --lease-seconds=30" % q1.encode()
-        lines, _ = in_thread(source._fetch, (fetcher, b"f1", line))
-        assert len(lines) == 1 and lines[0].endswith(b" for spark")
+        line = b"f1 fetch %b --max=10 --max-bytes=65536 --lease=spark.t.1.0 --lease-seconds=30 --runs" % q1.encode()
+        in_thread(fetcher.send, ([line],))
+        block = in_thread(source._answer, (fetcher, b"f1"))
+        assert source._answer_count(block, b"f1") == 1 and b" for spark\n" in block
         assert len(w1.actions(b"fetch")) == 1 and not public.actions(b"fetch") and not w0.actions(b"fetch")
         fake_workers(proxies[1], 1)  # a restart with one worker: a fresh hello has no map
         assert in_thread(source._fetch_client, (endpoint, q1.encode(), True)).port == public.port
