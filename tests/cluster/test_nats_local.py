@@ -39,7 +39,16 @@ def pid_alive(pid: int) -> bool:
 
 
 async def stream_has_leader(js, stream: str) -> bool:
-    info = await js.stream_info(stream)
+    """False while JetStream cannot say yet: a cluster started moments ago (or again, after `down`) answers its API
+    only once its meta leader is elected, and until then a call times out or is answered 503 (CI: `nats: timeout`)."""
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js.errors import ServiceUnavailableError
+
+    try:
+        info = await js.stream_info(stream)
+    except (NatsTimeout, NoRespondersError, ServiceUnavailableError):
+        return False
     return info.cluster is None or bool(info.cluster.leader)
 
 
