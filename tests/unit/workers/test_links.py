@@ -17,6 +17,8 @@ from mqks.server.workers.frames import Frame
 from mqks.server.workers.links import IncomingLink, PeerLink
 from mqks.server.workers.peers import Peers
 
+from ..dispatch.test_dispatch import Session  # a client as a handler sees it, over a real Process and Outbox
+
 pytestmark = pytest.mark.timeout(10)
 
 
@@ -143,46 +145,3 @@ def test_a_group_whose_link_is_lost_is_routed_to_by_its_owners_last_bindings_unt
     assert peers.unlinked == 0 and peers.bindings_epoch[2] == 8
     links[1].lost("cut off")
     assert not peers.routing_unknown()
-
-
-class Session:
-    """What a handler may use of a client, over a real Process and Outbox (as tests/unit/dispatch's)."""
-
-    peer = "127.0.0.1:50000"
-    peer_is_loopback = True
-    eval_refusal = None
-    said_hello = False
-    tls = False
-    ttl_seconds = None
-    relay = None
-    authenticated = True
-    eval_enabled = False
-    token = None
-    closed = False
-
-    def __init__(self, process: Process) -> None:
-        from mqks.server.dispatch.actions import ONE_PROCESS, actions_for
-
-        self.process = process
-        self.publisher = process.publisher
-        self.outbox = Outbox(process.pending)
-        self.consumers_by_id = self.outbox.consumers_by_id
-        self.unauthenticated_lines = 0
-        self.errors: list[tuple[bytes, str]] = []
-        self.actions = actions_for(False, True, True)
-        self.handlers = ONE_PROCESS.for_session(False, True, True)
-
-    def write(self, data: bytes) -> None:
-        self.outbox.write(data)
-
-    def ok(self, rid: bytes, data: bytes = b"") -> None:
-        from mqks.server.wire.protocol import format_ok
-
-        self.write(format_ok(rid, data))
-
-    def error(self, rid: bytes, reason: str, line: bytes) -> None:
-        self.errors.append((rid, reason))
-        self.write(b"%b error - %b\n" % (rid, reason.encode()))
-
-    def close(self, flush_first: bool = False) -> None:
-        self.closed = True
