@@ -15,6 +15,7 @@ import ctypes
 import itertools
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -99,15 +100,25 @@ def remove_namespace(name: str) -> None:
         pids = [int(pid) for pid in ip("netns", "pids", name).split()]
     except subprocess.CalledProcessError:
         pids = []  # gone already
-    pids = [pid for pid in pids if pid != os.getpid()]
+    exits = []  # a pidfd turns readable when its process is gone: waited on, not polled
     for pid in pids:
+        if pid == os.getpid():
+            continue
         try:
+            exits.append(os.pidfd_open(pid))
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + GONE_SECONDS
-    while any(os.path.exists(f"/proc/{pid}/ns/net") for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.02)  # a bounded wait for the kernel to finish the kills: there is nothing to block on
+    try:
+        while exits and (left := deadline - time.monotonic()) > 0:
+            gone, _, _ = select.select(exits, [], [], left)
+            for fd in gone:
+                exits.remove(fd)
+                os.close(fd)
+    finally:
+        for fd in exits:
+            os.close(fd)
     try:
         ip("netns", "del", name)
     except subprocess.CalledProcessError as e:
