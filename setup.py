@@ -189,8 +189,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=["mqks.server", "mqks.server.wire", "mqks.server.journal", "mqks.server.core", "mqks.server.dispatch",
-              "mqks.server.workers", "mqks.server.node", "mqks.server.cluster", "mqks.client", "mqks.aio", "mqks.spark",
-              "mqks.common"],
+              "mqks.server.workers", "mqks.server.node", "mqks.server.cluster", "mqks.server.nats_io", "mqks.client",
+              "mqks.aio", "mqks.spark", "mqks.common"],
     package_dir={
         "mqks.server": "server",  # its subpackages follow the folders: server/wire is mqks.server.wire
         "mqks.client": "client",

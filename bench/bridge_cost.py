@@ -9,7 +9,7 @@ writer costs per frame: on a fresh three-node NATS cluster (R3, `sync_interval: 
 
 - `pacing`: the pacing loop alone (a gevent sleep every 2 ms), subtracted from the others;
 - `log`: `JetStreamLog` on a stream of its own, as `mqksd --log` writes: its writer greenlet publishes each frame
-  on the hub's own NATS connection (journal/hub_nats.py) and reads the PubAck there (until 372b339 it handed each
+  on the hub's own NATS connection (nats_io/hub_nats.py) and reads the PubAck there (until 372b339 it handed each
   commit to nats-py's asyncio thread through the bridge and took the PubAck back: 256 µs a frame at 400/s);
 - `socket`: the floor: one plain TCP socket to NATS read and written by the hub's greenlets (HPUB with the log's
   headers, PubAcks read in chunks and parsed with json), none of a client's or a writer's duties (TLS,

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from .cluster.map import SharedMap
     from .cluster.node import ClusterGroup
     from .journal.jetstream_log import JetStreamLog
-    from .journal.nats_bridge import SharedNats
+    from .nats_io.nats_bridge import SharedNats
     from .workers.peers import Peers
 
 log = logging.getLogger("mqks.server")
@@ -252,7 +252,7 @@ class Server:
         from ..common.cluster_names import Layout, stream_of
         from ..common.nats_urls import nats_access
         from .journal.jetstream_log import JetStreamLog
-        from .journal.nats_bridge import BridgeError
+        from .nats_io.nats_bridge import BridgeError
 
         config = self.config
         stream = config.log_stream if config.workers == 1 and not config.cluster else (
@@ -303,7 +303,7 @@ class Server:
             from nats.errors import Error as NatsError
 
             from .journal.jetstream_log import LogOwned
-            from .journal.nats_bridge import BridgeError
+            from .nats_io.nats_bridge import BridgeError
 
             # NatsError: JetStream's 503 while NATS elects a leader (a heal, issue 56) is a wait, not a traceback
             cannot_start = (LogOwned, BridgeError, NatsError)

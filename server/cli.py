@@ -341,7 +341,7 @@ def serve_groups(config: Config) -> int:
     from ..common.cluster_names import bucket_of
     from ..common.nats_urls import nats_access
     from .cluster.map import SharedMap
-    from .journal.nats_bridge import SharedNats
+    from .nats_io.nats_bridge import SharedNats
     from .node.group_host import GroupHost
 
     assert config.log is not None and config.cluster is not None and config.node is not None

@@ -24,7 +24,7 @@ from typing import Any
 import gevent
 import gevent.event
 
-from ..journal.nats_bridge import Bridge, SharedNats
+from ..nats_io.nats_bridge import Bridge, SharedNats
 from ..workers.links import notice_dead_peer
 from .candidacy import Candidacy
 from .election import STANDBY_IDLE_REPORT_SECONDS, STANDBY_REPORT_SECONDS, HandOffRequests

@@ -53,10 +53,10 @@ from typing import Any
 import gevent
 from gevent.event import Event
 
+from ..nats_io.hub_nats import Headers, ack_sequences
+from ..nats_io.nats_bridge import Bridge, BridgeError, Hub, NatsBridge, SharedNats, parse_puback
 from . import records
-from .hub_nats import Headers, ack_sequences
 from .journal import p50_p99, take_failed
-from .nats_bridge import Bridge, BridgeError, Hub, NatsBridge, SharedNats, parse_puback
 
 log = logging.getLogger("mqks.log")
 

@@ -1,4 +1,4 @@
-"""The hub's own NATS connection (server/journal/hub_nats.py) against a real three-node NATS cluster: messages with
+"""The hub's own NATS connection (server/nats_io/hub_nats.py) against a real three-node NATS cluster: messages with
 headers and replies go both ways, a kill -9 of the server it is connected to is followed by a connection to
 another one with every subscription made again, and a server that is not there is one clear error. Credentials
 and TLS are tested through the broker in test_nats_access.py and test_cluster_tls.py."""
@@ -16,7 +16,7 @@ from helpers import free_port
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
 from mqks.client.nats_local import load, restart
-from mqks.server.journal.hub_nats import BridgeError, HubNats
+from mqks.server.nats_io.hub_nats import BridgeError, HubNats
 
 pytestmark = pytest.mark.timeout(120)
 

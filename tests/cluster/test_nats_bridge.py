@@ -1,4 +1,4 @@
-"""The gevent <-> nats-py bridge (server/journal/nats_bridge.py) against a real three-node JetStream cluster:
+"""The gevent <-> nats-py bridge (server/nats_io/nats_bridge.py) against a real three-node JetStream cluster:
 a coroutine run from a greenlet answers in that greenlet while the hub goes on; NATS missing at start is one
 clear error. The replicated log built on it is tested in test_replicated_log.py.
 """
@@ -11,7 +11,7 @@ from helpers import free_port
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
-from mqks.server.journal.nats_bridge import BridgeError, NatsBridge
+from mqks.server.nats_io.nats_bridge import BridgeError, NatsBridge
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,7 +66,7 @@ def test_no_nats_at_start_is_one_clear_error():
 def test_a_scope_ends_its_own_subscriptions_and_tasks_and_leaves_the_connection_to_the_others(nats_cluster):
     import asyncio
 
-    from mqks.server.journal.nats_bridge import SharedNats
+    from mqks.server.nats_io.nats_bridge import SharedNats
 
     _, urls = nats_cluster
     shared = SharedNats(urls)

@@ -16,8 +16,8 @@ from gevent.event import Event
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
-from mqks.server.journal.hub_nats import ack_sequences
 from mqks.server.journal.jetstream_log import EPOCH, LAST, JetStreamLog, StreamReading
+from mqks.server.nats_io.hub_nats import ack_sequences
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -22,7 +22,7 @@ pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster
 from mqks.server.journal import jetstream_log
 from mqks.server.journal.jetstream_log import EPOCH, EXPECTED_OF_SUBJECT, LAST, OWNER, JetStreamLog
 from mqks.server.journal.journal import SNAPSHOT_CHUNK_BYTES, Journal
-from mqks.server.journal.nats_bridge import SharedFigures
+from mqks.server.nats_io.nats_bridge import SharedFigures
 
 pytestmark = pytest.mark.timeout(10)
 

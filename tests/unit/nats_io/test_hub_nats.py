@@ -1,4 +1,4 @@
-"""The hub's own NATS connection (server/journal/hub_nats.py), its protocol side in process: operations split anywhere
+"""The hub's own NATS connection (server/nats_io/hub_nats.py), its protocol side in process: operations split anywhere
 across reads come out whole and in order, headers and statuses read as nats-py shows them, a callback that fails
 does not end the connection, and what it sends is the NATS wire protocol. The connection against real NATS servers
 (credentials, TLS, a killed server) is in tests/cluster/test_hub_nats.py."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mqks.server.journal.hub_nats import HubNats, ack_sequences, header_block, parse_headers
+from mqks.server.nats_io.hub_nats import HubNats, ack_sequences, header_block, parse_headers
 
 pytestmark = pytest.mark.timeout(10)
 
