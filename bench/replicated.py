@@ -1,15 +1,19 @@
-"""Confirmed publishes with per-message acks on the local disk log and on the replicated log, beside NATS
-JetStream's own pipelined publishes from nats-py to the same cluster (the cluster extra).
+"""Confirmed publishes on the local disk log and on the replicated log, plain and with per-message acks, beside
+NATS JetStream's own pipelined publishes from nats-py to the same cluster (the cluster extra).
 
-    .venv/bin/python -m bench.replicated [--messages 200000] [--reps 3] [--json FILE]
+    .venv/bin/python -m bench.replicated [--messages 200000] [--plain-messages 100000] [--reps 3]
+                                         [--cells plain,acked,jetstream] [--profile DIR] [--json FILE]
 
 One three-node NATS cluster on loopback (`mqks nats up`, `sync_interval: always`) serves every cell. The MQKS
 cells run loadgen's confirmed w5 flow (100-byte messages, at most --window publishes unconfirmed, one ack line
 per message, done once every publish is confirmed and acked): `--data-dir --fsync always` and
 `--log nats://...` (R3). The peer is nats-py publishing the same number of 100-byte messages to an R3 stream
 with 1,000 in flight (js.publish_async). Figures are medians of --reps; the ratios are the result, an absolute
-figure from this VM is noise. Each cell also gives the MQKS server's CPU per message and the confirm latency
-p50/p99 of lock-step confirmed publishes (one at a time, 2,000 of them).
+figure from this VM is noise. Each acked cell also gives the MQKS server's CPU per message and the confirm latency
+p50/p99 of lock-step confirmed publishes (one at a time, 2,000 of them). The plain cells (issue 59's held-out
+cell) pipeline --plain-messages `publish --confirm` of 100 bytes into one queue, at most --plain-window (2,000)
+unconfirmed, no consumer, no ack: what a confirm alone costs on each log. --profile DIR runs each MQKS server
+under cProfile (DIR/<cell>-<rep>.prof: the main thread, where the loop and the log's writer run).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -26,7 +31,12 @@ import time
 from mqks.client import nats_local
 
 from . import loadgen, peers
-from .run import mqks_check, process_cpu_seconds
+from .cluster_confirmed import read_answers
+from .run import mqks_check, mqks_stats, process_cpu_seconds
+
+LOCAL, REPLICATED = "local disk, fsync always", "replicated log, R3"
+PLAIN = "plain confirms, "  # the held-out cell's rows: PLAIN + LOCAL, PLAIN + REPLICATED
+JETSTREAM = "jetstream nats-py, 1000 in flight, R3"
 
 
 def mqks_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_dir: str | None) -> dict:
@@ -41,6 +51,40 @@ def mqks_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_dir
         p50, p99 = lockstep_latency(server.host, server.port)
         return {"ok": result.ok and not result.errors, "rate": result.rate, "note": result.note,
                 "cpu_us_per_msg": 1e6 * cpu / args.messages, "confirm_p50_ms": p50, "confirm_p99_ms": p99}
+    finally:
+        server.stop()
+
+
+def plain_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_dir: str | None,
+               profile_path: str | None) -> dict:
+    """--plain-messages confirmed publishes into one queue with no consumer, at most --plain-window unconfirmed:
+    confirms a second, the server's CPU per message, and whether every message is queued."""
+    server = peers.start_mqks(None, log_dir, data_dir=data_dir, fsync="always", extra_args=tuple(extra),
+                              profile_path=profile_path)
+    try:
+        n, window = args.plain_messages, args.plain_window
+        sock = socket.create_connection((server.host, server.port), timeout=60)
+        pending = bytearray()
+        sock.sendall(b"r rebind --confirm plain.q plain.e\n")
+        read_answers(sock, 1, pending)
+        body = loadgen.payload()
+        lines = [b"p%d publish --confirm plain.e %b\n" % (i, body) for i in range(n)]
+        sent = answered = 0
+        cpu0 = process_cpu_seconds(server.pid)
+        started = time.perf_counter()
+        while answered < n:
+            if sent - answered < window:
+                upto = min(n, answered + window)
+                sock.sendall(b"".join(lines[sent:upto]))
+                sent = upto
+            answered += read_answers(sock, 0, pending)
+        seconds = time.perf_counter() - started
+        cpu = process_cpu_seconds(server.pid) - cpu0
+        sock.close()
+        stats = mqks_stats(server)
+        queued = stats.get("messages_waiting")
+        return {"ok": queued == n, "rate": n / seconds, "cpu_us_per_msg": 1e6 * cpu / n,
+                "note": "" if queued == n else f"{queued} of {n} queued"}
     finally:
         server.stop()
 
@@ -83,45 +127,67 @@ async def jetstream_rate(urls: list[str], messages: int, stream: str, in_flight:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--plain-messages", type=int, default=100_000)
     parser.add_argument("--jetstream-messages", type=int, default=50_000)
     parser.add_argument("--window", type=int, default=10_000)
+    parser.add_argument("--plain-window", type=int, default=2_000)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--cells", default="plain,acked,jetstream", help="which of plain, acked, jetstream to run")
+    parser.add_argument("--profile", default=None, help="a directory: each MQKS server runs under cProfile")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    cells = set(args.cells.split(","))
     work = tempfile.mkdtemp(prefix="bench-replicated-")
     log_dir = tempfile.mkdtemp(prefix="bench-replicated-logs-")
     nodes = nats_local.up(f"{work}/nats", 3)
     urls = [node.url for node in nodes]
-    results: dict[str, list[dict]] = {"local disk, fsync always": [], "replicated log, R3": []}
+    results: dict[str, list[dict]] = {}
     jetstream: list[float] = []
     try:
         for rep in range(args.reps):
-            data_dir = f"{work}/data-{rep}"
-            results["local disk, fsync always"].append(mqks_cell(args, log_dir, [], data_dir))
-            shutil.rmtree(data_dir, ignore_errors=True)
-            stream = ["--log", ",".join(urls), "--log-stream", f"bench{rep}"]
-            results["replicated log, R3"].append(mqks_cell(args, log_dir, stream, None))
-            jetstream.append(asyncio.run(jetstream_rate(urls, args.jetstream_messages, f"peer{rep}")))
+            for kind in ("plain", "acked"):
+                if kind not in cells:
+                    continue
+                for log_name in (LOCAL, REPLICATED):
+                    data_dir = f"{work}/data-{rep}" if log_name == LOCAL else None
+                    log_args = [] if data_dir else ["--log", ",".join(urls), "--log-stream", f"bench{kind}{rep}"]
+                    if kind == "plain":
+                        profile = (os.path.join(args.profile, f"{kind}-{'local' if data_dir else 'nats'}-{rep}.prof")
+                                   if args.profile else None)
+                        sample = plain_cell(args, log_dir, log_args, data_dir, profile)
+                    else:
+                        sample = mqks_cell(args, log_dir, log_args, data_dir)
+                    results.setdefault(PLAIN + log_name if kind == "plain" else log_name, []).append(sample)
+                    if data_dir:
+                        shutil.rmtree(data_dir, ignore_errors=True)
+            if "jetstream" in cells:
+                jetstream.append(asyncio.run(jetstream_rate(urls, args.jetstream_messages, f"peer{rep}")))
     finally:
         nats_local.down(f"{work}/nats")
         shutil.rmtree(work, ignore_errors=True)
     summary = {}
     for name, samples in results.items():
-        summary[name] = {key: statistics.median(s[key] for s in samples)
-                         for key in ("rate", "cpu_us_per_msg", "confirm_p50_ms", "confirm_p99_ms")}
+        summary[name] = {key: statistics.median(s[key] for s in samples) for key in samples[0]
+                         if key not in ("ok", "note")}
         summary[name]["ok"] = all(s["ok"] for s in samples)
         summary[name]["notes"] = [s["note"] for s in samples if s["note"]]
-    summary["jetstream nats-py, 1000 in flight, R3"] = {"rate": statistics.median(jetstream)}
-    local = summary["local disk, fsync always"]["rate"]
-    replicated = summary["replicated log, R3"]["rate"]
-    peer = summary["jetstream nats-py, 1000 in flight, R3"]["rate"]
+    if jetstream:
+        summary[JETSTREAM] = {"rate": statistics.median(jetstream)}
     for name, figures in summary.items():
-        extra = "" if "cpu_us_per_msg" not in figures else (
-            f"  cpu {figures['cpu_us_per_msg']:.1f} us/msg  confirm p50/p99 {figures['confirm_p50_ms']:.2f}/"
-            f"{figures['confirm_p99_ms']:.2f} ms{'' if figures['ok'] else '  NOT OK: ' + '; '.join(figures['notes'])}")
-        print(f"{name:40s} {figures['rate']:>10,.0f} msg/s{extra}")
-    print(f"replicated / JetStream per-message: {replicated / peer:.2f}x   replicated / local disk: "
-          f"{replicated / local:.2f}x")
+        extra = "" if "cpu_us_per_msg" not in figures else f"  cpu {figures['cpu_us_per_msg']:.1f} us/msg"
+        if "confirm_p50_ms" in figures:
+            extra += f"  confirm p50/p99 {figures['confirm_p50_ms']:.2f}/{figures['confirm_p99_ms']:.2f} ms"
+        if "ok" in figures and not figures["ok"]:
+            extra += "  NOT OK: " + "; ".join(figures["notes"])
+        runs = ", ".join(f"{s['rate']:,.0f}" for s in results.get(name, []))
+        print(f"{name:56s} {figures['rate']:>10,.0f} msg/s{extra}" + (f"  (runs: {runs})" if runs else ""))
+    for prefix in (PLAIN, ""):
+        if prefix + LOCAL in summary:
+            replicated = summary[prefix + REPLICATED]["rate"]
+            peer = (f"replicated / JetStream per-message: {replicated / summary[JETSTREAM]['rate']:.2f}x   "
+                    if jetstream and not prefix else "")
+            print(f"{prefix or 'acked: '}{peer}replicated / local disk: "
+                  f"{replicated / summary[prefix + LOCAL]['rate']:.2f}x")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"summary": summary, "samples": results, "jetstream": jetstream}, f, indent=1)
