@@ -26,7 +26,7 @@ from gevent import Greenlet
 
 from .config import FENCED_EXIT_CODE, Config
 from .listeners import CannotListen
-from .supervisor import restart_wait
+from .restarts import restart_wait
 
 log = logging.getLogger("mqks.node")
 

@@ -25,23 +25,15 @@ import time
 from typing import Any
 
 from .config import CANNOT_START_EXIT_CODE, Config
+from .restarts import restart_wait
 
 log = logging.getLogger("mqks.supervisor")
 
-RESTART_BACKOFF_SECONDS = (0.0, 0.1, 0.5, 1.0, 2.0, 5.0)  # after 1, 2, ... quick deaths in a row
-QUICK_DEATH_SECONDS = 10.0  # a worker that ran longer than this starts its back-off over
 STOP_WAIT_SECONDS = 60.0  # past the drain: a worker that will not exit is killed
 # the watch sleeps until a signal (a worker's exit is a SIGCHLD) or this long: polling every worker every 50 ms
 # was 0.2% of a core per supervisor, idle
 WATCH_SECONDS = 1.0
 SUPERVISOR_PID_ENV = "MQKS_SUPERVISOR_PID"
-
-
-def restart_wait(quick_deaths: int, ran_seconds: float) -> tuple[int, float]:
-    """After one more death (a worker's, or a cluster group's server's in its process): the quick deaths in a row
-    now, and how long to wait before starting it again."""
-    deaths = quick_deaths + 1 if ran_seconds < QUICK_DEATH_SECONDS else 1
-    return deaths, RESTART_BACKOFF_SECONDS[min(deaths - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
 
 
 class Supervisor:

@@ -1,0 +1,15 @@
+"""When to start again what died: a worker process (supervisor.py) or a cluster group's server in its process
+(group_host.py). Both back off the same way; neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+RESTART_BACKOFF_SECONDS = (0.0, 0.1, 0.5, 1.0, 2.0, 5.0)  # after 1, 2, ... quick deaths in a row
+QUICK_DEATH_SECONDS = 10.0  # one that ran longer than this starts its back-off over
+
+
+def restart_wait(quick_deaths: int, ran_seconds: float) -> tuple[int, float]:
+    """After one more death (a worker's, or a cluster group's server's in its process): the quick deaths in a row
+    now, and how long to wait before starting it again."""
+    deaths = quick_deaths + 1 if ran_seconds < QUICK_DEATH_SECONDS else 1
+    return deaths, RESTART_BACKOFF_SECONDS[min(deaths - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
