@@ -1,27 +1,35 @@
-"""Confirmed publishes through one node of a three-node cluster beside one broker on the same replicated log
-(issue 40's cell), and what a default cluster costs while idle.
+"""Confirmed publishes through a three-node cluster beside one broker on the same replicated log (issue 40's cell,
+issue 57's spread cells), and what a default cluster costs while idle.
 
     .venv/bin/python -m bench.cluster_confirmed [--messages 60000] [--window 2000] [--paced-rate 10000]
-                                                [--reps 3] [--json FILE]
+                                                [--groups 16,4] [--pacing ticks|answers] [--reps 3] [--json FILE]
 
-One three-node NATS cluster on loopback (`mqks nats up`, `sync_interval: always`) serves every cell. Each cell
-binds 30 queues q0..q29 to e0..e29 and pipelines `--messages` `publish --confirm` of 100 bytes (e(i % 30)), at
-most `--window` unanswered, through one connection; it counts the confirms and the CPU-seconds of every MQKS
-process (supervisors and group processes) and of the three nats-servers during the run. Cells:
-- one broker: `mqksd --log` (one stream, R3);
-- three nodes, default --groups (16), through node a; and the same with --groups 4;
-- paced: one broker and the 16 groups again, offered `--paced-rate` confirmed publishes a second for 4 s (sent
-  every 5 ms), below what either reaches: at saturation the CPU per message is elastic (a process given a
-  core back takes smaller batches), at a fixed rate each side's cost per message is what it spends.
+One three-node NATS cluster on loopback (`mqks nats up`, `sync_interval: always`) serves every cell. Each client
+binds 30 queues q0..q29 to e0..e29 and pipelines `publish --confirm` of 100 bytes (e(i % 30)), at most `--window`
+unanswered, through one connection; a cell counts the confirms, the CPU-seconds of every MQKS process (supervisors
+and group processes) and of the three nats-servers (not the clients'), and the JetStream messages stored (the
+streams' last sequences, the map's bucket aside) per confirmed publish. Cells, for one broker (`mqksd --log`, one
+stream, R3) and for three nodes with each of `--groups`:
+- 1 client: `--messages` through one connection (to node a);
+- 3 clients: the same messages from three client processes, a third each, each its own window (in a cluster one
+  through each node: what a spread application does);
+- paced (one broker and the first --groups only): `--paced-rate` confirmed publishes a second for 4 s, from one
+  client and from the same three (a third of the rate each), below what either reaches: at saturation the CPU per
+  message is elastic (a process given a core back takes smaller batches), at a fixed rate each side's cost per
+  message is what it spends. With `--pacing ticks` (the default) a client sends what is due every 5 ms and only
+  then; with `answers` it also sends what is due each time answers come in (the cell of before issue 57: its
+  publishes trickle in a few at a time, and one broker commits a frame per few messages).
 Then the default cluster left idle for `--idle-seconds`: CPU of its processes and of the NATS servers, as a
-share of one core, and node a's resident memory. Ratios against one broker: rate, and CPU per message.
+share of one core, and node a's resident memory. Ratios against one broker's same cell: rate, and CPU per message.
 Medians of --reps; an absolute figure from this VM is noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import multiprocessing
 import os
 import select
 import shutil
@@ -31,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 from mqks.client import nats_local
 
@@ -46,14 +56,27 @@ PACED_SECONDS = 4.0
 STEADY_SECONDS = 6.0  # longer than a standby's balancing period (server/cluster/election.py BALANCE_SECONDS)
 
 
-def confirmed_cell(port: int, messages: int, window: int) -> tuple[float, float]:
-    """(confirmed msg/s, seconds) of one pipelined run through 127.0.0.1:port; raises on an error answer."""
+def bound(port: int) -> tuple[socket.socket, bytearray]:
+    """A connection to 127.0.0.1:port with q0..q29 bound to e0..e29 (each client rebinds them: the same bindings)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(b"".join(b"r%d rebind --confirm q%d e%d\n" % (i, i, i) for i in range(QUEUES)))
+    pending = bytearray()
+    read_answers(sock, QUEUES, pending)
+    return sock, pending
+
+
+def publishes(messages: int) -> list[bytes]:
+    return [b"p%d publish --confirm e%d %b\n" % (i, i % QUEUES, BODY) for i in range(messages)]
+
+
+def confirmed_cell(port: int, messages: int, window: int,
+                   start: Callable[[], None] = lambda: None) -> tuple[float, float]:
+    """(first send, last confirm) on the monotonic clock of one pipelined run through 127.0.0.1:port, `start`
+    called once bound; raises on an error answer."""
+    sock, pending = bound(port)
     try:
-        sock.sendall(b"".join(b"r%d rebind --confirm q%d e%d\n" % (i, i, i) for i in range(QUEUES)))
-        read_answers(sock, QUEUES, bytearray())
-        lines = [b"p%d publish --confirm e%d %b\n" % (i, i % QUEUES, BODY) for i in range(messages)]
-        pending = bytearray()
+        lines = publishes(messages)
+        start()
         sent = answered = 0
         started = time.monotonic()
         while answered < messages:
@@ -62,8 +85,7 @@ def confirmed_cell(port: int, messages: int, window: int) -> tuple[float, float]
                 sock.sendall(b"".join(lines[sent:upto]))
                 sent = upto
             answered += read_answers(sock, 0, pending)
-        seconds = time.monotonic() - started
-        return messages / seconds, seconds
+        return started, time.monotonic()
     finally:
         sock.close()
 
@@ -87,26 +109,83 @@ def read_answers(sock: socket.socket, at_least: int, pending: bytearray) -> int:
             return got
 
 
-def paced_cell(port: int, messages: int, rate: int) -> float:
-    """`messages` confirmed publishes offered at `rate` a second through 127.0.0.1:port; the rate reached."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+def paced_cell(port: int, messages: int, rate: float, ticks: bool = True,
+               start: Callable[[], None] = lambda: None) -> tuple[float, float]:
+    """`messages` confirmed publishes offered at `rate` a second through 127.0.0.1:port: (first send, last confirm).
+    `ticks`: what is due goes every PACE_SECONDS and only then; else also each time answers come in."""
+    sock, pending = bound(port)
     try:
-        sock.sendall(b"".join(b"r%d rebind --confirm q%d e%d\n" % (i, i, i) for i in range(QUEUES)))
-        pending = bytearray()
-        read_answers(sock, QUEUES, pending)
-        lines = [b"p%d publish --confirm e%d %b\n" % (i, i % QUEUES, BODY) for i in range(messages)]
+        lines = publishes(messages)
+        start()
         sent = answered = 0
-        started = time.monotonic()
+        started = next_tick = time.monotonic()
         while answered < messages:
-            due = min(messages, int((time.monotonic() - started) * rate))
-            if due > sent:
-                sock.sendall(b"".join(lines[sent:due]))
-                sent = due
-            if select.select([sock], [], [], PACE_SECONDS)[0]:
+            now = time.monotonic()
+            if now >= next_tick or not ticks:
+                due = min(messages, int((now - started) * rate) + 1)
+                if due > sent:
+                    sock.sendall(b"".join(lines[sent:due]))
+                    sent = due
+                if now >= next_tick:
+                    next_tick += PACE_SECONDS * (1 + int((now - next_tick) / PACE_SECONDS))
+            if select.select([sock], [], [], max(0.0, next_tick - time.monotonic()))[0]:
                 answered += read_answers(sock, 0, pending)
-        return messages / (time.monotonic() - started)
+        return started, time.monotonic()
     finally:
         sock.close()
+
+
+def client(port: int, messages: int, args: argparse.Namespace, rate: float, barrier: Any, results: Any) -> None:
+    """One client process of a cell: its (first send, last confirm), or the error, into `results`."""
+    try:
+        if rate:
+            span = paced_cell(port, messages, rate, args.pacing == "ticks", barrier.wait)
+        else:
+            span = confirmed_cell(port, messages, args.window, barrier.wait)
+        results.put(span)
+    except BaseException as e:  # reported by the parent, which stops
+        barrier.abort()
+        results.put(repr(e))
+
+
+def run_clients(ports: list[int], messages: int, args: argparse.Namespace, rate: float = 0.0) -> float:
+    """`messages` confirmed publishes from a client process per port (a share each), started together; the rate
+    of the whole: messages over the span from the first send to the last confirm."""
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(len(ports)), context.Queue()
+    shares = [messages // len(ports) + (i < messages % len(ports)) for i in range(len(ports))]
+    processes = [context.Process(target=client, args=(port, share, args, rate / len(ports), barrier, results))
+                 for port, share in zip(ports, shares, strict=True)]
+    for process in processes:
+        process.start()
+    try:
+        spans = [results.get(timeout=600) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    failed = [span for span in spans if isinstance(span, str)]
+    if failed:
+        raise RuntimeError(f"a client failed: {failed[0]}")
+    return messages / (max(end for _, end in spans) - min(begin for begin, _ in spans))
+
+
+def stored_messages(urls: str) -> int:
+    """The JetStream messages the log streams have stored so far (their last sequences: a purge takes none back);
+    the cluster map's bucket aside."""
+
+    async def ask() -> int:
+        import nats
+
+        nc = await nats.connect(servers=urls.split(","))
+        try:
+            infos = await nc.jetstream().streams_info()
+            return sum(int(info.state.last_seq) for info in infos if not (info.config.name or "").startswith("KV_"))
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
 
 
 def wait_settled(cluster: str, urls: str, nodes: int, timeout: float = 120.0) -> None:
@@ -139,15 +218,28 @@ def cpu_seconds(pids: list[int]) -> float:
     return sum(tree_cpu_seconds(pid) for pid in pids)
 
 
-def measured(port: int, mqks_pids: list[int], nats_pids: list[int], args: argparse.Namespace,
+def measured(ports: list[int], mqks_pids: list[int], nats_pids: list[int], urls: str, args: argparse.Namespace,
              paced: bool = False) -> dict:
-    """One cell: saturated (pipelined, at most --window unanswered) or paced (--paced-rate a second)."""
+    """One cell: saturated (pipelined, at most --window unanswered per client) or paced (--paced-rate a second in
+    all), from a client per port."""
     messages = int(args.paced_rate * PACED_SECONDS) if paced else args.messages
+    stored_before = stored_messages(urls)
     mqks_before, nats_before = cpu_seconds(mqks_pids), cpu_seconds(nats_pids)
-    rate = paced_cell(port, messages, args.paced_rate) if paced else confirmed_cell(port, messages, args.window)[0]
+    rate = run_clients(ports, messages, args, args.paced_rate if paced else 0.0)
     mqks_cpu, nats_cpu = cpu_seconds(mqks_pids) - mqks_before, cpu_seconds(nats_pids) - nats_before
+    stored = stored_messages(urls) - stored_before
     return {"rate": rate, "cpu_us_per_msg": (mqks_cpu + nats_cpu) / messages * 1e6,
-            "mqks_us_per_msg": mqks_cpu / messages * 1e6, "nats_us_per_msg": nats_cpu / messages * 1e6}
+            "mqks_us_per_msg": mqks_cpu / messages * 1e6, "nats_us_per_msg": nats_cpu / messages * 1e6,
+            "stored_per_msg": stored / messages}
+
+
+def spread_cells(prefix: str, ports: list[int], mqks_pids: list[int], nats_pids: list[int], urls: str,
+                 args: argparse.Namespace, paced: bool, cells: dict[str, list[dict]]) -> None:
+    """A 1-client and a 3-client cell (the one client through the first port; paced too if `paced`) into `cells`."""
+    for kind in ("", ", paced") if paced else ("",):
+        for clients in (ports[:1], ports):
+            cells.setdefault(f"{prefix}{kind}, {len(clients)} client{'s' * (len(clients) > 1)}", []).append(
+                measured(clients, mqks_pids, nats_pids, urls, args, bool(kind)))
 
 
 def resident_mib(pid: int) -> float:
@@ -173,18 +265,19 @@ def median(samples: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cluster_confirmed", description=__doc__.split("\n")[0])
-    parser.add_argument("--messages", type=int, default=60_000)
-    parser.add_argument("--window", type=int, default=2000)
-    parser.add_argument("--paced-rate", type=int, default=10_000, help="the paced cells' rate (0: none)")
+    parser.add_argument("--messages", type=int, default=60_000, help="a saturated cell's, in all")
+    parser.add_argument("--window", type=int, default=2000, help="unanswered publishes per client")
+    parser.add_argument("--paced-rate", type=int, default=10_000, help="the paced cells' rate in all (0: none)")
+    parser.add_argument("--pacing", choices=("ticks", "answers"), default="ticks")
+    parser.add_argument("--groups", default="16,4", help="the clusters' --groups, the paced cells' first")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    group_counts = [int(g) for g in args.groups.split(",")]
     os.makedirs(LOG_DIR, exist_ok=True)
     directory = tempfile.mkdtemp(prefix="mqks-bench-nats-")
-    cells: dict[str, list[dict]] = {"one broker --log": [], "3 nodes, 16 groups": [], "3 nodes, 4 groups": []}
-    if args.paced_rate:
-        cells.update({"one broker, paced": [], "3 nodes, 16 groups, paced": []})
+    cells: dict[str, list[dict]] = {}
     idle: dict[str, float] = {}
     try:
         nats_nodes = nats_local.up(directory, 3, "bench")
@@ -194,24 +287,20 @@ def main(argv: list[str] | None = None) -> int:
             broker = peers.start_mqks(None, LOG_DIR,
                                       extra_args=("--log", urls, "--log-stream", f"one{rep}{os.getpid()}"))
             try:
-                cells["one broker --log"].append(measured(broker.port, [broker.pid], nats_pids, args))
-                if args.paced_rate:
-                    cells["one broker, paced"].append(measured(broker.port, [broker.pid], nats_pids, args, True))
+                spread_cells("one broker", [broker.port] * 3, [broker.pid], nats_pids, urls, args,
+                             bool(args.paced_rate), cells)
             finally:
                 broker.stop()
-            for groups in (16, 4):
+            for groups in group_counts:
                 name = f"c{groups}r{rep}p{os.getpid()}"
                 nodes = start_nodes(["a", "b", "c"], name, urls, groups)
                 try:
                     wait_settled(name, urls, len(nodes))
-                    cells[f"3 nodes, {groups} groups"].append(
-                        measured(nodes[0].port, [node.pid for node in nodes], nats_pids, args))
-                    if groups == 16 and args.paced_rate:
-                        cells["3 nodes, 16 groups, paced"].append(
-                            measured(nodes[0].port, [node.pid for node in nodes], nats_pids, args, True))
-                    if groups == 16 and rep == 0:
+                    pids = [node.pid for node in nodes]
+                    spread_cells(f"3 nodes, {groups} groups", [node.port for node in nodes], pids, nats_pids, urls,
+                                 args, groups == group_counts[0] and bool(args.paced_rate), cells)
+                    if groups == group_counts[0] and rep == 0 and args.idle_seconds:
                         time.sleep(5)
-                        pids = [node.pid for node in nodes]
                         mqks_before, nats_before = cpu_seconds(pids), cpu_seconds(nats_pids)
                         time.sleep(args.idle_seconds)
                         idle = {"mqks_core_share": (cpu_seconds(pids) - mqks_before) / args.idle_seconds,
@@ -227,27 +316,25 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
     result_cells = {key: median(values) for key, values in cells.items()}
-    one = result_cells["one broker --log"]
-    ratios = {f"{key} / one broker": {"rate": cell["rate"] / one["rate"],
-                                      "cpu_per_msg": cell["cpu_us_per_msg"] / one["cpu_us_per_msg"]}
-              for key, cell in result_cells.items() if key != "one broker --log" and not key.endswith("paced")}
-    if args.paced_rate:
-        one_paced, cluster_paced = result_cells["one broker, paced"], result_cells["3 nodes, 16 groups, paced"]
-        ratios["3 nodes, 16 groups / one broker, paced"] = {
-            "rate": cluster_paced["rate"] / one_paced["rate"],
-            "cpu_per_msg": cluster_paced["cpu_us_per_msg"] / one_paced["cpu_us_per_msg"],
-            "mqks_cpu_per_msg": cluster_paced["mqks_us_per_msg"] / one_paced["mqks_us_per_msg"]}
-    print(f"{'cell':<26} {'confirmed/s':>12} {'CPU us/msg':>11} {'(mqks':>7} {'nats)':>7}")
+    ratios = {}
     for key, cell in result_cells.items():
-        print(f"{key:<26} {cell['rate']:>12,.0f} {cell['cpu_us_per_msg']:>11.1f} {cell['mqks_us_per_msg']:>7.1f} "
-              f"{cell['nats_us_per_msg']:>7.1f}")
+        if not key.startswith("one broker"):
+            one = result_cells["one broker" + key[key.index(" groups") + len(" groups"):]]
+            ratios[f"{key} / one broker"] = {"rate": cell["rate"] / one["rate"],
+                                             "cpu_per_msg": cell["cpu_us_per_msg"] / one["cpu_us_per_msg"],
+                                             "mqks_cpu_per_msg": cell["mqks_us_per_msg"] / one["mqks_us_per_msg"]}
+    print(f"{'cell':<36} {'confirmed/s':>12} {'CPU us/msg':>11} {'(mqks':>7} {'nats)':>7} {'JS msgs/msg':>12}")
+    for key, cell in result_cells.items():
+        print(f"{key:<36} {cell['rate']:>12,.0f} {cell['cpu_us_per_msg']:>11.1f} {cell['mqks_us_per_msg']:>7.1f} "
+              f"{cell['nats_us_per_msg']:>7.1f} {cell['stored_per_msg']:>12.4f}")
     for key, ratio in ratios.items():
-        mqks_alone = f" (MQKS alone {ratio['mqks_cpu_per_msg']:.1f}x)" if "mqks_cpu_per_msg" in ratio else ""
-        print(f"{key}: {ratio['rate']:.2f}x the rate at {ratio['cpu_per_msg']:.1f}x the CPU per message{mqks_alone}")
-    print(f"idle default cluster: MQKS {idle['mqks_core_share']:.1%} of a core, NATS {idle['nats_core_share']:.1%}; "
-          f"node a {idle['node_rss_mib']:.0f} MiB resident")
+        print(f"{key}: {ratio['rate']:.2f}x the rate at {ratio['cpu_per_msg']:.1f}x the CPU per message "
+              f"(MQKS alone {ratio['mqks_cpu_per_msg']:.1f}x)")
+    if idle:
+        print(f"idle default cluster: MQKS {idle['mqks_core_share']:.1%} of a core, NATS "
+              f"{idle['nats_core_share']:.1%}; node a {idle['node_rss_mib']:.0f} MiB resident")
     result = {"revision": git_revision(), "messages": args.messages, "window": args.window,
-              "paced_rate": args.paced_rate, "reps": args.reps,
+              "paced_rate": args.paced_rate, "pacing": args.pacing, "reps": args.reps,
               "cells": result_cells, "ratios": ratios, "idle": idle}
     path = args.json or os.path.join(RESULTS_DIR, f"cluster-confirmed-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
