@@ -83,8 +83,8 @@ def main() -> None:
             except OSError as e:
                 reply = "exhausted" if e.errno == errno.EMFILE else f"exhaust failed: {e}"
         elif command == "spend-spare":
-            os.close(log._spare_fd)
-            log._spare_fd = -1
+            os.close(log._files._spare_fd)
+            log._files._spare_fd = -1
             reply = "spent"
         elif command == "release":
             while hogs:
