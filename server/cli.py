@@ -339,7 +339,6 @@ def main(argv: list[str] | None = None) -> None:
 def serve_groups(config: Config) -> int:
     """A cluster node's process: its groups, each a Server, over one NATS connection."""
     from ..common.cluster_names import bucket_of
-    from ..common.nats_urls import nats_access
     from .cluster.map import SharedMap
     from .nats_io.nats_bridge import SharedNats
     from .node.group_host import GroupHost
@@ -347,7 +346,7 @@ def serve_groups(config: Config) -> int:
     assert config.log is not None and config.cluster is not None and config.node is not None
     assert config.host_index is not None
     urls = config.log_urls
-    shared = SharedNats(urls, options=nats_access(config).connect_options(urls))
+    shared = SharedNats(urls, options=config.nats_options())
     shared_map = SharedMap(shared, bucket_of(config.cluster), config.node, config.host_index, config.log_replicas)
     try:
         return GroupHost(config, lambda group_config: Server(group_config, shared, shared_map)).run()

@@ -7,8 +7,9 @@ and help text from this dataclass, so the two can never disagree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from ...common.nats_urls import log_urls
+from ...common.nats_urls import log_urls, nats_access
 from ..wire.protocol import DEFAULT_MAX_LINE_BYTES
 
 
@@ -69,6 +70,11 @@ class Config:
     def log_urls(self) -> list[str]:
         """`--log` as nats-py's list of servers (none without it): the one place the flag's text is read."""
         return log_urls(self.log or "")
+
+    def nats_options(self) -> dict[str, Any]:
+        """nats-py's connect() arguments for `--log`'s URLs: the --log-* files and the environment's credentials (a
+        new TLS context each call)."""
+        return nats_access(self).connect_options(self.log_urls)
 
 
 DEFAULTS = Config()
