@@ -128,10 +128,12 @@ class Standby:
         else:
             expires = now + lease
             log.info("%s: owned by %s; standing by (lease %g s)", stream.label, owner, lease)
-        reported = claimed_at = tail_checked_at = -1e9
+        # balanced_at: the first look at balancing is at once, a node that rejoins (a heal, a restart) asks for
+        # groups as soon as it has caught up, not a balancing period later
+        reported = claimed_at = tail_checked_at = balanced_at = -1e9
         owner_waited_for = False  # a silent owner that answers its ping was waited for (logged once)
         reported_seq = -1
-        balanced_at = heard_at = now  # heard_at: the owner's last frame or heartbeat
+        heard_at = now  # the owner's last frame or heartbeat
         following = followed = False
         stored_before = 0  # frames up to this sequence were stored before the follower (re)started: no sign of life
         replayer.handoff = None  # a hand-off read before this node stood by was meant for the standbys of then
@@ -223,7 +225,9 @@ class Standby:
                 if owner_waited_for:
                     log.info("%s: its owner %s is heard again", stream.label, owner)
                     owner_waited_for = False
-            elif now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
+            # heard or not: a busy group's standby hears frames at every read, and balanced only in a quiet moment
+            # (issue 56: a healed node got groups back 18-25 s after the heal, when its groups' load paused)
+            if now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
                 balanced_at = now
                 self.balance()
 

@@ -537,3 +537,44 @@ def test_a_group_pinned_to_this_node_is_asked_for_whatever_the_counts():
     cluster_map = FakeMap(counts={"b": 1, "a": 4}, owner="b", pin="a")
     balancing(cluster_map, Node(owned=4))
     assert cluster_map.asked == [("c-0-of-4", "a")]
+
+
+class TimedMap(FakeMap):
+    """A FakeMap that notes when it was asked, in fake time."""
+
+    def __init__(self, clock: Clock, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.clock = clock
+        self.asked_at: list[float] = []
+
+    def ask_for_group(self, stream: str, node: str) -> dict[str, Any]:
+        self.asked_at.append(self.clock.now)
+        return super().ask_for_group(stream, node)
+
+
+def test_a_busy_groups_standby_looks_at_balancing_though_it_hears_frames_at_every_read():
+    """Issue 56: a standby balanced only after a read that heard nothing, so the standbys of groups under load (a
+    frame every read) never asked, and a healed node got groups back only once their load paused."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    busy = 4 * BALANCE_SECONDS
+    for k in range(int(busy / 0.04)):  # a publish stored every 40 ms: every read hears one (then b goes silent)
+        stream.at((k + 1) * 0.04, frame(1, k + 2, b"P %d" % k))
+    cluster_map = TimedMap(clock, counts={"b": 8, "a": 0}, owner="b")
+    started = clock.now
+    list(replay_as_candidate(stream, standby(clock, stream, cluster_map, Node(owned=0))))
+    assert cluster_map.asked == [("c-0-of-4", "a")]
+    assert cluster_map.asked_at[0] - started < busy  # while b was storing frames, not once it went quiet
+
+
+def test_a_standby_looks_at_balancing_as_soon_as_it_stands_by():
+    """A node that rejoins (a heal, a restart) asks for a group once caught up, not a balancing period later."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    heartbeats(stream, LEASE / 4, 2 * BALANCE_SECONDS)
+    cluster_map = TimedMap(clock, counts={"b": 8, "a": 0}, owner="b")
+    started = clock.now
+    list(replay_as_candidate(stream, standby(clock, stream, cluster_map, Node(owned=0))))
+    assert cluster_map.asked_at and cluster_map.asked_at[0] - started < 1.0
