@@ -39,7 +39,7 @@ from waiting import wait_for
 from mqks.client import Client, Message, MqksError
 from mqks.client.nats_local import nats_server_binary
 from mqks.common.cluster_names import group_name
-from mqks.server.cluster.election import BALANCE_SECONDS  # a spread that held longer than this is settled
+from mqks.server.cluster.election import BALANCE_SECONDS, RECENT_OWNER_LEASES
 from mqks.server.dispatch.slots import owner_of
 
 NODES = ("a", "b", "c")
@@ -481,7 +481,10 @@ class Round:
                           f".{int(now % 1 * 1000):03d}  {what}")
 
     def settle(self) -> dict[int, tuple[str, int]]:
-        """Every group owned, spread within one, and the same owners for longer than a balancing period."""
+        """Every group owned, spread within one (no balancing move due), and the same owners for longer than
+        RECENT_OWNER_LEASES: a cluster that has run a while, where balancing after a failover moves only the groups
+        taken over (a younger one counts every group as taken over lately: the issue's one owner change while cut)."""
+        steady_seconds = max(BALANCE_SECONDS, RECENT_OWNER_LEASES * self.settings.lease_seconds) + 1.0
         watch = OwnerWatch(self.lab.network, self.lab.urls, self.lab.group_names())
         steady: list[Any] = [None, 0.0]
 
@@ -495,11 +498,11 @@ class Round:
                 return None
             if steady[0] != owners:
                 steady[:] = [owners, time.monotonic()]
-            return owners if time.monotonic() - steady[1] > BALANCE_SECONDS + 1 else None
+            return owners if time.monotonic() - steady[1] > steady_seconds else None
 
         try:
-            return wait_for(settled, "every group owned, spread and steady", self.settings.settle_timeout_seconds,
-                            interval=0.5)
+            return wait_for(settled, "every group owned, spread and steady",
+                            self.settings.settle_timeout_seconds + steady_seconds, interval=0.5)
         finally:
             watch.stop()
 
@@ -689,9 +692,24 @@ class Round:
             lines.append(f"client errors after the cut, {reason!r}: {shown}")
         return lines
 
+    def served_again_by_group(self) -> str:
+        """Each cut group's queues' first confirm after the cut (seconds from it, the last of its queues): which
+        takeover the majority's serving waited for."""
+        if not hasattr(self, "cut_at"):
+            return ""
+        served: dict[int, float | None] = {}
+        for queue, group in self.group_of.items():
+            if group in self.cut_groups:
+                first = min((t for t in self.load.confirms[queue] if t > self.cut_at + CUT_MARGIN_SECONDS),
+                            default=None)
+                known = served.get(group, 0.0)
+                served[group] = None if first is None or known is None else max(known, first - self.cut_at)
+        return "cut groups served again, from the cut: " + ", ".join(
+            f"{group}: {'-' if at is None else f'{at:.1f} s'}" for group, at in sorted(served.items()))
+
     def report(self) -> str:
         """The round's timeline, the client's errors, the minority client's answers, and the nodes' telling lines
         since the cut."""
         answers = f"minority client's answers: {dict(self.minority.answers)}" if hasattr(self, "minority") else ""
-        return "\n".join([*self.notes, *self.error_timeline(), answers,
+        return "\n".join([*self.notes, self.served_again_by_group(), *self.error_timeline(), answers,
                           self.lab.node_lines(getattr(self, "log_lengths", None))])
