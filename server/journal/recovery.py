@@ -3,6 +3,8 @@ broker).
 
 `recover` applies each record through `APPLY`, a table from its kind to one small function
 over the records' decoders (records.py). A record about an unknown seq or queue is skipped.
+`recover_batches` takes the records as they come off a replicated log, a list per read (a standby applies every
+frame its owner stores): each list in one pass, with no generator resumed per record.
 """
 
 from __future__ import annotations
@@ -228,13 +230,19 @@ APPLY: dict[bytes, Callable[[Recovery, bytes], None]] = {
 
 def recover(lines: Iterable[bytes]) -> Recovery:
     """Replay records into queue states; a record about an unknown seq or queue is skipped."""
+    return recover_batches((lines,))
+
+
+def recover_batches(batches: Iterable[Iterable[bytes]]) -> Recovery:
+    """Replay batches of records, in order, into queue states: `recover` of their records one after the other."""
     state = Recovery()
-    apply = APPLY
-    for line in lines:
-        handler = apply.get(line[:1])
-        if handler is None:
-            raise ValueError(f"unknown record {line[:40]!r}")
-        handler(state, line)
+    get_handler = APPLY.get
+    for batch in batches:
+        for line in batch:
+            handler = get_handler(line[:1])
+            if handler is None:
+                raise ValueError(f"unknown record {line[:40]!r}")
+            handler(state, line)
     before = state.before_snapshot
     if before is not None:
         # the log's older segments go only once a snapshot is whole, so they are all still here
