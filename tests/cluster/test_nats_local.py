@@ -166,7 +166,7 @@ def test_an_r3_stream_keeps_every_acknowledged_message_when_its_leader_is_killed
 
 
 def test_up_of_a_running_cluster_prints_its_urls_again(nats_cluster):
-    """`NATS=$(mqks nats up | sed -n 1p)` a second time (operating.md, then cluster.md as printed) left $NATS empty
+    """`NATS=$(mqks nats up | sed -n 1p)` a second time (replicated-log.md, then cluster.md as printed) left $NATS empty
     before issue 55: the refusal went to stderr only."""
     directory, urls = nats_cluster
     again = mqks_nats("up", "--dir", str(directory))

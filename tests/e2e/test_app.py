@@ -193,7 +193,7 @@ def test_the_tls_recipe_writes_its_keys_and_tokens_only_where_git_ignores_them()
     # issue 24.3: the recipe wrote a private key and a token file into the checkout, and one
     # `git add .` would have published them
     repo = Path(__file__).resolve().parents[2]
-    guide = (repo / "docs" / "operating.md").read_text(encoding="utf-8")
+    guide = (repo / "docs" / "security.md").read_text(encoding="utf-8")
     recipe = guide[guide.index("openssl req -x509"):guide.index("--client-ttl 60")]
     written = re.findall(r"(?:-keyout|-out|>)\s+(\S+)", recipe)
     assert len(written) == 3, written  # the key, the certificate, the tokens

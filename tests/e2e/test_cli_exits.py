@@ -36,7 +36,7 @@ manage = true
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
 def scoped(request, tmp_path_factory) -> Iterator[BrokerProcess]:
-    """A broker with scoped tokens (docs/operating.md): `orders` may publish orders.* and consume orders-*, no more."""
+    """A broker with scoped tokens (docs/security.md): `orders` may publish orders.* and consume orders-*, no more."""
     path = tmp_path_factory.mktemp("tokens") / "tokens.toml"
     path.write_text(TOKENS_TOML)
     server = BrokerProcess("--auth-token-file", str(path), "--workers", str(request.param))
