@@ -49,13 +49,16 @@ class Candidacy:
         together share the groups instead of the first one taking all."""
         return zlib.crc32(f"{self.group}:{self.node}".encode()) % 1000 / 1000 * self.spread_seconds
 
-    def claim_delay(self) -> float:
+    def claim_delay(self, fewest_elsewhere: int = 0) -> float:
         """After the lease: the node that owns fewer groups claims first, so nodes started together share the
         groups, and the groups of a lost node spread over the others. Nodes that own as many (or both past the cap)
         are ordered by a stable hash of group and node: their standbys all claimed at once, and one node took every
-        group of the lost one, which balancing then moved again (the partition test: 6 groups in one millisecond)."""
+        group of the lost one, which balancing then moved again (the partition test: 6 groups in one millisecond).
+        Only the groups beyond `fewest_elsewhere` (the fewest another node that may claim owns) wait: nodes that own
+        as many waited the cap all the same, 2 s of every failover (issue 56)."""
         owned = self.owned_here()
         if not owned:
             return 0.0
         spread = zlib.crc32(f"claim:{self.group}:{self.node}".encode()) % 1000 / 1000 * CLAIM_SPREAD_SECONDS
-        return min(CLAIM_DELAY_CAP_SECONDS, owned * CLAIM_DELAY_PER_GROUP_SECONDS) + spread
+        beyond = max(0, owned - fewest_elsewhere)
+        return min(CLAIM_DELAY_CAP_SECONDS, beyond * CLAIM_DELAY_PER_GROUP_SECONDS) + spread

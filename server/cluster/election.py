@@ -73,6 +73,8 @@ class FollowedStream(Protocol):
 class StandbyMap(Protocol):
     """What the election needs of the cluster map (map.py's ClusterMap)."""
 
+    def owner_counts(self) -> tuple[dict[str, int], str | None]: ...
+
     def balance_view(self, fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]: ...
 
     def report_standby(self, seq: int) -> None: ...
@@ -146,7 +148,7 @@ class Standby:
             if now >= expires:
                 if claimed_at < 0:
                     claimed_at = now
-                    expires = now + candidacy.claim_delay()
+                    expires = now + candidacy.claim_delay(self.fewest_elsewhere())
                     if expires > now:
                         continue
                 if owner is None:
@@ -230,6 +232,13 @@ class Standby:
             if now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
                 balanced_at = now
                 self.balance()
+
+    def fewest_elsewhere(self) -> int:
+        """The fewest groups another node that may claim this group owns, as the map says: not this node, not the
+        group's owner (silent, maybe cut off). 0 when the map names none: a node that owns none is not in it."""
+        counts, owner = self.cluster_map.owner_counts()
+        others = [count for node, count in counts.items() if node not in (owner, self.candidacy.node)]
+        return min(others, default=0)
 
     def ask_owner(self, silent_is_owner: bool = True) -> str | None:
         """The owner's answer to its ping; None when none listens (or, unless `silent_is_owner`, none answers: an

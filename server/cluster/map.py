@@ -336,17 +336,21 @@ class ClusterMap:
             self.shared.stands_by_no_more(self.candidacy.group)
         self.bridge.spawn(lambda nc: self._put(nc, about, still_owner))
 
-    def balance_view(self, fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]:
-        """In the hub: how many groups each node owns as the map says, this group's owner, and the node it is
-        pinned to (None: not pinned). The pin is one direct get (no consumer), read again once it is
-        PIN_READ_SECONDS old or when `fresh_pin` (a standby about to ask for its group); OSError when NATS does
-        not answer."""
+    def owner_counts(self) -> tuple[dict[str, int], str | None]:
+        """In the hub, from memory: how many groups each node owns as the map says, and this group's owner."""
         counts: dict[str, int] = {}
         for entry in self.entries.values():
             node = entry.get("node")
             if node is not None:
                 counts[node] = counts.get(node, 0) + 1
-        owner = self.entries.get(self.candidacy.group, {}).get("node")
+        return counts, self.entries.get(self.candidacy.group, {}).get("node")
+
+    def balance_view(self, fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]:
+        """In the hub: how many groups each node owns as the map says, this group's owner, and the node it is
+        pinned to (None: not pinned). The pin is one direct get (no consumer), read again once it is
+        PIN_READ_SECONDS old or when `fresh_pin` (a standby about to ask for its group); OSError when NATS does
+        not answer."""
+        counts, owner = self.owner_counts()
         now = time.monotonic()
         if fresh_pin or now - self._pin_read_at >= PIN_READ_SECONDS:
             try:

@@ -165,6 +165,9 @@ class FakeMap:
         self.asked: list[tuple[str, str]] = []
         self.fresh_reads = 0
 
+    def owner_counts(self) -> tuple[dict[str, int], str | None]:
+        return self.view[0], self.view[1]
+
     def balance_view(self, fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]:
         self.fresh_reads += fresh_pin
         return self.view
@@ -327,6 +330,27 @@ def test_a_node_that_owns_groups_claims_later_by_its_claim_delay():
     assert claimed_after(0) == pytest.approx(LEASE, abs=0.06)
     assert claimed_after(2) == pytest.approx(LEASE + 2 * CLAIM_DELAY_PER_GROUP_SECONDS + spread, abs=0.06)
     assert claimed_after(10) == pytest.approx(LEASE + CLAIM_DELAY_CAP_SECONDS + spread, abs=0.06)  # capped
+
+
+def test_only_the_groups_a_node_owns_beyond_the_fewest_another_claimant_owns_delay_its_claim():
+    """Issue 56: when a host was cut off, both nodes left owned five groups and each waited the cap (2 s) before
+    claiming the cut node's groups, though neither owned fewer. The cut owner's count does not count."""
+    def claimed_after(owned: int, counts: dict[str, int]) -> float:
+        clock = Clock()
+        stream = FakeStream(clock, owner="node c (epoch 1)")
+        owned_by_b(stream)
+        started = clock.now
+        cluster_map = FakeMap(counts=counts, owner="c")
+        list(replay_as_candidate(stream, standby(clock, stream, cluster_map, Node(owned=owned))))
+        return clock.now - started
+
+    spread = Candidacy("c", "a", 0, LEASE, owned_here=lambda: 1).claim_delay() - CLAIM_DELAY_PER_GROUP_SECONDS
+    assert 0 <= spread < 1
+    assert claimed_after(5, {"a": 5, "b": 5, "c": 6}) == pytest.approx(LEASE + spread, abs=0.06)
+    assert claimed_after(7, {"a": 7, "b": 5, "c": 4}) == pytest.approx(
+        LEASE + 2 * CLAIM_DELAY_PER_GROUP_SECONDS + spread, abs=0.06)
+    # a node that owns none is not in the map: the delay is the whole one
+    assert claimed_after(5, {"a": 5, "c": 6}) == pytest.approx(LEASE + CLAIM_DELAY_CAP_SECONDS + spread, abs=0.06)
 
 
 def test_nodes_that_own_as_many_groups_share_a_lost_nodes_groups_by_a_stable_hash():
