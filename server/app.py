@@ -264,15 +264,18 @@ class Server:
             group, subjects = stream, layout.subjects_of(config.cluster, config.worker_index or 0)
             stream = layout.stream_of(config.cluster, config.worker_index or 0)
         owner = f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
+        lease = None
         if config.cluster is not None:
+            from .cluster.lease import Lease
             from .cluster.node import owner_description
 
             owner = owner_description(config)
+            lease = Lease(config.lease_seconds)
         urls = config.log_urls
         # a cluster's group is leased: an idle owner sends heartbeats, and steps down after a lease of no writes
         log_ = JetStreamLog(urls, stream, owner, replicas=config.log_replicas,
                             takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
-                            lease_seconds=config.lease_seconds if config.cluster else None, node=config.node,
+                            lease=lease, node=config.node,
                             frame_wait_seconds=config.frame_wait_ms / 1000 if config.cluster else 0.0,
                             nats_options=nats_access(config).connect_options(urls),
                             shared=self.shared_nats, group=group, stream_subjects=subjects)

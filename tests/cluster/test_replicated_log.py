@@ -362,7 +362,7 @@ def test_frames_of_a_fenced_writer_and_its_unfinished_snapshot_are_ignored(share
     wait_for(lambda: first.fenced_by is not None, "the first writer to find it was taken over", 30)
     assert "taken over by second" in first.fenced_by
     durable, failed = first.poll()
-    assert durable < first._commits and failed
+    assert durable < first.writer._commits and failed
     commit_and_wait(second, published(b"q", 1, b"second's"))
     second.close(10)
     first.close(1)

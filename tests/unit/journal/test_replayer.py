@@ -1,4 +1,4 @@
-"""The replicated log's frame replayer (server/journal/jetstream_log.py: Replayer) on frames as a stream holds
+"""The replicated log's frame replayer (server/journal/stream_reader.py: Replayer) on frames as a stream holds
 them: frames of one writer in counter order whatever order they were stored in, a frame in parts joined, a frame
 stored twice read once, a taken-over writer's late frames ignored, heartbeats empty, a hand-off remembered."""
 

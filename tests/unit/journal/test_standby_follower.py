@@ -1,4 +1,4 @@
-"""A standby's follower (server/journal/jetstream_log.py): frames pushed by NATS reach the hub in order, once, with
+"""A standby's follower (server/journal/stream_reader.py): frames pushed by NATS reach the hub in order, once, with
 one wake per batch; a gap in the consumer's count (a frame lost to a slow consumer) follows again from the missing
 frame; gaps in stream sequences alone (a stream shared with other groups) are not losses; a replaced follower's
 late frames and NATS's status messages are ignored; an idle owner's heartbeat (a core NATS message) is heard once the
@@ -74,7 +74,7 @@ def frame(seq: int, delivery: int, data: bytes = b"x", headers: dict[str, str] |
 def with_fakes(stream_log: JetStreamLog) -> tuple[JetStreamLog, FakeHub, FakeBridge]:
     hub = FakeHub()
     bridge = FakeBridge(hub)
-    stream_log.bridge = bridge  # type: ignore[assignment]
+    stream_log.nats.bridge = bridge  # type: ignore[assignment]
     return stream_log, hub, bridge
 
 
@@ -82,10 +82,12 @@ def new_log() -> tuple[JetStreamLog, FakeHub, FakeBridge]:
     return with_fakes(JetStreamLog(["nats://127.0.0.1:1"], "s-0-of-2", "test"))
 
 
-def shared_log(lease_seconds: float | None = None) -> tuple[JetStreamLog, FakeHub, FakeBridge]:
-    return with_fakes(JetStreamLog(["nats://127.0.0.1:1"], "s-g4-s0-of-1", "test", group="s-2-of-4",
-                                   stream_subjects=[f"mqks.log.s-{g}-of-4" for g in range(4)],
-                                   lease_seconds=lease_seconds))
+def shared_log(hears_beats: bool = False) -> tuple[JetStreamLog, FakeHub, FakeBridge]:
+    """A group's log in a shared stream; `hears_beats`: a leased group's, whose reader hears its owner's heartbeats."""
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s-g4-s0-of-1", "test", group="s-2-of-4",
+                              stream_subjects=[f"mqks.log.s-{g}-of-4" for g in range(4)])
+    stream_log.reader.hears_beats = hears_beats
+    return with_fakes(stream_log)
 
 
 class CountingEvent(Event):
@@ -100,8 +102,8 @@ class CountingEvent(Event):
 
 def test_frames_reach_the_hub_in_order_with_one_wake_per_batch() -> None:
     stream_log, hub, bridge = new_log()
-    stream_log._follow_event = event = CountingEvent()
-    stream_log._follow(start_seq=5)
+    stream_log.reader._follow_event = event = CountingEvent()
+    stream_log.reader._follow(start_seq=5)
     cb = hub.subscriptions[-1].cb
     for delivery, seq in enumerate((5, 6, 7), 1):
         cb(*frame(seq, delivery, b"f%d" % seq))
@@ -109,9 +111,9 @@ def test_frames_reach_the_hub_in_order_with_one_wake_per_batch() -> None:
     assert (stream, config.opt_start_seq, config.deliver_subject) == ("s-0-of-2", 5, hub.subscriptions[-1].subject)
     assert config.num_replicas == 1 and config.mem_storage  # no raft group of its own on NATS
     assert event.wakes == 1
-    assert stream_log._follow_event.is_set()
-    assert [(seq, data) for seq, _, data in stream_log._take_followed()] == [(5, b"f5"), (6, b"f6"), (7, b"f7")]
-    assert not stream_log._follow_event.is_set() and stream_log._take_followed() == []
+    assert stream_log.reader._follow_event.is_set()
+    assert [(seq, data) for seq, _, data in stream_log.reader._take_followed()] == [(5, b"f5"), (6, b"f6"), (7, b"f7")]
+    assert not stream_log.reader._follow_event.is_set() and stream_log.reader._take_followed() == []
 
 
 def test_the_stream_and_consumer_sequences_come_from_either_form_of_the_ack_subject() -> None:
@@ -121,24 +123,24 @@ def test_the_stream_and_consumer_sequences_come_from_either_form_of_the_ack_subj
 
 def test_a_duplicate_is_dropped_and_status_messages_are_not_frames() -> None:
     stream_log, hub, _ = new_log()
-    stream_log._follow(start_seq=1)
+    stream_log.reader._follow(start_seq=1)
     cb = hub.subscriptions[-1].cb
     cb(*frame(1, 1))
     cb(*frame(1, 1))  # delivered twice
     cb("_INBOX.x", "", {"Status": "100", "Description": "Idle Heartbeat"}, b"")
     cb(*frame(2, 2))
-    assert [seq for seq, _, _ in stream_log._take_followed()] == [1, 2]
+    assert [seq for seq, _, _ in stream_log.reader._take_followed()] == [1, 2]
 
 
 def test_a_gap_follows_again_from_the_missing_frame_keeping_what_came_before() -> None:
     stream_log, hub, bridge = new_log()
-    stream_log._follow(start_seq=1)
+    stream_log.reader._follow(start_seq=1)
     first = hub.subscriptions[-1]
     first.cb(*frame(1, 1))
     first.cb(*frame(2, 2))
     first.cb(*frame(4, 4))  # 3 was lost
-    assert stream_log._refollowing is not None
-    stream_log._refollowing.join(timeout=2)  # the new follower is made in a greenlet of its own
+    assert stream_log.reader._refollowing is not None
+    stream_log.reader._refollowing.join(timeout=2)  # the new follower is made in a greenlet of its own
     assert not first.active
     second = hub.subscriptions[-1]
     assert second is not first
@@ -146,33 +148,33 @@ def test_a_gap_follows_again_from_the_missing_frame_keeping_what_came_before() -
     second.cb(*frame(3, 1))
     second.cb(*frame(4, 2))
     assert [config.opt_start_seq for _, config in bridge.consumers] == [1, 3]
-    assert [seq for seq, _, _ in stream_log._take_followed()] == [1, 2, 3, 4]
+    assert [seq for seq, _, _ in stream_log.reader._take_followed()] == [1, 2, 3, 4]
 
 
 def test_following_anew_drops_frames_the_hub_has_not_taken() -> None:
     """The hub follows anew after the last sequence it applied: frames still queued would come twice."""
     stream_log, hub, _ = new_log()
-    stream_log._follow(start_seq=1)
+    stream_log.reader._follow(start_seq=1)
     hub.subscriptions[-1].cb(*frame(1, 1))
     hub.subscriptions[-1].cb(*frame(2, 2))
-    stream_log._follow(start_seq=1)
+    stream_log.reader._follow(start_seq=1)
     hub.subscriptions[-1].cb(*frame(1, 1))
-    assert [seq for seq, _, _ in stream_log._take_followed()] == [1]
+    assert [seq for seq, _, _ in stream_log.reader._take_followed()] == [1]
 
 
 def test_a_group_of_a_shared_stream_follows_its_subject_and_skips_no_frame_for_the_others() -> None:
     """The other groups' frames take the sequences between this group's: the consumer counts 1, 2, 3 all the same."""
     stream_log, hub, bridge = shared_log()
-    stream_log._follow(start_seq=5)
+    stream_log.reader._follow(start_seq=5)
     for delivery, seq in enumerate((5, 9, 12), 1):
         hub.subscriptions[-1].cb(*frame(seq, delivery))
     (stream, config), = bridge.consumers  # followed once: no gap seen
     assert (stream, config.filter_subject) == ("s-g4-s0-of-1", "mqks.log.s-2-of-4")
-    assert [seq for seq, _, _ in stream_log._take_followed()] == [5, 9, 12]
+    assert [seq for seq, _, _ in stream_log.reader._take_followed()] == [5, 9, 12]
 
 
 def test_an_idle_owners_heartbeat_is_heard_once_the_follower_has_every_frame_it_names() -> None:
-    stream_log, hub, _ = shared_log(lease_seconds=12.0)
+    stream_log, hub, _ = shared_log(hears_beats=True)
     reading = StreamReading()
     reading.read, reading.replayer.epoch = 4, 2
 
@@ -184,7 +186,7 @@ def test_an_idle_owners_heartbeat_is_heard_once_the_follower_has_every_frame_it_
         assert records == []
         return got
 
-    stream_log._follow(start_seq=5)
+    stream_log.reader._follow(start_seq=5)
     follower, beats = hub.subscriptions
     assert beats.subject == "mqks.beat.s-2-of-4"
     assert not heard()
@@ -199,5 +201,5 @@ def test_an_idle_owners_heartbeat_is_heard_once_the_follower_has_every_frame_it_
     assert heard()
     beats.cb(*beat(1, 9))  # a taken-over owner that has not noticed yet
     assert not heard()
-    stream_log._stop_following()
+    stream_log.reader._stop_following()
     assert not follower.active and not beats.active

@@ -1,7 +1,7 @@
-"""A group's writer in a shared stream (server/journal/jetstream_log.py): one frame in flight, fenced by the
-subject's last sequence, and every commit handed while it flies goes out in the next frame, together; idle, it
-sends its standbys a heartbeat naming the last sequence it stored (nothing stored, nothing read); a rival's frame
-heard on the subject, or found by the periodic tail check, sends it to its tail. In process, the writer a
+"""A group's writer in a shared stream (server/journal/stream_writer.py, stream_recovery.py): one frame in flight,
+fenced by the subject's last sequence, and every commit handed while it flies goes out in the next frame, together;
+a rival's frame heard on the subject, or found by the periodic tail check, sends it to its tail (a leased owner's
+heartbeats and hand-off are its lease's: tests/unit/cluster/test_lease.py). In process, the writer a
 greenlet, over a fake hub connection that answers each frame only when the test says so. A stream of its own (one
 broker's `--log`) holds what is handed while a frame flies, too, and pipelines full frames."""
 
@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
-from mqks.server.journal import jetstream_log
-from mqks.server.journal.jetstream_log import EPOCH, EXPECTED_OF_SUBJECT, LAST, OWNER, JetStreamLog
+from mqks.server.journal import jetstream_log, stream, stream_reader, stream_recovery, stream_writer
+from mqks.server.journal.jetstream_log import EPOCH, EXPECTED_OF_SUBJECT, OWNER, JetStreamLog
 from mqks.server.journal.journal import SNAPSHOT_CHUNK_BYTES, Journal
 from mqks.server.nats_io.nats_bridge import SharedFigures
 
@@ -85,6 +85,41 @@ class FakeBridge:
         return asyncio.run(make(self))
 
 
+class QuietLease:
+    """A lease as the writer sees it, doing nothing of its own (no heartbeat, no step-down, no hand-off): the
+    writer's leased checks alone (cluster/lease.py's own are in tests/unit/cluster/test_lease.py)."""
+
+    handoff_to: str | None = None
+
+    def confirm_timeout(self, timeout_seconds: float) -> float:
+        return timeout_seconds
+
+    def beat_due(self, writer: Any) -> float:
+        return float("inf")
+
+    def idle(self, writer: Any, hub: Any, now: float) -> None:
+        pass
+
+    def steps_down(self, writer: Any, reason: str, stalled_for: float) -> bool:
+        return False
+
+    def handing_over(self) -> bool:
+        return False
+
+    def handed_over(self, writer: Any) -> bool:
+        return False
+
+    def before_close(self, writer: Any, deadline: float) -> None:
+        pass
+
+
+def patch_seconds(monkeypatch: pytest.MonkeyPatch, name: str, value: float) -> None:
+    """A timing constant, in every module of the log that reads it."""
+    for module in (jetstream_log, stream, stream_reader, stream_recovery, stream_writer):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+
+
 def until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
     """Let the writer run until `condition` holds; fails after `seconds`."""
     deadline = time.monotonic() + seconds
@@ -99,17 +134,17 @@ def let_run() -> None:
 
 
 def stop(stream_log: JetStreamLog, writer: gevent.Greenlet) -> None:
-    stream_log._stopping = True
-    stream_log._poke()
+    stream_log.writer._stopping = True
+    stream_log.writer._poke()
     writer.join(timeout=2)
     assert writer.dead
 
 
-def shared_stream_log(lease_seconds: float | None = None, frame_wait_seconds: float = 0.0) -> JetStreamLog:
+def shared_stream_log(lease: Any = None, frame_wait_seconds: float = 0.0) -> JetStreamLog:
     stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s-g2-s0-of-1", "test", group="s-0-of-2",
-                              stream_subjects=["mqks.log.s-0-of-2", "mqks.log.s-1-of-2"], lease_seconds=lease_seconds,
+                              stream_subjects=["mqks.log.s-0-of-2", "mqks.log.s-1-of-2"], lease=lease,
                               frame_wait_seconds=frame_wait_seconds)
-    stream_log._refuse = None  # as after its replay
+    stream_log.writer._refuse = None  # as after its replay
     return stream_log
 
 
@@ -118,7 +153,7 @@ def test_commits_handed_during_a_flight_leave_together_as_the_next_frame() -> No
     hub = FakeHub()
 
     def scenario() -> None:
-        writer = gevent.spawn(stream_log._write_until_stopped, hub)
+        writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
         stream_log.append(b"r1")
         stream_log.commit()
         until(lambda: len(hub.published) == 1)
@@ -145,7 +180,7 @@ def test_with_a_frame_wait_the_next_frame_waits_after_its_stored_predecessor_and
     hub = FakeHub()
 
     def scenario() -> None:
-        writer = gevent.spawn(stream_log._write_until_stopped, hub)
+        writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
         stream_log.append(b"r1")
         stream_log.commit()
         until(lambda: len(hub.published) == 1)  # the first goes at once: nothing was sent before it
@@ -166,10 +201,10 @@ def test_commits_that_fill_a_frame_do_not_wait() -> None:
     """A snapshot's chunks, or a burst: a full frame gains nothing by waiting (a snapshot holds the hub meanwhile)."""
     stream_log = shared_stream_log(frame_wait_seconds=60.0)
     hub = FakeHub()
-    full = b"x" * stream_log.max_payload
+    full = b"x" * stream_log.nats.max_payload
 
     def scenario() -> None:
-        writer = gevent.spawn(stream_log._write_until_stopped, hub)
+        writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
         stream_log.append(b"r1")
         stream_log.commit()
         until(lambda: len(hub.published) == 1)
@@ -182,76 +217,47 @@ def test_commits_that_fill_a_frame_do_not_wait() -> None:
     scenario()
     assert hub.published[1].payload == full
 
-def test_an_idle_owner_beats_with_the_last_sequence_it_stored_and_reads_nothing_for_it() -> None:
-    stream_log = shared_stream_log(lease_seconds=12.0)
-    stream_log.heartbeat_seconds = 0.02
-    stream_log.epoch, stream_log._tail_seq = 3, 7  # taken over at 7
-    hub = FakeHub()
-    bridge = stream_log.bridge = FakeBridge(last_seq=7)  # type: ignore[assignment]
-    writer = gevent.spawn(stream_log._write_until_stopped, hub)
-    until(lambda: len(hub.published) >= 3)
-    stop(stream_log, writer)
-    for beat in hub.published:  # core NATS messages: no reply inbox, so no PubAck, nothing stored
-        assert (beat.subject, beat.payload, beat.reply) == ("mqks.beat.s-0-of-2", b"", "")
-        assert beat.headers == {EPOCH: "3", LAST: "7"}
-    assert bridge.calls == 0  # a JetStream API call per heartbeat per group was most of an idle NATS's load
-
-
 @pytest.mark.parametrize("stored", [True, False], ids=["its-takeover-stored", "its-takeover-refused"])
 def test_a_rivals_frame_on_the_subject_sends_the_owner_to_its_tail_once_stored_and_an_old_owners_does_not(
         stored: bool) -> None:
     """Heard as it is published, a takeover may not be stored yet (CI: an owner that read its tail at once found
     nothing and answered for its group on), or may be refused: the log's last sequence decides, looked at again."""
-    stream_log = shared_stream_log(lease_seconds=12.0)
-    stream_log.epoch, stream_log._tail_seq = 3, 7
+    stream_log = shared_stream_log(QuietLease())
+    stream_log.writer.epoch, stream_log.writer.tail_seq = 3, 7
     hub = FakeHub()
-    bridge = stream_log.bridge = FakeBridge(last_seq=7)  # type: ignore[assignment]
-    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    bridge = stream_log.nats.bridge = FakeBridge(last_seq=7)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
     until(lambda: "mqks.log.s-0-of-2" in hub.callbacks)
     heard = hub.callbacks["mqks.log.s-0-of-2"]
     heard("mqks.log.s-0-of-2", "_INBOX.old.1", {EPOCH: "2", OWNER: "node c"}, b"late")
-    assert stream_log._rival_check is None  # an old owner's late frame: nothing to look at
+    assert stream_log.writer.recovery.rival_check is None  # an old owner's late frame: nothing to look at
     heard("mqks.log.s-0-of-2", "_INBOX.rival.1", {EPOCH: "4", OWNER: "node b"}, b"W 4 node b")
-    rival_check = stream_log._rival_check
+    rival_check = stream_log.writer.recovery.rival_check
     assert rival_check is not None
     until(lambda: bridge.calls >= 1)
-    assert stream_log._trouble is None  # not stored yet when first looked at
+    assert stream_log.writer.recovery.trouble is None  # not stored yet when first looked at
+    recovery = stream_log.writer.recovery
     if stored:
         bridge.last_seq = 8
-        until(lambda: stream_log._trouble is not None)
-        assert "last sequence is 8, past this writer's 7" in (stream_log._trouble or "")  # its tail is read next
+        until(lambda: recovery.trouble is not None)
+        assert "last sequence is 8, past this writer's 7" in (recovery.trouble or "")  # its tail is read next
     else:
         rival_check.join(timeout=3)
-        assert rival_check.dead and stream_log._trouble is None and bridge.calls == 3  # looked three times, then on
-    stop(stream_log, writer)
-
-
-def test_the_node_a_group_is_handed_to_is_not_a_rival() -> None:
-    """Its takeover can be heard before this owner's own hand-off frame is answered (CI: the old owner read its
-    tail, found itself fenced and stopped as taken over instead of as handed over)."""
-    stream_log = shared_stream_log(lease_seconds=12.0)
-    stream_log.epoch, stream_log._tail_seq = 3, 7
-    stream_log.handoff_to = "b"  # mqks cluster move: this owner hands the group to node b
-    hub = FakeHub()
-    stream_log.bridge = FakeBridge(last_seq=8)  # type: ignore[assignment]
-    writer = gevent.spawn(stream_log._write_until_stopped, hub)
-    until(lambda: "mqks.log.s-0-of-2" in hub.callbacks)
-    hub.callbacks["mqks.log.s-0-of-2"]("mqks.log.s-0-of-2", "_INBOX.b.1", {EPOCH: "4", OWNER: "node b"}, b"W 4 b")
-    assert stream_log._rival_check is None and stream_log._trouble is None
+        assert rival_check.dead and recovery.trouble is None and bridge.calls == 3  # looked three times, then on
     stop(stream_log, writer)
 
 
 @pytest.mark.parametrize("leader_says", [7, 8, None])
 def test_the_tail_check_finds_a_rival_it_did_not_hear_and_a_leader_out_of_reach(
         leader_says: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jetstream_log, "FIGURES_SECONDS", 0.01)
-    stream_log = shared_stream_log(lease_seconds=12.0)
-    stream_log.epoch, stream_log._tail_seq = 3, 7
+    patch_seconds(monkeypatch, "FIGURES_SECONDS", 0.01)
+    stream_log = shared_stream_log(QuietLease())
+    stream_log.writer.epoch, stream_log.writer.tail_seq = 3, 7
     hub = FakeHub()
-    bridge = stream_log.bridge = FakeBridge(last_seq=leader_says)  # type: ignore[assignment]
-    writer = gevent.spawn(stream_log._write_until_stopped, hub)
-    until(lambda: bridge.calls >= 4 or stream_log._trouble is not None)
-    trouble = stream_log._trouble
+    bridge = stream_log.nats.bridge = FakeBridge(last_seq=leader_says)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
+    until(lambda: bridge.calls >= 4 or stream_log.writer.recovery.trouble is not None)
+    trouble = stream_log.writer.recovery.trouble
     stop(stream_log, writer)
     if leader_says == 7:
         assert trouble is None
@@ -264,12 +270,12 @@ def test_the_tail_check_finds_a_rival_it_did_not_hear_and_a_leader_out_of_reach(
 def test_the_tail_is_read_again_only_once_the_stream_has_grown_or_the_hub_reconnected(monkeypatch) -> None:
     """An idle cluster's owners read their stream's figures (which a process's groups share), not each its own tail:
     a stream that stored nothing since a check found no rival holds no rival's frame."""
-    monkeypatch.setattr(jetstream_log, "FIGURES_SECONDS", 0.01)
-    stream_log = shared_stream_log(lease_seconds=12.0)
-    stream_log.epoch, stream_log._tail_seq = 3, 7
+    patch_seconds(monkeypatch, "FIGURES_SECONDS", 0.01)
+    stream_log = shared_stream_log(QuietLease())
+    stream_log.writer.epoch, stream_log.writer.tail_seq = 3, 7
     hub = FakeHub()
-    bridge = stream_log.bridge = FakeBridge(last_seq=7, stream_last=40)  # type: ignore[assignment]
-    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    bridge = stream_log.nats.bridge = FakeBridge(last_seq=7, stream_last=40)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
     until(lambda: bridge.infos >= 5)
     assert bridge.tail_reads == 1  # the first check read it; the others found the stream as it was
     bridge.stream_last = 41  # another group stored a frame
@@ -278,9 +284,9 @@ def test_the_tail_is_read_again_only_once_the_stream_has_grown_or_the_hub_reconn
     until(lambda: bridge.infos >= infos + 3)
     assert bridge.tail_reads == 2
     hub.reconnects += 1  # frames published meanwhile were not heard
-    stream_log._poke()
+    stream_log.writer._poke()
     until(lambda: bridge.tail_reads == 3)
-    assert stream_log._trouble is None
+    assert stream_log.writer.recovery.trouble is None
     stop(stream_log, writer)
 
 
@@ -317,11 +323,11 @@ def test_a_stream_of_its_own_sends_what_is_handed_during_a_flight_as_one_frame_a
     no longer); commits handed while a frame flies go together once it is stored (fuller frames cost NATS less per
     message); frames that are full already (a snapshot's parts) go without waiting for each other."""
     stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s", "test")
-    stream_log._refuse = None
+    stream_log.writer._refuse = None
     hub = FakeHub()
 
     def scenario() -> None:
-        writer = gevent.spawn(stream_log._write_until_stopped, hub)
+        writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
         stream_log.append(b"a1")
         stream_log.commit()
         until(lambda: len(hub.published) == 1)
@@ -335,7 +341,7 @@ def test_a_stream_of_its_own_sends_what_is_handed_during_a_flight_as_one_frame_a
         assert hub.published[1].payload == b"b2\nc3"
         hub.ack(1, seq=2)
         until(lambda: stream_log.poll()[0] == 3)
-        stream_log.max_payload = 10
+        stream_log.nats.max_payload = 10
         stream_log.append(b"x" * 35)  # four parts: full frames, sent without waiting for each other
         stream_log.commit(new_segment=True)
         until(lambda: len(hub.published) == 6)
@@ -352,15 +358,15 @@ def test_a_snapshot_of_several_chunks_does_not_wait_for_a_writer_that_runs_in_it
     the broker for good (a --log broker or cluster group whose live state passed 4 MB at a snapshot, since
     372b339). Its chunks wait in memory until the snapshot ends, then go as full frames."""
     stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s", "test") if own_stream else shared_stream_log()
-    stream_log._refuse = None
+    stream_log.writer._refuse = None
     hub = FakeHub()
-    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
     let_run()
     journal = Journal(stream_log, lambda rid, reason: b"")
     line = b"x" * 1000
     journal.snapshot(line for _ in range(3 * (SNAPSHOT_CHUNK_BYTES // len(line))))  # three chunks and more
     until(lambda: len(hub.published) >= 1)
-    assert stream_log._commits >= 4
+    assert stream_log.writer._commits >= 4
     stop(stream_log, writer)
 
 
@@ -370,12 +376,12 @@ def test_unsynced_bytes_come_back_to_zero_once_every_part_and_every_merged_commi
     into one frame are joined by newlines. Once all is stored nothing is unsynced: the journal stops reading
     publishers while unsynced_bytes is past MAX_UNSYNCED_BYTES, and a 136 MB snapshot once left them unread for good."""
     stream_log = (JetStreamLog(["nats://127.0.0.1:1"], "s", "test") if own_stream else shared_stream_log())
-    stream_log._refuse = None
-    stream_log.max_payload = 10
+    stream_log.writer._refuse = None
+    stream_log.nats.max_payload = 10
     hub = FakeHub()
 
     def scenario() -> None:
-        writer = gevent.spawn(stream_log._write_until_stopped, hub)
+        writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
         stream_log.append(b"x" * 35)  # four parts: 10, 10, 10, 5
         stream_log.commit(new_segment=True)
         for part in range(4):
@@ -403,32 +409,32 @@ def test_a_puback_that_comes_while_the_tail_read_fails_ends_the_stall_and_leaves
     """Issue 56's wedge, replayed: a frame gets no PubAck in time, the tail read that follows fails (a NATS leader
     change), the PubAck comes meanwhile, and the read goes on failing past the timeout. The writer refused every
     confirmed publish from then on, for minutes, and nothing ended it."""
-    monkeypatch.setattr(jetstream_log, "ACK_SECONDS", 0.05)
-    monkeypatch.setattr(jetstream_log, "RETRY_SECONDS", 0.02)
-    stream_log = shared_stream_log(lease_seconds=12.0)
-    stream_log.timeout_seconds = 0.3
-    stream_log.epoch, stream_log._tail_seq = 3, 7
+    patch_seconds(monkeypatch, "ACK_SECONDS", 0.05)
+    patch_seconds(monkeypatch, "RETRY_SECONDS", 0.02)
+    stream_log = shared_stream_log(QuietLease())
+    stream_log.writer.timeout_seconds = 0.3
+    stream_log.writer.epoch, stream_log.writer.tail_seq = 3, 7
     hub = FakeHub()
-    bridge = stream_log.bridge = FakeBridge(last_seq=None)  # type: ignore[assignment]
-    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    bridge = stream_log.nats.bridge = FakeBridge(last_seq=None)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
     stream_log.append(b"r1")
     stream_log.commit()
     until(lambda: bridge.tail_reads >= 1)  # no PubAck in time: reading the tail, which does not answer
     hub.ack(0, seq=8)  # the PubAck, late: the frame is stored and the stall is over
-    assert stream_log.poll()[0] == 1 and stream_log._stalled_since is None
+    assert stream_log.poll()[0] == 1 and stream_log.writer.recovery.stalled_since is None
     reads = bridge.tail_reads
     deadline = time.monotonic() + 0.5  # the read goes on failing past the timeout
     while time.monotonic() < deadline or bridge.tail_reads < reads + 3:
-        assert stream_log.blocked is None, "a stall a PubAck ended refuses confirmed publishes"
+        assert stream_log.writer.blocked is None, "a stall a PubAck ended refuses confirmed publishes"
         gevent.sleep(0.01)
     bridge.last_seq = 8  # the log answers again
-    until(lambda: stream_log._trouble is None)
+    until(lambda: stream_log.writer.recovery.trouble is None)
     stream_log.append(b"r2")
     stream_log.commit()
     until(lambda: len(hub.published) == 2)
     hub.ack(1, seq=9)
     until(lambda: stream_log.poll()[0] == 2)
-    assert stream_log.blocked is None
+    assert stream_log.writer.blocked is None
     stop(stream_log, writer)
 
 
@@ -436,19 +442,19 @@ def test_a_writer_that_refuses_confirms_probes_the_log_and_takes_writes_again_on
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing a refused publish writes could show that the log takes writes again: the writer probes it itself, with
     an empty frame (a reader takes it for a heartbeat), and the first one stored ends the refusal."""
-    monkeypatch.setattr(jetstream_log, "TAIL_CHECK_SECONDS", 0.02)
-    stream_log = shared_stream_log(lease_seconds=12.0)
-    stream_log.epoch, stream_log._tail_seq = 3, 7
-    stream_log.blocked = "the replicated log does not answer"  # however it came to refuse
+    patch_seconds(monkeypatch, "TAIL_CHECK_SECONDS", 0.02)
+    stream_log = shared_stream_log(QuietLease())
+    stream_log.writer.epoch, stream_log.writer.tail_seq = 3, 7
+    stream_log.writer.blocked = "the replicated log does not answer"  # however it came to refuse
     hub = FakeHub()
-    stream_log.bridge = FakeBridge(last_seq=7)  # type: ignore[assignment]
-    writer = gevent.spawn(stream_log._write_until_stopped, hub)
+    stream_log.nats.bridge = FakeBridge(last_seq=7)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
     until(lambda: any(message.subject == "mqks.log.s-0-of-2" for message in hub.published))
     probes = [i for i, message in enumerate(hub.published) if message.subject == "mqks.log.s-0-of-2"]
     assert len(probes) == 1 and hub.published[probes[0]].payload == b""  # one at a time
-    assert stream_log.blocked is not None
+    assert stream_log.writer.blocked is not None
     hub.ack(probes[0], seq=8)
-    until(lambda: stream_log.blocked is None)
+    until(lambda: stream_log.writer.blocked is None)
     stop(stream_log, writer)
 
 
@@ -458,10 +464,10 @@ def test_a_takeover_no_stream_leader_answers_stands_by_again_instead_of_ending_t
     ended its group with "no stream leader answers" (a restart with a back-off). Now the claim stands by again."""
     from nats.errors import NoRespondersError  # what nats-py raises for JetStream's 503
 
-    monkeypatch.setattr(jetstream_log, "TAKEOVER_SECONDS", 0.05)
-    monkeypatch.setattr(jetstream_log, "RETRY_SECONDS", 0.01)
-    stream_log = shared_stream_log(lease_seconds=12.0)
-    stream_log._hub = FakeHub()  # type: ignore[assignment]
+    patch_seconds(monkeypatch, "TAKEOVER_SECONDS", 0.05)
+    patch_seconds(monkeypatch, "RETRY_SECONDS", 0.01)
+    stream_log = shared_stream_log(QuietLease())
+    stream_log.nats._hub = FakeHub()  # type: ignore[assignment]
     requests = []
 
     class Electing(FakeBridge):
@@ -469,46 +475,47 @@ def test_a_takeover_no_stream_leader_answers_stands_by_again_instead_of_ending_t
             requests.append(headers[jetstream_log.MSG_ID])
             raise NoRespondersError
 
-    stream_log.bridge = Electing(last_seq=7)  # type: ignore[assignment]
+    stream_log.nats.bridge = Electing(last_seq=7)  # type: ignore[assignment]
     reading = SimpleNamespace(replayer=jetstream_log.Replayer(), read=7, last_seq=7)
     assert stream_log.take_over(reading) is None  # type: ignore[arg-type]
     assert len(requests) >= 2 and len(set(requests)) == 1  # asked again with one Msg-Id: stored once if at all
-    assert stream_log._writer is None
+    assert stream_log.writer._writer is None
 
 
 def test_after_close_a_links_records_are_dropped_and_confirmed_publishes_refused_not_raised() -> None:
     """The partition test: right after `handed over to node a`, a link's lines still ran in the group's server and
     their commit raised `RuntimeError: the log is closed` (a traceback per hand-off). They are the next owner's to
     store; and a confirmed publish forwarded then must be refused, never answered ok unstored."""
-    stream_log = shared_stream_log(lease_seconds=12.0)
+    stream_log = shared_stream_log(QuietLease())
     hub = FakeHub()
-    writer = gevent.spawn(stream_log._write_until_stopped, hub)
-    stream_log._writer = writer
+    writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
+    stream_log.writer._writer = writer
     stream_log.append(b"r1")
     stream_log.commit()
     until(lambda: len(hub.published) == 1)
     hub.ack(0, seq=1)
     until(lambda: stream_log.poll()[0] == 1)
-    stream_log.bridge = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+    stream_log.nats.bridge = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
     stream_log.close(timeout_seconds=1)
-    assert stream_log.blocked is not None
+    assert stream_log.writer.blocked is not None
     stream_log.append(b"r2")  # a link's line, after the hand-off
     assert stream_log.commit() is None
-    stream_log._stall_ended("frames are stored again")  # a late PubAck: still refused for good
-    assert stream_log.blocked is not None
+    stream_log.writer.recovery.stall_ended("frames are stored again")  # a late PubAck: still refused for good
+    assert stream_log.writer.blocked is not None
 
 
 def test_a_takeover_answered_duplicate_in_process_is_sent_again_and_wins_with_the_first_ones_answer(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The partition test: a minority's stream leader answered a resent takeover 10158 ('duplicate message id is in
     process') and the group ended with 'the takeover was refused'. The same Msg-Id, asked again, is answered."""
-    monkeypatch.setattr(jetstream_log, "RETRY_SECONDS", 0.01)
-    monkeypatch.setattr(jetstream_log, "RESEND_SECONDS", 0.01)
+    patch_seconds(monkeypatch, "RETRY_SECONDS", 0.01)
+    patch_seconds(monkeypatch, "RESEND_SECONDS", 0.01)
     answers = [{"error": {"err_code": 10158, "description": "duplicate message id is in process"}},
                {"stream": "s-g2-s0-of-1", "seq": 8, "duplicate": True}]
 
     async def request(subject: str, data: bytes, timeout: float, headers: dict[str, str]) -> Any:
         return SimpleNamespace(data=json.dumps(answers.pop(0)).encode())
 
-    answer = asyncio.run(shared_stream_log()._append_takeover(SimpleNamespace(request=request), b"W 1 a", 7))
+    nc = SimpleNamespace(request=request)
+    answer = asyncio.run(shared_stream_log().nats.append_takeover(nc, b"W 1 a", 7, epoch=1, writer_id="w"))
     assert (answer.seq, answer.error_code, answers) == (8, 0, [])
