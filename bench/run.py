@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import base64
 import io
 import json
 import os
@@ -328,6 +329,8 @@ def cells_for(workload: str, cfg: Config) -> list[Cell]:
             Cell("w4", "mqks", "1 queue, no consumer", lambda: Mqks(event=b"bench.w4")),
             Cell("w4", "redis", "streams XADD", lambda: RedisStreams()),
             Cell("w4", "beanstalkd", "put", lambda: Beanstalkd()),
+            Cell("w4", "mqks", W4_RANDOM, lambda: MqksRandom(event=b"bench.w4")),
+            Cell("w4", "redis", f"streams XADD, {RANDOM_PAYLOAD}", lambda: RedisStreamsRandom()),
         ]
     if workload == "w5":
         mqks_flow = lambda: Mqks(manual_ack=True, confirm=True)
@@ -353,6 +356,31 @@ def cells_for(workload: str, cfg: Config) -> list[Cell]:
             Cell("w5", "beanstalkd", "recovery, binlog -f 50", lambda: Beanstalkd(), measure="recovery"),
         ]
     raise ValueError(workload)
+
+
+RANDOM_PAYLOAD = "random 100-byte payload"
+W4_RANDOM = f"1 queue, no consumer, {RANDOM_PAYLOAD}"
+
+
+def random_payload() -> bytes:
+    """100 random printable bytes, a new draw per message: what no store can squeeze as it can the bench's
+    filler (75 random bytes in base64: one line, valid UTF-8, no space)."""
+    return base64.b64encode(os.urandom(75))
+
+
+class MqksRandom(Mqks):
+    """w4's MQKS publishes, each with a random payload."""
+
+    def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
+        event = self.event
+        return b"".join([b"m%d publish %b %b\n" % (i, event, random_payload()) for i in range(start, start + count)])
+
+
+class RedisStreamsRandom(RedisStreams):
+    """w4's XADDs, each with a random payload."""
+
+    def publish(self, start: int, count: int, ts_ns: int = 0) -> bytes:
+        return b"".join([loadgen.resp(b"XADD", self.stream, b"*", b"p", random_payload()) for _ in range(count)])
 
 
 W5_MQKS_MEMORY = "w1ack-confirmed, in memory"
@@ -715,7 +743,9 @@ RATIOS = [
     ("w1 auto-ack: MQKS / Redis pub/sub", "w1 mqks auto-ack", "w1 redis pubsub", 1.0, True),
     ("w2: MQKS / Redis pub/sub (PSUBSCRIBE)", "w2 mqks 10 exact + 10 mask queues",
      "w2 redis 10 SUBSCRIBE + 10 PSUBSCRIBE", 0.8, True),
-    ("w4 bytes/msg: MQKS / Redis Streams", "w4 mqks 1 queue, no consumer", "w4 redis streams XADD", 0.9, False),
+    ("w4 bytes/msg: MQKS / Redis Streams", "w4 mqks 1 queue, no consumer", "w4 redis streams XADD", 1.0, False),
+    (f"w4 bytes/msg, {RANDOM_PAYLOAD}: MQKS / Redis Streams", f"w4 mqks {W4_RANDOM}",
+     f"w4 redis streams XADD, {RANDOM_PAYLOAD}", 1.0, False),
     # the compiled hot path (setup.py, server/build.py) against its own plain sources, same run
     ("w1 auto-ack: MQKS compiled / MQKS plain Python", "w1 mqks auto-ack", f"w1 mqks auto-ack, {PLAIN}", None, True),
     ("w1 an ack per message: MQKS compiled / MQKS plain Python", "w1 mqks manual-ack, an ack line per message",
