@@ -52,6 +52,7 @@ MQKS = Path(sys.executable).parent / "mqks"
 WATCH_SECONDS = 0.5  # how often every group's owner is asked who it is
 MINORITY_RATE = 5.0  # msg/s from the small client on the cut host
 CUT_MARGIN_SECONDS = 1.0  # an ok read this soon after the cut may be for a frame stored before it
+LOOP_WATCH_SECONDS = 0.1  # the client's loop is looked at this often (how late it runs: a busy client)
 STALL_SECONDS = 2.0  # ten times a queue's pace at the test's rate: a queue that went this long was stalled
 REPEAT = re.compile(r"0x[0-9a-f]+|\b[0-9]+(\.[0-9]+)? s\b|\b[0-9a-f]{24}\b|pid [0-9]+|:[0-9]{4,5}\b")
 # the lines of a node's log that explain a round: takeovers, refusals, stalls, step-downs, crashes
@@ -103,6 +104,14 @@ class Figures:
     status_failures: list[str] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)  # the client's errors by reason (ids cut off)
     majority_owner_history: dict[int, list[str]] = field(default_factory=dict)
+
+    @property
+    def cut_node_owns_after_nats(self) -> float | None:
+        """From the cut host's NATS server current again until the cut node owned a group: what balancing took, once
+        NATS's own re-election after the heal (503s, 8-14 s) was over."""
+        if self.cut_node_owns_after_heal is None or self.nats_current_after_heal is None:
+            return None
+        return max(0.0, self.cut_node_owns_after_heal - self.nats_current_after_heal)
 
     def row(self) -> str:
         def s(value: float | None) -> str:
@@ -308,7 +317,22 @@ class ConfirmedLoad:
         self.confirmed: dict[str, str] = {}  # body -> queue
         self.confirms: dict[str, list[float]] = {queue: [] for queue in events_by_queue}
         self.errors: list[tuple[float, str, str]] = []  # (when, queue, reason)
+        # how late this process's loop ran a 0.1 s sleep: (when, seconds late). A busy client reads answers late,
+        # and a late confirm counts against the broker's figures
+        self.lateness: list[tuple[float, float]] = []
         self.greenlets = [gevent.spawn(self._publish, queue, k) for queue in events_by_queue for k in range(publishers)]
+        self.greenlets.append(gevent.spawn(self._watch_loop))
+
+    def _watch_loop(self) -> None:
+        while True:
+            before = time.monotonic()
+            gevent.sleep(LOOP_WATCH_SECONDS)
+            now = time.monotonic()
+            self.lateness.append((now, now - before - LOOP_WATCH_SECONDS))
+
+    def latest(self, start: float, end: float) -> float:
+        """The longest the loop ran late between `start` and `end`."""
+        return max((late for when, late in self.lateness if start <= when <= end), default=0.0)
 
     def _publish(self, queue: str, k: int) -> None:
         event, n, next_at = self.events_by_queue[queue], 0, time.monotonic()
@@ -704,8 +728,12 @@ class Round:
                             default=None)
                 known = served.get(group, 0.0)
                 served[group] = None if first is None or known is None else max(known, first - self.cut_at)
+        late = self.load.latest(self.cut_at, getattr(self, "end_at", time.monotonic()))
         return "cut groups served again, from the cut: " + ", ".join(
-            f"{group}: {'-' if at is None else f'{at:.1f} s'}" for group, at in sorted(served.items()))
+            f"{group}: {'-' if at is None else f'{at:.1f} s'}" for group, at in sorted(served.items())) + (
+            f"; the client's loop ran up to {late:.1f} s late from the cut on" + "".join(
+                f", {when - self.cut_at:+.1f} s: {lag:.1f} s late" for when, lag in self.load.lateness
+                if lag >= 0.5 and when >= self.cut_at))
 
     def report(self) -> str:
         """The round's timeline, the client's errors, the minority client's answers, and the nodes' telling lines
