@@ -114,7 +114,14 @@ class JetStreamLog:
     fenced_by = property(lambda self: self.writer.fenced_by)
     unsynced_bytes = property(lambda self: self.writer.unsynced_bytes)
     handed_bytes = property(lambda self: self.writer.handed_bytes)
-    frames_waiting = property(lambda self: self.writer.frames_waiting)
+
+    @property
+    def frames_waiting(self) -> bool:
+        """Never: a snapshot's next chunk must not wait for this writer. It is a greenlet of the hub the snapshot
+        holds (the disk log's writer is a thread): waiting for it blocked the broker for good. A snapshot's
+        chunks wait in memory, handed, until it ends; the journal stops reading publishers meanwhile (their
+        bytes are unsynced)."""
+        return False
 
     @property
     def bridge(self) -> Bridge:

@@ -1,7 +1,8 @@
 """A log writer's slow path (stream_writer.py): after a refusal, an error or a timeout, the tail read that settles
 every frame from the stream itself (stored, to send again, or a rival's takeover: fenced); the stall that
 refuses confirmed publishes past the timeout and its probe; the rival checks (a rival's frame heard on the
-subject, the periodic tail check). A leased owner's step-down is its lease's (`OwnerLease.steps_down`).
+subject, the periodic tail check); and compaction's purge, tried again until it is made. A leased owner's
+step-down is its lease's (`OwnerLease.steps_down`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("mqks.log")
 
 RIVAL_CHECK_PAUSES = (0.05, 0.25, 1.0)  # a rival's frame heard: look at the tail after these (stored, or refused)
+PURGE_RETRY_FIRST_SECONDS = 1.0  # a failed purge is tried again after this, doubling up to the next
+PURGE_RETRY_MAX_SECONDS = 30.0
 
 
 class WriterRecovery:
@@ -37,6 +40,9 @@ class WriterRecovery:
         self.stalls = 0
         self.stream_last_checked = -1  # the stream's last sequence when the last tail check found no rival
         self.rival_check: gevent.Greenlet | None = None
+        self.purging: gevent.Greenlet | None = None  # the purge being made: an older one still retrying gives up
+        self.purges = 0
+        self.purge_failures = 0
 
     def in_trouble(self, reason: str) -> None:
         """Stop sending until the tail is read; the stall lasts until a frame is stored again."""
@@ -204,3 +210,22 @@ class WriterRecovery:
         log.critical("%s was taken over by %s (epoch %d > %d): this broker stops confirming and exits",
                      w.nats.label, owner, epoch, w.epoch)
         w.stop_with(f"the log was taken over by {owner}")
+
+    def purge(self, below: int) -> None:
+        """Remove the frames the stored snapshot starting at `below` replaces. A failed purge is tried again until
+        a newer snapshot's purge takes its place: a broker that goes idle writes no next snapshot, and its stream
+        would keep every frame it ever wrote."""
+        w = self.writer
+        pause = PURGE_RETRY_FIRST_SECONDS
+        while not w._stopping and w.fenced_by is None and self.purging is gevent.getcurrent():
+            try:
+                w.nats.bridge.run(functools.partial(w.nats.purge_below, below=below), timeout=60)
+            except Exception as e:
+                self.purge_failures += 1
+                log.warning("%s: purge below %d failed (%s): trying again in %g s", w.nats.label, below,
+                            e or type(e).__name__, pause)
+                gevent.sleep(pause)
+                pause = min(pause * 2, PURGE_RETRY_MAX_SECONDS)
+            else:
+                self.purges += 1
+                return

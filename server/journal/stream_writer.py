@@ -8,7 +8,6 @@ runs with none.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import logging
@@ -46,8 +45,6 @@ MAX_IN_FLIGHT_BYTES = 32 << 20  # JetStream's ingest queue holds 128 MiB: stay w
 TAIL_CHECK_SECONDS = 1.0  # idle: look at the stream's last sequence this often (a rival, the figures)
 FIGURES_SECONDS = 10.0  # a cluster's owner reads its stream's figures this often
 PUBACK_SAMPLES = 1024
-PURGE_RETRY_FIRST_SECONDS = 1.0  # a failed purge is tried again after this, doubling up to the next
-PURGE_RETRY_MAX_SECONDS = 30.0
 
 
 class Frame:
@@ -157,7 +154,6 @@ class StreamWriter:
         self._commit_times: deque[tuple[int, float]] = deque()  # handed commits not yet durable
         self._failed_up_to = 0
         self._snapshot_seq = 0  # the first frame of the snapshot being stored
-        self._purging: gevent.Greenlet | None = None  # the purge being made: an older one still retrying gives up
         self._stopping = False
         self.writer_done = False
         self._inbox = ""
@@ -167,8 +163,6 @@ class StreamWriter:
         self.recovery = WriterRecovery(self)
         # figures
         self._puback_ms: deque[float] = deque(maxlen=PUBACK_SAMPLES)
-        self._purges = 0
-        self._purge_failures = 0
         self._resent = 0
 
     def start(self, epoch: int, seq: int) -> None:
@@ -185,7 +179,8 @@ class StreamWriter:
                 "puback_ms_p50": puback_ms_p50, "puback_ms_p99": puback_ms_p99, "unsynced_bytes": self.unsynced_bytes,
                 "disk_full": False, "blocked": self.blocked is not None, "epoch": self.epoch,
                 "last_seq": self.tail_seq, "stalls": self.recovery.stalls, "resent_frames": self._resent,
-                "purges": self._purges, "purge_failures": self._purge_failures}
+                "purges": self.recovery.purges,
+                "purge_failures": self.recovery.purge_failures}
 
     def commit(self, new_segment: bool = False, completes: bool | None = None) -> int | None:
         """Close the open batch into one commit for the writer; its number, or None when empty.
@@ -216,14 +211,6 @@ class StreamWriter:
             # nothing was a third of its wakes under load)
             self._wake.set()
         return number
-
-    @property
-    def frames_waiting(self) -> bool:
-        """Never: a snapshot's next chunk must not wait for this writer. It is a greenlet of the hub the snapshot
-        holds (the disk log's writer is a thread): waiting for it blocked the broker for good. A snapshot's
-        chunks wait in memory, handed, until it ends; the journal stops reading publishers meanwhile (their
-        bytes are unsynced)."""
-        return False
 
     @property
     def handed_bytes(self) -> int:
@@ -471,25 +458,7 @@ class StreamWriter:
                 times.popleft()
             self.wake()
         if purge:
-            self._purging = gevent.spawn(self._purge, purge)
-
-    def _purge(self, below: int) -> None:
-        """Remove the frames the stored snapshot starting at `below` replaces. A failed purge is tried again until
-        a newer snapshot's purge takes its place: a broker that goes idle writes no next snapshot, and its stream
-        would keep every frame it ever wrote."""
-        pause = PURGE_RETRY_FIRST_SECONDS
-        while not self._stopping and self.fenced_by is None and self._purging is gevent.getcurrent():
-            try:
-                self.nats.bridge.run(functools.partial(self.nats.purge_below, below=below), timeout=60)
-            except Exception as e:
-                self._purge_failures += 1
-                log.warning("%s: purge below %d failed (%s): trying again in %g s", self.nats.label, below,
-                            e or type(e).__name__, pause)
-                gevent.sleep(pause)
-                pause = min(pause * 2, PURGE_RETRY_MAX_SECONDS)
-            else:
-                self._purges += 1
-                return
+            self.recovery.purging = gevent.spawn(self.recovery.purge, purge)
 
     def stop_with(self, reason: str) -> None:
         """Fail every commit not durable, and tell the hub this broker must stop."""
@@ -529,6 +498,6 @@ class StreamWriter:
         if self._writer is not None:
             self._writer.join(timeout=1.0)  # its last moments (a tail read) end before the bridge closes under it
             self._writer.kill(block=False)
-        for helper in (self._purging, self.recovery.rival_check):
+        for helper in (self.recovery.purging, self.recovery.rival_check):
             if helper is not None:
                 helper.kill(block=False)
