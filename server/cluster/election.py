@@ -79,7 +79,7 @@ class StandbyMap(Protocol):
 
     def report_standby(self, seq: int) -> None: ...
 
-    def ask_for_group(self, stream: str, node: str) -> dict[str, Any]: ...
+    def ask_for_group(self, stream: str, node: str, of_node: str | None = None) -> dict[str, Any]: ...
 
 
 def replay_as_candidate(stream: FollowedStream, standby: Standby) -> Iterator[bytes]:
@@ -284,13 +284,16 @@ class Standby:
         label = self.stream.label
         log.info("%s: %s: asking for it", label, why)
         try:
-            answer = cluster_map.ask_for_group(self.stream.name, candidacy.node)
+            answer = cluster_map.ask_for_group(self.stream.name, candidacy.node, owner)
         except Exception as e:
             log.info("%s: its owner did not take the request (%s)", label, e)
             candidacy.end_pull()
             return
         if not answer.get("ok"):  # another node's standby asked first: this node's turn to pull is over
-            log.info("%s: its owner hands it to node %s instead", label, answer.get("to"))
+            if answer.get("owner", owner) != owner:
+                log.info("%s: node %s owns it now, not node %s: not moved", label, answer["owner"], owner)
+            else:
+                log.info("%s: its owner hands it to node %s instead", label, answer.get("to"))
             candidacy.end_pull()
 
 
@@ -304,8 +307,14 @@ class HandOffRequests:
         self.wake = wake  # tells the hub (Server.on_log_wake), from the asyncio thread
         self.move_to: str | None = None
 
-    def answer(self, name: str, asked_for: str) -> bytes:
-        """The answer to one request (in the asyncio thread): ok when the group goes to the node asked for."""
+    def answer(self, name: str, request: str) -> bytes:
+        """The answer to one request (in the asyncio thread): ok when the group goes to the node asked for.
+        `request` is that node, then (from a balancing standby) the node the asker counted as the owner: a request
+        meant for another owner is refused, since the asker's map was behind (issue 56: after a heal, a group the
+        healed node had just been handed went on to a third node that counted its old owner's groups)."""
+        asked_for, _, of_node = request.partition(" ")
+        if of_node and of_node != self.node:
+            return json.dumps({"ok": False, "from": self.owner, "to": self.move_to, "owner": self.node}).encode()
         if self.move_to is None and asked_for != self.node:
             log.warning("group %s: asked to hand it over to node %s", name, asked_for)
             self.move_to = asked_for

@@ -395,9 +395,11 @@ class ClusterMap:
             self._kv = None
             log.debug("group %d: standby report failed: %s", candidacy.group, e)
 
-    def ask_for_group(self, name: str, node: str) -> dict[str, Any]:
-        """Ask the owner of group `name` to hand it to `node`; its answer (`ok`, and the node it goes `to`)."""
-        reply = self.bridge.run(lambda nc: nc.request(f"mqks.move.{name}", node.encode(), timeout=ASK_SECONDS),
+    def ask_for_group(self, name: str, node: str, of_node: str | None = None) -> dict[str, Any]:
+        """Ask the owner of group `name` to hand it to `node` (if it is node `of_node`, when given); its answer (`ok`,
+        and the node it goes `to`)."""
+        request = node if of_node is None else f"{node} {of_node}"
+        reply = self.bridge.run(lambda nc: nc.request(f"mqks.move.{name}", request.encode(), timeout=ASK_SECONDS),
                                 timeout=ASK_SECONDS * 2)
         return dict(json.loads(reply.data))
 

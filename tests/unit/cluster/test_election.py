@@ -163,6 +163,7 @@ class FakeMap:
         self.answer = answer if answer is not None else {"ok": True}
         self.reports: list[int] = []
         self.asked: list[tuple[str, str]] = []
+        self.asked_of: list[str | None] = []  # the owner each ask was meant for
         self.fresh_reads = 0
 
     def owner_counts(self) -> tuple[dict[str, int], str | None]:
@@ -175,8 +176,9 @@ class FakeMap:
     def report_standby(self, seq: int) -> None:
         self.reports.append(seq)
 
-    def ask_for_group(self, stream: str, node: str) -> dict[str, Any]:
+    def ask_for_group(self, stream: str, node: str, of_node: str | None = None) -> dict[str, Any]:
         self.asked.append((stream, node))
+        self.asked_of.append(of_node)
         return self.answer
 
 
@@ -517,6 +519,7 @@ def test_a_node_that_owns_two_groups_fewer_than_the_owners_asks_for_the_group_on
     cluster_map = FakeMap(counts={"b": 3, "a": 1}, owner="b")
     balancing(cluster_map, node)
     assert cluster_map.asked == [("c-0-of-4", "a")]  # one ask: the node's turn is held until the group comes
+    assert cluster_map.asked_of == ["b"]  # meant for the owner it counted: a newer one refuses it
     assert cluster_map.fresh_reads >= 1  # the pin read again right before asking
 
 
@@ -571,9 +574,9 @@ class TimedMap(FakeMap):
         self.clock = clock
         self.asked_at: list[float] = []
 
-    def ask_for_group(self, stream: str, node: str) -> dict[str, Any]:
+    def ask_for_group(self, stream: str, node: str, of_node: str | None = None) -> dict[str, Any]:
         self.asked_at.append(self.clock.now)
-        return super().ask_for_group(stream, node)
+        return super().ask_for_group(stream, node, of_node)
 
 
 def test_a_busy_groups_standby_looks_at_balancing_though_it_hears_frames_at_every_read():

@@ -29,6 +29,17 @@ def test_the_first_node_to_ask_gets_the_group_and_the_next_is_told_where_it_goes
     assert json.loads(HandOffRequests("a", "node a", lambda: None).answer("c-0-of-4", "a"))["ok"] is False
 
 
+def test_a_request_meant_for_another_owner_is_refused_and_hands_nothing_over():
+    """Issue 56: after a heal, a standby whose map still named a group's old owner (8 groups) asked for it; the new
+    owner (the healed node, 2 groups) handed it on. A request names the owner it was meant for; another refuses."""
+    woken: list[str] = []
+    hand_offs = HandOffRequests("c", "node c", lambda: woken.append("hub"))
+    refused = json.loads(hand_offs.answer("c-0-of-4", "b a"))
+    assert refused["ok"] is False and refused["owner"] == "c"
+    assert hand_offs.move_to is None and woken == []
+    assert json.loads(hand_offs.answer("c-0-of-4", "b c"))["ok"] is True and hand_offs.move_to == "b"
+
+
 def test_the_owner_answers_a_request_on_nats_with_the_hand_offs_answer():
     """map.py's subscription: the request's node in, HandOffRequests' answer out on the reply subject."""
     subscribed: dict[str, object] = {}
