@@ -44,7 +44,7 @@ log = logging.getLogger("mqks.journal")
 PING_SECONDS = 1
 START_SECONDS = 10.0
 # a shared stream's info, read for one group, answers the process's other groups for this long (each reads it every
-# 10 s: jetstream_log.py's FIGURES_SECONDS)
+# 10 s: stream_writer.py's FIGURES_SECONDS)
 SHARED_FIGURES_SECONDS = 5.0
 
 

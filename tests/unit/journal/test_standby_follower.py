@@ -2,11 +2,13 @@
 one wake per batch; a gap in the consumer's count (a frame lost to a slow consumer) follows again from the missing
 frame; gaps in stream sequences alone (a stream shared with other groups) are not losses; a replaced follower's
 late frames and NATS's status messages are ignored; an idle owner's heartbeat (a core NATS message) is heard once the
-follower has every frame it says is stored. In process, over a fake hub connection and bridge."""
+follower has every frame it says is stored; a replay reads to the tail and takes the stream over, fenced on it. In
+process, over a fake hub connection and bridge."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -16,7 +18,9 @@ from gevent.event import Event
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
-from mqks.server.journal.jetstream_log import EPOCH, LAST, JetStreamLog, StreamReading
+from mqks.server.journal import records, stream_reader
+from mqks.server.journal.jetstream_log import EPOCH, FRAME, LAST, MORE, OWNER, JetStreamLog, StreamReading
+from mqks.server.journal.stream import EXPECTED
 from mqks.server.nats_io.hub_nats import ack_sequences
 
 pytestmark = pytest.mark.timeout(10)
@@ -203,3 +207,81 @@ def test_an_idle_owners_heartbeat_is_heard_once_the_follower_has_every_frame_it_
     assert not heard()
     stream_log.reader._stop_following()
     assert not follower.active and not beats.active
+
+
+class StoredStream(FakeBridge):
+    """A stream of its own holding `messages` (headers, data), read by a pull reader whose first fetch fails (a 503
+    while the stream's leader settles); no broker answers its owner ping; the takeover's PubAck names the next
+    sequence."""
+
+    def __init__(self, hub: FakeHub, messages: list[tuple[dict[str, str], bytes]]) -> None:
+        super().__init__(hub)
+        self.messages = messages
+        self.fetches = 0
+        self.takeover_headers: dict[str, str] = {}
+
+    def jetstream(self, timeout: float = 5.0) -> Any:
+        bridge = self
+
+        class Reader:
+            next_seq = 1
+
+            async def fetch(self, batch: int, timeout: float) -> list[Any]:
+                bridge.fetches += 1
+                if bridge.fetches == 1:
+                    raise RuntimeError("503: no stream leader yet")
+                taken = bridge.messages[self.next_seq - 1:self.next_seq - 1 + min(batch, 2)]
+                msgs = [SimpleNamespace(metadata=SimpleNamespace(sequence=SimpleNamespace(stream=self.next_seq + i)),
+                                        headers=headers, data=data) for i, (headers, data) in enumerate(taken)]
+                self.next_seq += len(msgs)
+                return msgs
+
+            async def unsubscribe(self) -> None:
+                pass
+
+        async def pull_subscribe(subject: str, durable: Any, stream: str, config: Any) -> Reader:
+            reader = Reader()
+            reader.next_seq = config.opt_start_seq or 1
+            return reader
+
+        async def stream_info(stream: str, subjects_filter: str | None = None) -> Any:
+            state = SimpleNamespace(bytes=0, messages=len(self.messages), last_seq=len(self.messages))
+            return SimpleNamespace(state=state, cluster=None)
+
+        return SimpleNamespace(pull_subscribe=pull_subscribe, stream_info=stream_info)
+
+    async def request(self, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None = None) -> Any:
+        from nats.errors import NoRespondersError
+
+        if subject.startswith("mqks.owner."):
+            raise NoRespondersError
+        self.takeover_headers = dict(headers or {})
+        return SimpleNamespace(data=json.dumps({"stream": "s", "seq": len(self.messages) + 1}).encode())
+
+
+def test_a_replay_reads_to_the_tail_through_a_failed_read_and_takes_the_stream_over_fenced_on_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mqksd --log`: every frame that counts, in order (a frame in parts joined, an old writer's late frame
+    dropped), then the takeover (epoch + 1) expecting the last sequence read, and the writer starts after it."""
+    monkeypatch.setattr(stream_reader, "RETRY_SECONDS", 0.01)
+    hub = FakeHub()
+    hub.reconnects = 0  # type: ignore[attr-defined]
+    hub.publish = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+    messages = [({EPOCH: "1", FRAME: "0", OWNER: "node a"}, b"T1"),
+                ({EPOCH: "1", FRAME: "1"}, b"r1\nr2"),
+                ({EPOCH: "2", FRAME: "0", OWNER: "node b"}, b"T2"),
+                ({EPOCH: "1", FRAME: "2"}, b"zombie"),  # node a's frame stored after node b took over
+                ({EPOCH: "2", FRAME: "1", MORE: "1"}, b"r3-"),
+                ({EPOCH: "2", FRAME: "2"}, b"end")]
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s", "node c")
+    bridge = StoredStream(hub, messages)
+    stream_log.nats.bridge = bridge  # type: ignore[assignment]
+    replayed = list(stream_log.replay())
+    stream_log.writer._stopping = True  # the writer greenlet starts and ends: this test is about the reader
+    assert replayed[:-1] == [b"T1", b"r1", b"r2", b"T2", b"r3-end"]
+    assert replayed[-1] == records.takeover(3, b"node c")
+    assert bridge.fetches >= 3  # the failed read was made again, from where it stopped
+    assert bridge.takeover_headers[EXPECTED] == "6" and bridge.takeover_headers[EPOCH] == "3"
+    assert (stream_log.epoch, stream_log.writer.tail_seq) == (3, 7)
+    figures = stream_log.stats()
+    assert figures["replayed_records"] == 5 and figures["ignored_frames"] == 1  # the takeover of its own aside
