@@ -1,13 +1,14 @@
-"""A queue's storage: the messages waiting in it, in order, with the fewest objects.
+"""A queue's storage: the messages waiting in it, in order, with the fewest objects and bytes.
 
 A message is stored as its *tail*, the bytes after the consumer id of a delivery:
 `b" ok {msg_id} event={event} {data}"`, built once per publish and shared by every queue that
-gets a copy. A deep queue packs runs of tails into one `Packed` bytes object (tails never hold a
-newline), which saves the ~45 bytes of object and deque overhead each message would cost on its
-own. Every copy put into a queue gets the queue's next sequence number (`seq`): a message never
-delivered is a bare tail whose seq is implicit (waiting tails hold consecutive seqs, oldest
-first); one that came back (requeued, a dead letter) is a `Message` record carrying its seq and
-retry counter, always at the front. No sockets, no consumers: state.py's Queue adds those.
+gets a copy. A deep queue packs runs of tails into one `Packed` bytes object, which saves the ~45
+bytes of object and deque overhead each message would cost on its own, and stores the header its
+tails repeat once: `{header}\n{msg_id}\xff{data}\n...` (see `pack`). Every copy put into a queue
+gets the queue's next sequence number (`seq`): a message never delivered is a bare tail whose seq
+is implicit (waiting tails hold consecutive seqs, oldest first); one that came back (requeued, a
+dead letter) is a `Message` record carrying its seq and retry counter, always at the front. No
+sockets, no consumers: state.py's Queue adds those.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Final, TypeAlias
 from mypy_extensions import mypyc_attr
 
 from ..journal import records
-from ..wire.protocol import msg_id_of, with_field
+from ..wire.protocol import event_of, msg_id_of, with_field
 
 # tails per Packed run: ~128 KiB of 100-byte messages, past glibc's mmap threshold, so a run
 # gets pages of its own instead of pinning holes in the heap (measured, 1M queued messages:
@@ -27,13 +28,43 @@ from ..wire.protocol import msg_id_of, with_field
 PACK_TAILS: Final = 1024
 PACK_MIN_DEPTH: Final = 4096  # shallower queues are left alone: they drain soon anyway
 NEWLINE: Final = b"\n"
+OK: Final = b" ok "
+NEWLINE_OK: Final = b"\n ok "
+# stands for ` event={header} ` in a packed run: UTF-8 never holds a 0xff byte, and every line was checked as UTF-8
+HEADER_MARK: Final = b"\xff"
 
 
 @mypyc_attr(native_class=False)  # the compiled build (setup.py) cannot make a bytes subclass a native class
 class Packed(bytes):
-    """Tails joined by newlines: one queue item standing for several messages."""
+    """A run of tails in one queue item standing for several messages (made by `pack`, read by `unpack`)."""
 
     __slots__ = ()
+
+
+def pack(tails: list[bytes]) -> Packed:
+    """The tails (oldest first) as one run: the first one's header, then per tail `{msg_id}\\xff{data}`, where
+    `\\xff` stands for ` event={header} `, without the ` ok ` every tail starts with; newlines between them.
+
+    Lossless whatever the tails hold (a tail with another header keeps its own, and the header inside a data
+    is marked as the one after its id: `unpack` puts both back the same). The tails as they are, joined by
+    newlines, if one of them holds a 0xff byte (no line from a client can) or does not start with ` ok `.
+    """
+    header = event_of(tails[0])
+    joined = NEWLINE.join([header, *tails])
+    compact = joined.replace(NEWLINE_OK, NEWLINE)
+    if len(compact) != len(joined) - 4 * len(tails) or HEADER_MARK in joined:
+        return Packed(NEWLINE.join(tails))
+    return Packed(compact.replace(b" event=%b " % header, HEADER_MARK))
+
+
+def unpack(run: bytes) -> list[bytes]:
+    """The tails of a `pack`ed run, oldest first, as they were given."""
+    if run.startswith(OK):
+        return run.split(NEWLINE)  # packed as they were
+    header = run[: run.index(NEWLINE)]
+    tails = run.replace(NEWLINE, NEWLINE_OK).replace(HEADER_MARK, b" event=%b " % header).split(NEWLINE)
+    del tails[0]  # the header's line
+    return tails
 
 
 class Message:
@@ -100,7 +131,7 @@ class MessageStore:
         run = [messages.pop() for _ in range(PACK_TAILS)]
         run.reverse()
         try:
-            packed = Packed(NEWLINE.join(run))
+            packed = pack(run)
         except Exception:
             messages.extend(run)  # back as they were: a step that fails must not lose what it took
             raise
@@ -109,7 +140,7 @@ class MessageStore:
         self.appended_since_pack = 0  # the run is the newest item now: no plain tail behind it
 
     def _unpack_front(self) -> None:
-        tails = self.messages.popleft().split(NEWLINE)
+        tails = unpack(self.messages.popleft())
         self.packed_extra -= len(tails) - 1
         self.messages.extendleft(reversed(tails))
 
@@ -152,9 +183,11 @@ class MessageStore:
         while messages and len(taken) < max_count:
             item = messages.popleft()
             if type(item) is Packed:
-                tails = item.split(NEWLINE)
+                tails = unpack(item)
                 self.packed_extra -= len(tails) - 1
-                run_bytes = len(item) - len(tails) + 1
+                run_bytes = 0
+                for tail in tails:
+                    run_bytes += len(tail)
                 if len(taken) + len(tails) <= max_count and size + run_bytes <= max_bytes:
                     taken += tails
                     size += run_bytes
@@ -203,7 +236,7 @@ class MessageStore:
         records = [messages.popleft() for _ in range(self.requeued)]
         seq = self.next_seq - (len(messages) + self.packed_extra)
         for item in messages:
-            for tail in (item.split(NEWLINE) if type(item) is Packed else (item,)):
+            for tail in (unpack(item) if type(item) is Packed else (item,)):
                 records.append(Message(seq, 0, tail))
                 seq += 1
         messages.clear()
@@ -252,7 +285,7 @@ class MessageStore:
         self.requeued = len(front)
         runs = len(plain) // PACK_TAILS if len(plain) >= PACK_MIN_DEPTH else 0
         for i in range(runs):
-            messages.append(Packed(NEWLINE.join(plain[i * PACK_TAILS : (i + 1) * PACK_TAILS])))
+            messages.append(pack(plain[i * PACK_TAILS : (i + 1) * PACK_TAILS]))
         self.packed_extra += runs * (PACK_TAILS - 1)
         messages.extend(plain[runs * PACK_TAILS :])
         self.appended_since_pack = len(plain) - runs * PACK_TAILS

@@ -8,7 +8,7 @@ from itertools import chain
 from operator import itemgetter
 
 from ..journal import records
-from .messages import Item, Message, Packed
+from .messages import Item, Message, Packed, unpack
 from .state import Broker, Queue, queue_record
 
 
@@ -52,6 +52,6 @@ def queue_snapshot_lines(queue: Queue, leased: Iterable[tuple[int, Item]] = ()) 
         if isinstance(item, Message):
             yield records.live(name, item.seq, item.retry, False, item.tail)
         else:
-            for tail in (item.split(b"\n") if type(item) is Packed else (item,)):
+            for tail in (unpack(item) if type(item) is Packed else (item,)):
                 yield records.live(name, first_plain, 0, False, tail)
                 first_plain += 1

@@ -3,10 +3,11 @@
 A message is stored and delivered as its *tail*, the bytes between the consumer id and
 the newline: `b" ok {msg_id} event={event} {data}"`, built once per publish and shared
 by every queue that gets a copy; a delivery only adds the consumer id before it and a
-newline after. A deep queue packs runs of tails into one `Packed` bytes object (tails
-never hold a newline), which saves the ~45 bytes of object and deque overhead each
-message would cost on its own. Deliveries are appended to the consumer's `Outbox`; the
-connection layer flushes every outbox in `Outbox.pending` once per batch.
+newline after. A deep queue packs runs of tails into one `Packed` bytes object, which
+saves the ~45 bytes of object and deque overhead each message would cost on its own,
+and keeps the header they share once (messages.py). Deliveries are appended to the
+consumer's `Outbox`; the connection layer flushes every outbox in `Outbox.pending`
+once per batch.
 
 Every copy put into a queue gets the queue's next sequence number (`seq`). A message
 never delivered is a bare tail whose seq is implicit (waiting tails hold consecutive

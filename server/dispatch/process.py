@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ...common.figures import ranked
 from ..core.leases import Leases
 from ..core.messages import Message as StoredMessage
-from ..core.messages import Packed
+from ..core.messages import Packed, unpack
 from ..core.requests import Requests
 from ..core.routing import compile_mask
 from ..core.schedules import Schedules
@@ -126,7 +126,7 @@ def newest_messages(queue: Queue, count: int) -> list[tuple[bytes, int]]:
         if type(item) is StoredMessage:
             runs = [(item.tail, item.retry)]
         elif type(item) is Packed:
-            runs = [(tail, 0) for tail in reversed(item.rsplit(b"\n", count)[-count:])]
+            runs = [(tail, 0) for tail in reversed(unpack(item)[-count:])]
         else:
             runs = [(item, 0)]
         for tail, retry in runs:

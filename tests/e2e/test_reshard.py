@@ -21,7 +21,7 @@ import pytest
 from conftest import BrokerProcess
 from helpers import queue_row, unique_bytes
 
-from mqks.server.core.messages import Message, Packed
+from mqks.server.core.messages import Message, Packed, unpack
 from mqks.server.core.restore import rebuild
 from mqks.server.dispatch.slots import SLOTS, owner_of
 from mqks.server.journal.log import Log
@@ -138,7 +138,7 @@ def contents(queue: Any) -> list[tuple[bytes, int]]:
         if isinstance(item, Message):
             found.append((msg_id_of(item.tail), item.retry))
         else:
-            for tail in item.split(b"\n") if type(item) is Packed else [item]:
+            for tail in unpack(item) if type(item) is Packed else [item]:
                 found.append((msg_id_of(tail), 0))
     return found
 

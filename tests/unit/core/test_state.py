@@ -2,7 +2,7 @@
 
 import pytest
 
-from mqks.server.core.messages import PACK_MIN_DEPTH, PACK_TAILS, Message, Packed
+from mqks.server.core.messages import PACK_MIN_DEPTH, PACK_TAILS, Message, Packed, unpack
 from mqks.server.core.state import Broker, Consumer, TimedConsumer, update_line
 from mqks.server.core.timers import Timers
 from mqks.server.wire.outbox import Outbox
@@ -284,7 +284,7 @@ def test_deep_queue_packs_messages_and_still_delivers_all_in_order(broker, outbo
     queue = broker.queues[b"q"]
     runs = [item for item in queue.messages if type(item) is Packed]
     assert len(runs) == (count - PACK_MIN_DEPTH) // PACK_TAILS + 1
-    assert {run.count(b"\n") + 1 for run in runs} == {PACK_TAILS}
+    assert {len(unpack(run)) for run in runs} == {PACK_TAILS}
     assert len(queue.messages) < count  # packed: fewer objects than messages
     assert broker.stats()["messages_waiting"] == count
     consumer = consume(broker, outbox, b"c1", b"q", manual_ack=True, prefetch=1000)
@@ -389,7 +389,7 @@ def test_requeued_messages_then_new_publishes_across_every_packing_boundary_all_
         publish(broker, b"n%d" % i, b"e")
     assert queue.depth() == held + later
     # every run holds PACK_TAILS tails: a run packed into another would make one huge item to unpack
-    assert {item.count(b"\n") + 1 for item in queue.messages if type(item) is Packed} == {PACK_TAILS}
+    assert {len(unpack(item)) for item in queue.messages if type(item) is Packed} == {PACK_TAILS}
     drainer = consume(broker, Outbox(pending=[]), b"c2", b"q")
     got = [line.split(b" ")[2] for line in delivered(drainer.outbox)]
     assert got == [b"m%d" % i for i in range(held)] + [b"n%d" % i for i in range(later)]
