@@ -1,9 +1,10 @@
 """One `mqksd` process (cli.py starts it): the listeners, the journal and its recovery, timers and signals.
 
 One `Server` per process wires the parts together: the `Process` (its one broker, worker i of
-n, owning the queues of its slot range), the one timer heap and its greenlet, the error ids,
-and a `Connection` per client, which gets the process and an error-id source, never the
-server itself. SIGTERM or SIGINT drains: stop accepting, stop delivering, give consumers
+n, owning the queues of its slot range), the journal and the cluster over it (startup.py opens
+them; without --cluster the cluster is a `NoCluster` whose hooks do nothing), the one timer heap
+and its greenlet, the error ids, and a `Connection` per client, which gets the process and an
+error-id source, never the server itself. SIGTERM or SIGINT drains: stop accepting, stop delivering, give consumers
 `--drain-seconds` to settle what they hold (those that said `hello` hear `ok --draining`),
 flush what is owed, requeue the rest (durably with --data-dir), exit 0. SIGHUP re-reads the
 token file. With `--tls-port` a second listener speaks the same protocol over TLS; with
@@ -17,38 +18,31 @@ import logging
 import os
 import signal
 import socket
-import ssl
-import sys
 import time
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import gevent
-import gevent.socket
 from gevent.event import Event
 
 from . import build
-from .core.restore import rebuild
 from .core.timers import Timers
 from .dispatch.actions import ONE_PROCESS, HandlerTables
 from .dispatch.process import Process
 from .dispatch.slots import SLOTS, slot_ranges
-from .journal.journal import Journal
-from .journal.recovery import recover
-from .node.config import CANNOT_START_EXIT_CODE, FENCED_EXIT_CODE, Config
+from .node.config import FENCED_EXIT_CODE, Config
 from .node.connection import Connection
+from .node.error_ids import ErrorIds
+from .node.handshakes import client_tls, link_hello
 from .node.listeners import AcceptFailed, CannotListen, Listener, tcp_listener, unix_listener
 from .node.memory import MemoryGuard
 from .node.sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
+from .startup import log_shown, open_journal, recover_journal
 from .wire.protocol import format_error, ok_body
-from .workers.links import notice_dead_peer
 
 if TYPE_CHECKING:
     from gevent.pywsgi import WSGIServer
 
     from .cluster.map import SharedMap
-    from .cluster.node import ClusterGroup
-    from .journal.jetstream_log import JetStreamLog
     from .nats_io.nats_bridge import SharedNats
     from .workers.peers import Peers
 
@@ -57,32 +51,8 @@ log = logging.getLogger("mqks.server")
 SHUTDOWN_FLUSH_SECONDS = 5.0
 SHUTDOWN_CLEAN_UP_SECONDS = 2.0
 DRAIN_POLL_SECONDS = 0.02
-TLS_HANDSHAKE_SECONDS = 10.0  # a peer that connects and never finishes the handshake holds nothing longer
 DRAINING = b" ok --draining\n"
-PLAIN_TEXT_REASONS = ("WRONG_VERSION_NUMBER",)  # an HTTP request is closed at once, as on the plain port
 LINK_WAIT_SECONDS = 10.0  # at start: how long a worker waits for the others before it serves anyway
-CLUSTER_DIAL_RETRY_SECONDS = 0.2  # a group's owner unknown or unreachable: dial again after this
-
-
-class ErrorIds:
-    """24-character error ids, unique over the server's life and sortable by time, as the original's.
-
-    UTC to the microsecond, kept strictly increasing (one id per microsecond at most, and a
-    clock stepped back never repeats one), then 4 random hex digits that keep ids of
-    separate processes apart.
-    """
-
-    __slots__ = ("last_us",)
-
-    def __init__(self) -> None:
-        self.last_us = 0
-
-    def __call__(self) -> str:
-        now_us = max(time.time_ns() // 1000, self.last_us + 1)
-        self.last_us = now_us
-        seconds, micros = divmod(now_us, 1_000_000)
-        stamp = datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%d%H%M%S")
-        return f"{stamp}{micros:06d}{os.urandom(2).hex()}"
 
 
 class Server:
@@ -90,9 +60,9 @@ class Server:
 
     def __init__(self, config: Config, shared_nats: SharedNats | None = None,
                  shared_map: SharedMap | None = None) -> None:
+        """`shared_nats`, `shared_map`: a cluster node's process, whose groups' logs share one NATS connection,
+        one watch of the cluster map and one report of their standbys."""
         self.config = config
-        self.shared_nats = shared_nats  # a cluster node's process: its groups' logs share one NATS connection
-        self.shared_map = shared_map  # ... and one watch of the cluster map, one report of their standbys
         self.connections: set[Connection] = set()
         self.timers_due = Event()
         self.timers = Timers(on_earlier=self.timers_due.set)
@@ -100,12 +70,10 @@ class Server:
         # read before anything starts: a wrong token file stops the start at once
         env_token = os.environ.get(AUTH_TOKEN_ENV)
         self.tokens = Tokens(config.auth_token_file, env_token) if config.auth_token_file or env_token else None
-        self.cluster: ClusterGroup | None = None  # with --cluster: this process's group, standby or owner
-        self.link_tls: ssl.SSLContext | None = None  # with --cluster and --tls-cert: what its link port accepts with
-        self.stream_log: JetStreamLog | None = None  # with --log: the journal's log, which a cluster's node steers
-        self.log_wake: Any = None  # with a journal: the hub's watcher its writer wakes
         self.peers: Peers | None = None  # before the journal: a cluster's map tells on_map_change as it opens
-        self.journal = self.open_journal() if config.data_dir or config.log else None
+        # with a journal, the hub's watcher its writer wakes; with --cluster, this process's group, standby or owner
+        self.journal, self.log_wake, self.cluster = open_journal(config, self.error_line, self.tokens, shared_nats,
+                                                                 shared_map, self.on_map_change)
         self.tables = ONE_PROCESS  # the sessions' handler tables; a worker of several wraps them (link_workers)
         # one broker per process: worker i of n with --workers n (the supervisor started it), else worker 0 of 1
         worker, count = (0, 1) if config.worker_index is None else (config.worker_index, config.workers)
@@ -155,29 +123,7 @@ class Server:
         process.link(self.peers)
         process.requests.prefix = f"{process.worker}w{process.requests.prefix}"  # a reply finds its worker
         self.tables = HandlerTables(place)
-        if self.cluster is not None:  # the groups' owners are on any node: links go over TCP
-            self.peers.dial = self.cluster.dial
-            self.peers.unit = "group"
-            self.peers.address_of = self.cluster.address
-            cluster_map = self.cluster.map
-            self.peers.owner_epoch = lambda group: cluster_map.entries.get(group, {}).get("epoch")
-            self.peers.connect_retry_seconds = CLUSTER_DIAL_RETRY_SECONDS
-            if self.config.tls_cert and self.config.tls_key:  # links cross hosts: as encrypted as the clients' TLS
-                from .node.sessions import link_tls_contexts
-
-                self.link_tls, self.cluster.map.link_tls = link_tls_contexts(self.config.tls_cert, self.config.tls_key,
-                                                                             self.config.tls_ca)
-            token = self.tokens_for_links()
-            if token is not None:
-                self.peers.link_hello = b"- _link %d %b\n" % (process.worker, token)
-
-    def tokens_for_links(self) -> bytes | None:
-        """A cluster's links cross hosts: with tokens, a link proves itself with the cluster's secret (the token
-        file's `[cluster] secret`), never a user's token; a plain token file has none: its first token then."""
-        tokens = self.tokens
-        if tokens is None:
-            return None
-        return tokens.cluster_secret or (tokens.tokens[0] if tokens.tokens else None)
+        self.cluster.link(self.peers)  # a cluster's groups link over TCP, to the owners the map names
 
     def on_map_change(self, group: int) -> None:
         """A group's owner changed: a link to its old address goes."""
@@ -189,10 +135,9 @@ class Server:
         config = self.config
         count, worker = self.process.worker_count, self.process.worker
         fields: dict[str, Any] = {"worker": worker, "slots": SLOTS, "slot_map": slot_ranges(count)}
-        if self.cluster is not None:
-            fields["cluster"], fields["node"] = config.cluster, config.node
-            fields["direct"] = self.cluster.topology(count)
-            return fields
+        cluster_fields = self.cluster.hello_fields(count)
+        if cluster_fields:
+            return fields | cluster_fields
         if self.peers is None:
             listener = self.stream_server
             fields["direct"] = [{"worker": 0, "host": config.host,
@@ -215,134 +160,18 @@ class Server:
             if conn.relay is not None and conn.relay.waits_on(worker):
                 conn.close()
 
-    def open_journal(self) -> Journal:
-        """The write-ahead log in --data-dir (or a JetStream stream with --log), woken from its writer thread
-        through a gevent async watcher."""
-        config = self.config
-        self.log_wake = gevent.get_hub().loop.async_()
-        if config.log is not None:
-            stream = self.stream_log = self.open_stream()
-            if config.cluster is not None:
-                from .cluster.node import ClusterGroup
-
-                self.cluster = ClusterGroup(config, stream, self.on_map_change, self.shared_map)
-                self.cluster.start()
-            return Journal(stream, self.error_line, config.compact_min_bytes)
-        from .journal.log import Log  # only durable servers load the storage layer
-
-        assert config.data_dir is not None
-        from .node.reshard import ReshardError, log_dir, prepare
-
-        if config.worker_index is None:  # one process: a log written by N workers comes back into one first
-            try:
-                summary = prepare(config.data_dir, 1, fsync=config.fsync, segment_bytes=config.log_segment_bytes,
-                                  repair=config.repair)
-            except ReshardError as e:
-                raise ValueError(str(e)) from None
-            if summary:
-                log.info("%s", summary)
-        # with workers, each its own log; the supervisor has re-sharded them for this number of workers
-        data_dir = log_dir(config.data_dir, config.worker_index or 0, config.workers)
-        os.makedirs(data_dir, exist_ok=True)
-        log_ = Log(data_dir, config.fsync, segment_bytes=config.log_segment_bytes, wake=self.log_wake.send)
-        return Journal(log_, self.error_line, config.compact_min_bytes)
-
-    def open_stream(self) -> JetStreamLog:
-        """--log: this worker's stream on the NATS cluster (the cluster extra is imported only here)."""
-        from ..common.cluster_names import Layout, stream_of
-        from ..common.nats_urls import nats_access
-        from .journal.jetstream_log import JetStreamLog
-        from .nats_io.nats_bridge import BridgeError
-
-        config = self.config
-        stream = config.log_stream if config.workers == 1 and not config.cluster else (
-            stream_of(config.log_stream, config.worker_index or 0, config.workers))
-        group: str | None = None
-        subjects: list[str] | None = None
-        layout = Layout(config.groups, config.streams)
-        if config.cluster is not None and layout.shared:
-            group, subjects = stream, layout.subjects_of(config.cluster, config.worker_index or 0)
-            stream = layout.stream_of(config.cluster, config.worker_index or 0)
-        owner = f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
-        lease = None
-        if config.cluster is not None:
-            from .cluster.lease import Lease
-            from .cluster.node import owner_description
-
-            owner = owner_description(config)
-            lease = Lease(config.lease_seconds)
-        urls = config.log_urls
-        # a cluster's group is leased: an idle owner sends heartbeats, and steps down after a lease of no writes
-        log_ = JetStreamLog(urls, stream, owner, replicas=config.log_replicas,
-                            takeover=config.takeover, timeout_seconds=config.log_timeout, wake=self.log_wake.send,
-                            lease=lease, node=config.node,
-                            frame_wait_seconds=config.frame_wait_ms / 1000 if config.cluster else 0.0,
-                            nats_options=nats_access(config).connect_options(urls),
-                            shared=self.shared_nats, group=group, stream_subjects=subjects)
-        try:
-            log_.open()
-        except BridgeError as e:
-            raise ValueError(str(e)) from None
-        return log_
-
-    def log_shown(self) -> str:
-        """--log's NATS URLs as the log may show them: no password or token."""
-        from ..common.nats_urls import shown
-
-        return shown(self.config.log_urls)
-
     def error_line(self, rid: bytes, reason: str) -> bytes:
         error_id = self.next_error_id()
         self.process.errors += 1
         log.warning("error %s: %s (rid %r)", error_id, reason, rid[:80])
         return format_error(rid, error_id, reason)
 
-    def recover(self) -> None:
-        """Replay the log into the workers before the first client is accepted."""
-        journal = self.journal
-        assert journal is not None
-        cannot_start: tuple[type[Exception], ...]
-        if self.config.log is not None:
-            from nats.errors import Error as NatsError
-
-            from .journal.jetstream_log import LogOwned
-            from .nats_io.nats_bridge import BridgeError
-
-            # NatsError: JetStream's 503 while NATS elects a leader (a heal, issue 56) is a wait, not a traceback
-            cannot_start = (LogOwned, BridgeError, NatsError)
-        else:
-            from .journal.log import LogCorrupt
-
-            cannot_start = (LogCorrupt,)
-        started = time.monotonic()
-        lines = self.cluster.replay() if self.cluster is not None else journal.log.replay(repair=self.config.repair)
-        try:
-            recovery = recover(lines)
-            queues, messages = rebuild(recovery.queues, lambda name: self.process.broker)
-            self.process.restore(recovery)
-        except cannot_start as e:
-            # names the file and offset and --repair, or the stream's owner, or what NATS answered
-            log.error("cannot start: %s", str(e) or type(e).__name__)
-            if self.cluster is not None:  # NATS went away while standing by: the node starts this one again
-                sys.exit(FENCED_EXIT_CODE)
-            sys.exit(1 if self.config.worker_index is None else CANNOT_START_EXIT_CODE)
-        stats = journal.log.stats()
-        # the whole log counts as churn: the first snapshot comes as soon as it is worth it
-        journal.count_as_churn(stats.get("log_bytes", 0))
-        log.info("recovered %d queues and %d messages from %s in %.3f s (%d records, %d bytes truncated)",
-                 queues, messages, self.config.data_dir or self.log_shown(), time.monotonic() - started,
-                 stats.get("replayed_records", 0), stats.get("truncated_bytes", 0))
-
     def on_log_wake(self) -> None:
         """The log made commits durable (or failed them): answer their confirms."""
         assert self.journal is not None
         self.journal.settle()
         self.process.flush_pending()
-        cluster = self.cluster
-        if cluster is not None and cluster.move_to is not None and not self.stopping:
-            assert self.stream_log is not None
-            log.warning("handing this group over to node %s: draining, then stopping", cluster.move_to)
-            self.stream_log.handoff_to = cluster.move_to
+        if not self.stopping and self.cluster.hands_off():
             self.exit_code = FENCED_EXIT_CODE  # the node starts this process again, as a standby
             gevent.spawn(self.shutdown)
         fenced_by = self.journal.fenced_by
@@ -385,46 +214,10 @@ class Server:
     def handle_tls(self, sock: socket.socket, address: object) -> None:
         """Handshake (bounded in time), then serve as `handle`; a failed handshake closes that peer alone."""
         assert self.tls_context is not None
-        peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
-        try:
-            tls_sock = self.tls_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        except (OSError, ValueError) as e:
-            log.info("TLS from %s failed: %s", peer, e)
-            sock.close()
-            return
-        try:
-            tls_sock.settimeout(TLS_HANDSHAKE_SECONDS)
-            tls_sock.do_handshake()
-            tls_sock.settimeout(None)
-        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: a plain client, a bad certificate
-            if getattr(e, "reason", None) in PLAIN_TEXT_REASONS:
-                log.info("plain text on a TLS port from %s: told it to connect with TLS, closed", peer)
-                self.tell_plain_client(tls_sock)
-            else:
-                log.info("TLS handshake with %s failed: %s", peer, e)
-            tls_sock.close()
-            return
-        self.handle(tls_sock, address, tls=True)
-
-    def tell_plain_client(self, tls_sock: socket.socket) -> None:
-        """A person at `nc` on the TLS port reads why nothing works, then sees the connection end cleanly."""
-        raw = socket.socket(tls_sock.family, tls_sock.type, fileno=tls_sock.fileno())  # the kernel socket beneath
-        try:
-            raw.setblocking(False)
-            raw.send(format_error(b"-", self.next_error_id(), "this port speaks TLS: connect with TLS "
-                                                              "(mqks --tls), or to the plain port"))
-            raw.shutdown(socket.SHUT_WR)
-            # read what the client sent before closing: unread input would turn the close into a reset
-            # that can discard our line before the client reads it
-            deadline = time.monotonic() + 1.0
-            while time.monotonic() < deadline:
-                gevent.socket.wait_read(raw.fileno(), timeout=max(0.0, deadline - time.monotonic()))
-                if not raw.recv(65536):
-                    break
-        except (OSError, gevent.Timeout):
-            pass
-        finally:
-            raw.detach()
+        tls_sock = client_tls(self.tls_context, sock, address, lambda: format_error(
+            b"-", self.next_error_id(), "this port speaks TLS: connect with TLS (mqks --tls), or to the plain port"))
+        if tls_sock is not None:
+            self.handle(tls_sock, address, tls=True)
 
     def reload_tokens(self) -> None:
         if self.tokens is not None:
@@ -448,7 +241,7 @@ class Server:
             from ..common.figures import log_trouble
 
             # a cluster node answers for the groups it owns: another node's trouble is that node's /healthz
-            owned = self.cluster.node_dir.owned_groups() if self.cluster is not None else None
+            owned = self.cluster.owned_groups()
             for answer in self.peers.ask_all(b"h stats", workers=owned):
                 stats = json.loads(ok_body(answer))
                 trouble = log_trouble(stats)
@@ -468,7 +261,7 @@ class Server:
         if self.peers is not None:
             self.listen_direct()
         # worker 0 speaks for a broker of several; on a cluster node every owner accepts, and speaks for the node
-        speaks = self.peers is None or self.peers.worker == 0 or self.cluster is not None
+        speaks = self.peers is None or self.peers.worker == 0 or self.cluster.shares_metrics_port
         if config.metrics_port is not None and speaks:
             from .node.console import BrokerLine, Console
             from .node.metrics import metrics_server  # prometheus_client is loaded only when asked for
@@ -481,7 +274,8 @@ class Server:
                 console = Console(line, tokens, config.console_actions)
             try:
                 self.metrics_server = metrics_server(config.metrics_host, config.metrics_port, self.metrics_registry(),
-                                                     self.health, console, shared=self.cluster is not None)
+                                                     self.health, console,
+                                                     shared=self.cluster.shares_metrics_port)
                 self.metrics_server.start()
             except OSError as e:
                 raise CannotListen(f"cannot listen for metrics on {config.metrics_host}:{config.metrics_port}: "
@@ -493,15 +287,8 @@ class Server:
         """The figures /metrics shows: the broker's, or on a cluster node those of the node (its groups owned now,
         and its processes)."""
         from .node.metrics import make_registry
-        from .node.supervisor import supervisor_pid
 
-        config = self.config
-        if self.cluster is None:
-            return make_registry(self.process, config.metrics_max_queues)
-        assert config.cluster is not None and config.node is not None
-        node_dir = self.cluster.node_dir
-        return make_registry(self.process, config.metrics_max_queues, node_dir.owned_groups,
-                             {"cluster": config.cluster, "node": config.node}, supervisor_pid())
+        return make_registry(self.process, self.config.metrics_max_queues, *self.cluster.node_figures())
 
     def listen_direct(self) -> None:
         """Worker i's own addresses: a TCP port and a Unix socket for clients, a Unix socket for the other workers.
@@ -513,7 +300,7 @@ class Server:
         assert peers is not None
         port = config.direct_port + peers.worker if config.direct_port else 0
         direct = tcp_listener(config.host, port, self.handle, " (this worker's own port)")
-        if self.cluster is not None:
+        if self.cluster.links_over_tcp:
             self.listen_as_owner(direct)
             return
         unix_path = os.path.join(peers.run_dir, f"worker-{peers.worker}.sock")
@@ -533,8 +320,8 @@ class Server:
     def listen_as_owner(self, direct: Listener) -> None:
         """A cluster's group owner: its own port for clients, and one for the other groups' links, both over TCP and
         published in the cluster map."""
-        config, peers, cluster = self.config, self.peers, self.cluster
-        assert peers is not None and cluster is not None
+        config, peers = self.config, self.peers
+        assert peers is not None
         self.direct_listeners = [direct]
         link_port = config.direct_port + config.workers + peers.worker if config.direct_port else 0
         self.link_listener = tcp_listener(config.host, link_port, self.handle_link, " for links from other nodes")
@@ -543,52 +330,23 @@ class Server:
             direct_tls = tcp_listener(config.host, 0, self.handle_tls, " for TLS (this worker's own port)")
             self.direct_listeners.append(direct_tls)
             tls_port = direct_tls.server_port
-        cluster.serve(direct.server_port, self.link_listener.server_port, tls_port)
+        self.cluster.serve(direct.server_port, self.link_listener.server_port, tls_port)
 
     def handle_link(self, sock: socket.socket, address: object) -> None:
         """Another worker's link: its first line says which worker it is (after the TLS handshake, between the nodes
         of a cluster whose nodes have --tls-cert: a link that does not speak TLS is refused)."""
         assert self.peers is not None
-        if self.cluster is not None:
-            notice_dead_peer(sock)  # from another host, which a partition may cut off
-        if self.link_tls is not None:
-            tls_sock = self.link_tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            try:
-                tls_sock.settimeout(TLS_HANDSHAKE_SECONDS)
-                tls_sock.do_handshake()
-                tls_sock.settimeout(None)
-            except (OSError, ValueError) as e:
-                log.warning("refused a link from %s: no TLS handshake (%s)", address, e)
-                tls_sock.close()
-                return
-            sock = tls_sock
-        data = b""
-        while b"\n" not in data and len(data) < 256:
-            chunk = sock.recv(256)
-            if not chunk:
-                sock.close()
-                return
-            data += chunk
-        line, _, rest = data.partition(b"\n")
-        parts = line.split()
-        if self.cluster is not None and self.tokens is not None:  # links cross hosts: as a client, a token
-            if len(parts) != 4 or not self.tokens.check_link(parts[3]):
-                log.warning("closing a link from %s: no valid token", address)
-                sock.close()
-                return
-            parts = parts[:3]
-        if parts[:2] != [b"-", b"_link"] or len(parts) != 3 or not parts[2].isdigit():
-            log.warning("closing the link socket's peer: it sent %r", line[:80])
-            sock.close()
-            return
-        self.peers.accept_link(sock, int(parts[2]), rest)
+        self.cluster.link_accepted(sock)
+        hello = link_hello(sock, address, self.cluster.link_tls, self.cluster.check_link_token)
+        if hello is not None:
+            self.peers.accept_link(*hello)
 
     def serve_forever(self, own_signals: bool = True) -> None:
         """Recover, listen and serve until stopped; `own_signals` False: a cluster node's process holding several
         groups (node/group_host.py) handles the signals and calls `shutdown` itself."""
         config = self.config
         if self.journal is not None:
-            self.recover()
+            recover_journal(config, self.journal, self.process, self.cluster)
             self.log_wake.start(self.on_log_wake)
         self.listen()
         hub = gevent.get_hub()
@@ -611,7 +369,7 @@ class Server:
                  "refused: token auth beyond loopback" if self.eval_refusal else "on" if config.eval_enabled else "off",
                  self.tokens.describe() if self.tokens is not None else "off",
                  f"data dir {config.data_dir}, fsync {config.fsync}" if config.data_dir else
-                 f"replicated log {self.log_shown()}" if config.log else "in memory", build.kind)
+                 f"replicated log {log_shown(config)}" if config.log else "in memory", build.kind)
         if self.peers is not None:
             for listener in (self.link_listener, *self.direct_listeners):
                 assert listener is not None
@@ -635,8 +393,7 @@ class Server:
         server, and makes another): close what a process's exit would have, so nothing of this one keeps running."""
         if self.timer_greenlet is not None:
             self.timer_greenlet.kill(block=False)
-        if self.cluster is not None:
-            self.cluster.close()
+        self.cluster.close()
         for listener in (self.stream_server, self.tls_server, self.link_listener, *self.direct_listeners):
             if listener is not None:
                 listener.close()
@@ -669,10 +426,7 @@ class Server:
         self.stopping = True
         log.info("stopping: no new connections, draining %d clients for up to %g s", len(self.connections),
                  self.config.drain_seconds)
-        stream_log = self.stream_log
-        if (self.cluster is not None and stream_log is not None and stream_log.fenced_by is None
-                and stream_log.handoff_to is None):
-            stream_log.handoff_to = "*"  # a planned stop: any standby may take over at once, not after the lease
+        self.cluster.stopping()  # a planned stop: a cluster's standby may take over at once, not after the lease
         for listener in listeners:
             listener.close()
         for listener in self.direct_listeners:

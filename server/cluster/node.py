@@ -1,27 +1,39 @@
-"""This process's slot group in a cluster: what `Server` (app.py) asks the cluster layer, in a few places.
+"""This process's slot group in a cluster: the hooks `Server` (app.py) calls, as hooks.py lists them.
 
-    start          the map's watch begins (links and `hello` need every owner's address)
-    close          the group's Server ended: its map hears no more, its standby is reported no more
+    start          (at start-up, startup.py) the map's watch begins: links and `hello` need every owner's address
     replay         the group's records up to this node's takeover: standing by may take hours
     serve          this process owns the group now: its entry in the map, the hand-off requests
-    move_to        a node asked for the group: drain and stop (the node starts this process again, as a standby)
-    topology       `hello`'s addresses of every group's owner
+    hands_off      a node asked for the group: the log marks it for that node; drain and stop (the node starts
+                   this process again, as a standby)
+    stopping       a planned stop: any standby may take over at once, not after the lease
+    close          the group's Server ended: its map hears no more, its standby is reported no more
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import ssl
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..workers.links import notice_dead_peer
 from .candidacy import Candidacy
 from .election import HandOffRequests, Standby, replay_as_candidate
+from .hooks import Scope
 from .map import ClusterMap, NodeDir, SharedMap
 
 if TYPE_CHECKING:
     from ..journal.jetstream_log import JetStreamLog
+    from ..journal.journal import Log
     from ..node.config import Config
+    from ..node.sessions import Tokens
+    from ..workers.peers import Peers
+
+log = logging.getLogger("mqks.cluster")
+
+DIAL_RETRY_SECONDS = 0.2  # a group's owner unknown or unreachable: dial again after this
 
 
 def owner_description(config: Config) -> str:
@@ -30,12 +42,24 @@ def owner_description(config: Config) -> str:
 
 
 class ClusterGroup:
-    """One slot group of the cluster, as this process takes part in it: standby first, then maybe owner."""
+    """One slot group of the cluster, as this process takes part in it: standby first, then maybe owner.
+
+    `link_tls` is (what the link port accepts with, what it dials with) when the nodes have --tls-cert;
+    `node_root_pid` the process whose children /metrics sums for the node.
+    """
+
+    links_over_tcp = True
+    shares_metrics_port = True
 
     def __init__(self, config: Config, stream_log: JetStreamLog, on_map_change: Callable[[int], None],
-                 shared_map: SharedMap | None = None) -> None:
+                 shared_map: SharedMap | None = None, tokens: Tokens | None = None,
+                 link_tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None, node_root_pid: int = 0) -> None:
         assert config.cluster is not None and config.node is not None
         self.config = config
+        self.tokens = tokens
+        # links cross hosts: with tokens, a link's hello carries one
+        self.check_link_token: Callable[[bytes], bool] | None = tokens.check_link if tokens is not None else None
+        self.node_root_pid = node_root_pid
         self.stream_log = stream_log
         self.group = config.worker_index or 0
         self.node_dir = NodeDir(config.run_dir or ".")
@@ -44,6 +68,9 @@ class ClusterGroup:
                                    end_pull=self.node_dir.end_pull_turn)
         self.map = ClusterMap(stream_log.bridge, self.candidacy, config.log_replicas, on_map_change, shared_map)
         self.hand_offs = HandOffRequests(config.node, stream_log.owner, stream_log.wake)
+        accepts_with, dials_with = link_tls or (None, None)
+        self.link_tls: ssl.SSLContext | None = accepts_with
+        self.map.link_tls = dials_with
 
     def start(self) -> None:
         self.map.watch()
@@ -52,14 +79,51 @@ class ClusterGroup:
         """The group's `Server` ended (the process goes on, and may serve the group again)."""
         self.map.close()
 
-    def replay(self) -> Iterator[bytes]:
+    def link(self, peers: Peers) -> None:
+        """The groups' owners are on any node: links go over TCP to the address the map names, and prove
+        themselves with the cluster's secret (the token file's `[cluster] secret`; a plain token file has none:
+        its first token then), never a user's token."""
+        peers.dial = self.map.dial
+        peers.unit = "group"
+        peers.address_of = self.map.address
+        peers.owner_epoch = lambda group: self.map.entries.get(group, {}).get("epoch")
+        peers.connect_retry_seconds = DIAL_RETRY_SECONDS
+        tokens = self.tokens
+        token = None if tokens is None else tokens.cluster_secret or (tokens.tokens[0] if tokens.tokens else None)
+        if token is not None:
+            peers.link_hello = b"- _link %d %b\n" % (peers.worker, token)
+
+    def link_accepted(self, sock: socket.socket) -> None:
+        notice_dead_peer(sock)  # from another host, which a partition may cut off
+
+    def replay(self, journal_log: Log, repair: bool) -> Iterator[bytes]:
         """The group's records up to this node's takeover record (the journal's recovery reads them)."""
         return replay_as_candidate(self.stream_log, Standby(self.candidacy, self.stream_log, self.map))
 
-    @property
-    def move_to(self) -> str | None:
-        """The node this owner was asked to hand its group to, once asked."""
-        return self.hand_offs.move_to
+    def hands_off(self) -> bool:
+        """True once another node asked for this group: the log is marked for that node, and this owner stops."""
+        move_to = self.hand_offs.move_to
+        if move_to is None:
+            return False
+        log.warning("handing this group over to node %s: draining, then stopping", move_to)
+        self.stream_log.handoff_to = move_to
+        return True
+
+    def stopping(self) -> None:
+        """A planned stop: any standby may take over at once, not after the lease."""
+        stream_log = self.stream_log
+        if stream_log.fenced_by is None and stream_log.handoff_to is None:
+            stream_log.handoff_to = "*"
+
+    def owned_groups(self) -> list[int]:
+        """The groups this node owns now: its /healthz answers for them, another node's trouble is that node's."""
+        return self.node_dir.owned_groups()
+
+    def node_figures(self) -> tuple[Scope, dict[str, str] | None, int | None]:
+        """/metrics of a node: the groups it owns now, its labels, and the process whose children it sums."""
+        config = self.config
+        assert config.cluster is not None and config.node is not None
+        return self.owned_groups, {"cluster": config.cluster, "node": config.node}, self.node_root_pid
 
     def serve(self, direct_port: int, link_port: int, tls_port: int | None) -> None:
         """This process owns its group and listens: put its entry in the map (the other groups' owners link here
@@ -76,17 +140,12 @@ class ClusterGroup:
         if config.run_dir is not None:
             self.node_dir.owner_of(self.group)
 
-    def topology(self, groups: int) -> list[dict[str, Any]]:
-        """`hello`'s `direct`: every group's owner as the map names it (None where none is known yet)."""
+    def hello_fields(self, groups: int) -> dict[str, Any]:
+        """`hello`'s cluster and node, and `direct`: every group's owner as the map names it (None where none is
+        known yet)."""
         direct = []
         for group in range(groups):
             entry = self.map.entries.get(group, {})
             direct.append({"worker": group, "host": entry.get("host"), "port": entry.get("port"), "unix": None,
                            "tls_port": entry.get("tls_port"), "node": entry.get("node"), "epoch": entry.get("epoch")})
-        return direct
-
-    def address(self, group: int) -> tuple[str, int] | None:
-        return self.map.address(group)
-
-    def dial(self, group: int) -> socket.socket:
-        return self.map.dial(group)
+        return {"cluster": self.config.cluster, "node": self.config.node, "direct": direct}
