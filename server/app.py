@@ -346,7 +346,8 @@ class Server:
         groups (node/group_host.py) handles the signals and calls `shutdown` itself."""
         config = self.config
         if self.journal is not None:
-            recover_journal(config, self.journal, self.process, self.cluster)
+            lines = self.cluster.replay(self.journal.log, config.repair)  # a standby's: up to its takeover
+            recover_journal(config, self.journal, self.process, lines)
             self.log_wake.start(self.on_log_wake)
         self.listen()
         hub = gevent.get_hub()

@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import gevent
@@ -132,8 +132,9 @@ def log_shown(config: Config) -> str:
     return shown(config.log_urls)
 
 
-def recover_journal(config: Config, journal: Journal, process: Process, cluster: Cluster) -> None:
-    """Replay the log into the process before the first client is accepted; exit when it cannot be read."""
+def recover_journal(config: Config, journal: Journal, process: Process, lines: Iterator[bytes]) -> None:
+    """Replay `lines` (the log's records, as the cluster hands them out) into the process before the first client is
+    accepted; exit when the log cannot be read."""
     cannot_start: tuple[type[Exception], ...]
     if config.log is not None:
         from nats.errors import Error as NatsError
@@ -148,7 +149,6 @@ def recover_journal(config: Config, journal: Journal, process: Process, cluster:
 
         cannot_start = (LogCorrupt,)
     started = time.monotonic()
-    lines = cluster.replay(journal.log, config.repair)
     try:
         recovery = recover(lines)
         queues, messages = rebuild(recovery.queues, lambda name: process.broker)
