@@ -96,6 +96,7 @@ class JetStreamLog:
         self.takeover = takeover
         self.lease = lease
         self.wake = wake
+        self.name, self.label, self.owner, self.stream = self.nats.name, self.nats.label, owner, stream
         self.writer = StreamWriter(self.nats, wake, timeout_seconds, frame_wait_seconds, lease)
         self.reader = StreamReader(self.nats, hears_beats=lease is not None)
         self.append = self.writer.append
@@ -105,15 +106,38 @@ class JetStreamLog:
         self._recovery_seconds = 0.0
 
     # what the hub, the journal and the cluster layer read of the parts
-    name = property(lambda self: self.nats.name)
-    label = property(lambda self: self.nats.label)
-    owner = property(lambda self: self.nats.owner)
-    stream = property(lambda self: self.nats.stream)
-    epoch = property(lambda self: self.writer.epoch)
-    blocked = property(lambda self: self.writer.blocked)
-    fenced_by = property(lambda self: self.writer.fenced_by)
-    unsynced_bytes = property(lambda self: self.writer.unsynced_bytes)
-    handed_bytes = property(lambda self: self.writer.handed_bytes)
+
+    @property
+    def epoch(self) -> int:
+        return self.writer.epoch
+
+    @property
+    def blocked(self) -> str | None:
+        return self.writer.blocked
+
+    @blocked.setter
+    def blocked(self, value: str | None) -> None:
+        self.writer.blocked = value
+
+    @property
+    def fenced_by(self) -> str | None:
+        return self.writer.fenced_by
+
+    @fenced_by.setter
+    def fenced_by(self, value: str | None) -> None:
+        self.writer.fenced_by = value
+
+    @property
+    def unsynced_bytes(self) -> int:
+        return self.writer.unsynced_bytes
+
+    @unsynced_bytes.setter
+    def unsynced_bytes(self, value: int) -> None:
+        self.writer.unsynced_bytes = value
+
+    @property
+    def handed_bytes(self) -> int:
+        return self.writer.handed_bytes
 
     @property
     def frames_waiting(self) -> bool:
