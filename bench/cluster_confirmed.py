@@ -17,8 +17,9 @@ stream, R3) and for three nodes with each of `--groups`:
   client and from the same three (a third of the rate each), below what either reaches: at saturation the CPU per
   message is elastic (a process given a core back takes smaller batches), at a fixed rate each side's cost per
   message is what it spends. With `--pacing ticks` (the default) a client sends what is due every 5 ms and only
-  then; with `answers` it also sends what is due each time answers come in (the cell of before issue 57: its
-  publishes trickle in a few at a time, and one broker commits a frame per few messages).
+  then, the three on one grid of the machine's monotonic clock; with `answers` it also sends what is due each time
+  answers come in (the cell of before issue 57). One broker stores what it has as soon as it can, so its stored
+  messages, and its CPU, follow the clients' sends: three clients out of step cost it a frame per send.
 Then the default cluster left idle for `--idle-seconds`: CPU of its processes and of the NATS servers, as a
 share of one core, and node a's resident memory. Ratios against one broker's same cell: rate, and CPU per message.
 Medians of --reps; an absolute figure from this VM is noise.
@@ -118,7 +119,8 @@ def paced_cell(port: int, messages: int, rate: float, ticks: bool = True,
         lines = publishes(messages)
         start()
         sent = answered = 0
-        started = next_tick = time.monotonic()
+        started = time.monotonic()
+        next_tick = (int(started / PACE_SECONDS) + 1) * PACE_SECONDS  # one grid for every client: they send together
         while answered < messages:
             now = time.monotonic()
             if now >= next_tick or not ticks:
