@@ -36,7 +36,11 @@ PULL_TURN_SECONDS = 30.0  # a turn whose group never came (its owner refused or 
 # a stopped watch's consumer goes from NATS after this (nats-py's default is 300 s); a live one never idles
 # this long: NATS sends it a heartbeat every WATCH_HEARTBEAT_SECONDS
 WATCHER_INACTIVE_SECONDS = 30.0
-WATCH_HEARTBEAT_SECONDS = 10.0  # an idle watch hears NATS this often; after two silent periods it is made anew
+# an idle watch hears NATS this often; after two silent periods it is made anew. Its consumer lives on one NATS
+# server: one on a host cut off went deaf for two periods, and at 10 s the nodes learned the cut node's groups'
+# new owners 7 s after the takeovers (issue 56: its queues served again 26 s after the cut). One heartbeat every
+# 2 s per process costs nothing beside the bridge's ping a second
+WATCH_HEARTBEAT_SECONDS = 2.0
 RETRY_SECONDS = 1.0
 # a standby reads its group's pin again after this (a failover took a pinned group away: it asks for it back
 # within this); one read every 5 s per standby was a quarter of an idle cluster's API calls on NATS

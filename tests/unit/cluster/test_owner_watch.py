@@ -6,6 +6,7 @@ built as NATS delivers them (the JetStream reply subject carries the sequences).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 pytest.importorskip("nats")
 from nats.aio.msg import Msg
 
-from mqks.server.cluster.map import OwnerWatch
+from mqks.server.cluster.map import RETRY_SECONDS, WATCH_HEARTBEAT_SECONDS, OwnerWatch
+from mqks.server.node.config import Config
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -78,3 +80,12 @@ def test_an_entry_that_is_not_json_is_skipped_and_the_watch_goes_on():
 
     asyncio.run(feed())
     assert learned == [5] and not watch.skipped
+
+
+def test_a_watch_deaf_since_its_nats_server_was_cut_off_is_made_anew_well_within_a_lease():
+    """Issue 56: the watch's consumer lived on the cut host's NATS server; two silent heartbeats of 10 s later the
+    nodes learned the new owners of the cut node's groups, 7 s after the takeovers. Made anew within half the
+    default lease, the watch hears the new owners' entries as they are put."""
+    default_lease = next(f.default for f in dataclasses.fields(Config) if f.name == "lease_seconds")
+    assert isinstance(default_lease, float)
+    assert default_lease / 2 > 2 * WATCH_HEARTBEAT_SECONDS + RETRY_SECONDS
