@@ -93,6 +93,7 @@ def replay_as_candidate(stream: FollowedStream, standby: Standby) -> Iterator[by
         if record is not None:
             yield record
             return
+        standby.claim_lost()
         log.info("%s: another node took it over first; standing by again", stream.label)
 
 
@@ -108,6 +109,7 @@ class Standby:
         self.sleep = sleep
         self.owner_since = clock()  # since when this standby has seen the group's current owner (its epoch)
         self.uneven_since: float | None = None  # since when the counts have asked for this group without a pause
+        self.pulling = False  # this standby asked for its group and the owner said yes: the node's pull turn is its
 
     def stand_by(self, reading: Reading) -> Iterator[bytes]:
         """The records of the frames the owner stores, until this node should claim the group: its owner has
@@ -233,6 +235,14 @@ class Standby:
                 balanced_at = now
                 self.balance()
 
+    def claim_lost(self) -> None:
+        """The claim did not take the group (another node appended first, or no stream leader answered): a pull that
+        brought the hand-off is over, and another standby of this node may ask (issue 56: after a heal, a takeover
+        NATS did not answer held the node's turn for 30 s, and the healed node asked for no other group)."""
+        if self.pulling:
+            self.pulling = False
+            self.candidacy.end_pull()
+
     def fewest_elsewhere(self) -> int:
         """The fewest groups another node that may claim this group owns, as the map says: not this node, not the
         group's owner (silent, maybe cut off). 0 when the map names none: a node that owns none is not in it."""
@@ -289,6 +299,7 @@ class Standby:
             log.info("%s: its owner did not take the request (%s)", label, e)
             candidacy.end_pull()
             return
+        self.pulling = bool(answer.get("ok"))
         if not answer.get("ok"):  # another node's standby asked first: this node's turn to pull is over
             if answer.get("owner", owner) != owner:
                 log.info("%s: node %s owns it now, not node %s: not moved", label, answer["owner"], owner)

@@ -420,6 +420,22 @@ def test_a_claim_that_loses_reads_the_winners_records_and_stands_by_again():
     assert records[-3:] == [b"W 2 node c", b"P from c", b"W 3 node a"]
 
 
+def test_a_hand_off_whose_claim_loses_ends_the_nodes_pull_turn():
+    """Issue 56: after a heal, the healed node asked for a group and was handed it; its takeover found no stream
+    leader (NATS electing) and stood by again, and the node's turn to pull stayed taken for 30 s: it asked for no
+    other group meanwhile."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    stream.at(1.0, frame(1, 2, b"", handoff="a"))  # b answers the ask: it hands the group to a
+    stream.rival_before_claim = frame(2, 0, b"W 2 node c", owner="node c")  # and a's claim loses all the same
+    node = Node(owned=0)
+    cluster_map = FakeMap(counts={"b": 3, "a": 0}, owner="b")
+    list(replay_as_candidate(stream, standby(clock, stream, cluster_map, node)))
+    assert len(stream.takeovers) == 2 and cluster_map.asked
+    assert node.turns_ended == 1  # at the lost claim; the group it won later ends its next turn by owning it
+
+
 def test_a_follower_that_lost_its_nats_node_is_noticed_by_the_tail_and_made_again():
     clock = Clock()
     stream = FakeStream(clock, owner="node b (epoch 1)")
