@@ -254,7 +254,7 @@ class StreamWriter:
         # a rival's takeover is heard as it is published (the hub's connection does not hear its own frames):
         # an idle owner need not poll its log's tail for one
         hub.subscribe(self.nats.subject, self.recovery.on_foreign_frame)
-        lease = self.lease
+        lease, recovery = self.lease, self.recovery
         wake.set()  # commits handed during the replay's end
         last_check = self.last_sent_at = time.monotonic()
         checking: gevent.Greenlet | None = None
@@ -265,8 +265,8 @@ class StreamWriter:
         reconnects = hub.reconnects
         reconnected = False
         while not self._stopping and self.fenced_by is None:
-            if (self._in_flight or self._unsent or self._handed or self.recovery.trouble is not None
-                    or self.recovery.stalled_since is not None or self.blocked is not None):
+            if (self._in_flight or self._unsent or self._handed or recovery.trouble is not None
+                    or recovery.stalled_since is not None or self.blocked is not None):
                 wake.wait(TAIL_CHECK_SECONDS)  # an unanswered frame and a stall are looked at this often
             else:  # idle: until the next heartbeat or check is due
                 due = last_check + tail_check_seconds
@@ -292,26 +292,26 @@ class StreamWriter:
                     self._waiting_to_send = True
                     gevent.spawn_later(wait, self._frame_wait_over)
             now = time.monotonic()
-            if (self.blocked is not None and not self._closed and self.recovery.trouble is None and not self._in_flight
+            if (self.blocked is not None and not self._closed and recovery.trouble is None and not self._in_flight
                     and not self._unsent and not self._handed):
                 # refusing confirms, no publish writes a frame that could show the log takes writes again: probe it
                 # with an empty frame (a reader takes it for a heartbeat); stored, it ends the refusal
                 self._add_frame([b""], False, 0, False, False)
-            if self._in_flight and self.recovery.trouble is None:
+            if self._in_flight and recovery.trouble is None:
                 oldest = min((f.sent_at for f in self._by_token.values()), default=now)
                 if now - oldest > ACK_SECONDS:
-                    self.recovery.in_trouble(f"no PubAck within {ACK_SECONDS:g} s")
-            if self.recovery.stalled_since is not None and now - self.recovery.stalled_since > self.timeout_seconds:
-                self.recovery.stall_too_long(f"the replicated log has stored nothing for {self.timeout_seconds:g} s")
-            if self.recovery.trouble is not None:
-                self.recovery.read_tail()
+                    recovery.in_trouble(f"no PubAck within {ACK_SECONDS:g} s")
+            if recovery.stalled_since is not None and now - recovery.stalled_since > self.timeout_seconds:
+                recovery.stall_too_long(f"the replicated log has stored nothing for {self.timeout_seconds:g} s")
+            if recovery.trouble is not None:
+                recovery.read_tail()
                 continue
             if lease is not None and not self._unsent and not self._in_flight:
                 lease.idle(self, hub, now)
             self._send(hub)
             if now - last_check >= tail_check_seconds and (checking is None or checking.dead):
                 last_check = now
-                checking = gevent.spawn(self.recovery.check_tail, reconnected)
+                checking = gevent.spawn(recovery.check_tail, reconnected)
                 reconnected = False
 
     def _on_owner_ping(self, subject: str, reply: str, headers: Headers | None, data: bytes) -> None:
