@@ -13,7 +13,12 @@ batches with rows.
 Sink cell: `df.write.format("mqks")` of --sink-rows rows (a cached DataFrame of `event` and `data`,
 one queue bound to the event) beside a Python `DataSourceWriter` that iterates its rows and drops
 them (the ceiling), a `DataSourceArrowWriter` that drops its record batches, and Spark's JVM `noop`.
-Rows/s = rows / the wall time of `save()`.
+Rows/s = rows / the wall time of `save()`. Two more cells bound the sink from below and above, in the same
+round: `floor`, the broker alone confirming the sink's lines (the same `{id} publish --confirm bench.out
+{data}`, one raw socket per partition, the sink's window, no Spark); and `mqks-unconfirmed`, the sink's own
+path with plain `publish` lines and one `ping` at the end of a task (not at-least-once: an unconfirmed
+publish past a queue's --max-length is dropped, not refused): what a broker that confirmed a run of
+publishes with one answer would give.
 
 Every round runs every cell once, in turn (each round reverses the order of the one before); the
 ratios are taken inside a round, and the report gives each one's median over the rounds. One round
@@ -193,6 +198,105 @@ def null_sink_classes():
     return NullRows, NullArrow
 
 
+def unconfirmed_sink_class():
+    """`mqksunconfirmed`: the sink's lines without `--confirm`, one `ping` per task for all (a bound, not a sink)."""
+    from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+
+    class Sent(WriterCommitMessage):
+        def __init__(self, count: int) -> None:
+            self.count = count
+
+    class Writer(DataSourceArrowWriter):
+        def __init__(self, port: int) -> None:
+            self.port = port
+
+        def write(self, iterator):
+            import pyarrow.compute as pc
+            from pyspark import TaskContext
+
+            from mqks.spark.line_client import LineClient
+
+            client, count = None, 0
+            context = TaskContext.get()
+            prefix = f"u.{context.partitionId() if context is not None else 0}."
+            try:
+                for batch in iterator:
+                    ids = pc.binary_join_element_wise(prefix, pc.cast(pc.add(pc.cast(pa_range(batch.num_rows),
+                                                                                     "int64"), count), "string"), "")
+                    lines = pc.binary_join_element_wise(ids, " publish ", batch.column(0), " ", batch.column(1),
+                                                        "\n", "")
+                    client = client or LineClient("127.0.0.1", self.port)
+                    _, offsets, values = lines.buffers()  # a fresh array: its lines start at byte 0
+                    client.send_block(memoryview(values)[: memoryview(offsets).cast("i")[len(lines)]])
+                    count += batch.num_rows
+                if client is not None:
+                    client.send([b"u.done ping done"])
+                    while not any(line.startswith(b"u.done ok") for line in client.read_lines(60.0)):
+                        pass
+            finally:
+                if client is not None:
+                    client.close()
+            return Sent(count)
+
+    def pa_range(count: int):
+        import pyarrow as pa
+
+        return pa.array(range(count))
+
+    class Unconfirmed(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "mqksunconfirmed"
+
+        def writer(self, schema, overwrite):
+            return Writer(int(self.options["port"]))
+
+    return Unconfirmed
+
+
+def floor_rate(port: int, rows: int, connections: int, window: int, data_bytes: int, round_no: int) -> float:
+    """Rows/s the broker confirms of the sink's lines from `connections` raw sockets at the sink's window."""
+    step = max(1, window // 2)  # the sink sends slices of half its window
+    payload = b"x" * data_bytes
+    per_connection = rows // connections
+    blocks = [[b"".join(b"f%d.%d.%d publish --confirm bench.out %b\n" % (round_no, part, i, payload)
+                        for i in range(lo, min(per_connection, lo + step)))
+               for lo in range(0, per_connection, step)] for part in range(connections)]
+    ready = threading.Barrier(connections + 1)
+
+    def send(part: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ready.wait()
+            sent = confirmed = 0
+            for block in blocks[part]:
+                while sent - confirmed + step > window:
+                    confirmed += sock.recv(1 << 20).count(b"\n")
+                sock.sendall(block)
+                sent += block.count(b"\n")
+            while confirmed < sent:
+                confirmed += sock.recv(1 << 20).count(b"\n")
+
+    threads = [threading.Thread(target=send, args=(part,)) for part in range(connections)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    started = time.monotonic()
+    for thread in threads:
+        thread.join()
+    return per_connection * connections / (time.monotonic() - started)
+
+
+def phases_ms(progress: list[dict]) -> dict[str, int]:
+    """Spark's durationMs of the batches with rows, summed per phase (addBatch holds the tasks)."""
+    summed: dict[str, int] = {}
+    for p in progress:
+        if p["numInputRows"]:
+            for phase, millis in p["durationMs"].items():
+                summed[phase] = summed.get(phase, 0) + millis
+    return summed
+
+
 def steady_rate(progress: list[dict]) -> tuple[float, int]:
     with_rows = [p for p in progress if p["numInputRows"]]
     rows = sum(p["numInputRows"] for p in with_rows)
@@ -238,8 +342,8 @@ def warm_up(spark, port: int, args: argparse.Namespace) -> None:
     source_rate(spark, "memorybench", {"rows": "20000", "parts": str(args.partitions), "batchRows": "5000",
                                        "dataBytes": str(args.data_bytes)})
     df = spark.range(20_000).selectExpr("'bench.warm.out' AS event", "'x' AS data").repartition(args.partitions)
-    for fmt in ("nullrows", "nullarrow", "mqks"):
-        df.write.format(fmt).mode("append").option("port", str(port)).save() if fmt == "mqks" else \
+    for fmt in ("nullrows", "nullarrow", "mqks", "mqksunconfirmed"):
+        df.write.format(fmt).mode("append").option("port", str(port)).save() if fmt.startswith("mqks") else \
             df.write.format(fmt).mode("append").save()
 
 
@@ -255,9 +359,10 @@ def source_round(spark, port: int, args: argparse.Namespace, batch_rows: int, ro
         runs.reverse()  # neither always goes first
     for name, options in runs:
         cpu_before = driver_cpu(driver_jvm)
-        rate, rows, _ = source_rate(spark, "mqks" if name == "mqks" else "memorybench", options)
+        rate, rows, progress = source_rate(spark, "mqks" if name == "mqks" else "memorybench", options)
         assert rows == args.messages, f"{name} read {rows} of {args.messages}"
         cells[name] = rate
+        cells[f"{name}_ms"] = phases_ms(progress)
         cells[f"{name}_driver_us_per_row"] = (driver_cpu(driver_jvm) - cpu_before) * 1e6 / rows
     cells["ratio"] = cells["mqks"] / cells["memory"]
     call(port, [b"d delete_queue %s" % queue.encode()])
@@ -267,16 +372,21 @@ def source_round(spark, port: int, args: argparse.Namespace, batch_rows: int, ro
 def sink_round(spark, port: int, args: argparse.Namespace, df, round_no: int) -> dict:
     call(port, [b"b rebind --confirm bench.sink bench.out"])
     cells: dict = {}
-    formats = ["nullrows", "mqks", "nullarrow", "noop"]
+    formats = ["nullrows", "mqks", "nullarrow", "noop", "floor", "mqksunconfirmed"]
     if round_no % 2:
         formats.reverse()
     for fmt in formats:
+        if fmt == "floor":
+            cells[fmt] = floor_rate(port, args.sink_rows, args.partitions, 1000, args.data_bytes, round_no)
+            continue
         started = time.monotonic()
         writer = df.write.format(fmt).mode("append")
-        (writer.option("port", str(port)) if fmt == "mqks" else writer).save()
+        (writer.option("port", str(port)) if fmt.startswith("mqks") else writer).save()
         cells[fmt] = args.sink_rows / (time.monotonic() - started)
     cells["ratio"] = cells["mqks"] / cells["nullrows"]
     cells["ratio_arrow"] = cells["mqks"] / cells["nullarrow"]
+    cells["ratio_floor"] = cells["floor"] / cells["nullrows"]
+    cells["ratio_unconfirmed"] = cells["mqksunconfirmed"] / cells["nullrows"]
     call(port, [b"d delete_queue bench.sink"])
     return cells
 
@@ -323,7 +433,7 @@ def main() -> None:
         threading.Thread(target=broker.stderr.read, daemon=True).start()  # never let its pipe fill
         spark = local_session("bench-spark", master=args.master)
         spark.dataSource.register(memory_source_class())
-        for cls in null_sink_classes():
+        for cls in (*null_sink_classes(), unconfirmed_sink_class()):
             spark.dataSource.register(cls)
         driver_jvm = spark.sparkContext._gateway.proc.pid  # type: ignore[union-attr]
         try:
@@ -339,8 +449,11 @@ def main() -> None:
                     if not round_no:
                         continue
                     results["source"][batch_rows].append(cell)
+                    phases = ", ".join(f"{phase} {cell['mqks_ms'][phase]}/{cell['memory_ms'].get(phase, 0)}"
+                                       for phase in sorted(cell["mqks_ms"]) if cell["mqks_ms"][phase] > 20)
                     print(f"round {round_no} source {batch_rows:,}-row batches: mqks {cell['mqks']:,.0f} rows/s, "
-                          f"memory Arrow {cell['memory']:,.0f} rows/s, {cell['ratio']:.2f}x", flush=True)
+                          f"memory Arrow {cell['memory']:,.0f} rows/s, {cell['ratio']:.2f}x (ms mqks/memory: "
+                          f"{phases})", flush=True)
                 if "sink" in cells:
                     cell = sink_round(spark, port, args, df, round_no)
                     if not round_no:
@@ -349,7 +462,9 @@ def main() -> None:
                     print(f"round {round_no} sink: mqks {cell['mqks']:,.0f} rows/s, null rows writer "
                           f"{cell['nullrows']:,.0f}, null Arrow writer {cell['nullarrow']:,.0f}, "
                           f"noop {cell['noop']:,.0f}: {cell['ratio']:.2f}x the rows writer, "
-                          f"{cell['ratio_arrow']:.2f}x the Arrow writer", flush=True)
+                          f"{cell['ratio_arrow']:.2f}x the Arrow writer; broker floor {cell['floor']:,.0f} "
+                          f"({cell['ratio_floor']:.2f}x), unconfirmed {cell['mqksunconfirmed']:,.0f} "
+                          f"({cell['ratio_unconfirmed']:.2f}x)", flush=True)
         finally:
             spark.stop()
     finally:
@@ -370,7 +485,10 @@ def main() -> None:
               f"{median_of(rounds, 'nullrows'):,.0f}, null Arrow writer {median_of(rounds, 'nullarrow'):,.0f}, "
               f"noop {median_of(rounds, 'noop'):,.0f}: ratio {median_of(rounds, 'ratio'):.2f}x "
               f"(rounds {listed(rounds)}), "
-              f"{median_of(rounds, 'ratio_arrow'):.2f}x the Arrow writer")
+              f"{median_of(rounds, 'ratio_arrow'):.2f}x the Arrow writer; the broker alone confirming the same "
+              f"lines (no Spark) {median_of(rounds, 'floor'):,.0f} rows/s ({median_of(rounds, 'ratio_floor'):.2f}x), "
+              f"the sink unconfirmed {median_of(rounds, 'mqksunconfirmed'):,.0f} rows/s "
+              f"({median_of(rounds, 'ratio_unconfirmed'):.2f}x)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
