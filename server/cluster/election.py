@@ -81,6 +81,8 @@ class StandbyMap(Protocol):
 
     def ask_for_group(self, stream: str, node: str, of_node: str | None = None) -> dict[str, Any]: ...
 
+    def can_write(self) -> bool: ...
+
 
 def replay_as_candidate(stream: FollowedStream, standby: Standby) -> Iterator[bytes]:
     """The records of the group's stream up to this node's takeover, whose record ends them: read to the tail,
@@ -292,6 +294,14 @@ class Standby:
         if not candidacy.may_pull():
             return
         label = self.stream.label
+        if not cluster_map.can_write():
+            # as the owner it would put its entry in the map at once, and nobody would link to it until then (issue
+            # 56: a healed node's puts timed out for 12 s while its reads worked; the groups it was handed had no
+            # owner reachable from the other nodes all that time)
+            log.info("%s: %s, but a put to the cluster's map from here does not go through yet: not asking", label,
+                     why)
+            candidacy.end_pull()
+            return
         log.info("%s: %s: asking for it", label, why)
         try:
             answer = cluster_map.ask_for_group(self.stream.name, candidacy.node, owner)

@@ -318,6 +318,7 @@ class ClusterMap:
         self._pin: str | None = None  # this group's pin as last read, and when (monotonic)
         self._pin_read_at = -PIN_READ_SECONDS
         self.link_tls: ssl.SSLContext | None = None  # set when this node's links to the others use TLS
+        self._seq = 0  # how far this group's standby has read, as last reported
 
     def watch(self) -> None:
         """Follow every group's entry from now on: a standby balances by it, an owner links by it."""
@@ -381,9 +382,31 @@ class ClusterMap:
             self._kv = None  # the bucket was removed, or NATS moved it: open it again next time
             raise
 
+    def can_write(self) -> bool:
+        """Whether a put to the bucket goes through from here now (in the hub, waiting up to ASK_SECONDS): this
+        standby's report put again, as its process's report or its own."""
+        candidacy = self.candidacy
+        if self.shared is not None:
+            key, positions = standbys_key(candidacy.node, str(self.shared.process)), dict(self.shared.positions)
+        else:
+            key, positions = standbys_key(candidacy.node, f"g{candidacy.group}"), {candidacy.group: self._seq}
+
+        async def put(nc: Any) -> None:
+            kv = await self._bucket(nc)
+            await kv.put(key, standbys_entry(candidacy.node, positions))
+
+        try:
+            self.bridge.run(put, timeout=ASK_SECONDS)
+        except Exception as e:
+            self._kv = None
+            log.debug("group %d: a put to the map failed: %s", candidacy.group, e)
+            return False
+        return True
+
     def report_standby(self, seq: int) -> None:
         """A standby tells `mqks cluster status` how far it has read: in its process's report, or in one of its
         own (a put in the background)."""
+        self._seq = seq
         if self.shared is not None:
             self.shared.report(self.candidacy.group, seq)
             return

@@ -164,6 +164,7 @@ class FakeMap:
         self.reports: list[int] = []
         self.asked: list[tuple[str, str]] = []
         self.asked_of: list[str | None] = []  # the owner each ask was meant for
+        self.writable: list[bool] = []  # what the next can_write() calls answer (then True)
         self.fresh_reads = 0
 
     def owner_counts(self) -> tuple[dict[str, int], str | None]:
@@ -175,6 +176,9 @@ class FakeMap:
 
     def report_standby(self, seq: int) -> None:
         self.reports.append(seq)
+
+    def can_write(self) -> bool:
+        return self.writable.pop(0) if self.writable else True
 
     def ask_for_group(self, stream: str, node: str, of_node: str | None = None) -> dict[str, Any]:
         self.asked.append((stream, node))
@@ -558,6 +562,22 @@ def test_a_group_its_owner_has_held_long_is_asked_for_only_once_the_counts_stay_
     taken_lately = standby(clock, stream, FakeMap(counts={"b": 9, "a": 7}, owner="b"), Node(owned=7))
     taken_lately.balance()
     assert taken_lately.cluster_map.asked == [("c-0-of-4", "a")]  # type: ignore[attr-defined]
+
+
+def test_a_node_whose_puts_to_the_map_do_not_go_through_does_not_ask_for_a_group_yet():
+    """Issue 56: right after a heal, the healed node's reads worked and its puts timed out for 12 s; the groups it
+    asked for and got had no owner reachable from the other nodes until its entries went through."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    heartbeats(stream, LEASE / 4, 4 * BALANCE_SECONDS)
+    cluster_map = TimedMap(clock, counts={"b": 8, "a": 0}, owner="b")
+    cluster_map.writable = [False, False]
+    node = Node(owned=0)
+    started = clock.now
+    list(replay_as_candidate(stream, standby(clock, stream, cluster_map, node)))
+    assert cluster_map.asked == [("c-0-of-4", "a")] and node.turns_ended == 2  # the turn ends at each refusal
+    assert cluster_map.asked_at[0] - started >= 2 * BALANCE_SECONDS  # at the third look: the first that can write
 
 
 def test_a_refused_ask_ends_the_nodes_turn_so_it_may_ask_again():
