@@ -524,8 +524,10 @@ def fetch_part(options: SourceOptions, schema: StructType, partition: MqksPartit
     names = schema.fieldNames()
     queue_name = encode_token(partition.queue, "queue")
     lease = partition.lease_id.encode()
-    # one rid per attempt: the late answer of an attempt that stopped early is never read as a retry's
-    rid = b"rd.%b.%d" % (lease, next(_ATTEMPTS))
+    # one rid per attempt: the late answer of an attempt that stopped early is never read as a retry's. A
+    # connection belongs to this process, so a count is unique on it; a short rid, as every answer line repeats it
+    # (the lease's 32-byte rid made 20 % of a 100-byte message's line: bytes the broker, the kernel and Arrow pay)
+    rid = b"r%d" % next(_ATTEMPTS)
     try:
         yield from _fetch_chunks(options, partition, queue_name, lease, rid, names, arrow_schema, pa)
     except GeneratorExit:
@@ -548,6 +550,14 @@ def _fetch_release(client: LineClient, lease: bytes) -> None:
     client.send([b"rl.%b settle %b --release" % (lease, lease)])
 
 
+def fetch_rows(rows_left: int, first: bool) -> int:
+    """How many rows a part's next fetch asks: FIRST_FETCH_ROWS first, FETCH_ROWS after, and all that is left
+    when the rest would be under a quarter of that: a 25,000-row part is fetched as 4,096 + 20,904, not with a
+    third fetch of 904 (each a round trip, and a batch Spark takes on its own)."""
+    limit = min(FETCH_ROWS, FIRST_FETCH_ROWS) if first else FETCH_ROWS
+    return rows_left if rows_left - limit < limit // 4 else limit
+
+
 def _fetch_chunks(options: SourceOptions, partition: MqksPartition, queue_name: bytes, lease: bytes, rid: bytes,
                   names: list[str], arrow_schema, pa) -> Iterator:
     """Fetch until the part's rows or bytes are read, or the queue runs dry; a record batch per fetch (two when
@@ -560,7 +570,7 @@ def _fetch_chunks(options: SourceOptions, partition: MqksPartition, queue_name: 
     rows_left, bytes_left = partition.rows, partition.max_bytes
 
     def fetch_line(add: bool, runs: bool) -> tuple[bytes, int, int]:
-        chunk_rows = min(rows_left, FETCH_ROWS if add else min(FETCH_ROWS, FIRST_FETCH_ROWS))
+        chunk_rows = fetch_rows(rows_left, first=not add)
         chunk_bytes = min(bytes_left, FETCH_BYTES) if bytes_left else FETCH_BYTES
         line = b"%b fetch %b --max=%d --max-bytes=%d --lease=%b --lease-seconds=%r%b%b" % (
             rid, queue_name, chunk_rows, chunk_bytes, lease, options.lease_seconds, b" --add" if add else b"",

@@ -433,6 +433,22 @@ def test_a_retried_read_acks_only_what_its_last_fetch_delivered(broker):
         reader.stop()
 
 
+def test_a_part_is_fetched_small_first_and_without_a_small_last_fetch():
+    from mqks.spark.source import fetch_rows
+
+    def plan(rows: int) -> list[int]:
+        asks = []
+        while rows > 0:
+            asks.append(fetch_rows(rows, first=not asks))
+            rows -= asks[-1]
+        return asks
+
+    assert plan(25_000) == [4_096, 20_904]  # a 50,000-row batch's part: two round trips, not three
+    assert plan(5_000) == [5_000]
+    assert plan(50_000) == [4_096, 20_000, 20_000, 5_904]
+    assert plan(7) == [7]
+
+
 def test_a_part_read_in_several_fetches_holds_them_all_under_one_lease(broker, monkeypatch):
     from pyspark.sql.streaming.datasource import ReadMaxRows
 
