@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import gevent
@@ -25,7 +25,7 @@ import gevent
 from .cluster.hooks import Cluster, NoCluster
 from .core.restore import rebuild
 from .journal.journal import Journal
-from .journal.recovery import recover
+from .journal.recovery import recover_batches
 from .node.config import CANNOT_START_EXIT_CODE, FENCED_EXIT_CODE, Config
 
 if TYPE_CHECKING:
@@ -132,8 +132,8 @@ def log_shown(config: Config) -> str:
     return shown(config.log_urls)
 
 
-def recover_journal(config: Config, journal: Journal, process: Process, lines: Iterator[bytes]) -> None:
-    """Replay `lines` (the log's records, as the cluster hands them out) into the process before the first client is
+def recover_journal(config: Config, journal: Journal, process: Process, batches: Iterable[Iterable[bytes]]) -> None:
+    """Replay `batches` (the log's records, as the cluster hands them out) into the process before the first client is
     accepted; exit when the log cannot be read."""
     cannot_start: tuple[type[Exception], ...]
     if config.log is not None:
@@ -150,7 +150,7 @@ def recover_journal(config: Config, journal: Journal, process: Process, lines: I
         cannot_start = (LogCorrupt,)
     started = time.monotonic()
     try:
-        recovery = recover(lines)
+        recovery = recover_batches(batches)
         queues, messages = rebuild(recovery.queues, lambda name: process.broker)
         process.restore(recovery)
     except cannot_start as e:

@@ -55,7 +55,7 @@ class FollowedStream(Protocol):
 
     def start_reading(self) -> Any: ...
 
-    def read_to_tail(self, reading: Any) -> Iterator[bytes]: ...
+    def read_to_tail(self, reading: Any) -> Iterator[list[bytes]]: ...  # the records of each read
 
     def ask_owner(self, silent_is_owner: bool = False) -> str | None: ...
 
@@ -68,6 +68,12 @@ class FollowedStream(Protocol):
     def stop_following(self, reading: Any) -> None: ...
 
     def take_over(self, reading: Any) -> bytes | None: ...
+
+
+def replay_as_candidate(stream: FollowedStream, standby: Standby) -> Iterator[bytes]:
+    """read_as_candidate's records one by one."""
+    for records in read_as_candidate(stream, standby):
+        yield from records
 
 
 class StandbyMap(Protocol):
@@ -84,16 +90,17 @@ class StandbyMap(Protocol):
     def can_write(self) -> bool: ...
 
 
-def replay_as_candidate(stream: FollowedStream, standby: Standby) -> Iterator[bytes]:
-    """The records of the group's stream up to this node's takeover, whose record ends them: read to the tail,
-    stand by until this node should claim, take over; a claim that loses reads on and stands by again."""
+def read_as_candidate(stream: FollowedStream, standby: Standby) -> Iterator[list[bytes]]:
+    """The records of the group's stream up to this node's takeover, whose record ends them, a list per read (the
+    journal's recovery applies each in one pass): read to the tail, stand by until this node should claim, take
+    over; a claim that loses reads on and stands by again."""
     reading = stream.start_reading()
     while True:
         yield from stream.read_to_tail(reading)
         yield from standby.stand_by(reading)
         record = stream.take_over(reading)
         if record is not None:
-            yield record
+            yield [record]
             return
         standby.claim_lost()
         log.info("%s: another node took it over first; standing by again", stream.label)
@@ -113,7 +120,7 @@ class Standby:
         self.uneven_since: float | None = None  # since when the counts have asked for this group without a pause
         self.pulling = False  # this standby asked for its group and the owner said yes: the node's pull turn is its
 
-    def stand_by(self, reading: Reading) -> Iterator[bytes]:
+    def stand_by(self, reading: Reading) -> Iterator[list[bytes]]:
         """The records of the frames the owner stores, until this node should claim the group: its owner has
         appended nothing for the lease (then the claim delay), or handed the group to this node (or to any)."""
         candidacy, stream, clock = self.candidacy, self.stream, self.clock
@@ -216,7 +223,8 @@ class Standby:
                 following = False
                 self.sleep(RETRY_SECONDS)
                 continue
-            yield from records
+            if records:
+                yield records
             if replayer.epoch != seen_epoch:  # a new owner: taken over, or handed on
                 seen_epoch, self.owner_since = replayer.epoch, clock()
             if records:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Cluster(Protocol):
 
     def hello_fields(self, workers: int) -> dict[str, Any]: ...
 
-    def replay(self, journal_log: Log, repair: bool) -> Iterator[bytes]: ...
+    def replay(self, journal_log: Log, repair: bool) -> Iterable[Iterable[bytes]]: ...  # the records, in batches
 
     def serve(self, direct_port: int, link_port: int, tls_port: int | None) -> None: ...
 
@@ -73,8 +73,8 @@ class NoCluster:
     def hello_fields(self, workers: int) -> dict[str, Any]:
         return {}
 
-    def replay(self, journal_log: Log, repair: bool) -> Iterator[bytes]:
-        return journal_log.replay(repair=repair)
+    def replay(self, journal_log: Log, repair: bool) -> Iterable[Iterable[bytes]]:
+        return (journal_log.replay(repair=repair),)
 
     def serve(self, direct_port: int, link_port: int, tls_port: int | None) -> None:
         pass

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..workers.links import notice_dead_peer
 from .candidacy import Candidacy
-from .election import HandOffRequests, Standby, replay_as_candidate
+from .election import HandOffRequests, Standby, read_as_candidate
 from .hooks import Scope
 from .map import ClusterMap, NodeDir, SharedMap
 
@@ -96,9 +96,9 @@ class ClusterGroup:
     def link_accepted(self, sock: socket.socket) -> None:
         notice_dead_peer(sock)  # from another host, which a partition may cut off
 
-    def replay(self, journal_log: Log, repair: bool) -> Iterator[bytes]:
+    def replay(self, journal_log: Log, repair: bool) -> Iterator[list[bytes]]:
         """The group's records up to this node's takeover record (the journal's recovery reads them)."""
-        return replay_as_candidate(self.stream_log, Standby(self.candidacy, self.stream_log, self.map))
+        return read_as_candidate(self.stream_log, Standby(self.candidacy, self.stream_log, self.map))
 
     def hands_off(self) -> bool:
         """True once another node asked for this group: the log is marked for that node, and this owner stops."""

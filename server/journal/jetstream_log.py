@@ -173,7 +173,8 @@ class JetStreamLog:
         its cluster layer (server/cluster/election.py) reads, follows and takes over with the calls below."""
         reading = self.start_reading()
         while True:
-            yield from self.read_to_tail(reading)
+            for batch in self.read_to_tail(reading):
+                yield from batch
             if not self.takeover:
                 owner = self.ask_owner()
                 if owner is not None:
@@ -187,7 +188,7 @@ class JetStreamLog:
     def start_reading(self) -> StreamReading:
         return self.reader.start_reading()
 
-    def read_to_tail(self, reading: StreamReading) -> Iterator[bytes]:
+    def read_to_tail(self, reading: StreamReading) -> Iterator[list[bytes]]:
         return self.reader.read_to_tail(reading)
 
     def follow(self, reading: StreamReading, fresh_after: int = 0) -> None:

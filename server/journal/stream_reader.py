@@ -124,8 +124,8 @@ class StreamReader:
         reading.last_seq = self.nats.bridge.run(self._open_reader, timeout=60)
         return reading
 
-    def read_to_tail(self, reading: StreamReading) -> Iterator[bytes]:
-        """The records of every message after `reading.read` up to `reading.last_seq`."""
+    def read_to_tail(self, reading: StreamReading) -> Iterator[list[bytes]]:
+        """The records of every message after `reading.read` up to `reading.last_seq`, a list per read."""
         run = self.nats.bridge.run
         failing_since = 0.0
         while reading.read < reading.last_seq:
@@ -145,7 +145,7 @@ class StreamReader:
             if not batch:
                 raise BridgeError(f"{self.label}: no message after sequence {reading.read} of "
                                   f"{reading.last_seq}")
-            yield from self._feed(reading, batch)
+            yield self._feed(reading, batch)
 
     def _feed(self, reading: StreamReading, batch: list[tuple[int, dict[str, str] | None, bytes]]) -> list[bytes]:
         lines: list[bytes] = []

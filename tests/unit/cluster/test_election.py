@@ -104,8 +104,8 @@ class FakeStream:
         reading.last_seq = len(self.messages)
         return reading
 
-    def read_to_tail(self, reading: Reading) -> Iterator[bytes]:
-        yield from self._feed(reading, reading.last_seq)
+    def read_to_tail(self, reading: Reading) -> Iterator[list[bytes]]:
+        yield self._feed(reading, reading.last_seq)
 
     def ask_owner(self, silent_is_owner: bool = False) -> str | None:
         self.asked += 1

@@ -77,7 +77,7 @@ def test_without_a_cluster_no_hook_does_anything():
     assert not cluster.links_over_tcp and not cluster.shares_metrics_port
     replayed: list[bool] = []
     log = SimpleNamespace(replay=lambda repair=False: replayed.append(repair) or iter([b"r1"]))
-    assert list(cluster.replay(log, True)) == [b"r1"] and replayed == [True]  # type: ignore[arg-type]
+    assert [r for batch in cluster.replay(log, True) for r in batch] == [b"r1"] and replayed == [True]  # type: ignore[arg-type]
 
 
 def test_a_group_asked_for_marks_its_log_for_that_node_and_a_planned_stop_keeps_the_mark(tmp_path):
