@@ -48,7 +48,7 @@ def queue_snapshot_lines(queue: Queue, leased: Iterable[tuple[int, Item]] = ()) 
         message = item if isinstance(item, Message) else Message(seq, 0, item)
         yield records.live(name, seq, message.retry, True, message.tail)
     first_plain = queue.next_seq - (queue.depth() - queue.requeued)
-    for item in queue.messages:
+    for item in queue.items():
         if isinstance(item, Message):
             yield records.live(name, item.seq, item.retry, False, item.tail)
         else:

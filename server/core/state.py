@@ -32,7 +32,7 @@ from ..journal import records
 from ..wire.outbox import Outbox
 from ..wire.protocol import msg_id_of, with_field
 from . import dead_letters
-from .messages import NEWLINE, Item, Message, MessageStore, Packed, retry_of
+from .messages import NEWLINE, Item, Message, MessageStore, Packed, retry_of, unpack
 from .routing import Routing, compile_mask
 from .timers import Buckets
 
@@ -357,11 +357,11 @@ class Queue(MessageStore):
                     self.next_seq = seq + 1
                     ready.deliver(tail, seq, msg_id)
                     return True
-        if self.max_length is not None and len(self.messages) + self.packed_extra >= self.max_length:
+        if self.max_length is not None and self.depth() >= self.max_length:
             self.dropped += 1
             return None
         # only an empty queue delivers directly, so no seq is skipped between waiting tails
-        self.append(tail)
+        self.append(tail, msg_id)
         return False
 
     def pump(self) -> int:
@@ -375,10 +375,15 @@ class Queue(MessageStore):
             outbox, prefetch, unacked = consumer.outbox, consumer.prefetch, consumer.unacked
             wants_seq = consumer.wants_seq
             seq, msg_id = 0, b""
-            while messages and not outbox.paused and (not prefetch or len(unacked) < prefetch):
-                if type(messages[0]) is Packed:
-                    self._unpack_front()
+            while not outbox.paused and (not prefetch or len(unacked) < prefetch):
+                if not messages:
+                    if not self.newest:
+                        break
+                    self.spill()
                 item = messages.popleft()
+                if type(item) is Packed:
+                    delivered += self.pump_run(consumer, unpack(item))
+                    continue
                 if type(item) is Message:
                     self.requeued -= 1
                     if wants_seq:
@@ -386,18 +391,41 @@ class Queue(MessageStore):
                     consumer.deliver(item.delivery_tail(), seq, msg_id, item)
                 else:
                     if wants_seq:
-                        seq = self.next_seq - (len(messages) + self.packed_extra + 1 - self.requeued)
+                        seq = self.next_seq - (len(messages) + self.packed_extra + len(self.newest) + 1 - self.requeued)
                         msg_id = msg_id_of(item)
                     consumer.deliver(item, seq, msg_id)
                 delivered += 1
+            if not messages:
+                self.spill()  # the newest tails wait in `messages` whenever it is empty
             return delivered
         return self.pump_each()
+
+    def pump_run(self, consumer: Consumer, tails: list[bytes]) -> int:
+        """Deliver the tails of the run taken off the front to the queue's one consumer while it is ready, from the
+        list (the deque's popleft is a call by name when compiled); the rest go back to the front. How many went."""
+        self.packed_extra -= len(tails) - 1
+        # a run is never behind a record: its first tail's seq follows from every message waiting
+        first = self.next_seq - (len(self.messages) + self.packed_extra + len(self.newest) + len(tails))
+        outbox, prefetch, unacked = consumer.outbox, consumer.prefetch, consumer.unacked
+        wants_seq = consumer.wants_seq
+        count = len(tails)
+        i = 0
+        while i < count and not outbox.paused and (not prefetch or len(unacked) < prefetch):
+            tail = tails[i]
+            if wants_seq:
+                consumer.deliver(tail, first + i, msg_id_of(tail))
+            else:
+                consumer.deliver(tail, 0, b"")
+            i += 1
+        if i < count:
+            self.messages.extendleft(reversed(tails[i:]))
+        return i
 
     def pump_each(self) -> int:
         """Round robin, one message at a time, until no consumer is ready; returns how many went."""
         messages = self.messages
         delivered = 0
-        while messages:
+        while messages:  # pop() moves the newest tails here when it takes the last item
             ready = self.ready_consumer()
             if ready is None:
                 break

@@ -122,7 +122,7 @@ def peek(tail: bytes, retry: int) -> dict[str, Any]:
 def newest_messages(queue: Queue, count: int) -> list[tuple[bytes, int]]:
     """The tail and retry of the `count` newest messages waiting in `queue`, newest first (no copy of the queue)."""
     found: list[tuple[bytes, int]] = []
-    for item in reversed(queue.messages):
+    for item in reversed(queue.items()):
         if type(item) is StoredMessage:
             runs = [(item.tail, item.retry)]
         elif type(item) is Packed:

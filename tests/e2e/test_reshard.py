@@ -134,7 +134,7 @@ def replay_dir(path: str) -> Recovery:
 def contents(queue: Any) -> list[tuple[bytes, int]]:
     """(msg id, retry) of every waiting message, front first."""
     found = []
-    for item in queue.messages:
+    for item in queue.items():
         if isinstance(item, Message):
             found.append((msg_id_of(item.tail), item.retry))
         else:

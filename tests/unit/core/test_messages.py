@@ -6,10 +6,11 @@ import pytest
 from mqks.server.core import restore
 from mqks.server.core.messages import PACK_MIN_DEPTH, PACK_TAILS, MessageStore, Packed, pack, unpack
 from mqks.server.core.snapshot import queue_snapshot_lines
-from mqks.server.core.state import Broker
+from mqks.server.core.state import Broker, SeqConsumer
 from mqks.server.journal import records
 from mqks.server.journal.recovery import recover
-from mqks.server.wire.protocol import delivery_tail
+from mqks.server.wire.outbox import Outbox
+from mqks.server.wire.protocol import delivery_tail, msg_id_of, with_field
 
 pytestmark = [pytest.mark.timeout(10), pytest.mark.core]
 
@@ -32,7 +33,7 @@ def test_a_deep_queue_keeps_of_each_message_its_id_its_data_and_two_bytes():
     # Redis Streams' 118.5); the header goes once per run now
     store = MessageStore(b"q")
     for tail in bench_tails(PACK_MIN_DEPTH + 3 * PACK_TAILS):
-        store.append(tail)
+        store.append(tail, msg_id_of(tail))
     runs = [item for item in store.messages if type(item) is Packed]
     assert len(runs) >= 3
     per_message = len(b"m100000") + len(BENCH_DATA) + 2  # a mark between them, a newline after
@@ -47,14 +48,14 @@ def test_a_deep_queue_keeps_of_each_message_its_id_its_data_and_two_bytes():
     [delivery_tail(b"m1", b"e", b"\xff raw"), delivery_tail(b"m2", b"e", b"d")],  # no line from a client holds 0xff
 ], ids=["bench", "one", "mixed", "empty-data", "0xff"])
 def test_a_packed_run_gives_back_its_tails_as_they_were(tails):
-    assert unpack(pack(tails)) == tails
+    assert unpack(pack(tails, [msg_id_of(tail) for tail in tails])) == tails
 
 
 def test_a_store_of_mixed_runs_hands_out_every_tail_in_order_by_pop_and_by_take_tails():
     tails = mixed_tails(PACK_MIN_DEPTH + 4 * PACK_TAILS + 5)
     store = MessageStore(b"q")
     for tail in tails:
-        store.append(tail)
+        store.append(tail, msg_id_of(tail))
     assert any(type(item) is Packed for item in store.messages)
     popped = [store.pop() for _ in range(PACK_TAILS + 1)]
     assert popped == list(enumerate(tails[: PACK_TAILS + 1]))
@@ -74,7 +75,7 @@ def test_a_snapshot_of_packed_runs_writes_each_tail_whole_and_a_restore_packs_th
     broker.rebind(queue, replace=[b"e1", b"e2"])
     tails = mixed_tails(PACK_MIN_DEPTH + 2 * PACK_TAILS + 9)
     for tail in tails:
-        queue.put(tail, b"")
+        queue.put(tail, msg_id_of(tail))
     assert any(type(item) is Packed for item in queue.messages)
     lines = list(queue_snapshot_lines(queue))
     # the records hold the tails as published, as every earlier version wrote them: old data dirs read the same
@@ -93,3 +94,34 @@ def test_publish_records_of_an_earlier_version_restore_into_packed_runs_that_del
     restore.rebuild(recover(lines).queues, lambda name: broker)
     assert any(type(item) is Packed for item in broker.queues[b"q"].messages)
     assert drain(broker, b"q") == tails
+
+
+def delivered(outbox: Outbox) -> list[bytes]:
+    lines = b"".join(outbox.pieces()).split(b"\n")[:-1]
+    outbox.discard()
+    outbox.out_bytes = 0
+    return lines
+
+
+@pytest.mark.parametrize("prefetch", [1000, PACK_MIN_DEPTH + PACK_TAILS + 3, PACK_MIN_DEPTH + 2 * PACK_TAILS, 0])
+def test_a_deep_queue_drains_in_order_with_every_seq_through_its_runs_and_newest_tails(prefetch):
+    # a consumer that stops inside a run, or as the queue's items end before its newest tails: a publish then
+    # still goes behind every waiting message, and each copy keeps its seq
+    broker = Broker()
+    queue = broker.queue(b"q")
+    broker.rebind(queue, replace=[b"bench.w4"])
+    tails = bench_tails(PACK_MIN_DEPTH + 2 * PACK_TAILS + 7)
+    for tail in tails:
+        broker.publish(msg_id_of(tail), b"bench.w4", tail)
+    assert queue.newest and any(type(item) is Packed for item in queue.messages)
+    consumer = SeqConsumer(b"c1", queue, Outbox(pending=[]), manual_ack=True, prefetch=prefetch)
+    broker.consume(consumer, [b"bench.w4"], None)
+    broker.pump(queue)
+    got = delivered(consumer.outbox)
+    late = delivery_tail(b"late", b"bench.w4", b"x")
+    broker.publish(b"late", b"bench.w4", late)
+    while len(got) < len(tails) + 1:
+        broker.ack_all(consumer)
+        got += delivered(consumer.outbox)
+    assert got == [b"c1" + with_field(tail, b",seq=%d" % seq) for seq, tail in enumerate([*tails, late])]
+    assert queue.depth() == 0 and not queue.newest
