@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mqks.relay")
 
+CREDIT_SHARE = 4  # a client's worker credits an owner once it owes it a quarter of the relay window
+
 
 class RelaySession:
     """A client's session on the other workers: what it sent where, the answers it waits for, the lines they hold,
@@ -167,13 +169,20 @@ class RelaySession:
         self.held = None
 
     def give_credit(self) -> None:
-        """The client keeps up (its backlog under half the high-water mark): tell each owner what it took."""
+        """The client keeps up (its backlog under half the high-water mark): tell each owner what it took, once that
+        is a CREDIT_SHARE of the window (an owner pauses only with a whole window uncredited, so it never waits on
+        this: a W per owner per batch was as many frames as the answers it credited)."""
+        owed = self.owed_credit
+        least = self.peers.relay_window // CREDIT_SHARE
+        if all(taken < least for taken in owed.values()):
+            return
         links = self.peers.links
-        for worker, taken in self.owed_credit.items():
-            link = links[worker]
-            if link is not None:
-                link.frame(Frame.CREDIT, self.key, b"%d" % taken)
-        self.owed_credit.clear()
+        for worker, taken in list(owed.items()):
+            if taken >= least:
+                del owed[worker]
+                link = links[worker]
+                if link is not None:
+                    link.frame(Frame.CREDIT, self.key, b"%d" % taken)
 
     def waits_on(self, worker: int) -> bool:
         """True if this session has consumers or answers on `worker`."""
