@@ -21,7 +21,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .journal import p50_p99, take_failed
-from .segments import FSYNC_POLICIES, HEADER, HEADER_BYTES, SEGMENT_NAME, Fatal, Frame, LogCorrupt, Segments, fsync_dir
+from .segments import (
+    EVERYSEC_SECONDS,
+    FSYNC_POLICIES,
+    HEADER,
+    HEADER_BYTES,
+    SEGMENT_NAME,
+    Fatal,
+    Frame,
+    LogCorrupt,
+    Segments,
+    fsync_dir,
+)
 
 __all__ = ["FATAL_EXIT_CODE", "FSYNC_POLICIES", "HEADER_BYTES", "SEGMENT_NAME", "Log", "LogCorrupt", "fsync_dir"]
 
@@ -211,8 +222,7 @@ class Log:
             if frames or (self._stuck and time.monotonic() >= self._retry_at):
                 self._write_batch(frames)
             # checked after every batch too: a steady load never lets the thread go idle
-            due = files.sync_due_in(time.monotonic())
-            if due is not None and due <= 0:
+            if files.dirty and self.fsync == "everysec" and time.monotonic() - files.last_sync >= EVERYSEC_SECONDS:
                 files.sync()
             if stopping and not self._stuck:
                 files.close()
