@@ -32,7 +32,7 @@ from mqks.client import nats_local
 
 from . import loadgen, peers
 from .cluster_confirmed import read_answers
-from .run import mqks_check, mqks_stats, process_cpu_seconds
+from .run import busy_seconds, mqks_check, mqks_stats, process_cpu_seconds
 
 LOCAL, REPLICATED = "local disk, fsync always", "replicated log, R3"
 PLAIN = "plain confirms, "  # the held-out cell's rows: PLAIN + LOCAL, PLAIN + REPLICATED
@@ -58,7 +58,7 @@ def mqks_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_dir
 def plain_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_dir: str | None,
                profile_path: str | None) -> dict:
     """--plain-messages confirmed publishes into one queue with no consumer, at most --plain-window unconfirmed:
-    confirms a second, the server's CPU per message, and whether every message is queued."""
+    confirms a second, the server's CPU per message, the machine's busy cores, and whether every message is queued."""
     server = peers.start_mqks(None, log_dir, data_dir=data_dir, fsync="always", extra_args=tuple(extra),
                               profile_path=profile_path)
     try:
@@ -70,7 +70,7 @@ def plain_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_di
         body = loadgen.payload()
         lines = [b"p%d publish --confirm plain.e %b\n" % (i, body) for i in range(n)]
         sent = answered = 0
-        cpu0 = process_cpu_seconds(server.pid)
+        cpu0, busy0 = process_cpu_seconds(server.pid), busy_seconds()[0]
         started = time.perf_counter()
         while answered < n:
             if sent - answered < window:
@@ -79,12 +79,12 @@ def plain_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_di
                 sent = upto
             answered += read_answers(sock, 0, pending)
         seconds = time.perf_counter() - started
-        cpu = process_cpu_seconds(server.pid) - cpu0
+        cpu, busy = process_cpu_seconds(server.pid) - cpu0, busy_seconds()[0] - busy0
         sock.close()
         stats = mqks_stats(server)
         queued = stats.get("messages_waiting")
         return {"ok": queued == n, "rate": n / seconds, "cpu_us_per_msg": 1e6 * cpu / n,
-                "note": "" if queued == n else f"{queued} of {n} queued"}
+                "machine_cores": busy / seconds, "note": "" if queued == n else f"{queued} of {n} queued"}
     finally:
         server.stop()
 
@@ -175,6 +175,8 @@ def main() -> None:
         summary[JETSTREAM] = {"rate": statistics.median(jetstream)}
     for name, figures in summary.items():
         extra = "" if "cpu_us_per_msg" not in figures else f"  cpu {figures['cpu_us_per_msg']:.1f} us/msg"
+        if "machine_cores" in figures:  # every process's, NATS's and this one's too: near 2, the cell is CPU-bound
+            extra += f"  machine {figures['machine_cores']:.2f} cores busy"
         if "confirm_p50_ms" in figures:
             extra += f"  confirm p50/p99 {figures['confirm_p50_ms']:.2f}/{figures['confirm_p99_ms']:.2f} ms"
         if "ok" in figures and not figures["ok"]:
