@@ -38,13 +38,17 @@ from .stream_recovery import WriterRecovery
 
 log = logging.getLogger("mqks.log")
 
-# frames sent and not yet answered: full ones (a snapshot's parts); else one, see _write_until_stopped (a group of a
-# shared stream: one, see _send)
+# frames sent and not yet answered: full ones (a snapshot's parts); fewer that are not full, see _frame_may_go (a group
+# of a shared stream: one, see _send)
 MAX_IN_FLIGHT = 32
 MAX_IN_FLIGHT_BYTES = 32 << 20  # JetStream's ingest queue holds 128 MiB: stay well under it
 TAIL_CHECK_SECONDS = 1.0  # idle: look at the stream's last sequence this often (a rival, the figures)
 FIGURES_SECONDS = 10.0  # a cluster's owner reads its stream's figures this often
 PUBACK_SAMPLES = 1024
+# a stream of its own sends a frame that is not full while others fly once the commits waiting weigh as much as a frame
+# flying does on average, and at least this much (a stored frame costs NATS about 1 ms of CPU, 1 KB or 40 KB alike)
+PIPELINED_FRAME_BYTES = 64 << 10
+MAX_PIPELINED_FRAMES = 4  # ... while fewer than this many fly
 
 
 class Frame:
@@ -130,6 +134,7 @@ class StreamWriter:
         self._closed = False
         # handed over: commit() appends, the writer greenlet takes them when a frame can go
         self._handed: deque[tuple[int, bytes, bool, bool, float]] = deque()
+        self._handed_waiting_bytes = 0  # of the commits handed and not yet taken into frames, a newline each
         # written by the writer greenlet, read by the journal
         self._durable = 0
         self._durable_bytes = 0
@@ -205,10 +210,12 @@ class StreamWriter:
         self._handed_bytes += len(payload)
         self.unsynced_bytes = self._handed_bytes - self._durable_bytes
         self._handed.append((number, payload, new_segment, completes, time.monotonic()))
-        if len(self._handed) == 1 and not self.writer_done and self._in_flight < self.max_in_flight:
-            # once per batch the writer has not taken: it takes every commit waiting when it wakes; a group's writer
-            # with its frame in flight takes them once that frame is stored, as its PubAck wakes it (waking it for
-            # nothing was a third of its wakes under load)
+        self._handed_waiting_bytes += len(payload) + 1
+        if not self.writer_done and self._in_flight < self.max_in_flight and (
+                len(self._handed) == 1 or (self._in_flight and self._frame_may_go())):
+            # once per batch the writer has not taken, or once they may go beside frames flying: it takes every
+            # commit waiting when it wakes; a group's writer with its frame in flight takes them once that frame is
+            # stored, as its PubAck wakes it (waking it for nothing was a third of its wakes under load)
             self._wake.set()
         return number
 
@@ -222,12 +229,17 @@ class StreamWriter:
 
     def _handed_fill_a_frame(self) -> bool:
         """Whether the commits waiting fill a frame already (a snapshot's chunks do): waiting would gain nothing."""
-        size = 0
-        for _, payload, _, _, _ in self._handed:
-            size += len(payload) + 1
-            if size >= self.nats.max_payload:
-                return True
-        return False
+        return self._handed_waiting_bytes >= self.nats.max_payload
+
+    def _frame_may_go(self) -> bool:
+        """Whether the commits waiting go as a frame now: nothing flies (a lone confirm waits no longer), they fill a
+        frame, or fewer than MAX_PIPELINED_FRAMES fly and they weigh as much as one of those on average (at least
+        PIPELINED_FRAME_BYTES): a client's window of confirmed publishes waited a PubAck for nothing, held while one
+        frame flew. A group of a shared stream never gets here with a frame in flight (max_in_flight is 1)."""
+        in_flight, waiting = self._in_flight, self._handed_waiting_bytes
+        return (not in_flight or waiting >= self.nats.max_payload or (
+            in_flight < MAX_PIPELINED_FRAMES and waiting >= PIPELINED_FRAME_BYTES
+            and waiting * in_flight >= self._in_flight_bytes))
 
     def _frame_wait_over(self) -> None:
         self._waiting_to_send = False
@@ -277,14 +289,14 @@ class StreamWriter:
             if hub.reconnects != reconnects:
                 # frames published meanwhile were not heard: look now, at the group's own tail
                 reconnects, last_check, reconnected = hub.reconnects, 0.0, True
-            if self._in_flight < self.max_in_flight and (not self._in_flight or self._handed_fill_a_frame()):
+            if self._in_flight < self.max_in_flight and self._frame_may_go():
                 # commits wait as handed until a frame can go, then go as one: taken at every wake, a
                 # writer with one frame in flight queued a frame per hub turn and sent one per PubAck,
                 # falling behind for good (2 groups in one process: 4,000-6,000 confirms/s, now 162,000).
-                # A stream of its own pipelines full frames only: what is handed while a frame flies goes once it
-                # is stored, as one fuller frame (a stored message costs NATS about the same, full or not: one
-                # broker's confirmed publishes with an ack each went from 316,000 to 364,000 msg/s, and a lone
-                # confirm waits no longer, since nothing flies then)
+                # A stream of its own pipelines full frames, and frames as heavy as those flying (_frame_may_go):
+                # what is handed while a frame flies goes once it is stored, as one fuller frame (a stored message
+                # costs NATS about the same, full or not: one broker's confirmed publishes with an ack each went
+                # from 316,000 to 364,000 msg/s, and a lone confirm waits no longer, since nothing flies then)
                 wait = self._last_frame_at + self.frame_wait_seconds - time.monotonic()
                 if wait <= 0 or not self._handed or self._handed_fill_a_frame():
                     self._take_handed()
@@ -330,6 +342,7 @@ class StreamWriter:
     def _take_handed(self) -> None:
         """The hub's commits into frames: merged up to the frame size, split over max_payload."""
         handed = self._handed
+        self._handed_waiting_bytes = 0
         limit = self.nats.max_payload
         parts: list[bytes] = []
         size = last_commit = 0

@@ -519,3 +519,49 @@ def test_a_takeover_answered_duplicate_in_process_is_sent_again_and_wins_with_th
     nc = SimpleNamespace(request=request)
     answer = asyncio.run(shared_stream_log().nats.append_takeover(nc, b"W 1 a", 7, epoch=1, writer_id="w"))
     assert (answer.seq, answer.error_code, answers) == (8, 0, [])
+
+
+def test_a_stream_of_its_own_pipelines_a_frame_that_is_not_full_once_the_commits_waiting_weigh_as_much_as_those_flying(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 59's plain confirmed publishes (a client's window of 2,000, no consumer): commits held while one frame
+    flew waited a whole PubAck each. They go while others fly once they weigh PIPELINED_FRAME_BYTES and as much as a
+    frame flying does on average, up to MAX_PIPELINED_FRAMES; lighter ones still wait to go together. Whatever the
+    order of the PubAcks, a commit is durable only once its frame and every frame before it are stored."""
+    monkeypatch.setattr(stream_writer, "PIPELINED_FRAME_BYTES", 10, raising=False)
+    monkeypatch.setattr(stream_writer, "MAX_PIPELINED_FRAMES", 3, raising=False)
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s", "test")
+    stream_log.writer._refuse = None
+    hub = FakeHub()
+
+    def commit(record: bytes) -> None:
+        stream_log.append(record)
+        stream_log.commit()
+        let_run()
+
+    def scenario() -> None:
+        writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
+        commit(b"a1")
+        until(lambda: len(hub.published) == 1)  # nothing flew: at once
+        commit(b"b" * 30)
+        until(lambda: len(hub.published) == 2)  # heavy enough: it does not wait for the first PubAck
+        commit(b"c" * 4)
+        commit(b"d" * 4)
+        assert len(hub.published) == 2  # 10 bytes waiting: lighter than the 16 a frame flying holds on average
+        commit(b"e" * 5)
+        until(lambda: len(hub.published) == 3)
+        assert hub.published[2].payload == b"cccc\ndddd\neeeee"
+        commit(b"f" * 40)
+        assert len(hub.published) == 3  # three fly: the most
+        hub.ack(2, seq=3)
+        hub.ack(1, seq=2)
+        until(lambda: len(hub.published) == 4)  # two fewer fly
+        assert stream_log.poll()[0] == 0  # the first frame is not stored yet: nothing after it is durable either
+        hub.ack(0, seq=1)
+        until(lambda: stream_log.poll()[0] == 5)
+        hub.ack(3, seq=4)
+        until(lambda: stream_log.poll()[0] == 6)
+        stop(stream_log, writer)
+
+    scenario()
+    expected = [str(seq) for seq in range(4)]  # each frame fenced on the one before it, sent or stored
+    assert [frame.headers[stream.EXPECTED] for frame in hub.published] == expected
