@@ -61,10 +61,10 @@ SOURCE_FIELDS = [("msg_id", "string"), ("event", "string"), ("data", "string"), 
 SOURCE_OPTIONS = ("host", "port", "tls", "tlsCa", "token", "queue", "queues", "events", "maxRecordsPerBatch",
                   "maxBytesPerBatch", "numPartitions", "leaseSeconds", "idleAckSeconds", "reconnectSeconds", "seeds")
 ANSWER_TIMEOUT_SECONDS = 60.0
-# one fetch answer: bounded well below the broker's limit on unread output. 50,000-row batches (25,000-row parts)
-# measured 0.97x the memory reader with 10,000, 0.87x with 20,000 (fewer answers, but Spark waits for each whole one)
-# and 0.75x with 5,000 (bench.spark_source, one run each)
-FETCH_ROWS = 10_000
+# one fetch answer: bounded well below the broker's limit on unread output. 50,000-row batches against the memory
+# reader (bench.spark_source, medians of 3 rounds, run by run): 20,000 0.87x, 0.87x, 1.04x; 10,000 0.97x, 0.89x,
+# 0.86x; 5,000 0.75x: no size beat this one past the machine's noise
+FETCH_ROWS = 20_000
 # a part's first fetch: Spark takes its rows while the next, larger one is fetched and decoded (the first
 # 20,000 held the first row back ~8 ms)
 FIRST_FETCH_ROWS = 4_096

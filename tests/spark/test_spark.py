@@ -444,8 +444,8 @@ def test_a_part_is_fetched_small_first_and_without_a_small_last_fetch():
         return asks
 
     assert plan(5_000) == [5_000]  # a 10,000-row batch's part: one round trip, not two
-    assert plan(25_000) == [4_096, 10_000, 10_904]
-    assert plan(50_000) == [4_096, 10_000, 10_000, 10_000, 10_000, 5_904]
+    assert plan(25_000) == [4_096, 20_904]  # a 50,000-row batch's part: two round trips, not three
+    assert plan(50_000) == [4_096, 20_000, 20_000, 5_904]
     assert plan(7) == [7]
 
 
