@@ -52,6 +52,9 @@ def pack(tails: list[bytes], msg_ids: list[bytes]) -> Packed:
     line from a client can). Per tail one slice of its data and native byte compares: no search through
     its data (a `bytes.replace` of the header cost 200 ns a message, 30 times a join's share).
     """
+    # `in` is a memchr over a join: 8 ns a message, where the run's `count` of its marks took 41
+    if HEADER_MARK in NEWLINE.join(tails):
+        return _joined(tails)
     first = tails[0]
     start = len(msg_ids[0]) + 11  # ` ok {msg_id} event=`
     end = start
@@ -61,7 +64,8 @@ def pack(tails: list[bytes], msg_ids: list[bytes]) -> Packed:
     header_bytes = len(header)
     parts: list[bytes] = [header]
     for i, tail in enumerate(tails):
-        at = len(msg_ids[i]) + 11
+        msg_id = msg_ids[i]
+        at = len(msg_id) + 11
         data = at + header_bytes + 1
         # ` ok {msg_id} event=` is how every tail starts (Queue.put's contract): its last byte is checked
         if len(tail) < data or tail[data - 1] != SPACE or tail[at - 1] != EQUALS:
@@ -72,13 +76,10 @@ def pack(tails: list[bytes], msg_ids: list[bytes]) -> Packed:
         if j != header_bytes:
             return _joined(tails)
         parts.append(NEWLINE)
-        parts.append(msg_ids[i])
+        parts.append(msg_id)
         parts.append(HEADER_MARK)
         parts.append(tail[data:])
-    run = b"".join(parts)
-    if HEADER_MARK in header or run.count(HEADER_MARK) != len(tails):
-        return _joined(tails)
-    return Packed(run)
+    return Packed(b"".join(parts))
 
 
 def _joined(tails: list[bytes]) -> Packed:
@@ -152,8 +153,8 @@ class MessageStore:
             if len(newest) >= PACK_TAILS:
                 self.messages.append(pack(newest, self.newest_ids))  # a pack that raises keeps them all
                 self.packed_extra += len(newest) - 1
-                self.newest = []
-                self.newest_ids = []
+                newest.clear()  # kept, with the room it grew to
+                self.newest_ids.clear()
         else:
             self.messages.append(tail)
 

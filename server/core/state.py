@@ -337,7 +337,7 @@ class Queue(MessageStore):
         once to an auto-ack consumer that did not ask for `--seq` is gone at once and needs none.
         None: refused, the queue is at its `max_length` (counted in `dropped`).
         """
-        if not self.messages:
+        if not self.newest and not self.messages:  # the list first: newest tails are never alone, and it is native
             consumers = self.consumers
             if len(consumers) == 1:
                 # the common case, inlined: a call less per message is measurable here
