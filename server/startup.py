@@ -2,7 +2,7 @@
 
     open_journal    --data-dir: the disk log (journal/log.py), re-sharded first when one process takes over the logs
                     of several workers; --log: the JetStream stream (journal/jetstream_log.py), and with --cluster
-                    the group this process stands by for or owns (cluster/node.py); else none. Without --cluster the
+                    the group this process stands by for or owns (cluster/group.py); else none. Without --cluster the
                     cluster is `NoCluster`, whose hooks do nothing.
     recover         the log replayed into the process before the first client is accepted; a log that cannot be
                     read ends the process with the exit code its supervisor or node acts on.
@@ -56,7 +56,7 @@ def open_journal(config: Config, error_line: ErrorLine, tokens: Tokens | None, s
     journal = Journal(stream, error_line, config.compact_min_bytes)
     if config.cluster is None:
         return journal, wake, NoCluster()
-    from .cluster.node import ClusterGroup
+    from .cluster.group import ClusterGroup
     from .node.sessions import link_tls_contexts
     from .node.supervisor import supervisor_pid
 
@@ -106,7 +106,7 @@ def open_stream(config: Config, wake: Callable[[], None], shared_nats: SharedNat
     lease = None
     if config.cluster is not None:
         from .cluster.lease import Lease
-        from .cluster.node import owner_description
+        from .cluster.group import owner_description
 
         owner = owner_description(config)
         lease = Lease(config.lease_seconds)

@@ -1,7 +1,7 @@
 """The cluster layer (`mqksd --cluster NAME --node ID`): who owns each slot group, above a storage-only log.
 
     hooks.py      what app.Server asks of the layer, as named hooks; NoCluster for a broker without one
-    node.py       ClusterGroup: those hooks for this process's group (links, replay, serve, hand-off)
+    group.py      ClusterGroup: those hooks for this process's group (links, replay, serve, hand-off)
     candidacy.py  a node's claim on one group: its lease, claim delays, the node's other processes
     lease.py      the owner's side of that lease, in its log's writer: heartbeats, step-down, hand-off frame
     election.py   standing by (follow the stream, claim after a lease of silence, balance) and the takeover

@@ -1,6 +1,6 @@
 """What `Server` (app.py) asks of the cluster layer, as a handful of named hooks it calls unconditionally.
 
-A node's group answers them in node.py (`ClusterGroup`); a broker without --cluster has `NoCluster`,
+A node's group answers them in group.py (`ClusterGroup`); a broker without --cluster has `NoCluster`,
 whose hooks do nothing, so the Server never asks whether it is in a cluster. This module loads nothing
 of the cluster extra.
 

@@ -1,4 +1,4 @@
-"""The cluster as app.py's `Server` sees it (server/cluster/hooks.py, node.py): named hooks it calls unconditionally,
+"""The cluster as app.py's `Server` sees it (server/cluster/hooks.py, group.py): named hooks it calls unconditionally,
 answered by `ClusterGroup` for a cluster's group and by `NoCluster`, which does nothing, for a broker without one
 (issue 57: the Server asked `if self.cluster ...` in 27 places and wrote the log's `handoff_to` itself). In process:
 a group over a fake stream log, its map over a fake bridge."""
@@ -51,7 +51,7 @@ def test_the_check_above_sees_a_server_asking_whether_it_is_in_a_cluster():
 
 def make_group(tmp_path: Path, tokens: Any = None) -> Any:
     pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
-    from mqks.server.cluster.node import ClusterGroup
+    from mqks.server.cluster.group import ClusterGroup
 
     bridge = SimpleNamespace(spawn=lambda coroutine: None)
     stream_log = SimpleNamespace(bridge=bridge, owner="node a", wake=lambda: None, fenced_by=None, handoff_to=None,
