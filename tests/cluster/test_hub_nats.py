@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import gevent
 import pytest
 from helpers import free_port
+from waiting import wait_until
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
@@ -21,13 +21,6 @@ from mqks.server.nats_io.hub_nats import BridgeError, HubNats
 pytestmark = pytest.mark.timeout(120)
 
 Heard = list[tuple[str, str, "dict[str, str] | None", bytes]]
-
-
-def wait_until_true(condition, what: str, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {seconds:g} s: {what}"
-        gevent.sleep(0.02)
 
 
 def connected(urls: list[str]) -> HubNats:
@@ -53,9 +46,9 @@ def test_messages_with_headers_and_replies_go_both_ways(nats_cluster):
             gevent.sleep(0.1)
             return any(data for *_, data in answers)
 
-        wait_until_true(answered, "an answer")
+        wait_until(answered, "an answer", 30)
         asking.publish("hub.echo", b"plain", inbox)
-        wait_until_true(lambda: answers[-1][3] == b"PLAIN", "the answer without headers")
+        wait_until(lambda: answers[-1][3] == b"PLAIN", "the answer without headers", 30)
     finally:
         answering.close()
         asking.close()
@@ -79,7 +72,7 @@ def test_a_killed_server_is_followed_by_another_with_every_subscription_made_aga
         node, = [node for node in nodes if node.url.endswith(f":{port}")]
         os.kill(node.pid, signal.SIGKILL)
         killed = node
-        wait_until_true(lambda: listening.reconnects == 1 and listening.connected, "connected again")
+        wait_until(lambda: listening.reconnects == 1 and listening.connected, "connected again", 30)
         assert listening._sock.getpeername()[1] != port
         listening.sync()  # its subscription is on the new server
 
@@ -89,7 +82,7 @@ def test_a_killed_server_is_followed_by_another_with_every_subscription_made_aga
             gevent.sleep(0.2)
             return bool(heard)
 
-        wait_until_true(heard_one, "a message heard after the reconnect")
+        wait_until(heard_one, "a message heard after the reconnect", 30)
     finally:
         listening.close()
         talking.close()
@@ -121,7 +114,7 @@ def test_a_connection_does_not_hear_its_own_messages_but_hears_the_others(nats_c
             gevent.sleep(0.1)
             return bool(heard)
 
-        wait_until_true(heard_theirs, "the other connection's message")
+        wait_until(heard_theirs, "the other connection's message", 30)
         assert set(heard) == {b"theirs"}
     finally:
         own.close()

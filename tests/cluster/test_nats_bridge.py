@@ -8,6 +8,7 @@ from __future__ import annotations
 import gevent
 import pytest
 from helpers import free_port
+from waiting import wait_until
 
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
@@ -99,7 +100,8 @@ def test_a_scope_ends_its_own_subscriptions_and_tasks_and_leaves_the_connection_
             await nc.publish("scope.test", b"one")
             await nc.flush()
         staying.run(publish, timeout=30)
-        wait_until_true(lambda: heard["ending"] == [b"one"] and heard["staying"] == [b"one"])
+        wait_until(lambda: heard["ending"] == [b"one"] and heard["staying"] == [b"one"],
+                   "both subscriptions to hear the first")
         async def js_reader(nc) -> None:  # JetStream's subscriptions, made through the scope's client, are its own
             js = nc.jetstream()
             await js.add_stream(name="scopetest", subjects=["scope.js"], num_replicas=1)
@@ -111,13 +113,8 @@ def test_a_scope_ends_its_own_subscriptions_and_tasks_and_leaves_the_connection_
         with pytest.raises(BridgeError, match="closed"):
             ending.run(publish)
         staying.run(publish, timeout=30)  # the connection serves the other group on
-        wait_until_true(lambda: heard["staying"] == [b"one", b"one"])
+        wait_until(lambda: heard["staying"] == [b"one", b"one"], "the staying subscription to hear the second")
         assert heard["ending"] == [b"one"]  # its subscription went with it
     finally:
         shared.close()
 
-
-def wait_until_true(condition, seconds: float = 10.0) -> None:
-    with gevent.Timeout(seconds):
-        while not condition():
-            gevent.sleep(0.01)
