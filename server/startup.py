@@ -90,7 +90,6 @@ def open_disk_log(config: Config, wake: Callable[[], None]) -> Log:
 def open_stream(config: Config, wake: Callable[[], None], shared_nats: SharedNats | None) -> JetStreamLog:
     """--log: this worker's stream on the NATS cluster (the cluster extra is imported only here)."""
     from ..common.cluster_names import Layout, stream_of
-    from ..common.nats_urls import nats_access
     from .journal.jetstream_log import JetStreamLog
     from .nats_io.nats_bridge import BridgeError
 
@@ -105,8 +104,8 @@ def open_stream(config: Config, wake: Callable[[], None], shared_nats: SharedNat
     owner = f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
     lease = None
     if config.cluster is not None:
-        from .cluster.lease import Lease
         from .cluster.group import owner_description
+        from .cluster.lease import Lease
 
         owner = owner_description(config)
         lease = Lease(config.lease_seconds)
@@ -116,7 +115,7 @@ def open_stream(config: Config, wake: Callable[[], None], shared_nats: SharedNat
                         takeover=config.takeover, timeout_seconds=config.log_timeout, wake=wake,
                         lease=lease, node=config.node,
                         frame_wait_seconds=config.frame_wait_ms / 1000 if config.cluster else 0.0,
-                        nats_options=nats_access(config).connect_options(urls),
+                        nats_options=config.nats_options(),
                         shared=shared_nats, group=group, stream_subjects=subjects)
     try:
         log_.open()

@@ -14,7 +14,7 @@ from ...common.nats_urls import NatsAccess, quiet_tls_noise
 log = logging.getLogger("mqks.cluster")
 
 
-async def layouts_on_nats(urls: list[str], cluster: str, node: str | None = None, access: NatsAccess | None = None,
+async def layouts_on_nats(urls: list[str], cluster: str, node: str | None, access: NatsAccess
                           ) -> tuple[dict[Layout, list[str]], list[dict[str, Any]]]:
     """The cluster's streams already on NATS, by the layout their names say; and, given a `node` id, the running
     owners that answer for its groups under that id (another live node started with it)."""
@@ -25,7 +25,7 @@ async def layouts_on_nats(urls: list[str], cluster: str, node: str | None = None
 
     quiet_tls_noise()
     nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=1, error_cb=on_error,
-                            **(access or NatsAccess()).connect_options(urls))
+                            **access.connect_options(urls))
     try:
         layouts: dict[Layout, list[str]] = {}
         groups: list[str] = []
@@ -51,8 +51,7 @@ async def layouts_on_nats(urls: list[str], cluster: str, node: str | None = None
         await nc.close()
 
 
-def check_layout(urls: list[str], cluster: str, layout: Layout, node: str | None = None,
-                 access: NatsAccess | None = None) -> str | None:
+def check_layout(urls: list[str], cluster: str, layout: Layout, node: str | None, access: NatsAccess) -> str | None:
     """Why a node of `cluster` with `layout` must not start on this NATS: its streams were made with another
     --groups or --streams (nodes of each layout would take the same groups over, each in its own stream), or a
     running node already answers as `node` (two nodes with one id would each count the other's groups as their
