@@ -26,6 +26,11 @@ log = logging.getLogger("mqks.log")
 RIVAL_CHECK_PAUSES = (0.05, 0.25, 1.0)  # a rival's frame heard: look at the tail after these (stored, or refused)
 PURGE_RETRY_FIRST_SECONDS = 1.0  # a failed purge is tried again after this, doubling up to the next
 PURGE_RETRY_MAX_SECONDS = 30.0
+# a tail read unanswered this long is asked again beside it (at most TAIL_ASKS at once): NATS never answers a request
+# sent while it has no stream leader, it waits out its whole timeout (5 s), and one sent once the leader is elected is
+# answered at once (issue 56: frames were stored again 5.8 s after the election)
+TAIL_ASK_AGAIN_SECONDS = 0.5
+TAIL_ASKS = 6
 
 
 class WriterRecovery:
@@ -144,8 +149,7 @@ class WriterRecovery:
         last = 0
         while not w._stopping and w.fenced_by is None:
             try:
-                tail_after = functools.partial(w.nats.tail_after, base=w._stored_seq, epoch=w.epoch)
-                last, found = w.nats.bridge.run(tail_after, timeout=60)
+                last, found = self.ask_tail()
                 for seq, headers in found:
                     epoch = int(headers.get(EPOCH, 0))
                     if epoch > w.epoch:
@@ -180,9 +184,38 @@ class WriterRecovery:
         log.debug("%s: tail read at sequence %d after %.1f s; %d frames go again", w.nats.label, last,
                   time.monotonic() - started, len(again))
         w.wake()
-        if self.stalled_since is not None:
-            gevent.sleep(RETRY_SECONDS)  # NATS refused or did not answer: do not spin on it
+        if self.stalled_since is not None:  # NATS refused or did not answer: do not spin on it (a read that waited
+            gevent.sleep(max(0.0, started + RETRY_SECONDS - time.monotonic()))  # for an election waited enough)
         w._poke()
+
+    def ask_tail(self) -> tuple[int, list[tuple[int, dict[str, str]]]]:
+        """The stream's tail after this writer's last stored frame, asked again each TAIL_ASK_AGAIN_SECONDS it goes
+        unanswered, the earlier asks still waiting: the first answer is the read's; it fails once every ask has."""
+        w = self.writer
+        tail_after = functools.partial(w.nats.tail_after, base=w._stored_seq, epoch=w.epoch)
+
+        def ask() -> tuple[bool, object]:
+            try:
+                return True, w.nats.bridge.run(tail_after, timeout=60)
+            except Exception as e:
+                return False, e
+
+        asks: list[gevent.Greenlet] = []
+        try:
+            while True:
+                if len([a for a in asks if not a.ready()]) < TAIL_ASKS:
+                    asks.append(gevent.spawn(ask))
+                gevent.wait([a for a in asks if not a.ready()], timeout=TAIL_ASK_AGAIN_SECONDS, count=1)
+                answers = [a.value for a in asks if a.ready()]
+                for ok, value in answers:
+                    if ok:
+                        return value
+                if len(answers) == len(asks):
+                    raise answers[-1][1]
+                if w._stopping or w.fenced_by is not None:
+                    raise RuntimeError("the writer stops")
+        finally:
+            gevent.killall([a for a in asks if not a.ready()], block=False)
 
     def stall_too_long(self, reason: str) -> None:
         """Confirmed publishes are refused, and the commits waiting longer than the timeout are failed.

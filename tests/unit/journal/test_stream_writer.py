@@ -565,3 +565,39 @@ def test_a_stream_of_its_own_pipelines_a_frame_that_is_not_full_once_the_commits
     scenario()
     expected = [str(seq) for seq in range(4)]  # each frame fenced on the one before it, sent or stored
     assert [frame.headers[stream.EXPECTED] for frame in hub.published] == expected
+
+
+def test_a_tail_read_asked_while_nats_elects_a_leader_is_asked_again_and_the_first_answer_ends_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 56: a request sent while NATS has no stream leader is never answered, it waits out its whole timeout
+    (5 s); frames were stored again 5.8 s after NATS had elected the new leader (that wait, then the retry pause),
+    and the majority's queues went 13.7 s without a confirm. A tail read that goes unanswered is asked again beside
+    it, and the first answer ends it."""
+    patch_seconds(monkeypatch, "ACK_SECONDS", 0.05)
+    patch_seconds(monkeypatch, "RETRY_SECONDS", 0.3)
+    patch_seconds(monkeypatch, "TAIL_ASK_AGAIN_SECONDS", 0.05)
+    lost_seconds = 3.0  # a request NATS lost waits this long (its timeout), even once a leader answers others
+
+    class Electing(FakeBridge):
+        def run(self, make: Callable[[Any], Any], timeout: float = 10.0) -> Any:
+            if self.last_seq is None:
+                gevent.sleep(lost_seconds)
+                raise TimeoutError("nats: timeout")
+            return super().run(make, timeout)
+
+    stream_log = shared_stream_log(QuietLease())
+    stream_log.writer.epoch, stream_log.writer.tail_seq, stream_log.writer._stored_seq = 3, 7, 7
+    hub = FakeHub()
+    bridge = stream_log.nats.bridge = Electing(last_seq=None)  # type: ignore[assignment]
+    writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
+    stream_log.append(b"r1")
+    stream_log.commit()
+    until(lambda: stream_log.writer.recovery.trouble is not None)  # no PubAck in time: the tail read is asked
+    gevent.sleep(0.1)
+    bridge.last_seq = 7  # NATS elected the stream's leader: nothing of this writer's was stored
+    until(lambda: len(hub.published) == 2, seconds=lost_seconds / 2)  # the frame goes again, before the lost asks end
+    assert hub.published[1].payload == b"r1" and hub.published[1].headers[EXPECTED_OF_SUBJECT] == "7"
+    hub.ack(1, seq=8)
+    until(lambda: stream_log.poll()[0] == 1)
+    assert stream_log.writer.recovery.stalled_since is None and stream_log.writer.blocked is None
+    stop(stream_log, writer)
