@@ -360,7 +360,7 @@ class ClusterMap:
         if fresh_pin or now - self._pin_read_at >= PIN_READ_SECONDS:
             try:
                 self._pin = self.bridge.run(self._read_pin, timeout=10)
-            except Exception as e:
+            except (Exception, gevent.Timeout) as e:
                 raise OSError(f"cannot read the pin of group {self.candidacy.group}: {e}") from None
             self._pin_read_at = now
         return counts, owner, self._pin
@@ -397,8 +397,8 @@ class ClusterMap:
 
         try:
             self.bridge.run(put, timeout=ASK_SECONDS)
-        except Exception as e:
-            self._kv = None
+        except (Exception, gevent.Timeout) as e:  # the bridge's wait ends with gevent's Timeout, not an Exception:
+            self._kv = None  # it went up through balance(), ended the standby and held its node's pull turn (issue 56)
             log.debug("group %d: a put to the map failed: %s", candidacy.group, e)
             return False
         return True

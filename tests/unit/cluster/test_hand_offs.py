@@ -94,3 +94,21 @@ def test_a_standby_reads_its_pin_again_only_when_old_or_about_to_ask():
     cluster_map._pin_read_at -= 31  # as if 31 s had passed
     cluster_map.balance_view(False)
     assert len(reads) == 3
+
+
+def test_a_put_to_the_map_that_the_bridge_stops_waiting_for_is_a_put_that_does_not_go_through():
+    """Issue 56: after a heal, a standby's check that its put goes through waited ASK_SECONDS on the bridge, whose wait
+    ends with gevent's Timeout (not an Exception): it went up through balance() and ended the group's standby, and
+    its node's turn to pull, taken just before, was held until PULL_TURN_SECONDS had passed (the healed node got a
+    group back 43 s after the heal). That put did not go through: the standby does not ask, and ends its turn."""
+    import gevent.event
+
+    waits: list[float] = []
+
+    def run(make, timeout: float = 10.0):
+        waits.append(timeout)
+        return gevent.event.AsyncResult().get(timeout=0.01)  # the bridge's wait, as NatsBridge.run makes it
+
+    cluster_map = ClusterMap(SimpleNamespace(run=run), Candidacy("c", "a", 1, lease_seconds=12.0), 3,
+                             lambda group: None)
+    assert cluster_map.can_write() is False and len(waits) == 1
