@@ -34,7 +34,7 @@ from .errors import (
     not_done_try_again,
 )
 from .linking import ClientBase, ClientSettings, connect_error
-from .placement import Homes, Route
+from .placement import Homes
 
 __all__ = ["Client", "ClientSettings", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError",
            "MqksTimeoutError"]
@@ -73,6 +73,8 @@ class Client(ClientBase):
     """
 
     _link: Link
+    _link_class = Link
+    _session_class = Consumers
 
     def _set_up(self) -> None:
         by_any_id: dict[str, Consumer] = {}
@@ -217,13 +219,6 @@ class Client(ClientBase):
             gevent.sleep(pause)
             pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
 
-    def _consumers_placed(self) -> bool:
-        """True unless a consumer is still on its way back to its worker's link (a reconnect, a new map)."""
-        if self._homeless or self._adopting or (self._rehoming is not None and not self._rehoming.dead):
-            return False
-        return all(session.link is None or session.link.connected or not session.by_id
-                   for _, session in self._direct.values())
-
     def _wait_until_consumers_placed(self, deadline: float) -> None:
         """Hold a publish until every consumer is replayed on its worker's link, or until `deadline`.
 
@@ -302,7 +297,7 @@ class Client(ClientBase):
         """The session and live connection for a consume of `queue`: its owner's direct link, else the public one."""
         while True:
             self._link.live(deadline)  # its hello tells the slot map
-            session = self._session_for(self._route(queue))
+            session = self._session_for(self._homes.route(queue))
             assert session.link is not None
             try:
                 conn = session.link.live(deadline)
@@ -311,58 +306,11 @@ class Client(ClientBase):
                     raise
                 continue  # a new map retired that link while this waited (not the client closing): route again
             # waiting may have let a new slot map retire that link: then route again
-            if self._session_for(self._route(queue)) is session:
+            if self._session_for(self._homes.route(queue)) is session:
                 return session, conn
 
     def _sessions(self) -> list[Consumers]:
         return self._homes.sessions()
-
-    def _route(self, queue: bytes) -> Route | None:
-        return self._homes.route(queue)
-
-    def _session_for(self, route: Route | None) -> Consumers:
-        """The session of the link for `route`, opened (lazily, connecting in the background) on first need."""
-        if route is None:
-            return self._consumers
-        found = self._homes.found(route)
-        if found is not None:
-            return found
-        if route.worker in self._direct:
-            self._retire(route.worker)
-        session = Consumers(f"{route.host}:{route.port}", self._new_rid, self._consumers.by_any_id, route.worker,
-                            self._on_connect, self._consumers.on_refused)
-        # the public addresses as fallbacks, the one in use first: a direct port a firewall hides still leaves a
-        # working (relayed) route, and when the owner is gone (a cluster's failover) the hello of any live seed
-        # tells the new map
-        public = self._link.addresses
-        start = self._link.address_index
-        session.link = Link(route.host, route.port, session, self._new_rid, unix=route.unix,
-                            tls_hostname=self._link.host, fallbacks=public[start:] + public[:start],
-                            **self._link_options)
-        self._direct[route.worker] = (route, session)
-        session.link.start(0.0)
-        return session
-
-    def _retire(self, worker: int) -> None:
-        """Close the direct link to `worker` (its address changed or is gone); its consumers wait for _rehome."""
-        _, session = self._direct.pop(worker)
-        for consumer in list(session.by_id.values()):
-            session.release(consumer)
-            self._homeless.append(consumer)
-        if session.link is not None:
-            gevent.spawn(session.link.close, [])
-        self._schedule_rehome()
-
-    def _on_connect(self, session: Consumers) -> None:
-        """A link's hello is in: learn the slot map from it, and take off this link what it now places elsewhere.
-
-        Runs inside the link's handshake, before its replay: it never blocks; moving is _rehome's job.
-        """
-        assert session.link is not None
-        changed = self._homes.learn(session.link.server_info, f"{self.host}:{self.port}")
-        self._homeless += self._homes.misplaced_on(session)
-        if changed or self._homeless:
-            self._schedule_rehome()
 
     def _refused(self, error: MqksError) -> None:
         """Run on_refused in a greenlet of its own: the reader runs no user code. Its start is queued on the hub
@@ -370,30 +318,27 @@ class Client(ClientBase):
         assert self.on_refused is not None
         gevent.spawn(notice(self.on_refused, error))
 
-    def _schedule_rehome(self) -> None:
-        if self._rehoming is not None and not self._rehoming.dead:
-            self._rehome_again = True  # the running pass may have read the map before it changed
-            return
+    def _close_later(self, link: Link) -> None:
+        gevent.spawn(link.close, [])
+
+    def _rehome_running(self) -> bool:
+        return self._rehoming is not None and not self._rehoming.dead
+
+    def _start_rehome(self) -> None:
         self._rehoming = gevent.spawn(self._rehome_loop)
+
+    def _move(self, session: Consumers, consumer: Consumer) -> None:
+        self._adopting += 1
+        gevent.spawn(self._send_adopted, session, consumer)
+
+    def _moving(self) -> bool:
+        return self._adopting > 0
 
     def _rehome_loop(self) -> None:
         self._rehome_again = True
         while self._rehome_again and not self._link.closed:
             self._rehome_again = False
             self._rehome()
-
-    def _rehome(self) -> None:
-        """Put every consumer on the link the current slot map names; a moved one comes back as after a reconnect."""
-        for worker in self._homes.stale():
-            self._retire(worker)
-        self._homeless += self._homes.evict_misplaced(self._new_rid)
-        homeless, self._homeless = self._homeless, []
-        for consumer in homeless:
-            if consumer.active:
-                session = self._session_for(self._route(consumer.queue.encode()))
-                session.adopt(consumer)
-                self._adopting += 1
-                gevent.spawn(self._send_adopted, session, consumer)
 
     def _send_adopted(self, session: Consumers, consumer: Consumer) -> None:
         """Send a moved consumer's consume once its new link is up, unless that link's handshake replayed it."""
@@ -485,11 +430,7 @@ class Client(ClientBase):
     def delete_queue(self, queue: str, confirm: bool = True, timeout: float | None = None) -> None:
         """Drop the queue with its bindings and messages; this client's consumers of it end too."""
         queue_bytes = wire.encode_token(queue, "queue")
-        for session in self._sessions():
-            session.forget_queue(queue)
-        for consumer in [consumer for consumer in self._homeless if consumer.queue == queue]:
-            self._homeless.remove(consumer)
-            self._consumers.forget(consumer)
+        self._forget_queue(queue)
         self._request(b"delete_queue", [queue_bytes], confirm, timeout, retry=True)
 
     def purge_queue(self, queue: str, timeout: float | None = None) -> int:

@@ -157,14 +157,18 @@ class Link(LinkBase):
         `retry=False` returns False at the first failed attempt (`last_error` says why); the link
         goes on retrying in the background until closed.
         """
-        if self.closed:
-            raise MqksConnectionError("client closed")
-        if self._manager is None:
-            self._manager = gevent.spawn(self._run)
+        self.begin()
         if retry:
             return self._connected.wait(timeout)
         gevent.wait([self._connected, self._failed], timeout=timeout, count=1)
         return self._connected.is_set()
+
+    def begin(self) -> None:
+        """Start connecting in the background unless started: callers may wait for it (`live`) at once."""
+        if self.closed:
+            raise MqksConnectionError("client closed")
+        if self._manager is None:
+            self._manager = gevent.spawn(self._run)
 
     def close(self, greenlets: list[gevent.Greenlet]) -> None:
         """Stop for good: kill the manager and `greenlets` (the consumers'), then drop the connection quietly."""

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from . import wire
 from .answers import Answers
 from .errors import FAILOVER_SECONDS, MqksConnectionError, MqksError, MqksProtocolError
+from .placement import Homes, Route
 from .tls import tls_setting, token_setting
 
 
@@ -66,10 +67,18 @@ DEFAULT_SETTINGS = ClientSettings()
 
 
 class ClientBase:
-    """What both clients are before their transport: their settings, taken once, and a read-only view of their
-    public link. Each client's `_set_up` makes its consumers and links; everything else is its own."""
+    """What both clients are before their transport: their settings, taken once, a read-only view of their
+    public link, and the routing of consumers to a direct link per worker (`_session_for`, `_retire`, rehoming).
+    Each client's `_set_up` makes its consumers, links and homes; the hooks below say what its transport does
+    differently (how a link closes in the background, how a rehoming pass and a moved consume run)."""
 
     _link: LinkBase
+    _link_class: Callable[..., Any]  # the transport's Link
+    _session_class: Callable[..., Any]  # the transport's Consumers
+    _consumers: Any  # the public link's session
+    _homes: Homes[Any]  # the links consumers live on: the public one, one per owning worker
+    _homeless: list[Any]  # consumers taken off a link, waiting for _rehome to place them
+    _rehome_again: bool
 
     def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, settings: ClientSettings | None = None,
                  ping_seconds: float = 15.0, ping_timeout_seconds: float | None = None,
@@ -116,6 +125,102 @@ class ClientBase:
     def connected(self) -> bool:
         """True while a live, handshaken connection exists."""
         return self._link.connected
+
+    def _close_later(self, link: Any) -> None:
+        """Close a retired direct link without waiting for it."""
+        raise NotImplementedError
+
+    def _rehome_running(self) -> bool:
+        raise NotImplementedError
+
+    def _start_rehome(self) -> None:
+        """Start a rehoming pass in the background: `_rehome` until nothing asks for another."""
+        raise NotImplementedError
+
+    def _move(self, session: Any, consumer: Any) -> None:
+        """Send a moved consumer's consume on its new link in the background (`_moving` counts it meanwhile)."""
+        raise NotImplementedError
+
+    def _moving(self) -> bool:
+        """True while a moved consumer's consume is on its way to its new link."""
+        raise NotImplementedError
+
+    def _session_for(self, route: Route | None) -> Any:
+        """The session of the link for `route`, opened (connecting in the background) on first need."""
+        if route is None:
+            return self._consumers
+        found = self._homes.found(route)
+        if found is not None:
+            return found
+        if route.worker in self._homes.direct:
+            self._retire(route.worker)
+        session = self._session_class(f"{route.host}:{route.port}", self._new_rid, self._consumers.by_any_id,
+                                      route.worker, self._on_connect, self._consumers.on_refused)
+        # the public addresses as fallbacks, the one in use first: a direct port a firewall hides still leaves a
+        # working (relayed) route, and when the owner is gone (a cluster's failover) the hello of any live seed
+        # tells the new map
+        public = self._link.addresses
+        start = self._link.address_index
+        session.link = self._link_class(route.host, route.port, session, self._new_rid, unix=route.unix,
+                                        tls_hostname=self._link.host, fallbacks=public[start:] + public[:start],
+                                        **self._link_options)
+        self._homes.direct[route.worker] = (route, session)
+        session.link.begin()
+        return session
+
+    def _retire(self, worker: int) -> None:
+        """Close the direct link to `worker` (its address changed or is gone); its consumers wait for _rehome."""
+        _, session = self._homes.direct.pop(worker)
+        for consumer in list(session.by_id.values()):
+            session.release(consumer)
+            self._homeless.append(consumer)
+        if session.link is not None:
+            self._close_later(session.link)
+        self._schedule_rehome()
+
+    def _on_connect(self, session: Any) -> None:
+        """A link's hello is in: learn the slot map from it, and take off this link what it now places elsewhere.
+
+        Runs inside the link's handshake, before its replay: it never blocks; moving is _rehome's job.
+        """
+        assert session.link is not None
+        changed = self._homes.learn(session.link.server_info, f"{self.host}:{self.port}")
+        self._homeless += self._homes.misplaced_on(session)
+        if changed or self._homeless:
+            self._schedule_rehome()
+
+    def _schedule_rehome(self) -> None:
+        if self._rehome_running():
+            self._rehome_again = True  # the running pass may have read the map before it changed
+            return
+        self._start_rehome()
+
+    def _rehome(self) -> None:
+        """Put every consumer on the link the current slot map names; a moved one comes back as after a reconnect."""
+        for worker in self._homes.stale():
+            self._retire(worker)
+        self._homeless += self._homes.evict_misplaced(self._new_rid)
+        homeless, self._homeless = self._homeless, []
+        for consumer in homeless:
+            if consumer.active:
+                session = self._session_for(self._homes.route(consumer.queue.encode()))
+                session.adopt(consumer)
+                self._move(session, consumer)
+
+    def _consumers_placed(self) -> bool:
+        """True unless a consumer is still on its way back to its worker's link (a reconnect, a new map)."""
+        if self._homeless or self._moving() or self._rehome_running():
+            return False
+        return all(session.link is None or session.link.connected or not session.by_id
+                   for _, session in self._homes.direct.values())
+
+    def _forget_queue(self, queue: str) -> None:
+        """A deleted queue's consumers end here, wherever they live or wait."""
+        for session in self._homes.sessions():
+            session.forget_queue(queue)
+        for consumer in [consumer for consumer in self._homeless if consumer.queue == queue]:
+            self._homeless.remove(consumer)
+            self._consumers.forget(consumer)
 
 
 def connect_error(cause: BaseException | None, where: str, timeout: float, retry: bool) -> MqksError:

@@ -29,7 +29,7 @@ from mqks.client.errors import (
     not_done_try_again,
 )
 from mqks.client.linking import ClientBase, connect_error
-from mqks.client.placement import Homes, Route
+from mqks.client.placement import Homes
 
 from .connection import Connection, Link
 from .consumers import DEFAULT_MAX_BUFFERED, Consumer, Consumers, Hook, MessageCallback, call_hook
@@ -54,6 +54,8 @@ class Client(ClientBase):
     """
 
     _link: Link
+    _link_class = Link
+    _session_class = Consumers
 
     def _set_up(self) -> None:
         self._consumers = Consumers(f"{self.host}:{self.port}", self._new_rid, on_connect=self._on_connect,
@@ -65,7 +67,7 @@ class Client(ClientBase):
         self._homeless: list[Consumer] = []  # consumers taken off a link, waiting for _rehome to place them
         self._rehoming: asyncio.Task[None] | None = None
         self._rehome_again = False
-        self._moving: set[asyncio.Task[None]] = set()  # moved consumers' consumes on their way to their new link
+        self._moving_tasks: set[asyncio.Task[None]] = set()  # moved consumers' consumes on their way to their new link
         self._closing: list[Awaitable[None]] = []  # direct links being retired, on_refused hooks running
 
     async def wait_connected(self, timeout: float | None = None) -> bool:
@@ -102,7 +104,7 @@ class Client(ClientBase):
                     await link.call(b"ping", b"close", deadline)
                 except MqksError as e:
                     log.warning("mqks %s:%s: close could not flush: %s", link.host, link.port, e)
-        background = [task for task in (self._rehoming, *self._moving) if task is not None and not task.done()]
+        background = [task for task in (self._rehoming, *self._moving_tasks) if task is not None and not task.done()]
         for task in background:
             task.cancel()
         callbacks: list[asyncio.Task[None]] = []
@@ -197,16 +199,9 @@ class Client(ClientBase):
 
     def _placed(self) -> bool:
         """`_consumers_placed`, at the cost of a few attribute reads when there is one link (the common case)."""
-        if self._homes.direct or self._homeless or self._moving:
+        if self._homes.direct or self._homeless or self._moving_tasks:
             return self._consumers_placed()
         return self._rehoming is None or self._rehoming.done()
-
-    def _consumers_placed(self) -> bool:
-        """True unless a consumer is still on its way back to its worker's link (a reconnect, a new map)."""
-        if self._homeless or self._moving or (self._rehoming is not None and not self._rehoming.done()):
-            return False
-        return all(session.link is None or session.link.connected or not session.by_id
-                   for _, session in self._homes.direct.values())
 
     async def _wait_until_consumers_placed(self, deadline: float) -> None:
         """Hold a publish until every consumer is replayed on its worker's link, or until `deadline`.
@@ -300,28 +295,6 @@ class Client(ClientBase):
             if self._session_for(self._homes.route(queue)) is session:  # a new map may have retired that link
                 return session, conn
 
-    def _session_for(self, route: Route | None) -> Consumers:
-        """The session of the link for `route`, opened (connecting in the background) on first need."""
-        if route is None:
-            return self._consumers
-        found = self._homes.found(route)
-        if found is not None:
-            return found
-        if route.worker in self._homes.direct:
-            self._retire(route.worker)
-        session = Consumers(f"{route.host}:{route.port}", self._new_rid, self._consumers.by_any_id, route.worker,
-                            self._on_connect, self._consumers.on_refused)
-        # the public addresses as fallbacks, the one in use first: a direct port a firewall hides still leaves
-        # a working (relayed) route, and a dead owner's (a cluster's failover) hello of any live seed the new map
-        public = self._link.addresses
-        start = self._link.address_index
-        session.link = Link(route.host, route.port, session, self._new_rid, unix=route.unix,
-                            tls_hostname=self._link.host, fallbacks=public[start:] + public[:start],
-                            **self._link_options)
-        self._homes.direct[route.worker] = (route, session)
-        session.link.begin()
-        return session
-
     def _refused(self, error: MqksError) -> None:
         """Run on_refused in a task of its own (the protocol runs no user code), awaited by close(); its first step
         is queued on the loop before the wake-up of any later answer's waiter, as close()'s barrier."""
@@ -333,29 +306,22 @@ class Client(ClientBase):
         self._closing.append(task)
         task.add_done_callback(lambda done: self._closing.remove(done) if done in self._closing else None)
 
-    def _retire(self, worker: int) -> None:
-        """Close the direct link to `worker` (its address changed or is gone); its consumers wait for _rehome."""
-        _, session = self._homes.direct.pop(worker)
-        for consumer in list(session.by_id.values()):
-            session.release(consumer)
-            self._homeless.append(consumer)
-        if session.link is not None:
-            self._track(session.link.close())
-        self._schedule_rehome()
+    def _close_later(self, link: Link) -> None:
+        self._track(link.close())
 
-    def _on_connect(self, session: Consumers) -> None:
-        """A link's hello is in: learn the slot map, take off this link what it now places elsewhere (never blocks)."""
-        assert session.link is not None
-        changed = self._homes.learn(session.link.server_info, f"{self.host}:{self.port}")
-        self._homeless += self._homes.misplaced_on(session)
-        if changed or self._homeless:
-            self._schedule_rehome()
+    def _rehome_running(self) -> bool:
+        return self._rehoming is not None and not self._rehoming.done()
 
-    def _schedule_rehome(self) -> None:
-        if self._rehoming is not None and not self._rehoming.done():
-            self._rehome_again = True  # the running pass may have read the map before it changed
-            return
+    def _start_rehome(self) -> None:
         self._rehoming = asyncio.get_running_loop().create_task(self._rehome_loop(), name="mqks rehome")
+
+    def _move(self, session: Consumers, consumer: Consumer) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_adopted(session, consumer))
+        self._moving_tasks.add(task)
+        task.add_done_callback(self._moving_tasks.discard)
+
+    def _moving(self) -> bool:
+        return bool(self._moving_tasks)
 
     async def _rehome_loop(self) -> None:
         self._rehome_again = True
@@ -363,20 +329,6 @@ class Client(ClientBase):
             self._rehome_again = False
             self._rehome()
             await asyncio.sleep(0)
-
-    def _rehome(self) -> None:
-        """Put every consumer on the link the current slot map names; a moved one comes back as after a reconnect."""
-        for worker in self._homes.stale():
-            self._retire(worker)
-        self._homeless += self._homes.evict_misplaced(self._new_rid)
-        homeless, self._homeless = self._homeless, []
-        for consumer in homeless:
-            if consumer.active:
-                session = self._session_for(self._homes.route(consumer.queue.encode()))
-                session.adopt(consumer)
-                task = asyncio.get_running_loop().create_task(self._send_adopted(session, consumer))
-                self._moving.add(task)
-                task.add_done_callback(self._moving.discard)
 
     async def _send_adopted(self, session: Consumers, consumer: Consumer) -> None:
         """Send a moved consumer's consume once its new link is up, unless that link's handshake replayed it."""
@@ -467,11 +419,7 @@ class Client(ClientBase):
     async def delete_queue(self, queue: str, confirm: bool = True, timeout: float | None = None) -> None:
         """Drop the queue with its bindings and messages; this client's consumers of it end too."""
         queue_bytes = wire.encode_token(queue, "queue")
-        for session in self._homes.sessions():
-            session.forget_queue(queue)
-        for consumer in [consumer for consumer in self._homeless if consumer.queue == queue]:
-            self._homeless.remove(consumer)
-            self._consumers.forget(consumer)
+        self._forget_queue(queue)
         await self._request(b"delete_queue", [queue_bytes], confirm, timeout, retry=True)
 
     async def purge_queue(self, queue: str, timeout: float | None = None) -> int:
