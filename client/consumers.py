@@ -151,16 +151,8 @@ class Consumer(ConsumerState):
 class Consumers(Registry[Consumer]):
     """Every live consumer of one link, by id; the `Session` its link runs (see connection.py)."""
 
-    __slots__ = ("worker", "link", "on_connect")
-
-    def __init__(self, where: str, new_rid: Callable[[], bytes], by_any_id: dict[str, Consumer] | None = None,
-                 worker: int | None = None, on_connect: Callable[[Consumers], None] | None = None,
-                 on_refused: Callable[[MqksError], None] | None = None) -> None:
-        super().__init__(where, new_rid, by_any_id, on_refused)
-        self.worker = worker  # the worker whose direct link this is; None: the public link
-        self.link: Link | None = None  # set by the client once the link exists
-        # runs first on every new connection, its hello read: the client learns the slot map there
-        self.on_connect = on_connect
+    __slots__ = ()
+    link: Link | None
 
     def start(self, consumer: Consumer) -> None:
         """Know `consumer` by its id and start its greenlet."""

@@ -200,15 +200,20 @@ C = TypeVar("C", bound=ConsumerState)
 class Registry(Generic[C]):
     """The live consumers on one link, by id; the router's `Deliveries` (see answers.py)."""
 
-    __slots__ = ("where", "new_rid", "by_id", "by_any_id", "on_refused")
+    __slots__ = ("where", "new_rid", "by_id", "by_any_id", "worker", "link", "on_connect", "on_refused")
 
     def __init__(self, where: str, new_rid: Callable[[], bytes], by_any_id: dict[str, C] | None = None,
+                 worker: int | None = None, on_connect: Callable[[Any], None] | None = None,
                  on_refused: Callable[[MqksError], None] | None = None) -> None:
         self.where = where  # host:port, for the log
         self.new_rid = new_rid
         self.by_id: dict[str, C] = {}  # current ids only
         # current and recent ids, shared by every link of one client
         self.by_any_id: dict[str, C] = {} if by_any_id is None else by_any_id
+        self.worker = worker  # the worker whose direct link this is; None: the public link
+        self.link: Any = None  # the transport's Link, set by the client once it exists
+        # runs first on every new connection, its hello read: the client learns the slot map there
+        self.on_connect = on_connect
         # hands the client's on_refused an error answer nobody waits for, without running it here; None: logged
         self.on_refused = on_refused
 
