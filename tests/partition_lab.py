@@ -77,6 +77,10 @@ class Settings:
     settle_timeout_seconds: float = 60.0
     heal_timeout_seconds: float = 60.0  # from the heal, for everything it should bring back
     drain_timeout_seconds: float = 30.0
+    # NATS's own `ping_interval` (with `ping_max: 2`), None: its default (2 min). A healed server kept its route to a
+    # peer that had closed its end during the cut, and refused the peer's new route as a duplicate until a write
+    # deadline (10 s) closed the old one, 10-30 s after the heal: no responders and timeouts from it till then
+    nats_ping_seconds: float | None = None
 
 
 @dataclass
@@ -153,7 +157,7 @@ def queues_of(group: int, groups: int) -> Iterator[str]:
 class NatsServer:
     """One nats-server in its host's namespace, on the host's address; routes to the other hosts'."""
 
-    def __init__(self, network: Network, host: str, directory: Path) -> None:
+    def __init__(self, network: Network, host: str, directory: Path, ping_seconds: float | None = None) -> None:
         self.host = host
         self.address = network.address(host)
         self.config = directory / f"nats-{host}.conf"
@@ -163,7 +167,9 @@ class NatsServer:
         # as client/nats_local.py writes them (`mqks nats up`), on the host's address
         self.config.write_text(
             f"server_name: n-{host}\nlisten: {self.address}:{NATS_PORT}\nhttp: {self.address}:{NATS_HTTP_PORT}\n"
-            f"max_payload: 8MB\njetstream {{\n  store_dir: {json.dumps(str(directory / ('js-' + host)))}\n"
+            f"max_payload: 8MB\n"
+            + (f"ping_interval: \"{ping_seconds:g}s\"\nping_max: 2\n" if ping_seconds is not None else "")
+            + f"jetstream {{\n  store_dir: {json.dumps(str(directory / ('js-' + host)))}\n"
             f"  sync_interval: always\n}}\ncluster {{\n  name: partition\n  listen: {self.address}:{NATS_ROUTE_PORT}\n"
             f"  routes: [{routes}]\n  no_advertise: true\n}}\n")
         with open(self.log_path, "wb") as log:
@@ -434,7 +440,7 @@ class Lab:
             self.stack.callback(self._reap)
             self.stack.enter_context(self.network.entered(CLIENT_HOST))
             for host in NODES:
-                self.nats[host] = NatsServer(self.network, host, self.directory)
+                self.nats[host] = NatsServer(self.network, host, self.directory, self.settings.nats_ping_seconds)
             for server in self.nats.values():
                 wait_for(server.ready, f"nats-server on {server.host} to be ready", 30, interval=0.1)
             for host in NODES:  # each node lists its own server first, as an operator would
