@@ -1,7 +1,7 @@
 """The declared actions, one small handler each, and the dispatcher.
 
 `ACTIONS` declares every action: its handler, its error for a missing argument, and what the dispatcher must
-know (needs arguments, protected like `_eval`, needs auth, writes to the log), what a scoped token needs to
+know (needs arguments, protected like `_eval`, needs auth), what a scoped token needs to
 run it (`ScopeCheck`, checked in dispatch/scopes.py) and where it runs among workers (`Placement`). Each
 session runs lines against a table built once from those declarations for what it may
 do (`actions_for`), so a protected action a session may not run is simply absent and the
@@ -30,6 +30,7 @@ from ..wire.protocol import (
     Held,
     ProtocolError,
     delivery_tail,
+    format_rows,
     looks_like_http,
     parse_count,
     parse_flag_value,
@@ -303,10 +304,7 @@ def handle_schedules(session: Session, rid: bytes, args: bytes, confirm: bool) -
     """`{id} schedules` -> `{id} ok {json}` per schedule, sorted by name, then `{id} ok --end`."""
     if args.strip():
         raise ProtocolError(f"schedules: unexpected {text(args)!r}; expected {{id}} schedules")
-    head = rid + b" ok "
-    lines = [b"%b%b\n" % (head, to_json(row)) for row in session.process.schedules.rows()]
-    lines.append(head + b"--end\n")
-    session.write(b"".join(lines))
+    session.write(format_rows(rid, [to_json(row) for row in session.process.schedules.rows()]))
 
 
 def parse_consume(args: bytes) -> tuple[bytes, list[bytes], list[bytes] | None, dict, dict[str, int | None]]:
@@ -604,11 +602,8 @@ def handle_queues(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
         tokens = tokens[1:]
     if len(tokens) > 1 or (tokens and tokens[0].startswith(b"--")):
         raise ProtocolError(f"queues: unexpected {text(args)!r}; expected {{id}} queues [--detail] [{{mask}}]")
-    head = rid + b" ok "
-    lines = [b"%b%b\n" % (head, to_json(row))
-             for row in session.process.queue_rows(tokens[0] if tokens else None, detail)]
-    lines.append(head + b"--end\n")
-    session.write(b"".join(lines))  # one write: the limit on unread output still applies to the whole answer
+    rows = session.process.queue_rows(tokens[0] if tokens else None, detail)
+    session.write(format_rows(rid, [to_json(row) for row in rows]))  # one write: the unread-output limit sees it whole
 
 
 PROTOCOL_VERSION = 1  # the spec's line protocol; extensions are named in EXTENSIONS, never implied by it

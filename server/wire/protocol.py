@@ -136,6 +136,12 @@ def format_ok(rid: bytes, data: bytes = b"") -> bytes:
     return b"%b ok %b\n" % (rid, data)
 
 
+def format_rows(rid: bytes, rows: list[bytes]) -> bytes:
+    """A listing's answer (`queues`, `schedules`): `{rid} ok {row}` per row, then `{rid} ok --end`."""
+    head = rid + b" ok "
+    return b"".join([b"%b%b\n" % (head, row) for row in rows] + [head + b"--end\n"])
+
+
 def ok_body(line: bytes) -> bytes:
     """The `{data}` of an answer line `{rid} ok {data}`, all that follows its ok; b"" for a line that is no ok."""
     return line.partition(b" ok ")[2]

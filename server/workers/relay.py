@@ -37,7 +37,7 @@ from ..dispatch.actions import (
     run_lines,
     to_json,
 )
-from ..wire.protocol import Held, ProtocolError, format_ok, ok_body, parse_flag_value, text
+from ..wire.protocol import Held, ProtocolError, format_ok, format_rows, ok_body, parse_flag_value, text
 from .frames import Frame
 
 if TYPE_CHECKING:
@@ -404,8 +404,6 @@ def every_worker_rows(key: str) -> Callable[[bytes, Handler], Handler]:
         def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
             capture = Capture(session)
             handler(capture, rid, args, confirm)  # a bad line raises here, before the others are asked
-            head = rid + b" ok "
-
             def merge(local_answer: bytes, answers: list[bytes]) -> bytes:
                 rows = []
                 for answer in (local_answer, *answers):
@@ -414,7 +412,7 @@ def every_worker_rows(key: str) -> Callable[[bytes, Handler], Handler]:
                         if body != b"--end":
                             rows.append(json.loads(body))
                 rows.sort(key=lambda row: row[key])
-                return b"".join([b"%b%b\n" % (head, to_json(row)) for row in rows] + [head + b"--end\n"])
+                return format_rows(rid, [to_json(row) for row in rows])
 
             return gather(session, line_of(rid, name, args, False), b"".join(capture.parts), merge)
 
