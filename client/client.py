@@ -414,10 +414,8 @@ class Client(ClientBase):
         consumer = self._consumers.find(consumer_id)
         link = None
         if consumer is not None:
-            home = consumer.home
-            (home or self._consumers).forget(consumer)
-            link = home.link if home is not None else None
-            if link is None or not link.connected:
+            link = self._let_go(consumer)
+            if link is None:
                 return  # the broker dropped it with the connection
             consumer_id = consumer.id
         try:

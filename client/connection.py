@@ -216,11 +216,8 @@ class Link(LinkBase):
                 if tried:
                     continue  # another address to try before backing off
                 self._failed.set()
-                delay = self._backoff_seconds(attempt)
+                delay = self._retry_delay(e, attempt)
                 attempt += 1
-                # before the first connection connect() is waiting and will raise: no need to shout
-                log.log(logging.WARNING if self.reconnects else logging.INFO,
-                        "mqks %s:%s: connect failed (%s); retrying in %.2fs", self.host, self.port, e, delay)
                 gevent.sleep(delay)
                 continue
             tried = 0
@@ -304,31 +301,20 @@ class Link(LinkBase):
         A broker without `hello` (a spec server) is fine: `server_info` is None then. A broker that
         wants a token we lack, or refuses ours, fails the connect with its reason.
         """
-        auth_rid = self.new_rid()
-        auth = conn.request(auth_rid, auth_rid + b" auth " + self.token + b"\n") if self.token else None
-        hello_rid = self.new_rid()
-        hello = conn.request(hello_rid, wire.hello_line(hello_rid, self.ttl_seconds))
+        auth_rid, auth, hello_rid, hello = self._introduction(conn)
         if auth is not None:
             try:
                 conn.wait(auth_rid, auth, deadline, "auth")
             except MqksConnectionError:
                 raise
             except MqksError as e:
-                refusal = wire.auth_refusal(e)
-                if refusal is not None:
-                    raise refusal from None
-                # a broker without auth (or older than it) serves anyone: the token protects it, not us
-                log.info("mqks %s: the broker takes no token; connected without one", conn.where)
+                self._auth_refused(e, conn.where)
         try:
             self.server_info = wire.hello_info(conn.wait(hello_rid, hello, deadline, "hello"))
         except MqksConnectionError:
             raise
         except MqksError as e:
-            refusal = wire.hello_refusal(e, self.token is not None, self.anonymous)
-            if refusal is not None:
-                raise refusal from None
-            # a broker that predates hello (no TTL agreed either), or an anonymous client: only ping will work
-            self.server_info = None
+            self._hello_refused(e)
 
     def _on_draining(self, conn: Connection) -> None:
         """The broker is stopping: settle what our consumers hold, then leave and reconnect (later, or elsewhere)."""

@@ -1,9 +1,10 @@
-"""What both clients and their links share, whatever runs them: the settings, the constructor and the read-only
-view of the link (`ClientBase`), the addresses tried in turn, back-off, the bookkeeping of a lost connection and
-of its unsent publishes. No I/O.
+"""What both clients and their links share, whatever runs them: the settings, the constructor, the read-only
+view of the link and the routing of consumers to their worker's link (`ClientBase`), the addresses tried in
+turn, back-off, the handshake's refusals, the bookkeeping of a lost connection and of its unsent publishes. No I/O.
 
 Step in the flow: each client (client/client.py on gevent, client/aio/client.py on asyncio) subclasses
-`ClientBase`, which takes its `ClientSettings` once, and its `Link` (client/connection.py, client/aio/connection.py)
+`ClientBase`, which takes its `ClientSettings` once and leaves to hooks how a retired link closes and how a
+rehoming pass or a moved consume runs, and its `Link` (client/connection.py, client/aio/connection.py)
 subclasses `LinkBase`, adding the transport, the connection manager and the waits, which differ. Invariants:
 addresses rotate in one order (the first is the one given); a connection is marked lost once, and every request
 waiting on it fails then; only plain publishes that never reached a lost connection are kept for the next one (a
@@ -214,6 +215,14 @@ class ClientBase:
         return all(session.link is None or session.link.connected or not session.by_id
                    for _, session in self._homes.direct.values())
 
+    def _let_go(self, consumer: Any) -> Any:
+        """Forget `consumer` on its link; that link, for its `delete_consumer`, or None when the broker has dropped
+        it with its connection already."""
+        home = consumer.home
+        (home or self._consumers).forget(consumer)
+        link = home.link if home is not None else None
+        return link if link is not None and link.connected else None
+
     def _forget_queue(self, queue: str) -> None:
         """A deleted queue's consumers end here, wherever they live or wait."""
         for session in self._homes.sessions():
@@ -253,6 +262,8 @@ class LinkConnection(Protocol):
     answers: Answers[Any]
 
     def write(self, line: bytes) -> None: ...
+
+    def request(self, rid: bytes, line: bytes) -> Any: ...
 
 
 class LinkBase:
@@ -333,10 +344,41 @@ class LinkBase:
         self.address_index = (self.address_index + 1) % len(self.addresses)
         self.host, self.port = self.addresses[self.address_index]
 
+    def _retry_delay(self, error: OSError | MqksError, attempt: int) -> float:
+        """The back-off after a full round of failed addresses, logged."""
+        delay = self._backoff_seconds(attempt)
+        # before the first connection connect() is waiting and will raise: no need to shout
+        self.log.log(logging.WARNING if self.reconnects else logging.INFO,
+                     "mqks %s:%s: connect failed (%s); retrying in %.2fs", self.host, self.port, error, delay)
+        return delay
+
     def _backoff_seconds(self, attempt: int) -> float:
         """Exponential backoff capped at reconnect_max_seconds, with jitter so clients do not stampede."""
         delay = min(self.reconnect_max_seconds, self.reconnect_min_seconds * (2 ** min(attempt, 30)))
         return self._random.uniform(delay / 2, delay)
+
+    def _introduction(self, conn: LinkConnection) -> tuple[bytes, Any, bytes, Any]:
+        """Send `auth` (with a token) and `hello [--ttl]` at once: their rids and awaitable answers (None: no auth)."""
+        auth_rid = self.new_rid()
+        auth = conn.request(auth_rid, auth_rid + b" auth " + self.token + b"\n") if self.token else None
+        hello_rid = self.new_rid()
+        return auth_rid, auth, hello_rid, conn.request(hello_rid, wire.hello_line(hello_rid, self.ttl_seconds))
+
+    def _auth_refused(self, error: MqksError, where: str) -> None:
+        """`auth` answered an error: raise the refusal it means, else go on without a token."""
+        refusal = wire.auth_refusal(error)
+        if refusal is not None:
+            raise refusal from None
+        # a broker without auth (or older than it) serves anyone: the token protects it, not us
+        self.log.info("mqks %s: the broker takes no token; connected without one", where)
+
+    def _hello_refused(self, error: MqksError) -> None:
+        """`hello` answered an error: raise the refusal it means, else go on knowing nothing of the broker."""
+        refusal = wire.hello_refusal(error, self.token is not None, self.anonymous)
+        if refusal is not None:
+            raise refusal from None
+        # a broker that predates hello (no TTL agreed either), or an anonymous client: only ping will work
+        self.server_info = None
 
     def _keep_unsent(self, conn: LinkConnection) -> None:
         """A lost connection's lines never sent: its plain publishes go again on the next one, the rest are gone."""

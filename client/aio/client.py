@@ -400,10 +400,8 @@ class Client(ClientBase):
         consumer_id = consumer if isinstance(consumer, str) else consumer.id
         link = None
         if found is not None:
-            home = found.home
-            (home or self._consumers).forget(found)
-            link = home.link if home is not None else None
-            if link is None or not link.connected:
+            link = self._let_go(found)
+            if link is None:
                 return  # the broker dropped it with the connection
             consumer_id = found.id
         try:

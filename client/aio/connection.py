@@ -323,10 +323,8 @@ class Link(LinkBase):
                 if tried:
                     continue  # another address to try before backing off
                 self._attempted.set()
-                delay = self._backoff_seconds(attempt)
+                delay = self._retry_delay(e, attempt)
                 attempt += 1
-                log.log(logging.WARNING if self.reconnects else logging.INFO,
-                        "mqks %s:%s: connect failed (%s); retrying in %.2fs", self.host, self.port, e, delay)
                 await asyncio.sleep(delay)
                 continue
             tried = 0
@@ -391,29 +389,20 @@ class Link(LinkBase):
 
     async def _introduce(self, conn: Connection, deadline: float) -> None:
         """`auth` (with a token), then `hello [--ttl]`, before any consumer is replayed (as the gevent client)."""
-        auth_rid = self.new_rid()
-        auth = conn.request(auth_rid, auth_rid + b" auth " + self.token + b"\n") if self.token else None
-        hello_rid = self.new_rid()
-        hello = conn.request(hello_rid, wire.hello_line(hello_rid, self.ttl_seconds))
+        auth_rid, auth, hello_rid, hello = self._introduction(conn)
         if auth is not None:
             try:
                 await conn.wait(auth_rid, auth, deadline, "auth")
             except MqksConnectionError:
                 raise
             except MqksError as e:
-                refusal = wire.auth_refusal(e)
-                if refusal is not None:
-                    raise refusal from None
-                log.info("mqks %s: the broker takes no token; connected without one", conn.where)
+                self._auth_refused(e, conn.where)
         try:
             self.server_info = wire.hello_info(await conn.wait(hello_rid, hello, deadline, "hello"))
         except MqksConnectionError:
             raise
         except MqksError as e:
-            refusal = wire.hello_refusal(e, self.token is not None, self.anonymous)
-            if refusal is not None:
-                raise refusal from None
-            self.server_info = None
+            self._hello_refused(e)
 
     def on_draining(self, conn: Connection) -> None:
         """The broker is stopping: settle what our consumers hold, then leave and reconnect (later, or elsewhere)."""
