@@ -364,14 +364,9 @@ class Client(ClientBase):
             except MqksConnectionError:
                 pass  # that link's reconnect replays it
             except MqksError as e:
-                if is_transient(e):  # its owner fails over: again in a moment, under a new id (a broker
-                    consumer.conn = None  # that kept the refused one would answer "already consuming")
-                    session.renew(consumer)
+                if self._refused_on_new_link(session, consumer, e):
                     gevent.sleep(TRANSIENT_RETRY_SECONDS)
                     continue
-                log.error("mqks %s: consumer %s on queue %s refused on its new worker, dropped: %s",
-                          session.where, consumer.reported_id, consumer.queue, e)
-                session.forget(consumer)
             return
 
     def ack(self, consumer_id: str, *msg_ids: str, all: bool = False, confirm: bool = False,

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from . import wire
 from .answers import Answers
-from .errors import FAILOVER_SECONDS, MqksConnectionError, MqksError, MqksProtocolError
+from .errors import FAILOVER_SECONDS, MqksConnectionError, MqksError, MqksProtocolError, is_transient
 from .placement import Homes, Route
 from .tls import tls_setting, token_setting
 
@@ -80,6 +80,7 @@ class ClientBase:
     _homes: Homes[Any]  # the links consumers live on: the public one, one per owning worker
     _homeless: list[Any]  # consumers taken off a link, waiting for _rehome to place them
     _rehome_again: bool
+    _log = logging.getLogger("mqks.client")
 
     def __init__(self, host: str = "127.0.0.1", port: int = 25000, *, settings: ClientSettings | None = None,
                  ping_seconds: float = 15.0, ping_timeout_seconds: float | None = None,
@@ -214,6 +215,19 @@ class ClientBase:
             return False
         return all(session.link is None or session.link.connected or not session.by_id
                    for _, session in self._homes.direct.values())
+
+    def _refused_on_new_link(self, session: Any, consumer: Any, error: MqksError) -> bool:
+        """A moved consumer's consume was refused on its new link: True to send it again in a moment (its owner
+        fails over), under a new id (a broker that kept the refused one would answer "already consuming");
+        False when it is dropped."""
+        if is_transient(error):
+            consumer.conn = None
+            session.renew(consumer)
+            return True
+        self._log.error("mqks %s: consumer %s on queue %s refused on its new worker, dropped: %s",
+                        session.where, consumer.reported_id, consumer.queue, error)
+        session.forget(consumer)
+        return False
 
     def _let_go(self, consumer: Any) -> Any:
         """Forget `consumer` on its link; that link, for its `delete_consumer`, or None when the broker has dropped
