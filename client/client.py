@@ -24,16 +24,14 @@ from . import wire
 from .connection import Connection, Link
 from .consumers import Consumer, Consumers, Message, MessageCallback, notice
 from .errors import (
-    TRANSIENT_RETRY_MAX_SECONDS,
     TRANSIENT_RETRY_SECONDS,
     MqksConnectionError,
     MqksError,
     MqksProtocolError,
     MqksTimeoutError,
-    is_transient,
     not_done_try_again,
 )
-from .linking import ClientBase, ClientSettings, connect_error
+from .linking import ClientBase, ClientSettings, Retries, connect_error
 from .placement import Homes
 
 __all__ = ["Client", "ClientSettings", "Message", "MqksConnectionError", "MqksError", "MqksProtocolError",
@@ -160,15 +158,13 @@ class Client(ClientBase):
                       lines: list[bytes] | None = None) -> bytes:
         """A read-only request the broker asks every worker (stats, queues, schedules): asked again, with a back-off,
         while one of them is failing over (`... (failing over): ask again in a moment`), until the timeout."""
-        deadline, pause = self._deadline(timeout), TRANSIENT_RETRY_SECONDS
+        retries = Retries(self._deadline(timeout))
         while True:
             try:
-                return self._link.call(action, args, deadline, retry=True, lines=lines)[1]
+                return self._link.call(action, args, retries.deadline, retry=True, lines=lines)[1]
             except MqksError as e:
-                if type(e) is not MqksError or not is_transient(e) or time.monotonic() + pause > deadline:
-                    raise
+                pause = retries.pause_after(e)
             gevent.sleep(pause)
-            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
 
     def _request(self, action: bytes, args: list[bytes], confirm: bool, timeout: float | None, retry: bool,
                  link: Link | None = None) -> bytes:
@@ -209,15 +205,13 @@ class Client(ClientBase):
         if not confirm:
             return self._request(b"publish", args, confirm, timeout, retry=True).decode()
         # refused while an owner fails over (nothing was published): sent again with a back-off, within `timeout`
-        deadline, pause = self._deadline(timeout), TRANSIENT_RETRY_SECONDS
+        retries = Retries(self._deadline(timeout))
         while True:
             try:
-                return self._request(b"publish", args, True, deadline - time.monotonic(), retry=True).decode()
+                return self._request(b"publish", args, True, retries.deadline - time.monotonic(), retry=True).decode()
             except MqksError as e:
-                if not not_done_try_again(e) or time.monotonic() + pause > deadline:
-                    raise
+                pause = retries.pause_after(e, not_done_try_again)
             gevent.sleep(pause)
-            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
 
     def _wait_until_consumers_placed(self, deadline: float) -> None:
         """Hold a publish until every consumer is replayed on its worker's link, or until `deadline`.
@@ -257,16 +251,14 @@ class Client(ClientBase):
         # refused while its queue's owner fails over (a cluster's takeover, a worker's restart): tried again
         # with a back-off for failover_seconds (a failover outlasts one answer's timeout); `timeout` bounds it all
         give_up = self._deadline(timeout) if timeout is not None else time.monotonic() + self.failover_seconds
-        pause = TRANSIENT_RETRY_SECONDS
+        retries = Retries(give_up)
         while True:
             try:
                 return self._consume_once(queue_bytes, make, confirm, min(self._deadline(timeout), give_up))
             except MqksError as e:
-                if type(e) is not MqksError or not is_transient(e) or time.monotonic() + pause > give_up:
-                    raise
+                pause = retries.pause_after(e)
                 log.info("mqks: consume of %s refused for now (%s): again in %g s", queue, e.reason, pause)
             gevent.sleep(pause)
-            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
 
     def _consume_once(self, queue: bytes, make: Callable[[str], Consumer], confirm: bool, deadline: float) -> str:
         session, conn = self._consumer_link(queue, deadline)

@@ -16,13 +16,22 @@ from __future__ import annotations
 import logging
 import random
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import wire
 from .answers import Answers
-from .errors import FAILOVER_SECONDS, MqksConnectionError, MqksError, MqksProtocolError, is_transient
+from .errors import (
+    FAILOVER_SECONDS,
+    TRANSIENT_RETRY_MAX_SECONDS,
+    TRANSIENT_RETRY_SECONDS,
+    MqksConnectionError,
+    MqksError,
+    MqksProtocolError,
+    is_transient,
+)
 from .placement import Homes, Route
 from .tls import tls_setting, token_setting
 
@@ -244,6 +253,30 @@ class ClientBase:
         for consumer in [consumer for consumer in self._homeless if consumer.queue == queue]:
             self._homeless.remove(consumer)
             self._consumers.forget(consumer)
+
+
+def refused_for_now(error: MqksError) -> bool:
+    """A broker's refusal to ask again after a pause (its owner fails over), not a lost connection or a timeout."""
+    return type(error) is MqksError and is_transient(error)
+
+
+class Retries:
+    """A request asked again while it is refused for now, until `deadline` (the monotonic clock): the pause doubles
+    from TRANSIENT_RETRY_SECONDS to TRANSIENT_RETRY_MAX_SECONDS. Each transport sleeps the pause its own way."""
+
+    __slots__ = ("deadline", "pause")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.pause = TRANSIENT_RETRY_SECONDS
+
+    def pause_after(self, error: MqksError, again: Callable[[MqksError], bool] = refused_for_now) -> float:
+        """The pause before asking again; raises `error` when `again` says no or the pause would pass the deadline."""
+        pause = self.pause
+        if not again(error) or time.monotonic() + pause > self.deadline:
+            raise error
+        self.pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
+        return pause
 
 
 def connect_error(cause: BaseException | None, where: str, timeout: float, retry: bool) -> MqksError:

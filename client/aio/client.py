@@ -20,15 +20,13 @@ from typing import Any
 
 from mqks.client import wire
 from mqks.client.errors import (
-    TRANSIENT_RETRY_MAX_SECONDS,
     TRANSIENT_RETRY_SECONDS,
     MqksConnectionError,
     MqksError,
     MqksTimeoutError,
-    is_transient,
     not_done_try_again,
 )
-from mqks.client.linking import ClientBase, connect_error
+from mqks.client.linking import ClientBase, Retries, connect_error
 from mqks.client.placement import Homes
 
 from .connection import Connection, Link
@@ -142,15 +140,13 @@ class Client(ClientBase):
                             lines: list[bytes] | None = None) -> bytes:
         """A read-only request the broker asks every worker (stats, queues, schedules): asked again, with a back-off,
         while one of them is failing over (`... (failing over): ask again in a moment`), until the timeout."""
-        deadline, pause = self._deadline(timeout), TRANSIENT_RETRY_SECONDS
+        retries = Retries(self._deadline(timeout))
         while True:
             try:
-                return (await self._link.call(action, args, deadline, retry=True, lines=lines))[1]
+                return (await self._link.call(action, args, retries.deadline, retry=True, lines=lines))[1]
             except MqksError as e:
-                if type(e) is not MqksError or not is_transient(e) or time.monotonic() + pause > deadline:
-                    raise
+                pause = retries.pause_after(e)
             await asyncio.sleep(pause)
-            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
 
     async def _request(self, action: bytes, args: list[bytes], confirm: bool, timeout: float | None, retry: bool,
                        link: Link | None = None) -> bytes:
@@ -188,15 +184,14 @@ class Client(ClientBase):
         if not confirm:
             return (await self._request(b"publish", args, confirm, timeout, retry=True)).decode()
         # refused while an owner fails over (nothing was published): sent again with a back-off, within `timeout`
-        deadline, pause = self._deadline(timeout), TRANSIENT_RETRY_SECONDS
+        retries = Retries(self._deadline(timeout))
         while True:
             try:
-                return (await self._request(b"publish", args, True, deadline - time.monotonic(), retry=True)).decode()
+                left = retries.deadline - time.monotonic()
+                return (await self._request(b"publish", args, True, left, retry=True)).decode()
             except MqksError as e:
-                if not not_done_try_again(e) or time.monotonic() + pause > deadline:
-                    raise
+                pause = retries.pause_after(e, not_done_try_again)
             await asyncio.sleep(pause)
-            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
 
     def _placed(self) -> bool:
         """`_consumers_placed`, at the cost of a few attribute reads when there is one link (the common case)."""
@@ -242,17 +237,15 @@ class Client(ClientBase):
         # refused while its queue's owner fails over (a cluster's takeover, a worker's restart): tried again
         # with a back-off for failover_seconds (a failover outlasts one answer's timeout); `timeout` bounds it all
         give_up = self._deadline(timeout) if timeout is not None else time.monotonic() + self.failover_seconds
-        pause = TRANSIENT_RETRY_SECONDS
+        retries = Retries(give_up)
         while True:
             try:
                 return await self._consume_once(queue_bytes, make, callback, confirm,
                                                 min(self._deadline(timeout), give_up))
             except MqksError as e:
-                if type(e) is not MqksError or not is_transient(e) or time.monotonic() + pause > give_up:
-                    raise
+                pause = retries.pause_after(e)
                 log.info("mqks: consume of %s refused for now (%s): again in %g s", queue, e.reason, pause)
             await asyncio.sleep(pause)
-            pause = min(pause * 2, TRANSIENT_RETRY_MAX_SECONDS)
 
     async def _consume_once(self, queue: bytes, make: Callable[[str], Consumer], callback: MessageCallback | None,
                             confirm: bool, deadline: float) -> Consumer:

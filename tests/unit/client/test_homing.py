@@ -1,17 +1,20 @@
 """The routing of consumers to a direct link per worker (client/linking.py's ClientBase), shared by both clients:
 a route opens one session per worker on a link started in the background, with the public addresses as fallbacks
 (the one in use first); a new map retires a moved worker's link, its consumers wait to be placed, and the rehoming
-pass puts each on its owner's link through the transport's hooks. In process: a transport whose hooks record what
-they are asked, links that never connect."""
+pass puts each on its owner's link through the transport's hooks; a request refused for now is asked again after
+a pause that doubles, within its deadline. In process: a transport whose hooks record what they are asked, links
+that never connect."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from mqks.client.consuming import ConsumerState, Registry
-from mqks.client.linking import ClientBase
+from mqks.client.errors import MqksConnectionError, MqksError, MqksTimeoutError, not_done_try_again
+from mqks.client.linking import ClientBase, Retries
 from mqks.client.placement import Homes
 from mqks.common.slots import owner_of
 
@@ -142,3 +145,20 @@ def test_a_deleted_queue_ends_its_consumers_wherever_they_wait():
     client._homeless = [waiting, other]
     client._forget_queue("q")
     assert client._homeless == [other] and client._consumers.find(waiting.id) is None
+
+
+def test_retries_pause_longer_each_time_until_the_deadline_and_only_for_a_refusal_for_now():
+    now = time.monotonic()
+    retries = Retries(now + 1.5)
+    refused = MqksError("group 0 has no owner reachable from here (failing over): try again")
+    assert [retries.pause_after(refused) for _ in range(2)] == [0.5, 1.0]
+    with pytest.raises(MqksError) as raised:
+        retries.pause_after(refused)  # 2 s more would pass the deadline
+    assert raised.value is refused
+    long = Retries(now + 60)
+    assert [long.pause_after(refused) for _ in range(4)] == [0.5, 1.0, 2.0, 2.0]  # capped
+    for error in (MqksError("unknown queue"), MqksTimeoutError("no answer"), MqksConnectionError("lost")):
+        with pytest.raises(type(error)):
+            Retries(now + 60).pause_after(error)
+    with pytest.raises(MqksError):  # a publish some queues took is never sent again
+        Retries(now + 60).pause_after(MqksError("owner restarting: partly published"), not_done_try_again)
