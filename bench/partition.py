@@ -83,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--processes", type=int, default=2, help="per node")
     parser.add_argument("--lease", type=float, default=12.0)
-    parser.add_argument("--nats-ping", type=float, default=None,
-                        help="NATS servers' ping_interval in seconds (ping_max 2); default: NATS's own (2 min)")
+    parser.add_argument("--nats-ping", type=float, default=2.0,
+                        help="NATS servers' ping_interval in seconds (ping_max 2), as `mqks nats up` writes it; "
+                             "0: NATS's own default (2 min) (default: %(default)s)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     # a SIGTERM unwinds like Ctrl-C: each run's namespaces and processes are removed on the way out
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     settings = Settings(groups=args.groups, processes=args.processes, lease_seconds=args.lease, queues=args.queues,
                         rate=args.rate, publishers=args.publishers, cut_seconds=args.cut_seconds,
-                        nats_ping_seconds=args.nats_ping)
+                        nats_ping_seconds=args.nats_ping or None)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     logs = Path(LOG_DIR) / f"partition-{stamp}"
     print(f"{args.runs} runs of {settings}; logs in {logs}", flush=True)

@@ -112,6 +112,9 @@ def node_config(node: Node, nodes: list[Node], cluster: str) -> str:
             f"http: 127.0.0.1:{node.http_port}\n"
             # an MQKS frame is a batch of records; the replicated log splits one past the payload limit
             "max_payload: 8MB\n"
+            # a route to a host that was cut off is noticed in 4 s, not NATS's 2 min: a healed server with a stale
+            # route refused the new one as a duplicate for 10-30 s (docs/cluster.md, "A host cut off")
+            "ping_interval: \"2s\"\nping_max: 2\n"
             f"jetstream {{\n  store_dir: {json.dumps(node.store_dir)}\n  sync_interval: always\n}}\n"
             # no_advertise: a client reconnects only to the servers it was given (--log), never around a proxy
             f"cluster {{\n  name: {cluster}\n  listen: 127.0.0.1:{node.cluster_port}\n  routes: [{routes}]\n"

@@ -77,10 +77,10 @@ class Settings:
     settle_timeout_seconds: float = 60.0
     heal_timeout_seconds: float = 60.0  # from the heal, for everything it should bring back
     drain_timeout_seconds: float = 30.0
-    # NATS's own `ping_interval` (with `ping_max: 2`), None: its default (2 min). A healed server kept its route to a
-    # peer that had closed its end during the cut, and refused the peer's new route as a duplicate until a write
-    # deadline (10 s) closed the old one, 10-30 s after the heal: no responders and timeouts from it till then
-    nats_ping_seconds: float | None = None
+    # NATS's own `ping_interval` (with `ping_max: 2`), as `mqks nats up` writes it; None: NATS's default (2 min). A
+    # healed server kept its route to a peer that had closed its end during the cut, and refused the peer's new route
+    # as a duplicate until a write deadline (10 s) closed the old one, 10-30 s after the heal
+    nats_ping_seconds: float | None = 2.0
 
 
 @dataclass
