@@ -189,7 +189,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=["mqks.server", "mqks.server.wire", "mqks.server.journal", "mqks.server.core", "mqks.server.dispatch",
-              "mqks.server.workers", "mqks.server.node", "mqks.server.cluster", "mqks.server.nats_io", "mqks.client",
+              "mqks.server.workers", "mqks.server.edges", "mqks.server.cluster", "mqks.server.nats_io", "mqks.client",
               "mqks.aio", "mqks.spark", "mqks.common"],
     package_dir={
         "mqks.server": "server",  # its subpackages follow the folders: server/wire is mqks.server.wire
@@ -198,7 +198,7 @@ setup(
         "mqks.spark": "spark",
         "mqks.common": "common",  # what the broker and its clients both read
     },
-    package_data={"mqks.server": ["py.typed"], "mqks.server.node": ["console/*.html", "console/*.js", "console/*.css"],
+    package_data={"mqks.server": ["py.typed"], "mqks.server.edges": ["console/*.html", "console/*.js", "console/*.css"],
                   "mqks.client": ["py.typed"], "mqks.aio": ["py.typed"], "mqks.spark": ["py.typed"],
                   "mqks.common": ["py.typed"]},
     ext_modules=placeholders() if compiling() else [],

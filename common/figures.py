@@ -1,5 +1,5 @@
 """The broker's figures, beside the flow: one table of every `stats` key, read by the `stats` action's merge
-over worker processes, by Prometheus (server/node/metrics.py) and by the people's table (client/stats.py).
+over worker processes, by Prometheus (server/edges/metrics.py) and by the people's table (client/stats.py).
 
 Pure data and one merge: no I/O, no broker state, so the client may import it too.
 """

@@ -8,7 +8,7 @@ error-id source, never the server itself. SIGTERM or SIGINT drains: stop accepti
 `--drain-seconds` to settle what they hold (those that said `hello` hear `ok --draining`),
 flush what is owed, requeue the rest (durably with --data-dir), exit 0. SIGHUP re-reads the
 token file. With `--tls-port` a second listener speaks the same protocol over TLS; with
-`--metrics-port` the same loop serves `/metrics` and `/healthz` (server/node/metrics.py).
+`--metrics-port` the same loop serves `/metrics` and `/healthz` (server/edges/metrics.py).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from .core.timers import Timers
 from .dispatch.actions import ONE_PROCESS, HandlerTables
 from .dispatch.process import Process
 from .dispatch.slots import SLOTS, slot_ranges
-from .node.config import FENCED_EXIT_CODE, Config
-from .node.connection import Connection
-from .node.error_ids import ErrorIds
-from .node.handshakes import client_tls, link_hello
-from .node.listeners import AcceptFailed, CannotListen, Listener, tcp_listener, unix_listener
-from .node.memory import MemoryGuard
-from .node.sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
+from .edges.config import FENCED_EXIT_CODE, Config
+from .edges.connection import Connection
+from .edges.error_ids import ErrorIds
+from .edges.handshakes import client_tls, link_hello
+from .edges.listeners import AcceptFailed, CannotListen, Listener, tcp_listener, unix_listener
+from .edges.memory import MemoryGuard
+from .edges.sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
 from .startup import log_shown, open_journal, recover_journal
 from .wire.protocol import format_error, ok_body
 
@@ -263,8 +263,8 @@ class Server:
         # worker 0 speaks for a broker of several; on a cluster node every owner accepts, and speaks for the node
         speaks = self.peers is None or self.peers.worker == 0 or self.cluster.shares_metrics_port
         if config.metrics_port is not None and speaks:
-            from .node.console import BrokerLine, Console
-            from .node.metrics import metrics_server  # prometheus_client is loaded only when asked for
+            from .edges.console import BrokerLine, Console
+            from .edges.metrics import metrics_server  # prometheus_client is loaded only when asked for
 
             tokens = self.tokens
             console = None
@@ -286,7 +286,7 @@ class Server:
     def metrics_registry(self) -> Any:
         """The figures /metrics shows: the broker's, or on a cluster node those of the node (its groups owned now,
         and its processes)."""
-        from .node.metrics import make_registry
+        from .edges.metrics import make_registry
 
         return make_registry(self.process, self.config.metrics_max_queues, *self.cluster.node_figures())
 
@@ -343,7 +343,7 @@ class Server:
 
     def serve_forever(self, own_signals: bool = True) -> None:
         """Recover, listen and serve until stopped; `own_signals` False: a cluster node's process holding several
-        groups (node/group_host.py) handles the signals and calls `shutdown` itself."""
+        groups (cluster/node_process.py) handles the signals and calls `shutdown` itself."""
         config = self.config
         if self.journal is not None:
             lines = self.cluster.replay(self.journal.log, config.repair)  # a standby's: up to its takeover

@@ -1,5 +1,5 @@
 """`mqksd`'s command line, on top of everything: the flags as a Config, then a supervisor of worker
-processes or one `Server` (app.py). Every default and its meaning lives in node/config.py.
+processes or one `Server` (app.py). Every default and its meaning lives in edges/config.py.
 
 Exit codes: 0 a clean stop, 1 cannot listen, the log is corrupt, NATS cannot be reached or another broker
 owns the stream, 2 bad flags (argparse), 70 a failed fsync (server/journal/log.py), 75 the replicated log
@@ -19,9 +19,9 @@ from typing import NoReturn
 from . import build
 from .app import Server
 from .dispatch.process import VERSION
-from .node.config import CANNOT_START_EXIT_CODE, DEFAULTS, FENCED_EXIT_CODE, Config
-from .node.listeners import CannotListen
-from .node.sessions import AUTH_TOKEN_ENV, tls_server_context
+from .edges.config import CANNOT_START_EXIT_CODE, DEFAULTS, FENCED_EXIT_CODE, Config
+from .edges.listeners import CannotListen
+from .edges.sessions import AUTH_TOKEN_ENV, tls_server_context
 
 log = logging.getLogger("mqks.server")
 
@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--processes", type=worker_count, default=d.processes,
                         help="with --cluster: processes on this node, each holding several of the slot groups; `auto` "
                              "(or 0, the default) for one per core")
-    parser.add_argument("--host-index", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--lease", type=float, default=d.lease_seconds, dest="lease_seconds", metavar="SECONDS",
                         help="with --cluster: a standby takes a group over after this long without a frame from "
                              "its owner; more than a NATS election (default: %(default)s)")
@@ -296,26 +296,26 @@ def check_tls_args(parser: Parser, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
-    if config.host_index is not None:  # a cluster node's process: its groups' lines say which group
-        from .node.group_host import GroupTag
+    if config.process_index is not None:  # a cluster node's process: its groups' lines say which group
+        from .cluster.node_process import GroupTag
 
         handler = logging.StreamHandler(sys.stderr)
-        handler.addFilter(GroupTag(config.host_index))
+        handler.addFilter(GroupTag(config.process_index))
         logging.basicConfig(handlers=[handler], level=config.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s%(where)s: %(message)s")
     else:
         worker = "" if config.worker_index is None else f" worker-{config.worker_index}"
         logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(),
                             format=f"%(asctime)s %(levelname)s %(name)s{worker}: %(message)s")
-    if (config.workers > 1 or config.cluster) and config.worker_index is None and config.host_index is None:
-        from .node.supervisor import Supervisor
+    if (config.workers > 1 or config.cluster) and config.worker_index is None and config.process_index is None:
+        from .edges.supervisor import Supervisor
 
         sys.exit(Supervisor(config, sys.argv[1:] if argv is None else argv).run())
-    if config.worker_index is not None or config.host_index is not None:
-        from .node.supervisor import die_with_parent
+    if config.worker_index is not None or config.process_index is not None:
+        from .edges.supervisor import die_with_parent
 
         die_with_parent()
-    if config.host_index is not None:
+    if config.process_index is not None:
         sys.exit(serve_groups(config))
     try:
         server = Server(config)
@@ -340,15 +340,15 @@ def serve_groups(config: Config) -> int:
     """A cluster node's process: its groups, each a Server, over one NATS connection."""
     from ..common.cluster_names import bucket_of
     from .cluster.map import SharedMap
+    from .cluster.node_process import NodeProcess
     from .nats_io.nats_bridge import SharedNats
-    from .node.group_host import GroupHost
 
     assert config.log is not None and config.cluster is not None and config.node is not None
-    assert config.host_index is not None
+    assert config.process_index is not None
     urls = config.log_urls
     shared = SharedNats(urls, options=config.nats_options())
-    shared_map = SharedMap(shared, bucket_of(config.cluster), config.node, config.host_index, config.log_replicas)
+    shared_map = SharedMap(shared, bucket_of(config.cluster), config.node, config.process_index, config.log_replicas)
     try:
-        return GroupHost(config, lambda group_config: Server(group_config, shared, shared_map)).run()
+        return NodeProcess(config, lambda group_config: Server(group_config, shared, shared_map)).run()
     finally:
         shared.close()

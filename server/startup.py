@@ -24,17 +24,17 @@ import gevent
 
 from .cluster.hooks import Cluster, NoCluster
 from .core.restore import rebuild
+from .edges.config import CANNOT_START_EXIT_CODE, FENCED_EXIT_CODE, Config
 from .journal.journal import Journal
 from .journal.recovery import recover_batches
-from .node.config import CANNOT_START_EXIT_CODE, FENCED_EXIT_CODE, Config
 
 if TYPE_CHECKING:
     from .cluster.map import SharedMap
     from .dispatch.process import Process
+    from .edges.sessions import Tokens
     from .journal.jetstream_log import JetStreamLog
     from .journal.log import Log
     from .nats_io.nats_bridge import SharedNats
-    from .node.sessions import Tokens
 
 log = logging.getLogger("mqks.server")
 
@@ -57,8 +57,8 @@ def open_journal(config: Config, error_line: ErrorLine, tokens: Tokens | None, s
     if config.cluster is None:
         return journal, wake, NoCluster()
     from .cluster.group import ClusterGroup
-    from .node.sessions import link_tls_contexts
-    from .node.supervisor import supervisor_pid
+    from .edges.sessions import link_tls_contexts
+    from .edges.supervisor import supervisor_pid
 
     link_tls = (link_tls_contexts(config.tls_cert, config.tls_key, config.tls_ca)
                 if config.tls_cert and config.tls_key else None)  # links cross hosts: as encrypted as the clients
@@ -69,8 +69,8 @@ def open_journal(config: Config, error_line: ErrorLine, tokens: Tokens | None, s
 
 def open_disk_log(config: Config, wake: Callable[[], None]) -> Log:
     """--data-dir: this worker's log (the storage layer is loaded only for a durable server)."""
+    from .edges.reshard import ReshardError, log_dir, prepare
     from .journal.log import Log
-    from .node.reshard import ReshardError, log_dir, prepare
 
     assert config.data_dir is not None
     if config.worker_index is None:  # one process: a log written by N workers comes back into one first

@@ -78,8 +78,8 @@ class ClusterNode(BrokerProcess):
         for pid in self.group_pids():
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 args = f.read().split(b"\0")
-            if b"--host-index" in args:
-                processes[int(args[args.index(b"--host-index") + 1])] = pid
+            if b"--process-index" in args:
+                processes[int(args[args.index(b"--process-index") + 1])] = pid
         assert processes, f"node {self.name} has no group process"
         return processes
 

@@ -1,5 +1,6 @@
 """The cluster layer (`mqksd --cluster NAME --node ID`): who owns each slot group, above a storage-only log.
 
+    node_process.py  a node's process: several groups, each a Server in a greenlet of its own
     hooks.py      what app.Server asks of the layer, as named hooks; NoCluster for a broker without one
     group.py      ClusterGroup: those hooks for this process's group (links, replay, serve, hand-off)
     candidacy.py  a node's claim on one group: its lease, claim delays, the node's other processes

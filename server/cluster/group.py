@@ -25,10 +25,10 @@ from .hooks import Scope
 from .map import ClusterMap, NodeDir, SharedMap
 
 if TYPE_CHECKING:
+    from ..edges.config import Config
+    from ..edges.sessions import Tokens
     from ..journal.jetstream_log import JetStreamLog
     from ..journal.journal import Log
-    from ..node.config import Config
-    from ..node.sessions import Tokens
     from ..workers.peers import Peers
 
 log = logging.getLogger("mqks.cluster")

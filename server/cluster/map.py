@@ -160,7 +160,7 @@ def standbys_entry(node: str, positions: dict[int, int]) -> bytes:
 
 
 class SharedMap:
-    """The map as the groups of one node process share it (node/group_host.py holds several groups in a process):
+    """The map as the groups of one node process share it (cluster/node_process.py holds several groups in a process):
     one watch of the owners' entries, and one report of where every standby of the process has read to. Made per
     group, an idle default cluster kept 48 watches, and its 32 standbys put an R3 entry each every 20 s."""
 

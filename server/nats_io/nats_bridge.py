@@ -292,7 +292,7 @@ class SharedFigures:
 
 
 class SharedNats:
-    """One NATS connection for the groups of a cluster node's process (node/group_host.py): each group's log and
+    """One NATS connection for the groups of a cluster node's process (cluster/node_process.py): each group's log and
     map use a `BridgeScope` of it. Connected by the first scope that starts; a failed connect is tried anew by the
     next one."""
 

@@ -41,7 +41,7 @@ from ..wire.protocol import Held, ProtocolError, format_ok, format_rows, ok_body
 from .frames import Frame
 
 if TYPE_CHECKING:
-    from ..node.connection import Connection
+    from ..edges.connection import Connection
     from .peers import Peers
 
 log = logging.getLogger("mqks.relay")

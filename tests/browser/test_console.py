@@ -1,4 +1,4 @@
-"""The web console (server/node/console.py) in a real browser: headless Chromium driven by Selenium against a real
+"""The web console (server/edges/console.py) in a real browser: headless Chromium driven by Selenium against a real
 broker with real queues, plus its JSON and its guards over plain HTTP.
 
 Chromium and chromedriver come from the system's packages (.ci/run installs them); without them these tests

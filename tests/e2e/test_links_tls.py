@@ -12,7 +12,7 @@ from gevent import ssl as gevent_ssl
 from tls_certs import Certs
 
 from mqks.server.dispatch.process import Process
-from mqks.server.node.sessions import link_tls_contexts
+from mqks.server.edges.sessions import link_tls_contexts
 from mqks.server.workers.links import PeerLink
 from mqks.server.workers.peers import Peers
 

@@ -1,4 +1,4 @@
-"""Re-sharding the write-ahead log (server/node/reshard.py) with a real `mqksd` and real files.
+"""Re-sharding the write-ahead log (server/edges/reshard.py) with a real `mqksd` and real files.
 
 A 1-worker broker builds durable state and is killed with -9; `prepare(DIR, N)` then lays the
 logs out for N workers. Every new worker log is replayed in-process and compared, queue by
@@ -24,10 +24,8 @@ from helpers import queue_row, unique_bytes
 from mqks.server.core.messages import Message, Packed, unpack
 from mqks.server.core.restore import rebuild
 from mqks.server.dispatch.slots import SLOTS, owner_of
-from mqks.server.journal.log import Log
-from mqks.server.journal.recovery import Recovery, recover
-from mqks.server.node import reshard
-from mqks.server.node.reshard import (
+from mqks.server.edges import reshard
+from mqks.server.edges.reshard import (
     DONE_DIR,
     LAYOUT_FILE,
     READY_DIR,
@@ -37,6 +35,8 @@ from mqks.server.node.reshard import (
     placed_brokers,
     prepare,
 )
+from mqks.server.journal.log import Log
+from mqks.server.journal.recovery import Recovery, recover
 from mqks.server.wire.protocol import msg_id_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -363,7 +363,7 @@ def test_a_crash_at_any_step_leaves_the_old_or_the_new_layout_whole(built: Built
 
 KILL_AT_STEP = """
 import os, shutil, signal, sys
-from mqks.server.node.reshard import prepare
+from mqks.server.edges.reshard import prepare
 data_dir, workers, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 count = 0
 def counted(fn):

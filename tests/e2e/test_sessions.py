@@ -436,7 +436,7 @@ class QuietPeer:
 
 def test_silence_watch_is_one_timer_for_every_connection_and_closes_only_after_2x_ttl():
     from mqks.server.core.timers import Timers
-    from mqks.server.node.sessions import SilenceWatch
+    from mqks.server.edges.sessions import SilenceWatch
 
     now = [0.0]
     timers = Timers(clock=lambda: now[0])

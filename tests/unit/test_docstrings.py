@@ -91,7 +91,7 @@ def test_the_module_map_has_a_line_for_every_module():
 
 
 def test_every_path_the_internals_prose_gives_exists():
-    """Outside the map the walk-throughs name modules from server/ (`node/connection.py`) or from the root
+    """Outside the map the walk-throughs name modules from server/ (`edges/connection.py`) or from the root
     (`server/journal/records.py`, `tests/unit/cluster/test_election.py`); a bare `name.py` there is left to the
     sentence around it."""
     text = INTERNALS.read_text(encoding="utf-8")

@@ -61,7 +61,7 @@ def test_the_clients_import_nothing_of_the_broker(folder: str, package: str):
 
 
 def test_the_journal_imports_nothing_above_it():
-    above = ("mqks.server.cluster", "mqks.server.node", "mqks.server.workers", "mqks.server.dispatch",
+    above = ("mqks.server.cluster", "mqks.server.edges", "mqks.server.workers", "mqks.server.dispatch",
              "mqks.server.app")
     offending = {path: sorted(n for n in names if n.startswith(above))
                  for path, names in imported_modules("server/journal", "mqks.server.journal").items()}
@@ -70,7 +70,7 @@ def test_the_journal_imports_nothing_above_it():
 
 def test_the_nats_transport_imports_nothing_of_the_broker_above_it():
     """server/nats_io/ sits below the journal and the cluster layer: it knows NATS, not frames or groups."""
-    above = ("mqks.server.journal", "mqks.server.cluster", "mqks.server.node", "mqks.server.workers",
+    above = ("mqks.server.journal", "mqks.server.cluster", "mqks.server.edges", "mqks.server.workers",
              "mqks.server.dispatch", "mqks.server.core", "mqks.server.app")
     offending = {path: sorted(n for n in names if n.startswith(above))
                  for path, names in imported_modules("server/nats_io", "mqks.server.nats_io").items()}
@@ -86,7 +86,7 @@ def test_relative_imports_resolve_as_python_does():
 
 
 def module_name(path: str) -> str:
-    """server/node/supervisor.py -> mqks.server.node.supervisor; a package's __init__.py is the package."""
+    """server/edges/supervisor.py -> mqks.server.edges.supervisor; a package's __init__.py is the package."""
     return ".".join(["mqks", *Path(path).with_suffix("").parts]).removesuffix(".__init__")
 
 
@@ -126,6 +126,6 @@ def test_the_cycle_check_reads_imports_as_python_runs_them():
     """Function-level imports are seen; TYPE_CHECKING ones are not: the test above is not vacuous."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
     imports = server_imports()
-    assert "mqks.server.node.group_host" in imports["mqks.server.node.supervisor"]  # inside a method
+    assert "mqks.server.cluster.node_process" in imports["mqks.server.edges.supervisor"]  # inside a method
     assert "mqks.server.core.state" not in imports["mqks.server.core.dead_letters"]  # under TYPE_CHECKING
     assert "mqks.server.core.dead_letters" in imports["mqks.server.core.state"]  # `from . import dead_letters`

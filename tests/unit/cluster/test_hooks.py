@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from mqks.server.cluster.hooks import Cluster, NoCluster
-from mqks.server.node.config import Config
+from mqks.server.edges.config import Config
 
 ROOT = Path(__file__).resolve().parents[3]
 HOOKS = {name for name in Cluster.__dict__ if not name.startswith("_")} | set(Cluster.__annotations__)

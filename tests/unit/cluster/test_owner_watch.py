@@ -15,7 +15,7 @@ pytest.importorskip("nats")
 from nats.aio.msg import Msg
 
 from mqks.server.cluster.map import RETRY_SECONDS, WATCH_HEARTBEAT_SECONDS, OwnerWatch
-from mqks.server.node.config import Config
+from mqks.server.edges.config import Config
 
 pytestmark = pytest.mark.timeout(10)
 

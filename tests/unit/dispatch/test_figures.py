@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from mqks.common.figures import ANY, FIGURES, LOG_FIGURES, OWN, THIS, merge_log_stats, merge_stats, ranked
 from mqks.server.dispatch.process import Process
-from mqks.server.node.metrics import StatsCollector
+from mqks.server.edges.metrics import StatsCollector
 
 pytestmark = pytest.mark.timeout(10)
 

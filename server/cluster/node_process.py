@@ -24,15 +24,15 @@ from typing import Protocol
 import gevent
 from gevent import Greenlet
 
-from .config import FENCED_EXIT_CODE, Config
-from .listeners import CannotListen
-from .restarts import restart_wait
+from ..edges.config import FENCED_EXIT_CODE, Config
+from ..edges.listeners import CannotListen
+from ..edges.restarts import restart_wait
 
 log = logging.getLogger("mqks.node")
 
 
 class GroupServer(Protocol):
-    """What the host needs of a group's `Server`."""
+    """What the node process needs of a group's `Server`."""
 
     exit_code: int
 
@@ -47,18 +47,18 @@ class GroupServer(Protocol):
     def release(self) -> None: ...
 
 
-def groups_of(host_index: int, processes: int, groups: int) -> list[int]:
-    """The groups process `host_index` of `processes` holds."""
-    return list(range(host_index, groups, processes))
+def groups_of(process_index: int, processes: int, groups: int) -> list[int]:
+    """The groups process `process_index` of `processes` holds."""
+    return list(range(process_index, groups, processes))
 
 
 class GroupTag(logging.Filter):
-    """` host-P group-G` on the lines a group's greenlets log (those spawned from its greenlet), ` host-P` on the
+    """` process-P group-G` on the lines a group's greenlets log (those spawned from its greenlet), ` process-P` on the
     others (the hub's: accepted connections, signal handlers)."""
 
-    def __init__(self, host_index: int) -> None:
+    def __init__(self, process_index: int) -> None:
         super().__init__()
-        self.host = f" host-{host_index}"
+        self.host = f" process-{process_index}"
 
     def filter(self, record: logging.LogRecord) -> bool:
         locals_ = getattr(gevent.getcurrent(), "spawn_tree_locals", None)
@@ -67,14 +67,14 @@ class GroupTag(logging.Filter):
         return True
 
 
-class GroupHost:
+class NodeProcess:
     """The groups of one node process, each served, and made again when it ends, until the process stops."""
 
     def __init__(self, config: Config, make_server: Callable[[Config], GroupServer]) -> None:
-        assert config.host_index is not None
+        assert config.process_index is not None
         self.config = config
         self.make_server = make_server
-        self.groups = groups_of(config.host_index, config.processes, config.workers)
+        self.groups = groups_of(config.process_index, config.processes, config.workers)
         self.servers: dict[int, GroupServer] = {}
         self.greenlets: dict[int, Greenlet] = {}
         self.stopping = False

@@ -1,4 +1,4 @@
-"""A cluster node's process holding several groups (server/node/group_host.py), in process with stand-in servers:
+"""A cluster node's process holding several groups (server/cluster/node_process.py), in process with stand-in servers:
 which groups a process holds, a group made again after it ends, and a stop that drains owners and ends standbys."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import gevent
 import pytest
 from gevent.event import Event
 
-from mqks.server.node.config import FENCED_EXIT_CODE, Config
-from mqks.server.node.group_host import GroupHost, groups_of
+from mqks.server.cluster.node_process import NodeProcess, groups_of
+from mqks.server.edges.config import FENCED_EXIT_CODE, Config
 
 
 class StandIn:
@@ -44,9 +44,10 @@ class StandIn:
         self.released = True
 
 
-def host_of(made: list[StandIn], host_index: int = 1, processes: int = 2, groups: int = 6) -> GroupHost:
-    config = Config(cluster="c", node="a", workers=groups, processes=processes, host_index=host_index, run_dir=".")
-    return GroupHost(config, lambda group_config: StandIn(group_config, made))
+def node_process_of(made: list[StandIn], process_index: int = 1, processes: int = 2, groups: int = 6) -> NodeProcess:
+    config = Config(cluster="c", node="a", workers=groups, processes=processes, process_index=process_index,
+                    run_dir=".")
+    return NodeProcess(config, lambda group_config: StandIn(group_config, made))
 
 
 def wait_until(condition, seconds: float = 5.0) -> None:
@@ -66,7 +67,7 @@ def test_process_p_of_p_holds_every_pth_group_and_together_they_hold_each_group_
 def test_a_group_that_ends_is_made_again_here_and_its_old_server_released(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     made: list[StandIn] = []
-    host = host_of(made)
+    host = node_process_of(made)
     runner = gevent.spawn(host.run)
     wait_until(lambda: sorted(server.group for server in made) == [1, 3, 5])
     first = next(server for server in made if server.group == 3)
@@ -85,7 +86,7 @@ def test_a_group_that_ends_is_made_again_here_and_its_old_server_released(tmp_pa
 def test_a_stop_drains_the_owners_and_ends_the_standbys(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     made: list[StandIn] = []
-    host = host_of(made)
+    host = node_process_of(made)
     runner = gevent.spawn(host.run)
     wait_until(lambda: len(made) == 3)
     owner = made[0]
@@ -102,7 +103,7 @@ def test_a_stop_drains_the_owners_and_ends_the_standbys(tmp_path, monkeypatch):
 def test_a_group_that_keeps_ending_at_once_is_made_again_after_a_growing_wait(tmp_path, monkeypatch, exit_code):
     monkeypatch.chdir(tmp_path)
     waits: list[float] = []
-    monkeypatch.setattr("mqks.server.node.group_host.gevent.sleep",
+    monkeypatch.setattr("mqks.server.cluster.node_process.gevent.sleep",
                         lambda seconds=0: waits.append(seconds) or gevent.idle())
     made: list[StandIn] = []
 
@@ -113,8 +114,8 @@ def test_a_group_that_keeps_ending_at_once_is_made_again_after_a_growing_wait(tm
         server.stopped.set()
         return server
 
-    config = Config(cluster="c", node="a", workers=1, processes=1, host_index=0, run_dir=".")
-    host = GroupHost(config, ending_at_once)
+    config = Config(cluster="c", node="a", workers=1, processes=1, process_index=0, run_dir=".")
+    host = NodeProcess(config, ending_at_once)
     runner = gevent.spawn(host.run)
     wait_until(lambda: len(made) >= 5)
     host.stop()

@@ -1,8 +1,8 @@
-"""The operator's settings (server/node/config.py): what is derived from a flag is derived in one place."""
+"""The operator's settings (server/edges/config.py): what is derived from a flag is derived in one place."""
 
 from __future__ import annotations
 
-from mqks.server.node.config import Config
+from mqks.server.edges.config import Config
 
 
 def test_log_urls_are_read_from_the_flag_once_for_every_user():

@@ -1,5 +1,5 @@
 """When to start again what died: a worker process (supervisor.py) or a cluster group's server in its process
-(group_host.py). Both back off the same way; neither imports the other for it.
+(cluster/node_process.py). Both back off the same way; neither imports the other for it.
 """
 
 from __future__ import annotations

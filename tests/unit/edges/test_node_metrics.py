@@ -1,4 +1,4 @@
-"""A cluster node's /metrics speaks for the node (server/node/metrics.py, server/cluster/map.py's NodeDir): the groups
+"""A cluster node's /metrics speaks for the node (server/edges/metrics.py, server/cluster/map.py's NodeDir): the groups
 it owns are the run dir's `owns-g` files, and its process figures are summed over the supervisor and every process
 under it. In process, on this test's own process tree."""
 
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from mqks.server.cluster.map import NodeDir
-from mqks.server.node.metrics import NodeProcessCollector, process_tree
+from mqks.server.edges.metrics import NodeProcessCollector, process_tree
 
 pytestmark = pytest.mark.timeout(10)
 

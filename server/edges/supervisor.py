@@ -1,7 +1,7 @@
 """`mqksd --workers N` (N >= 2): the parent process that runs N worker processes and keeps them running.
 
 The parent holds no queues and serves no client. It prepares the data dir for N workers
-(re-sharding a log written with another N, server/node/reshard.py), makes a private run
+(re-sharding a log written with another N, server/edges/reshard.py), makes a private run
 directory for the workers' Unix sockets, starts `mqksd ... --worker-index i` N times,
 restarts a worker that dies (logged, with a back-off if it keeps dying) unless it cannot start
 because of its data (then the whole broker stops, exit 1, as one process would), passes SIGHUP
@@ -42,7 +42,7 @@ class Supervisor:
     def __init__(self, config: Config, argv: list[str]) -> None:
         self.config = config
         self.argv = argv
-        # a cluster node: processes holding several groups each (group_host.py); else one worker per process
+        # a cluster node: processes holding several groups each (cluster/node_process.py); else one worker per process
         self.count = config.processes if config.cluster else config.workers
         self.run_dir = tempfile.mkdtemp(prefix="mqks-")
         self.children: dict[int, subprocess.Popen] = {}
@@ -54,7 +54,7 @@ class Supervisor:
     def command(self, worker: int) -> list[str]:
         # `python -m mqks.server`: the server package, one above this one (server/node)
         package = ((__spec__.parent or "") if __spec__ is not None else "").rpartition(".")[0] or "mqks.server"
-        index = "--host-index" if self.config.cluster else "--worker-index"
+        index = "--process-index" if self.config.cluster else "--worker-index"
         return [sys.executable, "-m", package, *self.argv, index, str(worker), "--run-dir", self.run_dir]
 
     def start(self, worker: int) -> None:
@@ -202,7 +202,7 @@ class Supervisor:
         process of this node now."""
         if not self.config.cluster:
             return
-        from .group_host import groups_of
+        from ..cluster.node_process import groups_of
 
         for group in groups_of(worker, self.count, self.config.workers):
             try:

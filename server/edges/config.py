@@ -50,7 +50,7 @@ class Config:
     metrics_port: int | None = None  # None: no HTTP endpoint (/metrics, /healthz)
     metrics_host: str = "127.0.0.1"  # loopback, as the broker's own port
     metrics_max_queues: int = 100  # per-queue gauges for the deepest queues only: scrapes stay small
-    console: bool = True  # the web console at / of the metrics port (node/console.py), when that port is on
+    console: bool = True  # the web console at / of the metrics port (edges/console.py), when that port is on
     console_actions: bool = False  # let the console change things (delete a queue): off, read-only by default
     tls_port: int | None = None  # None: no TLS listener
     tls_cert: str | None = None
@@ -64,7 +64,7 @@ class Config:
     max_link_backlog_bytes: int = 512 << 20  # with workers > 1: a worker that leaves this unread loses its link
     worker_index: int | None = None  # set by the supervisor: this process is worker i of `workers`
     run_dir: str | None = None  # set by the supervisor: where the workers' Unix sockets are
-    host_index: int | None = None  # set by a cluster node's supervisor: this process holds groups i, i+P, i+2P, ...
+    process_index: int | None = None  # set by a cluster node's supervisor: this process holds groups i, i+P, i+2P, ...
 
     @property
     def log_urls(self) -> list[str]:

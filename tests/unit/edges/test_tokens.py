@@ -1,4 +1,4 @@
-"""The token file (server/node/sessions.py) in process: plain lines, TOML tables with scopes and secret_sha256,
+"""The token file (server/edges/sessions.py) in process: plain lines, TOML tables with scopes and secret_sha256,
 the cluster's link secret, and reloads that keep the old tokens when the new file is wrong."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from mqks.server.node.sessions import Tokens
+from mqks.server.edges.sessions import Tokens
 
 
 def test_plain_lines_are_full_access_tokens_named_by_their_line(tmp_path):
@@ -143,7 +143,7 @@ def test_every_token_counts_once_whichever_its_kind(tmp_path, caplog):
 
 
 def test_failed_auths_slow_their_address_down_growing_then_capped_and_a_success_forgives():
-    from mqks.server.node.sessions import MAX_DELAY_SECONDS, AuthThrottle
+    from mqks.server.edges.sessions import MAX_DELAY_SECONDS, AuthThrottle
 
     now = [1000.0]
     throttle = AuthThrottle(clock=lambda: now[0])
@@ -162,7 +162,7 @@ def test_failed_auths_slow_their_address_down_growing_then_capped_and_a_success_
 
 
 def test_the_throttle_remembers_a_bounded_number_of_addresses(monkeypatch):
-    from mqks.server.node import sessions
+    from mqks.server.edges import sessions
 
     monkeypatch.setattr(sessions, "MAX_ADDRESSES", 50)
     throttle = sessions.AuthThrottle()
