@@ -26,9 +26,11 @@ log = logging.getLogger("mqks.log")
 RIVAL_CHECK_PAUSES = (0.05, 0.25, 1.0)  # a rival's frame heard: look at the tail after these (stored, or refused)
 PURGE_RETRY_FIRST_SECONDS = 1.0  # a failed purge is tried again after this, doubling up to the next
 PURGE_RETRY_MAX_SECONDS = 30.0
-# a tail read unanswered this long is asked again beside it (at most TAIL_ASKS at once): NATS never answers a request
+# a tail read unanswered this long is asked again beside it (TAIL_ASKS asks in all): NATS never answers a request
 # sent while it has no stream leader, it waits out its whole timeout (5 s), and one sent once the leader is elected is
-# answered at once (issue 56: frames were stored again 5.8 s after the election)
+# answered at once (issue 56: frames were stored again 5.8 s after the election). In all, not at once: with NATS out
+# of reach each ask fails after its timeout, and a new one beside them would keep the read from ever failing, so
+# the writer never stalled and an owner cut off from NATS never stepped down
 TAIL_ASK_AGAIN_SECONDS = 0.5
 TAIL_ASKS = 6
 
@@ -190,7 +192,8 @@ class WriterRecovery:
 
     def ask_tail(self) -> tuple[int, list[tuple[int, dict[str, str]]]]:
         """The stream's tail after this writer's last stored frame, asked again each TAIL_ASK_AGAIN_SECONDS it goes
-        unanswered, the earlier asks still waiting: the first answer is the read's; it fails once every ask has."""
+        unanswered (TAIL_ASKS in all), the earlier asks still waiting: the first answer is the read's; it fails once
+        every ask has."""
         w = self.writer
         tail_after = functools.partial(w.nats.tail_after, base=w._stored_seq, epoch=w.epoch)
 
@@ -203,7 +206,7 @@ class WriterRecovery:
         asks: list[gevent.Greenlet] = []
         try:
             while True:
-                if len([a for a in asks if not a.ready()]) < TAIL_ASKS:
+                if len(asks) < TAIL_ASKS:
                     asks.append(gevent.spawn(ask))
                 gevent.wait([a for a in asks if not a.ready()], timeout=TAIL_ASK_AGAIN_SECONDS, count=1)
                 answers = [a.value for a in asks if a.ready()]

@@ -601,3 +601,25 @@ def test_a_tail_read_asked_while_nats_elects_a_leader_is_asked_again_and_the_fir
     until(lambda: stream_log.poll()[0] == 1)
     assert stream_log.writer.recovery.stalled_since is None and stream_log.writer.blocked is None
     stop(stream_log, writer)
+
+
+def test_a_tail_read_fails_once_its_asks_have_all_failed_while_nats_is_out_of_reach(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner cut off from NATS: every ask of the tail fails after its timeout. The read asks TAIL_ASKS times in
+    all and then fails, so the writer stalls and its owner steps down after the lease; asking again beside each
+    failed ask kept the read from ever failing, and a cut-off owner served its groups for minutes (seen in CI)."""
+    patch_seconds(monkeypatch, "TAIL_ASK_AGAIN_SECONDS", 0.02)
+    asked: list[float] = []
+
+    class OutOfReach(FakeBridge):
+        def run(self, make: Callable[[Any], Any], timeout: float = 10.0) -> Any:
+            asked.append(time.monotonic())
+            gevent.sleep(0.05)  # the request's own timeout
+            raise TimeoutError("nats: timeout")
+
+    stream_log = shared_stream_log(QuietLease())
+    stream_log.nats.bridge = OutOfReach(last_seq=None)  # type: ignore[assignment]
+    never_failed = AssertionError("the tail read never failed while NATS was out of reach")
+    with gevent.Timeout(5, never_failed), pytest.raises(TimeoutError):
+        stream_log.writer.recovery.ask_tail()
+    assert len(asked) == stream_recovery.TAIL_ASKS
