@@ -142,17 +142,20 @@ def test_a_standby_of_a_killed_node_is_shown_down(shared_nats_cluster):
     _, urls = shared_nats_cluster
     cluster = Cluster(unique("down").replace("-", "_"), urls, groups=2, lease=6.0)
     try:
-        owners = cluster.wait_balanced()
-        idle = next(name for name in cluster.nodes if name not in owners.values())  # stands by for every group
+        cluster.wait_balanced()
 
-        def reported() -> bool:
-            """The idle node's standbys are in the status, up: there is something to show down after the kill
-            (CI: once the groups spread in seconds, a slow node was killed before its standbys ever reported)."""
+        def reported_idle() -> str | None:
+            """A node that stands by for every group, each standby reported up in the status: there is something to
+            show down after the kill (CI: once the groups spread in seconds, a slow node was killed before its
+            standbys ever reported). Read from the status, not chosen before: a node that owned nothing when the
+            groups were first owned may be handed one a moment later (a standby asks as soon as it stands by)."""
             done = mqks_cluster("status", "--json", "--cluster", cluster.name, "--log", ",".join(urls))
             rows = json.loads(done.stdout) if done.returncode == 0 else []
-            return bool(rows) and all(any(s["node"] == idle and not s["down"] for s in row["standbys"])
-                                      for row in rows)
-        wait_for(reported, f"node {idle}'s standbys to report", 60, interval=0.5)
+            idle = set(cluster.nodes)
+            for row in rows:
+                idle &= {s["node"] for s in row["standbys"] if not s["down"]}
+            return min(idle) if rows and idle else None
+        idle = wait_for(reported_idle, "a node standing by for every group, reported", 60, interval=0.5)
         cluster.kill(idle)
 
         def all_shown_down() -> list[dict] | None:
