@@ -19,7 +19,7 @@ from typing import NoReturn
 from . import build
 from .app import Server
 from .dispatch.process import VERSION
-from .edges.config import CANNOT_START_EXIT_CODE, DEFAULTS, FENCED_EXIT_CODE, Config
+from .edges.config import CANNOT_START_EXIT_CODE, DEFAULT_GROUPS, DEFAULTS, FENCED_EXIT_CODE, Config
 from .edges.listeners import CannotListen
 from .edges.sessions import AUTH_TOKEN_ENV, tls_server_context
 
@@ -128,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
                         help="with --cluster: the host other nodes and clients reach this node at "
                              "(default: --host)")
     parser.add_argument("--groups", type=int, default=d.groups, metavar="N",
-                        help="with --cluster: slot groups (the same on every node; default: %(default)s)")
+                        help="with --cluster: slot groups (the same on every node; default: the count the cluster's "
+                             f"streams on NATS have, {DEFAULT_GROUPS} for a new cluster)")
     parser.add_argument("--streams", type=int, default=d.streams, metavar="S",
                         help="with --cluster: JetStream streams the groups share, at most --groups (the same on "
                              "every node; a cluster made before 2026-11-28 has a stream per group: --streams N "
@@ -265,11 +266,13 @@ def check_cluster_args(parser: Parser, args: argparse.Namespace) -> None:
                          f"--port, so give --advertise {host} --port {port}")
         if not re.fullmatch(r"[A-Za-z0-9_.:-]+", args.advertise):
             parser.error(f"--advertise must be a host name or an IP address, not {args.advertise!r}")
-    if args.streams > args.groups:
-        parser.error(f"--streams must be at most --groups ({args.groups}), not {args.streams}: a group's frames are "
-                     "in one stream")
-    args.workers = args.groups
-    args.processes = min(args.processes or worker_count("auto"), args.groups)
+    if args.streams > (args.groups or DEFAULT_GROUPS):
+        parser.error(f"--streams must be at most --groups ({args.groups or DEFAULT_GROUPS}), not {args.streams}: a "
+                     "group's frames are in one stream")
+    args.workers = args.groups or DEFAULT_GROUPS  # none given: the supervisor adopts the cluster's (cluster/layout.py)
+    args.processes = args.processes or worker_count("auto")
+    if args.groups is not None:  # at most one process per group (without --groups the supervisor caps it)
+        args.processes = min(args.processes, args.groups)
     args.log_stream = args.cluster
 
 

@@ -97,7 +97,7 @@ def open_stream(config: Config, wake: Callable[[], None], shared_nats: SharedNat
         stream_of(config.log_stream, config.worker_index or 0, config.workers))
     group: str | None = None
     subjects: list[str] | None = None
-    layout = Layout(config.groups, config.streams)
+    layout = Layout(config.workers, config.streams)
     if config.cluster is not None and layout.shared:
         group, subjects = stream, layout.subjects_of(config.cluster, config.worker_index or 0)
         stream = layout.stream_of(config.cluster, config.worker_index or 0)

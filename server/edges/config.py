@@ -39,7 +39,9 @@ class Config:
     cluster: str | None = None  # with log: this node is one of a cluster of that name (slot groups over nodes)
     node: str | None = None  # with cluster: this node's name, unique in the cluster
     advertise: str | None = None  # with cluster: the host other nodes and clients dial (default: --host)
-    groups: int = 16  # with cluster: slot groups, each with its own subject, owner and standbys
+    # with cluster: slot groups, each with its own subject, owner and standbys; None: the count the cluster's streams
+    # on NATS have, DEFAULT_GROUPS for a new cluster (a node's supervisor asks, cluster/layout.py)
+    groups: int | None = None
     streams: int = 1  # with cluster: JetStream streams the groups' subjects share (groups: a stream each)
     processes: int = 0  # with cluster: processes on this node, each holding several groups (0: one per core)
     lease_seconds: float = 12.0  # with cluster: a standby takes a group over after this long without a frame
@@ -78,6 +80,7 @@ class Config:
 
 
 DEFAULTS = Config()
+DEFAULT_GROUPS = 16  # a new cluster's --groups
 # a worker that cannot start because of its data (a corrupt log, an unreadable data dir): restarting
 # it would fail the same way for ever, so its supervisor stops the whole broker (EX_CONFIG)
 CANNOT_START_EXIT_CODE = 78

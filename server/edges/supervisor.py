@@ -103,20 +103,14 @@ class Supervisor:
                 probe.close()
 
     def check_cluster_layout(self) -> None:
-        """A cluster node refuses a name whose streams on NATS were made with another --groups or --streams, and a
-        --node id a running node answers as."""
-        config = self.config
-        if not config.cluster or config.log is None:
+        """A cluster node takes its cluster's --groups and --streams from NATS when not given, refuses a name whose
+        streams on NATS were made with other ones, and a --node id a running node answers as."""
+        if not self.config.cluster or self.config.log is None:
             return
-        from ...common.cluster_names import Layout
-        from ...common.nats_urls import nats_access
-        from ..cluster.layout import check_layout
+        from ..cluster.layout import node_settings
 
-        layout = Layout(config.workers, config.streams)
-        reason = check_layout(config.log_urls, config.cluster, layout, config.node, nats_access(config))
-        if reason is not None:
-            log.error("cannot start: %s", reason)
-            raise SystemExit(1)
+        self.config, self.argv = node_settings(self.config, self.argv, lambda: self.stopping)
+        self.count = self.config.processes
 
     def on_stop(self, signum: int, frame: Any) -> None:
         if not self.stopping:

@@ -15,6 +15,7 @@ import time
 import pytest
 from cluster_harness import (
     Cluster,
+    ClusterNode,
     node_logs_on_failure,  # noqa: F401 (autouse: a failed test prints the nodes' logs)
 )
 from helpers import MQKS, free_port, unique
@@ -219,6 +220,24 @@ def test_a_cluster_name_reused_with_other_groups_is_refused_until_removed(shared
         old.stop()
         if new is not None:
             new.stop()
+
+
+def test_a_node_without_groups_joins_with_the_count_its_cluster_has(shared_nats_cluster):
+    """A node started without --groups takes its cluster's layout from NATS (2 groups in 2 streams here, neither
+    the default), says so, runs its processes with it and is handed a group; a node with an explicit other --groups
+    is still refused (test_a_cluster_name_reused_with_other_groups_is_refused_until_removed)."""
+    _, urls = shared_nats_cluster
+    name = unique("adopt").replace("-", "_")
+    cluster = Cluster(name, urls, nodes=("A",), groups=2, lease=6.0, streams=2)
+    try:
+        cluster.wait_owned()
+        joined = cluster.nodes["B"] = ClusterNode("B", "--cluster", name, "--lease", "6.0", "--eval", "--log",
+                                                  ",".join(urls), "--node", "B", port=free_port())
+        assert f"cluster {name} runs 2 groups in 2 streams: this node too" in joined.log(), joined.log()
+        assert f"node B of cluster {name}: 2 slot groups in" in joined.log(), joined.log()
+        assert sorted(cluster.wait_balanced().values()) == ["A", "B"]
+    finally:
+        cluster.stop()
 
 
 def test_a_node_id_in_use_by_a_running_node_is_refused(shared_nats_cluster):
