@@ -48,6 +48,8 @@ log = logging.getLogger("mqks.actions")
 DASH: Final = 45  # b"-"[0]: the first byte of a flag
 SPACE: Final = 32  # b" "[0]
 CONFIRM: Final = b"--confirm"
+# left in a publish's args by run_lines (its 10th byte is no space), so only publish_flagged looks for it
+CONFIRM_QUIET: Final = b"--confirm-quiet"
 CONSUME_MISSING = "consume: queue expected: {consumer_id} consume {queue} [{event} ...] [flags]"
 REBIND_MISSING = ("rebind: queue expected: {id} rebind {queue} [{event} ...] [--remove ...] [--remove-mask ...] "
                   "[--add ...]")
@@ -135,6 +137,9 @@ def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) ->
     """`publish [--mandatory] [--delay=S | --at=UNIX_SECONDS] {event} {data}` (extensions): with --mandatory an
     event no queue is bound to (now, when the line is read) is refused; a delayed copy enters its queues when
     due."""
+    if args.startswith(CONFIRM_QUIET) and args[15:16] in (b" ", b""):
+        publish_quiet(session, rid, args[16:], confirm)
+        return
     mandatory = args.startswith(b"--mandatory") and args[11:12] in (b" ", b"")
     if mandatory:
         args = args[12:]
@@ -192,6 +197,65 @@ def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -
     refusal = process.publish_confirmed_here(publisher, session.outbox, rid, rid, event, tail, answer_now=session)
     if refusal is not None:
         raise ProtocolError(refusal)
+
+
+class QuietAnswers:
+    """A quiet publish's place in the journal's confirms: its `ok` is dropped, its error (a failed commit) is the
+    client's."""
+
+    __slots__ = ("outbox",)
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+
+    def write(self, data: bytes) -> None:
+        if data.partition(b" ")[2].startswith(b"error "):  # one error line, or a run of `ok` lines
+            self.outbox.write(data)
+
+
+class Dropped:
+    """A quiet publish's `ok` in memory: nobody hears it."""
+
+    __slots__ = ()
+
+    def write(self, data: bytes) -> None:
+        pass
+
+
+DROPPED: Final = Dropped()
+
+
+def publish_quiet(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`publish --confirm-quiet {event} {data}` (extension): a confirmed publish that is answered only when refused
+    (the error `--confirm` would get); a later `sync` answers once every earlier one is stored (one answer per
+    batch instead of one per message). One worker process only: with worker processes a copy for another worker's
+    queue is answered there, and a sync here could come before its refusal."""
+    process = session.process
+    if confirm:
+        raise ProtocolError("publish: give one of --confirm and --confirm-quiet")
+    if process.peers is not None:
+        raise ProtocolError("publish --confirm-quiet: one worker process only, not --workers N or a cluster (a "
+                            "copy another worker refused could be answered after a sync): use --confirm")
+    event, _, data = args.partition(b" ")
+    if not event or event[0] == DASH:
+        check_name(event, "publish --confirm-quiet: event")  # a flag is refused: the event comes right after
+    target = DROPPED if process.journal is None else QuietAnswers(session.outbox)
+    refusal = process.publish_confirmed_here(session.publisher, target, rid, rid, event,
+                                             delivery_tail(rid, event, data))
+    if refusal is not None:
+        raise ProtocolError(refusal)
+
+
+def handle_sync(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
+    """`{id} sync` (extension) -> `{id} ok ` once every earlier publish of this connection is done: stored (with
+    --data-dir: once the log has everything recorded before it), or refused with its own error line first."""
+    if args.strip():
+        raise ProtocolError(f"sync: unexpected {text(args)!r}; expected {{id}} sync")
+    journal = session.process.journal
+    if journal is None:
+        session.ok(rid)
+    else:
+        journal.confirm_later(session.outbox, rid)  # confirms keep their order: after every earlier commit's
 
 
 def parse_limit(token: bytes, limits: dict[str, int | None], action: str) -> bool:
@@ -625,7 +689,9 @@ def handle_hello(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
         session.set_ttl(parse_seconds(value, "--ttl") or None)  # --ttl=0: no limit
     session.said_hello = True
     process = session.process
-    session.ok(rid, to_json({"version": VERSION, "protocol": PROTOCOL_VERSION, "extensions": list(EXTENSIONS),
+    # confirm_quiet (publish --confirm-quiet and sync): one worker process only (publish_quiet)
+    extensions = [*EXTENSIONS, "confirm_quiet"] if process.peers is None else list(EXTENSIONS)
+    session.ok(rid, to_json({"version": VERSION, "protocol": PROTOCOL_VERSION, "extensions": extensions,
                              "ttl": session.ttl_seconds, "tls": session.tls, "authenticated": session.authenticated,
                              **process.topology()}))
 
@@ -796,6 +862,7 @@ ACTIONS: dict[bytes, Action] = {
     b"schedules": Action(handle_schedules, "", scope=S.ANY, needs_args=False, placement=P.EVERY_WORKER_ROWS_BY_NAME),
     b"ping": Action(handle_ping, "", scope=S.ANY, needs_args=False, needs_auth=False,
                     placement=P.AFTER_OTHER_WORKERS),
+    b"sync": Action(handle_sync, "", scope=S.ANY, needs_args=False, placement=P.AFTER_OTHER_WORKERS),
     b"stats": Action(handle_stats, "", scope=S.ANY, needs_args=False, placement=P.EVERY_WORKER_STATS),
     b"queues": Action(handle_queues, "", scope=S.ANY, needs_args=False, placement=P.EVERY_WORKER_ROWS_BY_QUEUE),
     b"auth": Action(handle_auth, "auth: expected {id} auth {token}", scope=S.ANY, needs_auth=False),
@@ -808,8 +875,9 @@ ACTIONS: dict[bytes, Action] = {
 
 
 def refuse_publish_over_memory(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
-    """`publish` past --max-memory: a confirmed one gets an error, an unconfirmed one is dropped and counted."""
-    if confirm:
+    """`publish` past --max-memory: a confirmed one (quiet too) gets an error, an unconfirmed one is dropped and
+    counted."""
+    if confirm or args.startswith(CONFIRM_QUIET):
         raise ProtocolError(memory_reason(session))
     session.process.dropped_by_memory += 1
 

@@ -24,6 +24,7 @@ EXPECTED = {
     b"ack": ScopeCheck.ANY, b"reject": ScopeCheck.ANY, b"touch": ScopeCheck.ANY, b"delete_consumer": ScopeCheck.ANY,
     b"settle": ScopeCheck.ANY, b"reply": ScopeCheck.ANY, b"schedules": ScopeCheck.ANY, b"queues": ScopeCheck.ANY,
     b"stats": ScopeCheck.ANY, b"ping": ScopeCheck.ANY, b"hello": ScopeCheck.ANY, b"auth": ScopeCheck.ANY,
+    b"sync": ScopeCheck.ANY,
 }
 GUARDED = {ScopeCheck.SCHEDULE, ScopeCheck.READ_QUEUE, ScopeCheck.MANAGE, ScopeCheck.FULL_ACCESS_ONLY}
 
