@@ -15,7 +15,8 @@ one queue bound to the event) beside a Python `DataSourceWriter` that iterates i
 them (the ceiling), a `DataSourceArrowWriter` that drops its record batches, and Spark's JVM `noop`.
 Rows/s = rows / the wall time of `save()`. Two more cells bound the sink from below and above, in the same
 round: `floor`, the broker alone confirming the sink's lines (the same `{id} publish --confirm bench.out
-{data}`, one raw socket per partition, the sink's window, no Spark); and `mqks-unconfirmed`, the sink's own
+{data}`, one raw socket per partition, the sink's window, no Spark), and `floor_quiet`, the same with
+`publish --confirm-quiet` and one `sync` a socket (one answer a task); and `mqks-unconfirmed`, the sink's own
 path with plain `publish` lines and one `ping` at the end of a task (not at-least-once: an unconfirmed
 publish past a queue's --max-length is dropped, not refused): what a broker that confirmed a run of
 publishes with one answer would give.
@@ -254,12 +255,15 @@ def unconfirmed_sink_class():
     return Unconfirmed
 
 
-def floor_rate(port: int, rows: int, connections: int, window: int, data_bytes: int, round_no: int) -> float:
-    """Rows/s the broker confirms of the sink's lines from `connections` raw sockets at the sink's window."""
+def floor_rate(port: int, rows: int, connections: int, window: int, data_bytes: int, round_no: int,
+               quiet: bool = False) -> float:
+    """Rows/s the broker confirms of the sink's lines from `connections` raw sockets at the sink's window; `quiet`:
+    `publish --confirm-quiet` lines with no window, then one `sync` each (answered once every one is stored)."""
     step = max(1, window // 2)  # the sink sends slices of half its window
     payload = b"x" * data_bytes
     per_connection = rows // connections
-    blocks = [[b"".join(b"f%d.%d.%d publish --confirm bench.out %b\n" % (round_no, part, i, payload)
+    verb = b"--confirm-quiet" if quiet else b"--confirm"
+    blocks = [[b"".join(b"f%d.%d.%d publish %b bench.out %b\n" % (round_no, part, i, verb, payload)
                         for i in range(lo, min(per_connection, lo + step)))
                for lo in range(0, per_connection, step)] for part in range(connections)]
     ready = threading.Barrier(connections + 1)
@@ -269,6 +273,13 @@ def floor_rate(port: int, rows: int, connections: int, window: int, data_bytes: 
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             ready.wait()
             sent = confirmed = 0
+            if quiet:
+                sock.sendall(b"".join(blocks[part]) + b"s sync\n")
+                answer = b""
+                while not answer.endswith(b"\n"):
+                    answer += sock.recv(1 << 20)
+                assert answer == b"s ok \n", answer[:200]  # no refusal came before it
+                return
             for block in blocks[part]:
                 while sent - confirmed + step > window:
                     confirmed += sock.recv(1 << 20).count(b"\n")
@@ -372,12 +383,13 @@ def source_round(spark, port: int, args: argparse.Namespace, batch_rows: int, ro
 def sink_round(spark, port: int, args: argparse.Namespace, df, round_no: int) -> dict:
     call(port, [b"b rebind --confirm bench.sink bench.out"])
     cells: dict = {}
-    formats = ["nullrows", "mqks", "nullarrow", "noop", "floor", "mqksunconfirmed"]
+    formats = ["nullrows", "mqks", "nullarrow", "noop", "floor", "floor_quiet", "mqksunconfirmed"]
     if round_no % 2:
         formats.reverse()
     for fmt in formats:
-        if fmt == "floor":
-            cells[fmt] = floor_rate(port, args.sink_rows, args.partitions, 1000, args.data_bytes, round_no)
+        if fmt.startswith("floor"):
+            cells[fmt] = floor_rate(port, args.sink_rows, args.partitions, 1000, args.data_bytes, round_no,
+                                    quiet=fmt == "floor_quiet")
             continue
         started = time.monotonic()
         writer = df.write.format(fmt).mode("append")
@@ -386,6 +398,7 @@ def sink_round(spark, port: int, args: argparse.Namespace, df, round_no: int) ->
     cells["ratio"] = cells["mqks"] / cells["nullrows"]
     cells["ratio_arrow"] = cells["mqks"] / cells["nullarrow"]
     cells["ratio_floor"] = cells["floor"] / cells["nullrows"]
+    cells["ratio_floor_quiet"] = cells["floor_quiet"] / cells["nullrows"]
     cells["ratio_unconfirmed"] = cells["mqksunconfirmed"] / cells["nullrows"]
     call(port, [b"d delete_queue bench.sink"])
     return cells
@@ -463,7 +476,8 @@ def main() -> None:
                           f"{cell['nullrows']:,.0f}, null Arrow writer {cell['nullarrow']:,.0f}, "
                           f"noop {cell['noop']:,.0f}: {cell['ratio']:.2f}x the rows writer, "
                           f"{cell['ratio_arrow']:.2f}x the Arrow writer; broker floor {cell['floor']:,.0f} "
-                          f"({cell['ratio_floor']:.2f}x), unconfirmed {cell['mqksunconfirmed']:,.0f} "
+                          f"({cell['ratio_floor']:.2f}x), quiet {cell['floor_quiet']:,.0f} "
+                          f"({cell['ratio_floor_quiet']:.2f}x), unconfirmed {cell['mqksunconfirmed']:,.0f} "
                           f"({cell['ratio_unconfirmed']:.2f}x)", flush=True)
         finally:
             spark.stop()
@@ -487,6 +501,8 @@ def main() -> None:
               f"(rounds {listed(rounds)}), "
               f"{median_of(rounds, 'ratio_arrow'):.2f}x the Arrow writer; the broker alone confirming the same "
               f"lines (no Spark) {median_of(rounds, 'floor'):,.0f} rows/s ({median_of(rounds, 'ratio_floor'):.2f}x), "
+              f"quiet with one sync {median_of(rounds, 'floor_quiet'):,.0f} rows/s "
+              f"({median_of(rounds, 'ratio_floor_quiet'):.2f}x), "
               f"the sink unconfirmed {median_of(rounds, 'mqksunconfirmed'):,.0f} rows/s "
               f"({median_of(rounds, 'ratio_unconfirmed'):.2f}x)")
     if args.json:

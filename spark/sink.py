@@ -1,10 +1,12 @@
-"""The `mqks` sink: every row becomes `{msg_id} publish --confirm {event} {data}`.
+"""The `mqks` sink: every row becomes `{msg_id} publish --confirm-quiet {event} {data}` (or `--confirm`).
 
 Runs in executor tasks (write(), an Arrow writer: a record batch's lines are built by Arrow's kernels,
-never a Python object per row) and the driver (commit/abort). Each task opens its own connection,
-keeps at most `confirmWindow` publishes and `confirmWindowBytes` unconfirmed, waits for every `ok`
-before it returns its commit message, and fails with the server's reason on an `error`. Guarantee:
-at-least-once. A retried task or a re-run batch publishes again under the same deterministic msg ids
+never a Python object per row) and the driver (commit/abort). Each task opens its own connection. On a
+broker whose `hello` lists `confirm_quiet` (one worker process) its publishes are answered only when
+refused, and one `sync` at the end of the task answers once all are stored; elsewhere it keeps at most
+`confirmWindow` publishes and `confirmWindowBytes` unconfirmed and waits for every `ok`. Either way it
+returns its commit message only once every row is confirmed, and fails with the server's reason on an
+`error`. Guarantee: at-least-once. A retried task or a re-run batch publishes again under the same deterministic msg ids
 `{query or msgIdPrefix}.{batch}.{partition}.{row}`.
 """
 
@@ -24,7 +26,7 @@ from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
-from mqks.client.wire import answer_error, encode_token, split_answer
+from mqks.client.wire import answer_error, encode_token, hello_info, split_answer
 from mqks.spark.line_client import LineClient, MqksConnectionError, Security, connect_any
 from mqks.spark.options import (
     check_known,
@@ -45,6 +47,12 @@ except ImportError:  # a cluster node without ujson still works
 log = logging.getLogger("mqks.spark")
 
 CONFIRM_TIMEOUT_SECONDS = 60.0
+HELLO_RID = b"sink.hello"
+QUIET_SLICE_ROWS = 5_000  # quiet publishes go in slices this big (and QUIET_SLICE_BYTES), each a send
+QUIET_SLICE_BYTES = 1 << 20
+SYNC_RID = b"sink.sync"
+CONFIRMED = " publish --confirm "
+CONFIRMED_QUIETLY = " publish --confirm-quiet "  # answered only when refused; a `sync` answers for all
 
 
 SINK_OPTIONS = ("host", "port", "seeds", "tls", "tlsCa", "token", "confirmWindow", "confirmWindowBytes", "msgIdPrefix")
@@ -172,7 +180,8 @@ class _Publisher:
             for batch in iterator:
                 if not batch.num_rows:
                     continue
-                lines, (first, last) = lines_of(batch, self.schema, f"{prefix}.{partition_id}.", count)
+                verb = CONFIRMED_QUIETLY if publisher.connect() else CONFIRMED
+                lines, (first, last) = lines_of(batch, self.schema, f"{prefix}.{partition_id}.", count, verb)
                 publisher.publish(lines)
                 if first_msg_id is None:
                     first_msg_id = first
@@ -193,8 +202,11 @@ class _Publisher:
 PLAIN_TOKEN = "^[!-~]+$"
 
 
-def lines_of(batch, schema: StructType, id_prefix: str, first_row: int) -> tuple[Any, tuple[str, str]]:
+def lines_of(batch, schema: StructType, id_prefix: str, first_row: int,
+             verb: str = CONFIRMED) -> tuple[Any, tuple[str, str]]:
     """A record batch -> (its publish lines as one Arrow array, each ending in a newline; (first, last) msg id).
+
+    `verb` is the words between the msg id and the event: CONFIRMED, or CONFIRMED_QUIETLY.
 
     Ids are `{id_prefix}{row}` with rows counted from `first_row`, or the `msg_id` column's where given.
     """
@@ -215,9 +227,9 @@ def lines_of(batch, schema: StructType, id_prefix: str, first_row: int) -> tuple
             and (data is None or not _holds_newline(data)))
     if fast:
         body = pc.fill_null(data, "") if data is not None else ""
-        lines = pc.binary_join_element_wise(ids, " publish --confirm ", event, " ", body, "\n", "")
+        lines = pc.binary_join_element_wise(ids, verb, event, " ", body, "\n", "")
     else:  # the per-row path's checks, errors and JSON
-        lines = pa.array([line_of(row, names, msg_id)
+        lines = pa.array([line_of(row, names, msg_id, verb)
                           for row, msg_id in zip(_rows_of(batch, schema), ids.to_pylist(), strict=True)],
                          type=pa.binary())
     return lines, (ids[0].as_py(), ids[count - 1].as_py())
@@ -248,14 +260,15 @@ def _holds_newline(column) -> bool:
     return b"\n" in values.slice(start, end - start).to_pybytes()
 
 
-def line_of(row: Row, names: list[str], default_id: str) -> bytes:
-    """One row's `{msg_id} publish --confirm {event} {data}\\n`, checked as the broker wants it."""
+def line_of(row: Row, names: list[str], default_id: str, verb: str = CONFIRMED) -> bytes:
+    """One row's `{msg_id} publish --confirm {event} {data}\\n` (`verb`: see lines_of), checked as the broker wants
+    it."""
     given = row[names.index("msg_id")] if "msg_id" in names else None
     # a leading "--" goes through: the broker's refusal says more than a local check
     rid = encode_token(default_id if given is None else given, "mqks sink msg_id", dashes_ok=True)
     event = encode_token(row[names.index("event")], "mqks sink event", dashes_ok=True)
     data = encode_data(row[names.index("data")]) if "data" in names else b""
-    return b"%s publish --confirm %s %s\n" % (rid, event, data)
+    return b"%s%s%s %s\n" % (rid, verb.encode(), event, data)
 
 
 def _rows_of(batch, schema: StructType) -> Iterator[Row]:
@@ -280,20 +293,46 @@ def _counting(count: int, pa):
 
 
 class _Confirmed:
-    """One task's connection: lines published with at most `confirmWindow` publishes and `confirmWindowBytes`
-    unconfirmed (a line larger than the byte window still goes, alone); it connects at the first publish."""
+    """One task's connection, made at its first batch: quiet publishes and one `sync` where the broker takes them,
+    else lines published with at most `confirmWindow` publishes and `confirmWindowBytes` unconfirmed (a line
+    larger than the byte window still goes, alone)."""
 
     def __init__(self, options: SinkOptions) -> None:
         self.options = options
         self.client: LineClient | None = None
+        self.quiet = False  # publishes say --confirm-quiet: only refusals are answered, then the sync
         self.in_flight: deque[tuple[int, int]] = deque()  # (rows, bytes) of each slice sent, oldest first
         self.rows = 0  # sent and not confirmed
         self.bytes = 0  # of the slices not wholly confirmed
         self.confirmed = 0  # of the oldest slice's rows
 
+    def connect(self) -> bool:
+        """Connect, once; True if the lines are to be quiet publishes (the broker's `hello` lists confirm_quiet)."""
+        if self.client is None:
+            self.client = connect_any(self.options.addresses(), self.options.security)
+            self.client.send([HELLO_RID + b" hello"])
+            _, status, rest = split_answer(self._answer_to(HELLO_RID))
+            info = hello_info(rest) if status == b"ok" else None  # an older broker has no hello: not quiet
+            self.quiet = info is not None and "confirm_quiet" in info.get("extensions", ())
+        return self.quiet
+
+    def _answer_to(self, rid: bytes) -> bytes:
+        """The next line answering `rid` (read after what came before it), within CONFIRM_TIMEOUT_SECONDS."""
+        assert self.client is not None
+        deadline = time.monotonic() + CONFIRM_TIMEOUT_SECONDS
+        prefix = rid + b" "
+        while time.monotonic() < deadline:
+            for line in self.client.read_lines(1.0):
+                if line.startswith(prefix):
+                    return line
+                _raise_refusal(line)
+        raise MqksConnectionError(f"mqks sink: no answer to {rid.decode()} within {CONFIRM_TIMEOUT_SECONDS}s")
+
     def publish(self, lines) -> None:
         """Send `lines` (an Arrow array, each value a line with its newline), waiting while the window is full."""
         window, window_bytes = self.options.confirm_window, self.options.confirm_window_bytes
+        if self.quiet:  # nothing to wait for but a refusal: the socket's own back-pressure bounds what is in flight
+            window, window_bytes = QUIET_SLICE_ROWS * 2, QUIET_SLICE_BYTES * 2
         step_rows, step_bytes = max(1, window // 2), max(1, window_bytes // 2)
         _, offsets_buffer, data_buffer = lines.buffers()
         offsets = memoryview(offsets_buffer).cast("i")[lines.offset :]  # int32: a string or binary array
@@ -314,16 +353,22 @@ class _Confirmed:
             size = offsets[end] - base
             while self.in_flight and (self.rows + end - start > window or self.bytes + size > window_bytes):
                 self._read_confirms()
-            if self.client is None:
-                self.client = connect_any(self.options.addresses(), self.options.security)
+            assert self.client is not None, "connect() comes first"
             self.client.send_block(data[base : base + size])
-            self.in_flight.append((end - start, size))
-            self.rows += end - start
-            self.bytes += size
+            if self.quiet:
+                for line in self.client.read_lines(0.0):  # a refusal fails the task now, not at the sync
+                    _raise_refusal(line)
+            else:
+                self.in_flight.append((end - start, size))
+                self.rows += end - start
+                self.bytes += size
             start = end
 
     def finish(self) -> None:
         """Wait until every publish sent is confirmed: a task's rows are in the broker before its commit message."""
+        if self.quiet and self.client is not None:
+            self.client.send([SYNC_RID + b" sync"])
+            _raise_refusal(self._answer_to(SYNC_RID))  # after every earlier refusal: none came
         while self.in_flight:
             self._read_confirms()
 
@@ -334,8 +379,7 @@ class _Confirmed:
         while True:
             count, refused = self.client.count_lines(1.0, b" error ")
             if refused is not None:
-                rid, _, data = split_answer(refused)
-                raise answer_error(rid, data, f"mqks refused publish {rid.decode(errors='replace')}: ")
+                _raise_refusal(refused)
             if count:
                 break
             if time.monotonic() > deadline:
@@ -350,6 +394,13 @@ class _Confirmed:
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+
+
+def _raise_refusal(line: bytes) -> None:
+    """Raise the broker's reason if `line` is an error (a refused publish, or a sync the log could not keep)."""
+    rid, status, data = split_answer(line)
+    if status != b"ok":
+        raise answer_error(rid, data, f"mqks refused publish {rid.decode(errors='replace')}: ")
 
 
 def _published(messages: list) -> int:

@@ -238,7 +238,7 @@ def publish_quiet(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
                             "copy another worker refused could be answered after a sync): use --confirm")
     event, _, data = args.partition(b" ")
     if not event or event[0] == DASH:
-        check_name(event, "publish --confirm-quiet: event")  # a flag is refused: the event comes right after
+        check_name(event, "publish: event")  # a flag is refused: the event comes right after
     target = DROPPED if process.journal is None else QuietAnswers(session.outbox)
     refusal = process.publish_confirmed_here(session.publisher, target, rid, rid, event,
                                              delivery_tail(rid, event, data))

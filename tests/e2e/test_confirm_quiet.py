@@ -40,7 +40,7 @@ def test_a_quiet_publish_takes_no_other_flag_and_sync_takes_no_argument(make_bro
     wire = make_broker().wire()
     wire.send(b"m1 publish --confirm-quiet --mandatory e1 x", b"m2 publish --confirm --confirm-quiet e1 x",
               b"s1 sync now")
-    wire.expect_error(b"m1", b"publish --confirm-quiet: event expected, got '--mandatory'")
+    wire.expect_error(b"m1", b"publish: event expected, got '--mandatory'")
     wire.expect_error(b"m2", b"give one of --confirm and --confirm-quiet")
     wire.expect_error(b"s1", b"sync: unexpected 'now'")
 

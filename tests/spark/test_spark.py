@@ -268,6 +268,21 @@ def test_sink_fails_with_the_server_reason(spark, broker):
     assert "refused publish" in text and "publish: event" in text, text[-2000:]
 
 
+def test_a_refusal_among_the_sinks_quiet_publishes_fails_its_task(spark, broker):
+    """One worker: the sink's publishes are quiet, answered only when refused; a refusal still fails the task."""
+    wire = broker.wire()
+    try:
+        wire.send(b"rb rebind --confirm spark.sink.full full.e --max-length=10")
+        wire.expect(b"rb ok ")
+    finally:
+        wire.close()
+    df = spark.range(100).selectExpr("'full.e' AS event", "cast(id AS string) AS data").coalesce(1)
+    with pytest.raises(Exception) as failure:
+        df.write.format("mqks").mode("append").option("host", broker.host).option("port", str(broker.port)).save()
+    text = str(failure.value)
+    assert "refused publish" in text and "queue spark.sink.full is full (--max-length=10)" in text, text[-2000:]
+
+
 def _spark_process(cmd: list[str], log: Path) -> subprocess.Popen:
     """A Python script that starts its own Spark, logging to `log`; stop it with `_kill_group`."""
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
@@ -662,6 +677,7 @@ def test_a_failed_write_task_retried_publishes_every_row_again_and_loses_none(br
     assert {msg_id for msg_id, _ in got} == {b"%s.0.%d" % (writer.write_id.encode(), i) for i in range(100)}
 
 
+@ON_BOTH  # two workers take no quiet publishes: the sink keeps its confirm windows there
 def test_the_sink_keeps_its_windows_and_builds_rows_that_need_python_one_by_one(spark, broker):
     queue = "spark.sink.window"
     bind(broker, queue, "window.*")
