@@ -494,28 +494,42 @@ def _answer_count(block: bytearray, rid: bytes) -> int:
 
 
 def _decode(block: bytearray, rid: bytes, count: int, queue: str, names: list[str], arrow_schema, pa) -> list:
-    """A fetch answer -> record batches: its run read in place by Arrow, any other line the slower way."""
+    """A fetch answer -> record batches: each `--packed` or `--tails` block read in place by Arrow, the lines of
+    redelivered messages (each with its seq) the slower way."""
     body_end = block.rfind(b"\n", 0, len(block) - 1) + 1  # the --end line starts here
-    seq_from = rid + b" ok --seq-from "
-
-    def seq_line(line: bytes) -> bool:  # not a message whose msg id is --seq-from
-        return line.startswith(seq_from) and line[len(seq_from) :].isdigit()
-
-    newline = block.index(b"\n")
-    if seq_line(bytes(block[:newline])):  # the usual answer: one run of never-delivered messages, nothing else
-        return [run_batch(memoryview(block)[newline + 1 : body_end], count, int(block[len(seq_from) : newline]),
-                          len(rid) + 4, queue, names, arrow_schema, pa)]
+    view = memoryview(block)
     mine = rid + b" ok "
-    lines = [line for line in bytes(block[:body_end]).split(b"\n") if line.startswith(mine)]  # not an earlier fetch's
-    marker = next((i for i, line in enumerate(lines) if seq_line(line)), len(lines))
+    lines: list[bytes] = []  # redelivered messages' (or an older broker's)
     batches = []
-    if marker:  # redelivered messages (or an older broker's answer): each line carries its seq
-        batches.append(to_record_batch(lines[:marker], queue, names, arrow_schema, pa, skip_fields=2))
-    if marker < len(lines) - 1:
-        run = b"\n".join(lines[marker + 1 :]) + b"\n"
-        batches.append(run_batch(memoryview(run), len(lines) - marker - 1, int(lines[marker][len(seq_from) :]),
-                                 len(rid) + 4, queue, names, arrow_schema, pa))
+    at = 0
+    while at < body_end:
+        newline = block.index(b"\n", at)
+        line = bytes(view[at:newline])
+        at = newline + 1
+        if not line.startswith(mine):
+            continue  # an earlier fetch's, abandoned on this connection
+        fields = line[len(mine) :].split(b" ")
+        if fields[0] == b"--seq-from" and len(fields) == 2 and fields[1].isdigit():  # a broker before the blocks
+            run = [piece + b"\n" for piece in bytes(view[at:body_end]).split(b"\n") if piece.startswith(mine)]
+            batches.append(run_batch(memoryview(b"".join(run)), len(run), int(fields[1]), len(mine), queue, names,
+                                     arrow_schema, pa))
+            break
+        if fields[0] in BLOCKS and len(fields) >= 4 and all(field.isdigit() for field in fields[1:4]):
+            first, rows, size = int(fields[1]), int(fields[2]), int(fields[3])
+            body = view[at : at + size]
+            at += size
+            if fields[0] == b"--tails":
+                batches.append(run_batch(body, rows, first, 4, queue, names, arrow_schema, pa))
+            else:
+                batches.append(packed_batch(body, rows, first, fields[4:], queue, names, arrow_schema, pa))
+        else:
+            lines.append(line)
+    if lines:  # redelivered messages come first: each line carries its seq (and retry)
+        batches.insert(0, to_record_batch(lines, queue, names, arrow_schema, pa, skip_fields=2))
     return batches
+
+
+BLOCKS = (b"--tails", b"--packed")  # a fetch --runs answer's blocks (docs/protocol.md)
 
 
 def fetch_part(options: SourceOptions, schema: StructType, partition: MqksPartition) -> Iterator:
@@ -631,31 +645,77 @@ def _counting(count: int, pa):
     return _COUNTING[0].slice(0, count)
 
 
-_PICKS: list = []  # per field of a run's three: its index in each row's fields, field + 3 * row, grown on demand
+# by the fields a row splits into: per field, its index in each row's fields (field + width * row), grown on demand
+_PICKS: dict[int, list] = {}
 
 
-def _pick(count: int, field: int, pa):
-    if not _PICKS or len(_PICKS[0]) < count:
+def _pick(count: int, field: int, pa, width: int = 3):
+    picks = _PICKS.get(width)
+    if picks is None or len(picks[0]) < count:
         size = max(count, FETCH_ROWS)
-        _PICKS[:] = [pa.array(range(one, 3 * size, 3), type=pa.int64()) for one in range(3)]
-    return _PICKS[field].slice(0, count)
+        picks = _PICKS[width] = [pa.array(range(one, width * size, width), type=pa.int64()) for one in range(width)]
+    return picks[field].slice(0, count)
+
+
+def _one_buffer(view: memoryview, pa, kind):
+    """The bytes in `view` as a one-value Arrow array of `kind` (string or binary), not copied, not checked."""
+    offsets = pa.py_buffer(pa.array([0, len(view)], pa.int32()).buffers()[1])
+    return pa.Array.from_buffers(kind, 1, [None, offsets, pa.py_buffer(view)])
+
+
+def packed_batch(lines: memoryview, count: int, first_seq: int, headers: list[bytes], queue: str, names: list[str],
+                 arrow_schema, pa):
+    """A `--packed` block -> a record batch: one line of `count` messages' `{msg_id}\\xff{data}`, 0xff between
+    them too, with seqs from `first_seq`; the event of each stretch of them is in `headers` (`{n}`, `{header}` in
+    turn), never on the line.
+
+    Read in place as bytes (0xff is not UTF-8): split once by Arrow's kernels, each column checked as UTF-8 by
+    its cast; the events are one value repeated per stretch. Invalid UTF-8 takes the Python path, which
+    replaces it.
+    """
+    import pyarrow.compute as pc
+
+    stretches = [(int(rows), split_header_fields(header)[0].decode("utf-8", "replace"))
+                 for rows, header in zip(headers[::2], headers[1::2], strict=True)]
+    if sum(rows for rows, _ in stretches) != count:
+        raise MqksError(f"mqks source: a --packed block of {count} rows names events for another count")
+    events = [pa.repeat(pa.scalar(event, type=pa.string()), rows) for rows, event in stretches]
+    inner = lines[: len(lines) - 1]  # the last newline out
+    fields = pc.split_pattern(_one_buffer(inner, pa, pa.binary()), b"\xff").values  # msg_id, data, msg_id...
+    if len(fields) != 2 * count:
+        raise MqksError(f"mqks source: a --packed block of {count} rows holds {len(fields)} fields")
+    msg_ids, data = pc.take(fields, _pick(count, 0, pa, 2)), pc.take(fields, _pick(count, 1, pa, 2))
+    try:
+        msg_ids, data = msg_ids.cast(pa.string()), data.cast(pa.string())
+    except pa.ArrowInvalid:
+        msg_ids, data = _strings(msg_ids.to_pylist(), pa), _strings(data.to_pylist(), pa)
+    columns = {"msg_id": msg_ids, "event": events[0] if len(events) == 1 else pa.concat_arrays(events), "data": data,
+               "retry": pa.repeat(pa.scalar(0, type=pa.int32()), count), "seq": pc.add(_counting(count, pa), first_seq)}
+    return _with_arrival(columns, count, queue, names, arrow_schema, pa)
+
+
+def _with_arrival(columns: dict, count: int, queue: str, names: list[str], arrow_schema, pa):
+    """The record batch of `columns` with the queue's name and this moment as each row's received_at."""
+    now_us = int(time.time() * 1_000_000)
+    columns["queue"] = pa.repeat(pa.scalar(queue, type=pa.string()), count)
+    columns["received_at"] = pa.repeat(pa.scalar(now_us, type=pa.timestamp("us", tz="UTC")), count)
+    return pa.RecordBatch.from_arrays([columns[name] for name in names], schema=arrow_schema)
 
 
 def run_batch(lines: memoryview, count: int, first_seq: int, prefix_bytes: int, queue: str, names: list[str],
               arrow_schema, pa):
-    """`count` lines `{rid} ok {msg_id} event={event} {data}\\n` with seqs from `first_seq` -> a record batch.
+    """`count` lines `{prefix}{msg_id} event={event} {data}\\n` with seqs from `first_seq` -> a record batch (the
+    prefix: ` ok ` in a `--tails` block, `{rid} ok ` in an older broker's run).
 
     Read in place: one Arrow string over the lines is split by Arrow's kernels at each line's
-    `\\n{rid} ok ` and then at two spaces, never a Python object per line (measured: 0.13 us a row
+    `\\n{prefix}` and then at two spaces, never a Python object per line (measured: 0.13 us a row
     against 0.6 for lines split in Python first). A line that is not UTF-8 or holds more header fields
     (a request's reply token) takes the Python path.
     """
     import pyarrow.compute as pc
 
     try:
-        inner = lines[prefix_bytes : len(lines) - 1]  # from the first msg id to the last data, both newlines out
-        text = pa.StringArray.from_buffers(1, pa.py_buffer(pa.array([0, len(inner)], pa.int32()).buffers()[1]),
-                                           pa.py_buffer(inner))
+        text = _one_buffer(lines[prefix_bytes : len(lines) - 1], pa, pa.string())  # both newlines out
         text.validate(full=True)  # UTF-8: from_buffers checks nothing
         rows = pc.split_pattern(text, "\n" + bytes(lines[: prefix_bytes]).decode()).values
         fields = pc.split_pattern(rows, " ", max_splits=2).values  # msg_id, head, data of each row in turn
@@ -674,10 +734,7 @@ def run_batch(lines: memoryview, count: int, first_seq: int, prefix_bytes: int, 
     except (pa.ArrowInvalid, ValueError, UnicodeDecodeError):
         columns = _parse_lines([line[prefix_bytes:] for line in bytes(lines).split(b"\n")[:count]], pa)
         columns["seq"] = pa.array(range(first_seq, first_seq + count), type=pa.int64())
-    now_us = int(time.time() * 1_000_000)
-    columns["queue"] = pa.repeat(pa.scalar(queue, type=pa.string()), count)
-    columns["received_at"] = pa.repeat(pa.scalar(now_us, type=pa.timestamp("us", tz="UTC")), count)
-    return pa.RecordBatch.from_arrays([columns[name] for name in names], schema=arrow_schema)
+    return _with_arrival(columns, count, queue, names, arrow_schema, pa)
 
 
 def to_record_batch(lines: list[bytes], queue: str, names: list[str], arrow_schema, pa, skip_fields: int = 0):
@@ -713,10 +770,7 @@ def to_record_batch(lines: list[bytes], queue: str, names: list[str], arrow_sche
             raise ValueError("a head without seq")
     except (pa.ArrowInvalid, ValueError, UnicodeDecodeError):
         columns = _parse_lines([line.split(b" ", skip_fields)[-1] for line in lines] if skip_fields else lines, pa)
-    now_us = int(time.time() * 1_000_000)
-    columns["queue"] = pa.repeat(pa.scalar(queue, type=pa.string()), count)
-    columns["received_at"] = pa.repeat(pa.scalar(now_us, type=pa.timestamp("us", tz="UTC")), count)
-    return pa.RecordBatch.from_arrays([columns[name] for name in names], schema=arrow_schema)
+    return _with_arrival(columns, count, queue, names, arrow_schema, pa)
 
 
 def _parse_lines(lines: list[bytes], pa) -> dict:

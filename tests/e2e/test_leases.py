@@ -235,6 +235,35 @@ def test_a_durable_broker_killed_returns_leased_messages_to_their_queue(make_bro
         wire.close()
 
 
+def test_a_durable_broker_killed_returns_what_fetch_runs_took_in_bulk(make_broker, tmp_path):
+    """Stored runs a `fetch --runs` lease holds whole are journaled as held, seq by seq, like any other."""
+    server = make_broker("--data-dir", str(tmp_path / "data"))
+    queue, event, count = b"lq.runs", b"le.runs", 7000  # deep enough for stored runs (messages.py)
+    wire = server.wire()
+    try:
+        bind(wire, queue, event)
+        publish(wire, event, count)
+        wire.send(b"f1 fetch %s --max=%d --max-bytes=10000000 --lease=R1 --runs" % (queue, count))
+        headers = []
+        while not (line := wire.recv_line()).startswith(b"f1 ok --end "):
+            if line.startswith(b"f1 ok --"):
+                headers.append(line.split(b" ")[2])
+        assert line == b"f1 ok --end %d" % count and b"--packed" in headers
+        wire.send(b"c publish --confirm other.event x")  # a confirm waits for every record before it
+        wire.expect(b"c ok ")
+    finally:
+        wire.close()
+    server.kill()
+    server.restart()
+    wire = server.wire()
+    try:
+        got = fetch(wire, b"f2", queue + b" --max=%d --max-bytes=10000000 --lease=R2" % count)
+        assert [(m, h) for m, h, _ in got] == [(b"m%d" % i, b"event=%s,retry=1,seq=%d" % (event, i))
+                                              for i in range(count)]
+    finally:
+        wire.close()
+
+
 def test_a_snapshot_keeps_leased_messages(make_broker, tmp_path):
     server = make_broker("--data-dir", str(tmp_path / "data"), "--compact-min-bytes", "1")
     queue, event = b"lq.snap", b"le.snap"

@@ -550,38 +550,49 @@ def test_a_durable_broker_restart_returns_leased_messages_and_loses_none(make_br
         reader.stop()
 
 
+def expect_block(wire, rid: bytes, kind: bytes, first: int, count: int, lines: list[bytes], headers: bytes = b""):
+    """A `fetch --runs` block: its header line, naming the bytes of `lines`, then those lines."""
+    wire.expect(b"%b ok %b %d %d %d%b" % (rid, kind, first, count, sum(len(line) + 1 for line in lines), headers))
+    assert [wire.recv_line() for _ in lines] == lines
+
+
 @ON_BOTH
-def test_fetch_runs_sends_never_delivered_messages_after_one_seq_line(broker):
+def test_fetch_runs_sends_stored_runs_as_they_are_and_tails_after_the_redelivered(broker):
     queue = "spark.runs"
     bind(broker, queue, "runs.e")
-    # deep enough to be packed in runs of 1024 (messages.py): a run is taken whole or split where the fetch ends
-    publish(broker, [(f"u{i}", "runs.e", f"d{i} with spaces") for i in range(5000)])
+    # deep enough to be packed (messages.py): 4096 tails, then runs of 1024 (4096.., 5120..), then 856 tails
+    publish(broker, [(f"u{i}", "runs.e", f"d{i} with spaces") for i in range(7000)])
+
+    def tails(first: int, count: int) -> list[bytes]:
+        return [b" ok u%d event=runs.e d%d with spaces" % (i, i) for i in range(first, first + count)]
+
     wire = broker.wire()
     try:
         wire.send(b"f1 fetch spark.runs --lease=R1 --max=2 --runs")
-        for line in (b"f1 ok --seq-from 0", b"f1 ok u0 event=runs.e d0 with spaces",
-                     b"f1 ok u1 event=runs.e d1 with spaces", b"f1 ok --end 2"):
-            wire.expect(line)
+        expect_block(wire, b"f1", b"--tails", 0, 2, tails(0, 2))
+        wire.expect(b"f1 ok --end 2")
         wire.send(b"r1 settle R1 --release")
         wire.expect(b"r1 ok 2")
-        # a retry's fetch: the messages that came back carry their own seq (and retry), the run starts after them
+        # a retry's fetch: the messages that came back carry their own seq (and retry), the blocks come after them
         wire.send(b"f2 fetch spark.runs --lease=R2 --max=4 --runs")
         for line in (b"f2 ok u0 event=runs.e,retry=1,seq=0 d0 with spaces",
-                     b"f2 ok u1 event=runs.e,retry=1,seq=1 d1 with spaces", b"f2 ok --seq-from 2",
-                     b"f2 ok u2 event=runs.e d2 with spaces", b"f2 ok u3 event=runs.e d3 with spaces",
-                     b"f2 ok --end 4"):
+                     b"f2 ok u1 event=runs.e,retry=1,seq=1 d1 with spaces"):
             wire.expect(line)
-        wire.send(b"f3 fetch spark.runs --lease=R2 --max=4000 --max-bytes=1000000 --runs --add",
+        expect_block(wire, b"f2", b"--tails", 2, 2, tails(2, 2))
+        wire.expect(b"f2 ok --end 4")
+        # a stored run that fits goes whole, as one line (its event in the header); one that does not is split
+        wire.send(b"f3 fetch spark.runs --lease=R2 --max=6000 --max-bytes=1000000 --runs --add",
                   b"f4 fetch spark.runs --lease=R3 --max=10 --max-bytes=100 --runs")
-        wire.expect(b"f3 ok --seq-from 4")
-        assert [wire.recv_line() for _ in range(4000)][-1] == b"f3 ok u4003 event=runs.e d4003 with spaces"
-        wire.expect(b"f3 ok --end 4000")
+        expect_block(wire, b"f3", b"--tails", 4, 4092, tails(4, 4092))
+        packed = b"\xff".join(b"u%d\xffd%d with spaces" % (i, i) for i in range(4096, 5120))
+        expect_block(wire, b"f3", b"--packed", 4096, 1024, [packed], b" 1024 runs.e")
+        expect_block(wire, b"f3", b"--tails", 5120, 884, tails(5120, 884))
+        wire.expect(b"f3 ok --end 6000")
         # the byte limit holds inside a run (40-byte tails: two fit in 100)
-        for line in (b"f4 ok --seq-from 4004", b"f4 ok u4004 event=runs.e d4004 with spaces",
-                     b"f4 ok u4005 event=runs.e d4005 with spaces", b"f4 ok --end 2"):
-            wire.expect(line)
+        expect_block(wire, b"f4", b"--tails", 6004, 2, tails(6004, 2))
+        wire.expect(b"f4 ok --end 2")
         wire.send(b"s settle R2 R3 --ack")
-        wire.expect(b"s ok 4006")
+        wire.expect(b"s ok 6006")
         assert wire.barrier() == []
     finally:
         wire.close()
@@ -678,7 +689,8 @@ def test_a_failed_write_task_retried_publishes_every_row_again_and_loses_none(br
 
 
 @ON_BOTH  # two workers take no quiet publishes: the sink keeps its confirm windows there
-def test_the_sink_keeps_its_windows_and_builds_rows_that_need_python_one_by_one(spark, broker):
+@pytest.mark.parametrize("quiet", ["true", "false"])
+def test_the_sink_keeps_its_windows_and_builds_rows_that_need_python_one_by_one(spark, broker, quiet):
     queue = "spark.sink.window"
     bind(broker, queue, "window.*")
     n = 3000
@@ -690,7 +702,7 @@ def test_the_sink_keeps_its_windows_and_builds_rows_that_need_python_one_by_one(
         consume(wire, b"c8", queue)
         # 1 KiB of unconfirmed publishes: a few rows a slice, a window bisected by bytes
         (df.write.format("mqks").mode("append").option("host", broker.host).option("port", str(broker.port))
-         .option("confirmWindow", "5").option("confirmWindowBytes", "1024").save())
+         .option("confirmWindow", "5").option("confirmWindowBytes", "1024").option("quietConfirms", quiet).save())
         got = collect_deliveries(wire, b"c8", n)
     finally:
         wire.close()
@@ -733,6 +745,7 @@ def test_source_options_are_checked_with_their_names(options, message):
     ({"port": "abc"}, "port='abc' is not a whole number; expected 1..65535"),
     ({"port": "70000"}, "port=70000 is out of range"),
     ({"confirmwindow": "0"}, "confirmWindow=0 is out of range; expected 1..1000000"),
+    ({"quietconfirms": "maybe"}, "quietConfirms='maybe' must be true or false"),
     ({"msgidprefx": "p"},
      "unknown option(s) msgidprefx; known options: host, port, seeds, tls, tlsCa, token, confirmWindow"),
 ])
