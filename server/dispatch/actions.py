@@ -742,7 +742,7 @@ def handle_fetch(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
             seconds = parse_seconds(value, "--lease-seconds")
         elif token == b"--add":
             add = True
-        elif token == b"--runs":  # the never-delivered messages as one run after `--seq-from {seq}` (leases.py)
+        elif token == b"--runs":  # the never-delivered messages in blocks, as stored (leases.take_blocks)
             runs = True
         else:
             raise ProtocolError(f"fetch: unexpected {text(token)!r}; {FETCH_USAGE[7:]}")
