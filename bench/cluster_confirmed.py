@@ -2,7 +2,8 @@
 issue 57's spread cells), and what a default cluster costs while idle.
 
     .venv/bin/python -m bench.cluster_confirmed [--messages 60000] [--window 2000] [--paced-rate 10000]
-                                                [--groups 16,4] [--pacing ticks|answers] [--reps 3] [--json FILE]
+                                                [--groups 16,4] [--paced-first] [--pacing ticks|answers] [--reps 3]
+                                                [--json FILE]
 
 One three-node NATS cluster on loopback (`mqks nats up`, `sync_interval: always`) serves every cell. Each client
 binds 30 queues q0..q29 to e0..e29 and pipelines `publish --confirm` of 100 bytes (e(i % 30)), at most `--window`
@@ -13,14 +14,15 @@ stream, R3) and for three nodes with each of `--groups`:
 - 1 client: `--messages` through one connection (to node a);
 - 3 clients: the same messages from three client processes, a third each, each its own window (in a cluster one
   through each node: what a spread application does);
-- paced (one broker and the first --groups only): `--paced-rate` confirmed publishes a second for 4 s, from one
-  client and from the same three (a third of the rate each), below what either reaches: at saturation the CPU per
-  message is elastic (a process given a core back takes smaller batches), at a fixed rate each side's cost per
-  message is what it spends. With `--pacing ticks` (the default) a client sends what is due every 5 ms and only
-  then, the three on one grid of the machine's monotonic clock; with `answers` it also sends what is due each time
-  answers come in (the cell of before issue 57). One broker stores what it has as soon as it can, so its stored
-  messages, and its CPU, follow the clients' sends: three clients out of step cost it a frame per send.
-Then the default cluster left idle for `--idle-seconds`: CPU of its processes and of the NATS servers, as a
+- paced (one broker and each --groups, or the first only with --paced-first): `--paced-rate` confirmed publishes
+  a second for 4 s, from one client and from the same three (a third of the rate each), below what either reaches:
+  at saturation the CPU per message is elastic (a process given a core back takes smaller batches), at a fixed rate
+  each side's cost per message is what it spends. With `--pacing ticks` (the default) a client sends what is due
+  every 5 ms and only then, the three on one grid of the machine's monotonic clock; with `answers` it also sends
+  what is due each time answers come in (the cell of before issue 57). One broker stores what it has as soon as it
+  can, so its stored messages, and its CPU, follow the clients' sends: three clients out of step cost it a frame
+  per send.
+Then the first --groups' cluster left idle for `--idle-seconds`: CPU of its processes and of the NATS servers, as a
 share of one core, and node a's resident memory. Ratios against one broker's same cell: rate, and CPU per message.
 Medians of --reps; an absolute figure from this VM is noise.
 """
@@ -271,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=2000, help="unanswered publishes per client")
     parser.add_argument("--paced-rate", type=int, default=10_000, help="the paced cells' rate in all (0: none)")
     parser.add_argument("--pacing", choices=("ticks", "answers"), default="ticks")
-    parser.add_argument("--groups", default="16,4", help="the clusters' --groups, the paced cells' first")
+    parser.add_argument("--groups", default="16,4", help="the clusters' --groups, the idle cell's first")
+    parser.add_argument("--paced-first", action="store_true", help="paced cells for the first --groups only")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--json", default=None)
@@ -300,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                     wait_settled(name, urls, len(nodes))
                     pids = [node.pid for node in nodes]
                     spread_cells(f"3 nodes, {groups} groups", [node.port for node in nodes], pids, nats_pids, urls,
-                                 args, groups == group_counts[0] and bool(args.paced_rate), cells)
+                                 args, (groups == group_counts[0] or not args.paced_first) and bool(args.paced_rate),
+                                 cells)
                     if groups == group_counts[0] and rep == 0 and args.idle_seconds:
                         time.sleep(5)
                         mqks_before, nats_before = cpu_seconds(pids), cpu_seconds(nats_pids)
