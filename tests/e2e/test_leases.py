@@ -204,6 +204,18 @@ def test_leased_messages_show_per_queue_in_queues_stats_and_metrics(make_broker,
     wire.close()
 
 
+def killed_once_stored(server, wire):
+    """Kill the broker once every record before now is on disk, restart it; a new wire to it (`wire` closed)."""
+    try:
+        wire.send(b"c publish --confirm other.event x")  # a confirm waits for every record before it
+        wire.expect(b"c ok ")
+    finally:
+        wire.close()
+    server.kill()
+    server.restart()
+    return server.wire()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_durable_broker_killed_returns_leased_messages_to_their_queue(make_broker, tmp_path, workers):
     server = make_broker("--data-dir", str(tmp_path / "data"), "--workers", str(workers))
@@ -219,13 +231,10 @@ def test_a_durable_broker_killed_returns_leased_messages_to_their_queue(make_bro
         fetch(wire, b"f2", queue + b" --max=1 --lease=D2")
         wire.send(b"p ping --confirm")  # ping answers after every earlier line ran
         wire.expect(b"p ok ")
-        wire.send(b"c publish --confirm other.event x")  # a confirm waits for every record before it
-        wire.expect(b"c ok ")
-    finally:
+    except BaseException:
         wire.close()
-    server.kill()
-    server.restart()
-    wire = server.wire()
+        raise
+    wire = killed_once_stored(server, wire)
     try:
         # the acked three are gone; the leased one is back at the front with its retry raised
         got = fetch(wire, b"f3", queue + b" --max=10 --lease=D3")
@@ -249,13 +258,10 @@ def test_a_durable_broker_killed_returns_what_fetch_runs_took_in_bulk(make_broke
             if line.startswith(b"f1 ok --"):
                 headers.append(line.split(b" ")[2])
         assert line == b"f1 ok --end %d" % count and b"--packed" in headers
-        wire.send(b"c publish --confirm other.event x")  # a confirm waits for every record before it
-        wire.expect(b"c ok ")
-    finally:
+    except BaseException:
         wire.close()
-    server.kill()
-    server.restart()
-    wire = server.wire()
+        raise
+    wire = killed_once_stored(server, wire)
     try:
         got = fetch(wire, b"f2", queue + b" --max=%d --max-bytes=10000000 --lease=R2" % count)
         assert [(m, h) for m, h, _ in got] == [(b"m%d" % i, b"event=%s,retry=1,seq=%d" % (event, i))
