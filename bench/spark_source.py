@@ -16,7 +16,8 @@ them (the ceiling), a `DataSourceArrowWriter` that drops its record batches, and
 Rows/s = rows / the wall time of `save()`. Two more cells bound the sink from below and above, in the same
 round: `floor`, the broker alone confirming the sink's lines (the same `{id} publish --confirm bench.out
 {data}`, one raw socket per partition, the sink's window, no Spark), and `floor_quiet`, the same with
-`publish --confirm-quiet` and one `sync` a socket (one answer a task); and `mqks-unconfirmed`, the sink's own
+`publish --confirm-quiet` and one `sync` a socket (one answer a task); `mqks_each`, the sink with
+`quietConfirms=false` (an `ok` a row, as before quiet confirms); and `mqks-unconfirmed`, the sink's own
 path with plain `publish` lines and one `ping` at the end of a task (not at-least-once: an unconfirmed
 publish past a queue's --max-length is dropped, not refused): what a broker that confirmed a run of
 publishes with one answer would give.
@@ -383,7 +384,7 @@ def source_round(spark, port: int, args: argparse.Namespace, batch_rows: int, ro
 def sink_round(spark, port: int, args: argparse.Namespace, df, round_no: int) -> dict:
     call(port, [b"b rebind --confirm bench.sink bench.out"])
     cells: dict = {}
-    formats = ["nullrows", "mqks", "nullarrow", "noop", "floor", "floor_quiet", "mqksunconfirmed"]
+    formats = ["nullrows", "mqks", "nullarrow", "noop", "floor", "floor_quiet", "mqksunconfirmed", "mqks_each"]
     if round_no % 2:
         formats.reverse()
     for fmt in formats:
@@ -392,10 +393,13 @@ def sink_round(spark, port: int, args: argparse.Namespace, df, round_no: int) ->
                                     quiet=fmt == "floor_quiet")
             continue
         started = time.monotonic()
-        writer = df.write.format(fmt).mode("append")
+        writer = df.write.format("mqks" if fmt == "mqks_each" else fmt).mode("append")
+        if fmt == "mqks_each":  # the sink as before publish --confirm-quiet: an ok a row, in confirm windows
+            writer = writer.option("quietConfirms", "false")
         (writer.option("port", str(port)) if fmt.startswith("mqks") else writer).save()
         cells[fmt] = args.sink_rows / (time.monotonic() - started)
     cells["ratio"] = cells["mqks"] / cells["nullrows"]
+    cells["ratio_each"] = cells["mqks_each"] / cells["nullrows"]
     cells["ratio_arrow"] = cells["mqks"] / cells["nullarrow"]
     cells["ratio_floor"] = cells["floor"] / cells["nullrows"]
     cells["ratio_floor_quiet"] = cells["floor_quiet"] / cells["nullrows"]
@@ -474,7 +478,8 @@ def main() -> None:
                     results["sink"].append(cell)
                     print(f"round {round_no} sink: mqks {cell['mqks']:,.0f} rows/s, null rows writer "
                           f"{cell['nullrows']:,.0f}, null Arrow writer {cell['nullarrow']:,.0f}, "
-                          f"noop {cell['noop']:,.0f}: {cell['ratio']:.2f}x the rows writer, "
+                          f"noop {cell['noop']:,.0f}: {cell['ratio']:.2f}x the rows writer (an ok a row: "
+                          f"{cell['mqks_each']:,.0f}, {cell['ratio_each']:.2f}x), "
                           f"{cell['ratio_arrow']:.2f}x the Arrow writer; broker floor {cell['floor']:,.0f} "
                           f"({cell['ratio_floor']:.2f}x), quiet {cell['floor_quiet']:,.0f} "
                           f"({cell['ratio_floor_quiet']:.2f}x), unconfirmed {cell['mqksunconfirmed']:,.0f} "
@@ -499,6 +504,8 @@ def main() -> None:
               f"{median_of(rounds, 'nullrows'):,.0f}, null Arrow writer {median_of(rounds, 'nullarrow'):,.0f}, "
               f"noop {median_of(rounds, 'noop'):,.0f}: ratio {median_of(rounds, 'ratio'):.2f}x "
               f"(rounds {listed(rounds)}), "
+              f"an ok a row (quietConfirms=false) {median_of(rounds, 'mqks_each'):,.0f} rows/s "
+              f"({median_of(rounds, 'ratio_each'):.2f}x), "
               f"{median_of(rounds, 'ratio_arrow'):.2f}x the Arrow writer; the broker alone confirming the same "
               f"lines (no Spark) {median_of(rounds, 'floor'):,.0f} rows/s ({median_of(rounds, 'ratio_floor'):.2f}x), "
               f"quiet with one sync {median_of(rounds, 'floor_quiet'):,.0f} rows/s "

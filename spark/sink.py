@@ -55,7 +55,8 @@ CONFIRMED = " publish --confirm "
 CONFIRMED_QUIETLY = " publish --confirm-quiet "  # answered only when refused; a `sync` answers for all
 
 
-SINK_OPTIONS = ("host", "port", "seeds", "tls", "tlsCa", "token", "confirmWindow", "confirmWindowBytes", "msgIdPrefix")
+SINK_OPTIONS = ("host", "port", "seeds", "tls", "tlsCa", "token", "confirmWindow", "confirmWindowBytes", "msgIdPrefix",
+                "quietConfirms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class SinkOptions:
     confirm_window_bytes: int
     msg_id_prefix: str | None
     seeds: tuple[tuple[str, int], ...] = ()  # tried in turn after host:port (a cluster's other nodes)
+    quiet_confirms: bool = True  # quiet publishes and one sync where the broker takes them; False: an ok each
 
     def addresses(self) -> list[tuple[str, int]]:
         return [(self.host, self.port), *(seed for seed in self.seeds if seed != (self.host, self.port))]
@@ -80,6 +82,9 @@ class SinkOptions:
         prefix = text_option(options, "msgIdPrefix")
         if prefix is not None:
             encode_token(prefix, "mqks option msgIdPrefix", dashes_ok=True)
+        quiet = (text_option(options, "quietConfirms") or "true").lower()
+        if quiet not in ("true", "false"):
+            raise ValueError(f"mqks option quietConfirms={quiet!r} must be true or false")
         return cls(
             host=host_option(options),
             port=port_option(options),
@@ -88,6 +93,7 @@ class SinkOptions:
             confirm_window=int_option(options, "confirmWindow", 1000, 1, 1_000_000),
             confirm_window_bytes=int_option(options, "confirmWindowBytes", 8 << 20, 1024, 1 << 34),
             msg_id_prefix=prefix,
+            quiet_confirms=quiet == "true",
         )
 
 
@@ -310,10 +316,11 @@ class _Confirmed:
         """Connect, once; True if the lines are to be quiet publishes (the broker's `hello` lists confirm_quiet)."""
         if self.client is None:
             self.client = connect_any(self.options.addresses(), self.options.security)
-            self.client.send([HELLO_RID + b" hello"])
-            _, status, rest = split_answer(self._answer_to(HELLO_RID))
-            info = hello_info(rest) if status == b"ok" else None  # an older broker has no hello: not quiet
-            self.quiet = info is not None and "confirm_quiet" in info.get("extensions", ())
+            if self.options.quiet_confirms:
+                self.client.send([HELLO_RID + b" hello"])
+                _, status, rest = split_answer(self._answer_to(HELLO_RID))
+                info = hello_info(rest) if status == b"ok" else None  # an older broker has no hello: not quiet
+                self.quiet = info is not None and "confirm_quiet" in info.get("extensions", ())
         return self.quiet
 
     def _answer_to(self, rid: bytes) -> bytes:
