@@ -44,15 +44,16 @@ log = logging.getLogger("mqks.connection")
 
 RECV_BYTES = 65536
 # a connection that keeps the socket full never blocks, so gevent would never switch away
-# from it: after this many bytes it waits for the loop to go idle, so every other client
-# that is ready gets a turn first. Measured (bench/fairness.py, 5 s floods): a side
-# client's worst ping wait is 10 ms beside one flooder and 43 ms beside four; with
-# gevent.sleep(0) instead it was 340 ms (sleep(0) resumes before the loop polls sockets
-# again), and with no yield the ping waited for the whole flood.
+# from it: after this many bytes it waits for the loop's next poll of the sockets (yield_turn),
+# so every other client that is ready gets a turn. gevent.sleep(0) resumes before the loop polls
+# sockets again (a side client's worst ping waited 340 ms beside one flooder, bench/fairness.py);
+# with no yield the ping waited for the whole flood.
 # Only bytes read while the loop did not turn count: a connection whose socket ran dry waited in
 # the loop, and everyone else ready had a turn then (a consumer acking each delivery does that
 # often, and paid a yield per 256 KiB of acks it did not owe: -35% per-message acks, issue 24).
 FAIR_SHARE_BYTES = 4 * RECV_BYTES
+YIELD_TURN_SECONDS = 1e-6  # more than 0: gevent.sleep(0) is a callback run before the poll, a delay is a timer
+LOWEST_PRIORITY = -2  # libev's EV_MINPRI (libuv ignores priorities)
 PUBLISH = b" publish "
 BACKLOG_POLL_SECONDS = 0.005
 LOG_FIRST_ERRORS = 100
@@ -62,6 +63,20 @@ CLOSE_FLUSH_SECONDS = 1.0
 # answered and what it is owed is written before the connection closes, for this long at most
 HALF_CLOSE_SECONDS = 10.0
 HALF_CLOSE_POLL_SECONDS = 0.005
+
+
+def yield_turn() -> None:
+    """Wait for the event loop's next poll of the sockets, behind every client that is ready then.
+
+    A lowest-priority timer, not gevent.idle(): an idle watcher runs only in a turn with nothing else
+    pending, so while another greenlet or timer had work in every turn a flooding connection waited in
+    idle() for good, never read and never cut off (CI: test_errors' flooder kept for 30 s). A timer fires
+    in the next turn, busy or not; its priority puts it after the other watchers pending in that turn.
+    """
+    hub = gevent.get_hub()
+    timer = hub.loop.timer(YIELD_TURN_SECONDS)
+    timer.priority = LOWEST_PRIORITY
+    hub.wait(timer)
 
 
 class LoopTurns:
@@ -412,7 +427,7 @@ class Connection:
                 unyielded_bytes += len(chunk)
                 if unyielded_bytes >= FAIR_SHARE_BYTES:
                     unyielded_bytes = 0
-                    gevent.idle()
+                    yield_turn()
                     turn_seen = turns.iteration
 
     def finish_after_eof(self) -> None:
