@@ -14,7 +14,7 @@ the heal cost (longest gap after it, every queue's first confirm after it, when 
 the majority's groups' owner changes while cut, the cut node's confirms while cut, and the confirmed messages lost;
 then min, median and max over the runs, and the same as JSON in bench/results/. Needs root (`ip netns`) and the
 cluster extra; every namespace and process is removed after each run. The node and NATS logs of each run stay in
-bench/results/logs/partition-STAMP/.
+bench/results/partition-logs/STAMP/ (not under bench/results/logs/, which bench.run empties as it starts).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .run import LOG_DIR, RESULTS_DIR, git_revision
+from .run import RESULTS_DIR, git_revision
 
 # the lab is the partition test's own: one setup measured and tested
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                         rate=args.rate, publishers=args.publishers, cut_seconds=args.cut_seconds,
                         nats_ping_seconds=args.nats_ping or None)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    logs = Path(LOG_DIR) / f"partition-{stamp}"
+    logs = Path(RESULTS_DIR) / "partition-logs" / stamp
     print(f"{args.runs} runs of {settings}; logs in {logs}", flush=True)
     figures: list[Figures] = []
     failed: list[str] = []
