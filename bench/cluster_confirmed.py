@@ -3,7 +3,7 @@ issue 57's spread cells), and what a default cluster costs while idle.
 
     .venv/bin/python -m bench.cluster_confirmed [--messages 60000] [--window 2000] [--paced-rate 10000]
                                                 [--groups 16,4] [--paced-first] [--pacing ticks|answers] [--reps 3]
-                                                [--json FILE]
+                                                [--trees DIR,DIR] [--json FILE]
 
 One three-node NATS cluster on loopback (`mqks nats up`, `sync_interval: always`) serves every cell. Each client
 binds 30 queues q0..q29 to e0..e29 and pipelines `publish --confirm` of 100 bytes (e(i % 30)), at most `--window`
@@ -24,13 +24,15 @@ stream, R3) and for three nodes with each of `--groups`:
   per send.
 Then the first --groups' cluster left idle for `--idle-seconds`: CPU of its processes and of the NATS servers, as a
 share of one core, and node a's resident memory. Ratios against one broker's same cell: rate, and CPU per message.
-Medians of --reps; an absolute figure from this VM is noise.
+Medians of --reps; an absolute figure from this VM is noise. To compare trees, give `--trees A,B` (each a copy of
+the package as A/mqks, e.g. `cp -rL build/__editable__*/mqks A/`): their clusters alternate within each rep.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -263,6 +265,13 @@ def resident_mib(pid: int) -> float:
     return total / 1024
 
 
+def use_tree(tree: str) -> None:
+    """The MQKS processes started from now on import the package from `tree` (the installed one for "")."""
+    os.environ.pop("PYTHONPATH", None)
+    if tree:
+        os.environ["PYTHONPATH"] = tree
+
+
 def median(samples: list[dict]) -> dict:
     return {key: statistics.median(sample[key] for sample in samples) for key in samples[0]}
 
@@ -277,9 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paced-first", action="store_true", help="paced cells for the first --groups only")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--trees", default="", help="directories, each holding a copy of the package as mqks/, whose "
+                        "clusters alternate in every rep (each first on its MQKS processes' PYTHONPATH; one broker "
+                        "runs the first); default: the installed tree")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     group_counts = [int(g) for g in args.groups.split(",")]
+    trees = [tree for tree in args.trees.split(",") if tree] or [""]
     os.makedirs(LOG_DIR, exist_ok=True)
     directory = tempfile.mkdtemp(prefix="mqks-bench-nats-")
     cells: dict[str, list[dict]] = {}
@@ -289,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         urls = ",".join(node.url for node in nats_nodes)
         nats_pids = [node.pid for node in nats_nodes]
         for rep in range(args.reps):
+            use_tree(trees[0])
             broker = peers.start_mqks(None, LOG_DIR,
                                       extra_args=("--log", urls, "--log-stream", f"one{rep}{os.getpid()}"))
             try:
@@ -296,16 +310,18 @@ def main(argv: list[str] | None = None) -> int:
                              bool(args.paced_rate), cells)
             finally:
                 broker.stop()
-            for groups in group_counts:
-                name = f"c{groups}r{rep}p{os.getpid()}"
+            for groups, (index, tree) in itertools.product(group_counts, enumerate(trees)):
+                use_tree(tree)
+                name = f"c{groups}t{index}r{rep}p{os.getpid()}"
                 nodes = start_nodes(["a", "b", "c"], name, urls, groups)
                 try:
                     wait_settled(name, urls, len(nodes))
                     pids = [node.pid for node in nodes]
-                    spread_cells(f"3 nodes, {groups} groups", [node.port for node in nodes], pids, nats_pids, urls,
-                                 args, (groups == group_counts[0] or not args.paced_first) and bool(args.paced_rate),
-                                 cells)
-                    if groups == group_counts[0] and rep == 0 and args.idle_seconds:
+                    label = f"{os.path.basename(tree.rstrip('/'))}: " if tree else ""
+                    paced = (groups == group_counts[0] or not args.paced_first) and bool(args.paced_rate)
+                    spread_cells(f"{label}3 nodes, {groups} groups", [node.port for node in nodes], pids, nats_pids,
+                                 urls, args, paced, cells)
+                    if groups == group_counts[0] and rep == 0 and index == 0 and args.idle_seconds:
                         time.sleep(5)
                         mqks_before, nats_before = cpu_seconds(pids), cpu_seconds(nats_pids)
                         time.sleep(args.idle_seconds)
@@ -329,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"{key} / one broker"] = {"rate": cell["rate"] / one["rate"],
                                              "cpu_per_msg": cell["cpu_us_per_msg"] / one["cpu_us_per_msg"],
                                              "mqks_cpu_per_msg": cell["mqks_us_per_msg"] / one["mqks_us_per_msg"]}
-    print(f"{'cell':<36} {'confirmed/s':>12} {'CPU us/msg':>11} {'(mqks':>7} {'nats)':>7} {'JS msgs/msg':>12}")
+    print(f"{'cell':<40} {'confirmed/s':>12} {'CPU us/msg':>11} {'(mqks':>7} {'nats)':>7} {'JS msgs/msg':>12}")
     for key, cell in result_cells.items():
-        print(f"{key:<36} {cell['rate']:>12,.0f} {cell['cpu_us_per_msg']:>11.1f} {cell['mqks_us_per_msg']:>7.1f} "
+        print(f"{key:<40} {cell['rate']:>12,.0f} {cell['cpu_us_per_msg']:>11.1f} {cell['mqks_us_per_msg']:>7.1f} "
               f"{cell['nats_us_per_msg']:>7.1f} {cell['stored_per_msg']:>12.4f}")
     for key, ratio in ratios.items():
         print(f"{key}: {ratio['rate']:.2f}x the rate at {ratio['cpu_per_msg']:.1f}x the CPU per message "
