@@ -30,6 +30,12 @@ from ..edges.restarts import restart_wait
 
 log = logging.getLogger("mqks.node")
 
+# a group not owned here now (fenced, handed on, or its standby's start met NATS out of reach) stands by again within
+# this however often it ended: a standby's start is a few API calls, and after a heal JetStream answers 503 for 4-9 s
+# while NATS elects its leaders; the back-off of a crash (up to 5 s) made the healed node stand by, and balance, up to
+# 5 s after NATS answered again (issue 56)
+STANDBY_AGAIN_MAX_SECONDS = 1.0
+
 
 class GroupServer(Protocol):
     """What the node process needs of a group's `Server`."""
@@ -122,6 +128,7 @@ class NodeProcess:
                 return
             quick_ends, wait = restart_wait(quick_ends, time.monotonic() - started)  # as the supervisor's
             if code == FENCED_EXIT_CODE:
+                wait = min(wait, STANDBY_AGAIN_MAX_SECONDS)
                 # an owner that stepped down, was taken over or handed its group on (or a standby that lost NATS)
                 log.info("group %d is not owned here now; standing by for it again%s", group,
                          f" in {wait:g} s" if wait else "")
@@ -135,8 +142,9 @@ class NodeProcess:
         """One life of the group's `Server`; its exit code."""
         try:
             server = self.make_server(config)
-        except (OSError, ValueError) as e:  # NATS out of reach, most likely: the group tries again
-            log.error("group %d cannot start: %s", group, e)
+        except Exception as e:  # NATS out of reach or electing (a 503 is nats-py's APIError): the group tries again
+            # (issue 56: a 503 right after a heal ended this greenlet, and the node stood by for the group no more)
+            log.error("group %d cannot start: %s", group, str(e) or type(e).__name__)
             return FENCED_EXIT_CODE
         self.servers[group] = server
         try:

@@ -4,7 +4,6 @@ which groups a process holds, a group made again after it ends, and a stop that 
 from __future__ import annotations
 
 import gevent
-import pytest
 from gevent.event import Event
 
 from mqks.server.cluster.node_process import NodeProcess, groups_of
@@ -99,8 +98,8 @@ def test_a_stop_drains_the_owners_and_ends_the_standbys(tmp_path, monkeypatch):
     assert all(server.released for server in made) and len(made) == 3  # nothing made again while stopping
 
 
-@pytest.mark.parametrize("exit_code", [1, FENCED_EXIT_CODE])
-def test_a_group_that_keeps_ending_at_once_is_made_again_after_a_growing_wait(tmp_path, monkeypatch, exit_code):
+def keeps_ending_at_once(tmp_path, monkeypatch, exit_code: int) -> list[float]:
+    """The waits of a process whose one group's server ends at once with `exit_code`, again and again."""
     monkeypatch.chdir(tmp_path)
     waits: list[float] = []
     monkeypatch.setattr("mqks.server.cluster.node_process.gevent.sleep",
@@ -117,7 +116,46 @@ def test_a_group_that_keeps_ending_at_once_is_made_again_after_a_growing_wait(tm
     config = Config(cluster="c", node="a", workers=1, processes=1, process_index=0, run_dir=".")
     host = NodeProcess(config, ending_at_once)
     runner = gevent.spawn(host.run)
-    wait_until(lambda: len(made) >= 5)
+    wait_until(lambda: len(made) >= 6)
     host.stop()
     runner.join(timeout=5)
-    assert waits[:4] == [0.1, 0.5, 1.0, 2.0]  # the first comes back at once, then each waits longer
+    return waits
+
+
+def test_a_group_that_keeps_failing_at_once_is_made_again_after_a_growing_wait(tmp_path, monkeypatch):
+    waits = keeps_ending_at_once(tmp_path, monkeypatch, 1)
+    assert waits[:5] == [0.1, 0.5, 1.0, 2.0, 5.0]  # the first comes back at once, then each waits longer
+
+
+def test_a_group_not_owned_here_stands_by_again_within_a_second_however_often_it_ends(tmp_path, monkeypatch):
+    """Issue 56: after a heal, JetStream answered 503 for 4-9 s while NATS elected its leaders; each standby's start
+    ended at once, its back-off grew to 5 s, and the healed node stood by (and balanced) up to 5 s after NATS was
+    back. A standby's start is a few API calls: it tries again each second, and a crashing group still backs off."""
+    waits = keeps_ending_at_once(tmp_path, monkeypatch, FENCED_EXIT_CODE)
+    assert waits[:5] == [0.1, 0.5, 1.0, 1.0, 1.0]
+
+
+class Unavailable(Exception):
+    """What nats-py raises for JetStream's 503 while NATS elects its leaders (an APIError: not an OSError)."""
+
+
+def test_a_group_whose_server_cannot_be_made_is_tried_again_not_dropped(tmp_path, monkeypatch):
+    """Issue 56: right after a heal, a standby's start met JetStream's 503 in the stream's open; the exception ended
+    the group's greenlet, and the node never stood by for that group again until it was restarted."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("mqks.server.cluster.node_process.gevent.sleep", lambda seconds=0: gevent.idle())
+    made: list[StandIn] = []
+    refusals = [Unavailable("nats: ServiceUnavailableError: code=503"), OSError("no servers available")]
+
+    def refusing_first(config: Config) -> StandIn:
+        if refusals:
+            raise refusals.pop(0)
+        return StandIn(config, made)
+
+    config = Config(cluster="c", node="a", workers=1, processes=1, process_index=0, run_dir=".")
+    host = NodeProcess(config, refusing_first)
+    runner = gevent.spawn(host.run)
+    wait_until(lambda: len(made) == 1)
+    assert not refusals and host.servers[0] is made[0]  # standing by for it after both refusals
+    host.stop()
+    assert runner.get(timeout=5) == 0
