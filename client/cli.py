@@ -688,9 +688,16 @@ def run_command(args: argparse.Namespace) -> int:
     # ping needs no token (the broker answers it before auth), as at nc
     client = Client(args.host, args.port, timeout_seconds=args.timeout, connect_timeout_seconds=args.timeout,
                     anonymous=args.command == "ping", on_refused=refusals.append, **settings)
+    flushed = False
     try:
         client.connect(retry=False)
         code = run(client, args)
+        try:
+            client.flush()  # every line read, every refusal in: else exit 0 could stand for lines never done
+        except MqksTimeoutError:
+            raise MqksConnectionError(f"{args.host}:{args.port} did not say within {args.timeout:g}s that it read "
+                                      "every line sent: what they asked may not have been done") from None
+        flushed = True
     except (ValueError, TypeError) as e:
         code = fail(str(e), EXIT_USAGE)
     except FeatureOff as e:
@@ -702,7 +709,7 @@ def run_command(args: argparse.Namespace) -> int:
     except MqksError as e:
         code = fail(f"{args.host}:{args.port} answered {e}", EXIT_BROKER)
     finally:
-        client.close()
+        client.close(flush=not flushed)
     for error in refusals:
         fail(f"{args.host}:{args.port} answered {error}", EXIT_BROKER)
     return EXIT_BROKER if refusals and code == EXIT_OK else code

@@ -145,6 +145,15 @@ class Client(ClientBase):
                 session.link.close([])
         self._link.close(greenlets)
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the broker has read every line sent so far, on every link (ping barriers): its answers to them,
+        `on_refused`'s errors included, are in. Raises MqksError when a link cannot say so by the deadline: a tool
+        must not report success for lines the broker may never have read."""
+        deadline = self._deadline(timeout)
+        for session in self._sessions():
+            if session.link is not None:
+                session.link.call(b"ping", b"flush", deadline)
+
     def __enter__(self) -> Client:
         return self.connect()
 

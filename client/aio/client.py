@@ -127,6 +127,14 @@ class Client(ClientBase):
                 await session.link.close()
         await asyncio.gather(*self._closing, return_exceptions=True)
 
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until the broker has read every line sent so far, on every link (ping barriers): its answers to them,
+        `on_refused`'s errors included, are in. Raises MqksError when a link cannot say so by the deadline."""
+        deadline = self._deadline(timeout)
+        for session in self._homes.sessions():
+            if session.link is not None:
+                await session.link.call(b"ping", b"flush", deadline)
+
     async def __aenter__(self) -> Client:
         return await self.connect()
 

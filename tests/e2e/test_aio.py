@@ -639,3 +639,18 @@ def test_on_refused_gets_the_error_of_a_publish_sent_without_confirm_before_clos
 
     run(main)
     assert len(refused) == 2 and all(f"no queue is bound to '{event}'" in e.reason for e in refused), refused
+
+
+def test_flush_returns_with_every_refusal_started_and_the_client_still_open(broker: BrokerProcess) -> None:
+    """As the gevent client's flush(): close()'s barrier, without the close."""
+    event = unique("unbound")
+    refused: list[MqksError] = []
+
+    async def main() -> str:
+        async with client_of(broker, on_refused=refused.append) as client:
+            await client.publish(event, "refused", mandatory=True)
+            await client.flush()
+            assert len(refused) == 1 and f"no queue is bound to '{event}'" in refused[0].reason, refused
+            return await client.ping("still open")
+
+    assert run(main) == "still open"

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from conftest import BrokerProcess
-from helpers import MQKS, REPO, RUN_TIMEOUT_SECONDS, mqks, unique
+from helpers import MQKS, REPO, RUN_TIMEOUT_SECONDS, mqks, server_stats, unique
+from waiting import wait_for
 
 ORDERS = "orders-s3cret-0123456789"
 ADMIN = "admin-s3cret-0123456789"
@@ -129,3 +133,48 @@ def test_stats_of_one_worker_heads_its_column_with_it(scoped: BrokerProcess) -> 
 def test_every_option_of_mqks_eval_says_what_it_does() -> None:
     done = subprocess.run([str(MQKS), "eval", "--help"], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
     assert "--worker N            evaluate it in worker N of mqksd --workers" in done.stdout, done.stdout
+
+
+@pytest.fixture
+def deaf_link(make_broker) -> Iterator[tuple[BrokerProcess, SimpleNamespace]]:
+    """A real broker behind a link that carries the client's lines to it, and its answers back only until the client
+    sends its first publish: a network that died halfway."""
+    broker = make_broker("--eval")
+    listener = socket.create_server(("127.0.0.1", 0))
+    deaf = threading.Event()
+
+    def pump(source: socket.socket, sink: socket.socket, answers: bool) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            if not answers and b" publish " in data:
+                deaf.set()  # set before the line goes on: its answer and the barrier's are swallowed
+            if not (answers and deaf.is_set()):
+                sink.sendall(data)
+
+    def serve() -> None:
+        client, _ = listener.accept()
+        upstream = socket.create_connection((broker.host, broker.port))
+        threading.Thread(target=pump, args=(upstream, client, True), daemon=True).start()
+        pump(client, upstream, False)
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield broker, SimpleNamespace(port=listener.getsockname()[1])
+    listener.close()
+
+
+def test_a_command_whose_lines_the_broker_cannot_confirm_reading_exits_1(deaf_link) -> None:
+    """`mqks publish` without --confirm waits for no answer; its close's barrier said whether the broker read the line,
+    and a barrier that never came was only a log line: the command exited 0 whatever happened (issue 55's leftover)."""
+    broker, link = deaf_link
+    event = unique("deaf-e")
+    done = subprocess.run([str(MQKS), "publish", event, "hello", "--port", str(link.port), "--timeout", "1"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
+    assert done.returncode == 1, done
+    assert "did not say within 1s that it read every line sent" in done.stderr
+    # the line itself went through: the broker counted it (only its answers were lost)
+    wait_for(lambda: server_stats(broker).get("published", 0) >= 1, "the broker to count the publish")

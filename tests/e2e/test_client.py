@@ -576,6 +576,20 @@ def test_on_refused_gets_the_error_of_a_publish_sent_without_confirm_before_clos
     assert all(f"no queue is bound to '{event}'" in error.reason and error.error_id for error in refused), refused
 
 
+def test_flush_returns_with_every_refusal_in_and_the_client_still_open(broker: BrokerProcess) -> None:
+    """`flush()` is close()'s barrier without the close: what `mqks` commands wait for before they exit 0."""
+    refused: list[MqksError] = []
+    client = make_client(broker, on_refused=refused.append)
+    event = unique("unbound")
+    try:
+        client.publish(event, "refused", mandatory=True)
+        client.flush()
+        assert len(refused) == 1 and f"no queue is bound to '{event}'" in refused[0].reason, refused
+        assert client.ping("still open") == "still open"
+    finally:
+        client.close()
+
+
 QUIET_SCRIPT = """
 import logging, sys, time
 import gevent
