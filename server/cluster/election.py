@@ -30,6 +30,9 @@ STANDBY_IDLE_REPORT_SECONDS = 20.0
 BALANCE_SECONDS = 5.0  # a caught-up standby looks this often whether its node should own this group instead
 FOLLOW_BATCH_SECONDS = 0.05  # a standby reading under load takes what came meanwhile at once
 RETRY_SECONDS = 0.5  # following failed (NATS unreachable): try again after this
+# a claim first looks at its stream's tail; a look unanswered this long is no answer (NATS never answers a request
+# sent while the stream has no leader: it would wait out its 5 s timeout), and the look is made again
+TAIL_LOOK_SECONDS = 1.0
 # a silent owner that answers its ping is waited for up to this many leases of silence: it steps down after one
 # lease of a log it cannot write to, so only an owner wedged in a way nobody foresaw is claimed from
 OWNER_ANSWERS_LEASES = 2.0
@@ -145,6 +148,7 @@ class Standby:
         # groups as soon as it has caught up, not a balancing period later
         reported = claimed_at = tail_checked_at = balanced_at = -1e9
         owner_waited_for = False  # a silent owner that answers its ping was waited for (logged once)
+        unanswered_since: float | None = None  # since when the claim's look at the stream has had no answer
         reported_seq = -1
         heard_at = now  # the owner's last frame or heartbeat
         following = followed = False
@@ -162,12 +166,35 @@ class Standby:
                     expires = now + candidacy.claim_delay(self.fewest_elsewhere())
                     if expires > now:
                         continue
-                if owner is None:
+                stored = self.look_at_tail()
+                if stored is None:
+                    # no stream leader answers from here (this host cut off, or NATS electing): a claim could not
+                    # land now, and one that landed after a heal took the group from an owner that was only out of
+                    # reach, waiting on the same election (issue 56: failing takeovers by the healed node)
+                    if unanswered_since is None:
+                        unanswered_since = now
+                        log.warning("%s: its stream does not answer from here: not claiming it until it does",
+                                    stream.label)
+                    self.sleep(RETRY_SECONDS)
+                    continue
+                if unanswered_since is not None:
+                    # the owner's silence meanwhile is this standby's deafness, not the owner's
+                    log.info("%s: its stream answers again after %.0f s; its owner's silence counts from now",
+                             stream.label, now - unanswered_since)
+                    heard_at, unanswered_since = max(heard_at, now), None
+                if stored > reading.read:
+                    # frames the follower did not bring (the takeover's fence would refuse it): read them first, and
+                    # the claim looks again once they came (stored before following anew, they are no sign of life)
+                    following, stored_before = False, max(stored_before, stored)
+                    expires = now + RETRY_SECONDS
+                elif owner is None:
                     owner = self.ask_owner()  # the first ask's silence, confirmed
                     if owner is not None:
                         log.info("%s: owned by %s after all; standing by (lease %g s)", stream.label, owner, lease)
                         expires, claimed_at = clock() + lease, -1e9
                         continue
+                    stream.stop_following(reading)
+                    return
                 else:
                     silent = now - heard_at
                     answer = self.ask_owner(silent_is_owner=False)
@@ -185,8 +212,8 @@ class Standby:
                         continue
                     log.warning("%s: nothing from its owner %s for %.0f s: taking it over", stream.label,
                                 replayer.owner or "?", silent)
-                stream.stop_following(reading)
-                return
+                    stream.stop_following(reading)
+                    return
             if now - reported >= STANDBY_REPORT_SECONDS and (
                     reading.read != reported_seq or now - reported >= STANDBY_IDLE_REPORT_SECONDS):
                 reported, reported_seq = now, reading.read
@@ -244,6 +271,14 @@ class Standby:
             if now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
                 balanced_at = now
                 self.balance()
+
+    def look_at_tail(self) -> int | None:
+        """The stream's last sequence as its leader says now; None when none answers from here in TAIL_LOOK_SECONDS."""
+        try:
+            with gevent.Timeout(TAIL_LOOK_SECONDS):
+                return self.stream.last_seq()
+        except (gevent.Timeout, Exception):
+            return None
 
     def claim_lost(self) -> None:
         """The claim did not take the group (another node appended first, or no stream leader answered): a pull that

@@ -322,6 +322,98 @@ def test_an_owner_cut_off_from_this_side_is_claimed_from_after_its_lease_though_
     assert records[-1] == b"W 2 node a"
 
 
+class CutOffStream(FakeStream):
+    """The stream as a standby on a host cut off sees it: from `cut_at` until NATS has elected its leaders after the
+    heal (`answers_at`) no stream leader answers from here and no owner's listener is reachable. Node b owns the group
+    all along, idle: it stores nothing, and its heartbeats (core NATS, never stored) are heard here outside the cut
+    until it stalls on the same election; it is gone at `answers_until`. A takeover sent meanwhile lands once a stream
+    leader answers again, as JetStream's retried request does."""
+
+    def __init__(self, clock: Clock, cut_at: float, answers_at: float, stall_seconds: float, gone_at: float) -> None:
+        super().__init__(clock, owner="node b (epoch 1)")
+        owned_by_b(self)
+        self.cut_at, self.answers_at, self.answers_until = cut_at, answers_at, gone_at
+        self.stall = (answers_at - stall_seconds, answers_at)  # b's log out of reach: no heartbeats
+        self.claimed_at: list[float] = []
+
+    def reachable(self) -> bool:
+        return not self.cut_at <= self.clock.now < self.answers_at
+
+    def ask_owner(self, silent_is_owner: bool = False) -> str | None:
+        if not self.cut_at <= self.clock.now < self.stall[0]:  # the routes are back once the cut is healed
+            return super().ask_owner(silent_is_owner)
+        self.asked += 1
+        return None
+
+    def last_seq(self) -> int:
+        if not self.reachable():
+            raise TimeoutError("nats: timeout")
+        return super().last_seq()
+
+    def read_followed(self, reading: Reading, timeout: float) -> tuple[bool, list[bytes]]:
+        now, beat = self.clock.now, LEASE / 4
+        beats = (self.cut_at - beat * n for n in range(int((self.cut_at - 1000.0) / beat), -1, -1))
+        later = (self.answers_at + beat * n for n in range(int((self.answers_until - self.answers_at) / beat)))
+        heard_at = next((t for t in (*beats, *later) if now < t <= now + timeout), None)
+        self.clock.now = now + timeout if heard_at is None else heard_at
+        return heard_at is not None, []
+
+    def take_over(self, reading: Reading) -> bytes | None:
+        self.clock.now = max(self.clock.now, self.answers_at)
+        self.claimed_at.append(self.clock.now)
+        return super().take_over(reading)
+
+
+def test_a_standby_cut_off_with_its_nats_server_does_not_take_a_live_owners_group_at_the_heal():
+    """Issue 56: a healed node's standbys had heard nothing from the other side's owners for the whole cut, claimed
+    their groups meanwhile (no owner answered from the cut host), and those takeovers landed once NATS elected leaders
+    after the heal: an idle group's fence still matched, and a live owner waiting on the same election was fenced.
+    A claim needs its stream to answer from here first, and the owner's silence counts only from then."""
+    clock = Clock()
+    start = clock.now
+    stream = CutOffStream(clock, cut_at=start + 2.0, answers_at=start + 2.0 + 30.0 + 8.0, stall_seconds=7.0,
+                          gone_at=start + 2.0 + 30.0 + 8.0 + 3 * LEASE)
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    assert records[-1] == b"W 2 node a" and len(stream.takeovers) == 1
+    assert stream.claimed_at[0] >= stream.answers_until  # once b was gone, not at the heal
+
+
+def test_a_standby_whose_stream_answers_nothing_from_here_claims_once_it_answers():
+    """A dead owner's group is still claimed by a standby whose stream had no leader for a while (a NATS election on
+    the majority's side of a cut): the look waits for the leader, not for another lease."""
+    clock = Clock()
+    start = clock.now
+    stream = CutOffStream(clock, cut_at=start + 2.0, answers_at=start + 2.0 + 1.5 * LEASE, stall_seconds=0.0,
+                          gone_at=start + 2.0)
+    list(replay_as_candidate(stream, standby(clock, stream)))
+    assert len(stream.takeovers) == 1
+    assert stream.answers_at <= stream.claimed_at[0] < stream.answers_at + 1.0
+
+
+def test_a_claim_that_finds_frames_its_follower_did_not_bring_reads_them_first_and_claims_at_once():
+    """The takeover's fence would refuse a claim behind the tail: it stood by again, and claimed a lease later. Here the
+    owner stored a frame just before it died, after the standby's last look at the tail, on a follower that was lost."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 1)")
+    owned_by_b(stream)
+    started = clock.now
+    for k, at in enumerate((1.0, 2.0, 3.0)):
+        stream.at(at, frame(1, k + 2, b""))
+    stream.at(14.0, frame(1, 5, b"P stored as b died"))  # after the tail check at 13.5, before the lease ends at 15
+    original_read = stream.read_followed
+
+    def losing_its_follower(reading: Reading, timeout: float) -> tuple[bool, list[bytes]]:
+        if stream.follows == 1 and clock.now >= started + 3.5:
+            stream.follower_lost = True  # the first follower's NATS node went: it brings nothing more
+        return original_read(reading, timeout)
+
+    stream.read_followed = losing_its_follower  # type: ignore[method-assign]
+    records = list(replay_as_candidate(stream, standby(clock, stream)))
+    assert b"P stored as b died" in records and records[-1] == b"W 2 node a"
+    assert len(stream.takeovers) == 1 and stream.follows == 2
+    assert clock.now - started < 3.0 + LEASE + 1.0  # a lease after b's last heard frame, not two
+
+
 def test_a_node_that_owns_groups_claims_later_by_its_claim_delay():
     def claimed_after(owned: int) -> float:
         clock = Clock()
