@@ -47,6 +47,8 @@ SUMMARY = (  # (Figures field, what it is)
     ("heal_first_confirm", "every queue confirmed once, from the heal (s)"),
     ("heal_stalled_queues", "queues stalled 2 s or more after the heal"),
     ("status_owned_after_heal", "status shows every group owned, from the heal (s)"),
+    ("nats_routes_after_heal", "cut host's NATS server routed again, from the heal (s)"),
+    ("nats_leaders_after_heal", "NATS's last leader elected after it, from the heal (s)"),
     ("nats_current_after_heal", "cut host's NATS server current again, from the heal (s)"),
     ("cut_node_owns_after_heal", "cut node owns a group again, from the heal (s)"),
     ("cut_node_owns_after_nats", "... from its NATS server current again (s)"),

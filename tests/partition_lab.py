@@ -15,6 +15,7 @@ monotonic clock, the same in every namespace.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import itertools
 import json
 import re
@@ -59,6 +60,13 @@ REPEAT = re.compile(r"0x[0-9a-f]+|\b[0-9]+(\.[0-9]+)? s\b|\b[0-9a-f]{24}\b|pid [
 TELLING = ("taking it over", "taking over", "refus", "stall", "step", "not answered", "has not answered",
            "Traceback", "Error", "503", "no PubAck", "fenced", "stored again", "handed", "asking for it",
            "claiming", "standing by", "cannot", "lost")
+# a NATS server's log line and when it was written (its local time, to the microsecond)
+NATS_LINE = re.compile(r"^\[\d+\] (\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d+) ")
+# the lines of NATS's own return after a heal: a route to a peer made again, a JetStream leader elected (the server that
+# leads a stream logs it; every server logs the metadata leader)
+NATS_ROUTE = "Route connection created"
+NATS_LEADERS = ("JetStream cluster new stream leader", "JetStream cluster new metadata leader",
+                "Self is new JetStream cluster metadata leader")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +106,11 @@ class Figures:
     heal_stalled_queues: int  # queues that went STALL_SECONDS or more without a confirm after the heal
     status_owned_after_heal: float | None  # from the heal until status showed every group owned and answering
     nats_current_after_heal: float | None  # from the heal until the cut host's nats-server was healthy again
+    nats_routes_after_heal: float | None  # from the heal until the cut host's server made a route again (its log)
+    # from the heal until the last JetStream leader NATS elected after it (any server's log; None: none stepped down).
+    # NATS's floor: the healed server's higher raft terms make the leaders step down once its routes are back, and
+    # NATS elects new ones only after its election timeout (4-9 s, not configurable); 503s until then
+    nats_leaders_after_heal: float | None
     cut_node_owns_after_heal: float | None  # from the heal until the cut node owned a group again
     majority_owner_changes: int  # owner changes of the majority's groups while cut (epoch changes)
     owner_changes_after_heal: int  # of any group, from the heal to the end (balancing gives the cut node some back)
@@ -124,7 +137,8 @@ class Figures:
                 f"{s(self.majority_gap)} s, cut node's queues gap {s(self.cut_gap)} s, served again "
                 f"{s(self.cut_served_again)} s after the cut; after the heal: longest gap {s(self.heal_gap)} s, "
                 f"every queue once by {s(self.heal_first_confirm)} s, {self.heal_stalled_queues} queues stalled, "
-                f"NATS current at {s(self.nats_current_after_heal)} s, status all owned at "
+                f"NATS routes at {s(self.nats_routes_after_heal)} s, leaders at {s(self.nats_leaders_after_heal)} s, "
+                f"current at {s(self.nats_current_after_heal)} s, status all owned at "
                 f"{s(self.status_owned_after_heal)} s, {self.cut_node} owns again at "
                 f"{s(self.cut_node_owns_after_heal)} s; "
                 f"owner changes: majority {self.majority_owner_changes} while cut, {self.owner_changes_after_heal} "
@@ -179,6 +193,17 @@ class NatsServer:
     @property
     def url(self) -> str:
         return f"nats://{self.address}:{NATS_PORT}"
+
+    def logged(self, texts: tuple[str, ...], start: float, end: float) -> list[float]:
+        """When (wall clock) the server logged a line holding one of `texts`, between `start` and `end`."""
+        times = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            found = NATS_LINE.match(line)
+            if found and any(text in line for text in texts):
+                at = datetime.datetime.strptime(found.group(1), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                if start <= at <= end:
+                    times.append(at)
+        return times
 
     def ready(self) -> bool:
         """/healthz answers 200 and /jsz names a meta leader (a stream create fails before that). Asked over gevent
@@ -576,7 +601,7 @@ class Round:
         lab.network.cut(self.cut_node)
         self.note(f"cut {self.cut_node}")
         gevent.sleep(settings.cut_seconds)  # the partition lasts this long: the scenario itself
-        self.heal_at = time.monotonic()
+        self.heal_at, self.heal_wall = time.monotonic(), time.time()
         lab.network.heal(self.cut_node)
         self.note(f"healed {self.cut_node}")
         self.status_failures: list[str] = []
@@ -619,7 +644,7 @@ class Round:
             self.note("every queue confirmed again")
         except AssertionError as e:
             self.note(str(e))
-        self.end_at = time.monotonic()
+        self.end_at, self.end_wall = time.monotonic(), time.time()
         self.load.stop()
         self.minority.stop()
         self.watch.stop()
@@ -655,6 +680,14 @@ class Round:
 
     def after_heal(self, what: str) -> float | None:
         return self.healed[what] - self.heal_at if what in self.healed else None
+
+    def nats_after_heal(self, texts: tuple[str, ...], hosts: list[str], first: bool) -> float | None:
+        """From the heal until the first (or last) line holding one of `texts` that the hosts' NATS servers logged
+        from the heal to the round's end; None: none."""
+        times = [at for host in hosts for at in self.lab.nats[host].logged(texts, self.heal_wall, self.end_wall)]
+        if not times:
+            return None
+        return (min(times) if first else max(times)) - self.heal_wall
 
     def figures(self) -> Figures:
         confirms = self.load.confirms
@@ -692,6 +725,8 @@ class Round:
             cut_served_again=served, heal_gap=max(heal_gaps), heal_first_confirm=first_confirm,
             heal_stalled_queues=sum(g >= STALL_SECONDS for g in heal_gaps),
             status_owned_after_heal=self.after_heal("status"), nats_current_after_heal=self.after_heal("nats"),
+            nats_routes_after_heal=self.nats_after_heal((NATS_ROUTE,), [self.cut_node], first=True),
+            nats_leaders_after_heal=self.nats_after_heal(NATS_LEADERS, list(NODES), first=False),
             cut_node_owns_after_heal=self.after_heal("owns"),
             majority_owner_changes=majority_changes, owner_changes_after_heal=after_heal,
             minority_confirms=len(minority), confirmed=len(self.confirmed),
