@@ -116,9 +116,11 @@ def node_config(node: Node, nodes: list[Node], cluster: str) -> str:
             # route refused the new one as a duplicate for 10-30 s (docs/cluster.md, "A host cut off")
             "ping_interval: \"2s\"\nping_max: 2\n"
             f"jetstream {{\n  store_dir: {json.dumps(node.store_dir)}\n  sync_interval: always\n}}\n"
-            # no_advertise: a client reconnects only to the servers it was given (--log), never around a proxy
-            f"cluster {{\n  name: {cluster}\n  listen: 127.0.0.1:{node.cluster_port}\n  routes: [{routes}]\n"
-            "  no_advertise: true\n}\n")
+            # one server is no cluster: JetStream refuses to start a cluster block without routes
+            + ("" if len(nodes) == 1 else
+               # no_advertise: a client reconnects only to the servers it was given (--log), never around a proxy
+               f"cluster {{\n  name: {cluster}\n  listen: 127.0.0.1:{node.cluster_port}\n  routes: [{routes}]\n"
+               "  no_advertise: true\n}\n"))
 
 
 def up(directory: str, nodes: int = 3, cluster: str = "mqks", base_port: int | None = None) -> list[Node]:
@@ -220,16 +222,18 @@ def restart(directory: str, name: str) -> Node:
         raise NatsError(f"no node {name!r} in {directory}")
     start_node(nats_server_binary(), node)
     save(directory, members)
-    wait_ready([node])
+    wait_ready([node], clustered=len(members) > 1)
     return node
 
 
-def wait_ready(members: list[Node], timeout: float = READY_SECONDS) -> None:
+def wait_ready(members: list[Node], timeout: float = READY_SECONDS, *, clustered: bool | None = None) -> None:
     """Until every node's /healthz answers and names the JetStream meta leader: only then does a stream
-    create succeed (measured: an add_stream right after /healthz alone timed out on a loaded machine)."""
+    create succeed (measured: an add_stream right after /healthz alone timed out on a loaded machine). A lone
+    server has no meta group: /healthz is enough."""
     deadline = time.monotonic() + timeout
+    clustered = len(members) > 1 if clustered is None else clustered
     for node in members:
-        while not (healthy(node) and meta_leader(node)):
+        while not (healthy(node) and (meta_leader(node) or not clustered)):
             if not alive(node.pid):
                 raise NatsError(f"nats-server {node.name} exited at start; see {node.log}")
             if time.monotonic() > deadline:

@@ -173,3 +173,22 @@ def test_up_of_a_running_cluster_prints_its_urls_again(nats_cluster):
     assert again.returncode == 0 and again.stdout.splitlines()[0] == ",".join(urls), again.stderr
     assert again.stderr == (f"mqks nats up: the cluster in {directory} is up already (mqks nats status --dir "
                             f"{directory}; mqks nats down --dir {directory} stops it)\n")
+
+
+def test_up_with_one_node_starts_a_lone_server_a_broker_can_log_to(tmp_path, make_broker):
+    """`mqks nats up --nodes 1`, for a laptop: a cluster block without routes made JetStream refuse to start ("requires
+    configured routes"), and a lone server has no meta leader to wait for."""
+    directory = tmp_path / "nats"
+    done = mqks_nats("up", "--nodes", "1", "--dir", str(directory))
+    try:
+        assert done.returncode == 0, done.stderr
+        assert "cluster {" not in (directory / "n0.conf").read_text()
+        broker = make_broker("--log", done.stdout.splitlines()[0], "--log-stream", "lone")
+        consumer, publisher = broker.wire(), broker.wire()
+        consumer.send(b"c consume --confirm lone-q lone.e")
+        consumer.expect(b"c ok ")
+        publisher.send(b"p publish --confirm lone.e stored")
+        publisher.expect(b"p ok ")  # stored in the lone server's stream
+        consumer.expect(b"c ok p event=lone.e stored")
+    finally:
+        mqks_nats("down", "--dir", str(directory), "--timeout", "1")
