@@ -35,6 +35,7 @@ from .edges.error_ids import ErrorIds
 from .edges.handshakes import client_tls, link_hello
 from .edges.listeners import AcceptFailed, CannotListen, Listener, tcp_listener, unix_listener
 from .edges.memory import MemoryGuard
+from .edges.restarts import log_greenlets
 from .edges.sessions import AUTH_TOKEN_ENV, SilenceWatch, Tokens, eval_lock_reason, tls_server_context
 from .startup import log_shown, open_journal, recover_journal
 from .wire.protocol import format_error, ok_body
@@ -361,6 +362,7 @@ class Server:
                 gevent.signal_handler(signum, gevent.spawn, self.shutdown)
             if self.tokens is not None:
                 gevent.signal_handler(signal.SIGHUP, self.reload_tokens)
+            gevent.signal_handler(signal.SIGUSR1, log_greenlets)
         self.serving = True
         ports = [f"{config.host}:{listener.server_port}{' (TLS)' if listener is self.tls_server else ''}"
                  for listener in (self.stream_server, self.tls_server) if listener is not None]

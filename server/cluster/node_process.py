@@ -26,7 +26,7 @@ from gevent import Greenlet
 
 from ..edges.config import FENCED_EXIT_CODE, Config
 from ..edges.listeners import CannotListen
-from ..edges.restarts import restart_wait
+from ..edges.restarts import log_greenlets, restart_wait
 
 log = logging.getLogger("mqks.node")
 
@@ -91,6 +91,7 @@ class NodeProcess:
         gevent.signal_handler(signal.SIGTERM, self.stop)
         gevent.signal_handler(signal.SIGINT, self.stop)
         gevent.signal_handler(signal.SIGHUP, self.reload_tokens)
+        gevent.signal_handler(signal.SIGUSR1, log_greenlets)
         log.info("holding slot groups %s of cluster %s", ", ".join(map(str, self.groups)), self.config.cluster)
         for group in self.groups:
             self.greenlets[group] = gevent.spawn(self.keep_serving, group)

@@ -121,16 +121,18 @@ class Supervisor:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
 
-    def on_hup(self, signum: int, frame: Any) -> None:
+    def on_pass(self, signum: int, frame: Any) -> None:
+        """SIGHUP (reload the tokens) and SIGUSR1 (log the greenlets) are each worker's to act on."""
         for child in self.children.values():
             if child.poll() is None:
-                child.send_signal(signal.SIGHUP)
+                child.send_signal(signum)
 
     def run(self) -> int:
         """Start every worker; restart any that dies until told to stop; 0 once all have stopped."""
         signal.signal(signal.SIGTERM, self.on_stop)
         signal.signal(signal.SIGINT, self.on_stop)
-        signal.signal(signal.SIGHUP, self.on_hup)
+        signal.signal(signal.SIGHUP, self.on_pass)
+        signal.signal(signal.SIGUSR1, self.on_pass)
         try:
             self.check_ports_free()
             self.check_cluster_layout()

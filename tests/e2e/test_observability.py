@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import resource
+import signal
 import subprocess
 import sys
 
@@ -358,3 +360,19 @@ def test_healthz_answers_503_while_the_disk_is_full_and_200_once_it_has_room(mak
     resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (hard, hard))  # room again
     wait_for(lambda: http_get(port, "/healthz") == (200, b"ok\n"), "healthz back to ok once the log writes")
     wire.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigusr1_logs_every_greenlets_stack_and_the_broker_serves_on(make_broker, workers):
+    """`kill -USR1` (docs/observability.md): what each greenlet waits on, from each worker, for a broker that seems
+    stuck; an unhandled SIGUSR1 would have killed it."""
+    broker = make_broker("--workers", str(workers))
+    wire = broker.wire()
+    wire.send(b"c consume --confirm idle-q idle.e")  # a connection whose reader waits in recv: its stack shows it
+    wire.expect(b"c ok ")
+    broker.signal(signal.SIGUSR1)
+    dumps = re.compile(r"WARNING mqks\.server[^:]*: SIGUSR1: the greenlets of process \d+:")
+    wait_for(lambda: len(dumps.findall(broker.log())) == workers, "a dump from each worker")
+    assert "_read_loop" in broker.log()
+    wire.send(b"p ping after")
+    wire.expect(b"p ok after")
