@@ -84,7 +84,7 @@ class PeerLink(FrameSocket):
 
     def read_loop(self) -> None:
         on_frame = self.frame_handlers()
-        flush_pending = self.peers.turn_flush.owe
+        flush_pending = self.peers.process.flush_pending
         recv = self.sock.recv
         feed = self.reader.feed
         try:
@@ -286,7 +286,7 @@ class IncomingLink(FrameSocket):
         on_frame = self.frame_handlers()
         recv = self.sock.recv
         feed = self.reader.feed
-        flush_pending = self.peers.turn_flush.owe
+        flush_pending = process.flush_pending
         chunk = first_bytes
         while not self.closed:
             if not chunk:

@@ -99,42 +99,6 @@ class HoldRelease:
 
 
 
-class TurnFlush:
-    """The links' reads of one turn of the loop share one flush, once every greenlet the loop woke has run: one
-    journal commit (the lines of every asker), one write per client (the answers of every owner) and per link,
-    not a flush per read. A client's connection still flushes its own batch at once (edges/connection.py)."""
-
-    __slots__ = ("flush", "owed", "due", "greenlet")
-
-    def __init__(self, flush: Callable[[], None]) -> None:
-        self.flush = flush
-        self.owed = False
-        self.due = Event()  # set() wakes the flusher from the loop's callbacks: after this turn's reads
-        self.greenlet: gevent.Greenlet | None = None
-
-    def owe(self) -> None:
-        if not self.owed:
-            self.owed = True
-            if self.greenlet is None:
-                self.greenlet = gevent.spawn(self.run)
-            self.due.set()
-
-    def run(self) -> None:
-        while True:
-            self.due.wait()
-            self.due.clear()
-            self.owed = False
-            try:
-                self.flush()
-            except Exception:  # as a read loop's own flush would have: logged, and the next turn flushes again
-                log.exception("flush after the links' reads failed")
-
-    def stop(self) -> None:
-        if self.greenlet is not None:
-            self.greenlet.kill(block=False)
-            self.greenlet = None
-
-
 class Peers:
     """This worker's view of the others: links, the bindings replica, sessions waiting on answers."""
 
@@ -170,7 +134,6 @@ class Peers:
         self.fanins: dict[bytes, ConfirmTarget] = {}  # by fan-in id: what a `c` line answers
         self.replica = Replica()
         self.forwarder = Forwarder(self)
-        self.turn_flush = TurnFlush(process.flush_pending)  # what a link's read calls, not flush_pending
         self.next_key = itertools.count(1)
         self.dropped_unlinked = 0
         self.on_link_lost: Callable[[int], None] = lambda worker: None
@@ -345,7 +308,6 @@ class Peers:
         """Every link goes, and nothing dials again (a cluster node's process ends this group's server, not itself)."""
         for keeper in self.keepers:
             keeper.kill(block=False)
-        self.turn_flush.stop()
         for incoming in list(self.incoming):  # its reader sees the end and cleans up as for any lost link
             try:
                 incoming.sock.shutdown(socket.SHUT_RDWR)
