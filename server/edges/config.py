@@ -80,7 +80,7 @@ class Config:
 
 
 DEFAULTS = Config()
-DEFAULT_GROUPS = 16  # a new cluster's --groups
+DEFAULT_GROUPS = 4  # a new cluster's --groups: on 3 nodes about half the CPU a message of 16 (docs/cluster.md)
 # a worker that cannot start because of its data (a corrupt log, an unreadable data dir): restarting
 # it would fail the same way for ever, so its supervisor stops the whole broker (EX_CONFIG)
 CANNOT_START_EXIT_CODE = 78
