@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run {run + 1}: {figures[-1].row()}", flush=True)
         if figures[-1].errors:
             print(f"        client errors: {figures[-1].errors}", flush=True)
+        if figures[-1].owner_history_after_heal:
+            print(f"        owners after the heal: {figures[-1].owner_history_after_heal}", flush=True)
     print(f"\n{len(figures)} runs of {args.runs} ({args.cut_seconds:g} s cuts, {args.groups} groups, "
           f"lease {args.lease:g} s, {args.queues} queues):{'':>5} min   median      max")
     for line in summary(figures):

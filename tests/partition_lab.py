@@ -54,6 +54,7 @@ WATCH_SECONDS = 0.5  # how often every group's owner is asked who it is
 MINORITY_RATE = 5.0  # msg/s from the small client on the cut host
 CUT_MARGIN_SECONDS = 1.0  # an ok read this soon after the cut may be for a frame stored before it
 LOOP_WATCH_SECONDS = 0.1  # the client's loop is looked at this often (how late it runs: a busy client)
+NATS_POLL_SECONDS = 0.2  # how often the cut host's NATS server's health is asked after the heal
 STALL_SECONDS = 2.0  # ten times a queue's pace at the test's rate: a queue that went this long was stalled
 REPEAT = re.compile(r"0x[0-9a-f]+|\b[0-9]+(\.[0-9]+)? s\b|\b[0-9a-f]{24}\b|pid [0-9]+|:[0-9]{4,5}\b")
 # the lines of a node's log that explain a round: takeovers, refusals, stalls, step-downs, crashes
@@ -121,6 +122,7 @@ class Figures:
     status_failures: list[str] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)  # the client's errors by reason (ids cut off)
     majority_owner_history: dict[int, list[str]] = field(default_factory=dict)
+    owner_history_after_heal: dict[int, list[str]] = field(default_factory=dict)  # of the groups that changed owner
 
     @property
     def cut_node_owns_after_nats(self) -> float | None:
@@ -274,7 +276,7 @@ class OwnerWatch:
         self.network = network
         self.urls = urls
         self.names = names
-        self.samples: list[tuple[float, int, str | None, int | None]] = []  # (when, group, node, epoch)
+        self.samples: list[tuple[float, int, str | None, int | None]] = []  # (answered, group, node, epoch)
         self.failure: BaseException | None = None
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="owner-watch", daemon=True)
@@ -300,20 +302,21 @@ class OwnerWatch:
             while not self.stopping.is_set():
                 asked = time.monotonic()
                 answers = await asyncio.gather(*(self._ask(nc, name) for name in self.names))
-                for group, (node, epoch) in enumerate(answers):
-                    self.samples.append((asked, group, node, epoch))
+                for group, (node, epoch, answered) in enumerate(answers):
+                    self.samples.append((answered, group, node, epoch))
                 await asyncio.sleep(max(0.0, WATCH_SECONDS - (time.monotonic() - asked)))
         finally:
             await nc.close()
 
     @staticmethod
-    async def _ask(nc: Any, name: str) -> tuple[str | None, int | None]:
+    async def _ask(nc: Any, name: str) -> tuple[str | None, int | None, float]:
+        """The owner's node and epoch, and when it answered (None, None: nobody did)."""
         try:
             answer = await nc.request(f"mqks.owner.{name}", b"", timeout=1.0)
             about = json.loads(answer.data)
-            return str(about["node"]), int(about["epoch"])
+            return str(about["node"]), int(about["epoch"]), time.monotonic()
         except Exception:  # no responders, a timeout, a reconnect in progress: nobody answered
-            return None, None
+            return None, None, time.monotonic()
 
     def owners(self, since: float = 0.0) -> dict[int, tuple[str, int]]:
         """Each group's last answer (after `since`) that named an owner."""
@@ -615,27 +618,42 @@ class Round:
             return len(rows) == settings.groups and all(row["owner"] and row["answering"] == row["owner"]
                                                         for row in rows)
 
-        def owns_again() -> bool:
-            """The cut node owns a group under an epoch newer than the group's at the cut: not a stale answer."""
-            return any(node == self.cut_node and epoch > owners[group][1]
-                       for group, (node, epoch) in self.watch.owners(self.heal_at).items())
+        def owns_again() -> float | None:
+            """When the watch first heard the cut node answer as a group's owner under an epoch newer than the group's
+            at the cut (not a stale answer): to the watch's half second, not to a pass of these checks, which waits
+            for status (a second or more)."""
+            return min((when for when, group, node, epoch in list(self.watch.samples) if when >= self.heal_at
+                        and node == self.cut_node and epoch is not None and epoch > owners[group][1]), default=None)
 
-        checks = {"nats": lab.nats[self.cut_node].ready, "status": all_owned, "owns": owns_again}
+        def found(what: str, at: float) -> None:
+            self.healed[what] = at
+            self.note({"nats": f"nats-server on {self.cut_node} healthy", "owns": f"{self.cut_node} owns a group again",
+                       "status": "status shows every group owned and answering"}[what])
+
+        def poll_nats() -> None:
+            """The cut host's NATS server's health, asked on its own every NATS_POLL_SECONDS (a target counts from
+            it)."""
+            while not lab.nats[self.cut_node].ready():
+                gevent.sleep(NATS_POLL_SECONDS)
+            found("nats", time.monotonic())
 
         def healed() -> bool:
             """The cut host's NATS server is current again, status shows every group owned and answering, and the
             cut node owns a group again (balancing): the heal's consequences have all happened."""
-            for what, check in checks.items():
-                if what not in self.healed and check():
-                    self.healed[what] = time.monotonic()
-                    self.note({"nats": f"nats-server on {self.cut_node} healthy", "owns": f"{self.cut_node} owns a "
-                               "group again", "status": "status shows every group owned and answering"}[what])
-            return len(self.healed) == len(checks)
+            if "status" not in self.healed and all_owned():
+                found("status", time.monotonic())
+            owned_at = owns_again() if "owns" not in self.healed else None
+            if owned_at is not None:
+                found("owns", owned_at)
+            return len(self.healed) == 3
 
+        nats_poll = gevent.spawn(poll_nats)
         try:
             wait_for(healed, "the heal's consequences", settings.heal_timeout_seconds, interval=0.5)
         except AssertionError as e:
             self.note(f"{e}: only {sorted(self.healed)}")
+        finally:
+            nats_poll.kill()
         since = max(self.healed.values(), default=time.monotonic())
         try:
             wait_for(lambda: all(times and times[-1] > since for times in self.load.confirms.values()),
@@ -715,8 +733,10 @@ class Round:
                            self.watch.history(group, self.cut_at - 1.0, self.heal_at)]
                    for group in self.majority_groups}
         majority_changes = sum(max(0, len(changes) - 1) for changes in history.values())
-        after_heal = sum(max(0, len(self.watch.history(group, self.heal_at - 1.0, self.end_at)) - 1)
-                         for group in range(self.settings.groups))
+        healed = {group: [f"{node}@{epoch}" for node, epoch in self.watch.history(group, self.heal_at - 1.0,
+                                                                                   self.end_at)]
+                  for group in range(self.settings.groups)}
+        after_heal = sum(max(0, len(changes) - 1) for changes in healed.values())
         minority = [body for when, body, _ in self.minority.oks
                     if self.cut_at + CUT_MARGIN_SECONDS < when <= self.heal_at]
         errors = Counter(reason.split(" (", 1)[0][:90] for _, _, reason in self.load.errors)
@@ -731,7 +751,8 @@ class Round:
             majority_owner_changes=majority_changes, owner_changes_after_heal=after_heal,
             minority_confirms=len(minority), confirmed=len(self.confirmed),
             lost=len(set(self.confirmed) - self.delivered), rate=self.rate, status_failures=self.status_failures,
-            errors=dict(errors.most_common(8)), majority_owner_history=history)
+            errors=dict(errors.most_common(8)), majority_owner_history=history,
+            owner_history_after_heal={group: changes for group, changes in healed.items() if len(changes) > 1})
 
     def group_lines(self, groups: list[int]) -> str:
         """The nodes' telling lines about these groups since the cut (what moved them)."""
