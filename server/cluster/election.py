@@ -28,6 +28,10 @@ STANDBY_REPORT_SECONDS = 10.0  # a standby tells `mqks cluster status` how far i
 # status shows it down): an idle default cluster's 32 standbys put 3.2 R3 entries a second, NATS's largest idle cost
 STANDBY_IDLE_REPORT_SECONDS = 20.0
 BALANCE_SECONDS = 5.0  # a caught-up standby looks this often whether its node should own this group instead
+# ... and this soon after a look that would have asked but could not yet: another standby of its node was pulling a
+# group, or a put to the map did not go through (issue 56: a healed node's standbys all stood by again when NATS
+# answered and looked together; all but one looked again 5 s later, and the node got a group back every 5 s)
+BALANCE_RETRY_SECONDS = 1.0
 FOLLOW_BATCH_SECONDS = 0.05  # a standby reading under load takes what came meanwhile at once
 RETRY_SECONDS = 0.5  # following failed (NATS unreachable): try again after this
 # a claim first looks at its stream's tail; a look unanswered this long is no answer (NATS never answers a request
@@ -147,6 +151,7 @@ class Standby:
         # balanced_at: the first look at balancing is at once, a node that rejoins (a heal, a restart) asks for
         # groups as soon as it has caught up, not a balancing period later
         reported = claimed_at = tail_checked_at = balanced_at = -1e9
+        balance_every = min(BALANCE_SECONDS, lease / 2)
         owner_waited_for = False  # a silent owner that answers its ping was waited for (logged once)
         unanswered_since: float | None = None  # since when the claim's look at the stream has had no answer
         reported_seq = -1
@@ -230,7 +235,7 @@ class Standby:
                 # frames and heartbeats wake it; else it sleeps until the next thing due: the claim, a report, a
                 # look at balancing or at the tail (it looked at the clock each second: a quarter of an idle
                 # node's wakeups, sixteen standbys per node)
-                due = min(expires, balanced_at + min(BALANCE_SECONDS, lease / 2),
+                due = min(expires, balanced_at + balance_every,
                           reported + (STANDBY_REPORT_SECONDS if reading.read != reported_seq
                                       else STANDBY_IDLE_REPORT_SECONDS),
                           max(heard_at + candidacy.heartbeat_seconds * 1.5,
@@ -268,9 +273,9 @@ class Standby:
                     owner_waited_for = False
             # heard or not: a busy group's standby hears frames at every read, and balanced only in a quiet moment
             # (issue 56: a healed node got groups back 18-25 s after the heal, when its groups' load paused)
-            if now - balanced_at >= min(BALANCE_SECONDS, lease / 2):
+            if now - balanced_at >= balance_every:
                 balanced_at = now
-                self.balance()
+                balance_every = BALANCE_RETRY_SECONDS if self.balance() else min(BALANCE_SECONDS, lease / 2)
 
     def look_at_tail(self) -> int | None:
         """The stream's last sequence as its leader says now; None when none answers from here in TAIL_LOOK_SECONDS."""
@@ -303,25 +308,26 @@ class Standby:
         except Exception:  # NATS out of reach: as if an owner answered, so nobody claims in a hurry
             return "?"
 
-    def balance(self) -> None:
+    def balance(self) -> bool:
         """Ask for this group when it is pinned here (`mqks cluster move` put it on this node, and a failover took it
         away), or when it is not pinned and this node owns at least two groups fewer than its owner's node: nodes
         that restarted or joined get work back. One request at a time per node, so two of its standbys never both
-        pull; a pinned group is never pulled elsewhere, so an operator's moves (draining a node) stay."""
+        pull; a pinned group is never pulled elsewhere, so an operator's moves (draining a node) stay. True when it
+        would have asked but could not yet (another standby's pull, a put that did not go through): look again soon."""
         candidacy, cluster_map = self.candidacy, self.cluster_map
         try:
             counts, owner, pin = cluster_map.balance_view(False)
             if owner is None or owner == candidacy.node:
-                return
+                return False
             if pin is None and counts.get(owner, 0) - candidacy.owned_here() >= 2:
                 counts, owner, pin = cluster_map.balance_view(True)  # about to ask: a pin made since counts
         except OSError:  # NATS out of reach: nothing to balance now
-            return
+            return False
         if owner is None or owner == candidacy.node:
-            return
+            return False
         if pin is not None:
             if pin != candidacy.node:
-                return
+                return False
             why = f"it is pinned to this node (mqks cluster move) and node {owner} has it"
         elif counts.get(owner, 0) - candidacy.owned_here() >= 2:
             now = self.clock()
@@ -329,13 +335,13 @@ class Standby:
                 self.uneven_since = now
             if (now - self.owner_since >= RECENT_OWNER_LEASES * candidacy.lease_seconds
                     and now - self.uneven_since < UNEVEN_PATIENCE_SECONDS):
-                return  # held long by its owner: a group taken over lately goes first
+                return False  # held long by its owner: a group taken over lately goes first
             why = f"node {owner} owns {counts[owner]} groups, this node {candidacy.owned_here()}"
         else:
             self.uneven_since = None
-            return
+            return False
         if not candidacy.may_pull():
-            return
+            return True
         label = self.stream.label
         if not cluster_map.can_write():
             # as the owner it would put its entry in the map at once, and nobody would link to it until then (issue
@@ -344,14 +350,14 @@ class Standby:
             log.info("%s: %s, but a put to the cluster's map from here does not go through yet: not asking", label,
                      why)
             candidacy.end_pull()
-            return
+            return True
         log.info("%s: %s: asking for it", label, why)
         try:
             answer = cluster_map.ask_for_group(self.stream.name, candidacy.node, owner)
         except Exception as e:
             log.info("%s: its owner did not take the request (%s)", label, e)
             candidacy.end_pull()
-            return
+            return False
         self.pulling = bool(answer.get("ok"))
         if not answer.get("ok"):  # another node's standby asked first: this node's turn to pull is over
             if answer.get("owner", owner) != owner:
@@ -359,6 +365,7 @@ class Standby:
             else:
                 log.info("%s: its owner hands it to node %s instead", label, answer.get("to"))
             candidacy.end_pull()
+        return False
 
 
 class HandOffRequests:

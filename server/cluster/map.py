@@ -46,6 +46,9 @@ RETRY_SECONDS = 1.0
 # within this); one read every 5 s per standby was a quarter of an idle cluster's API calls on NATS
 PIN_READ_SECONDS = 30.0
 ASK_SECONDS = 5.0  # a standby's request for its group waits this long for the owner's answer
+# a standby's check that its puts to the map go through waits this long: NATS never answers a put sent before it has
+# elected the bucket's leader (a heal), and the check holds its node's turn to pull (issue 56: 5 s held after a heal)
+WRITE_CHECK_SECONDS = 2.0
 
 
 class OwnerWatch:
@@ -383,7 +386,7 @@ class ClusterMap:
             raise
 
     def can_write(self) -> bool:
-        """Whether a put to the bucket goes through from here now (in the hub, waiting up to ASK_SECONDS): this
+        """Whether a put to the bucket goes through from here now (in the hub, waiting up to WRITE_CHECK_SECONDS): this
         standby's report put again, as its process's report or its own."""
         candidacy = self.candidacy
         if self.shared is not None:
@@ -396,7 +399,7 @@ class ClusterMap:
             await kv.put(key, standbys_entry(candidacy.node, positions))
 
         try:
-            self.bridge.run(put, timeout=ASK_SECONDS)
+            self.bridge.run(put, timeout=WRITE_CHECK_SECONDS)
         except (Exception, gevent.Timeout) as e:  # the bridge's wait ends with gevent's Timeout, not an Exception:
             self._kv = None  # it went up through balance(), ended the standby and held its node's pull turn (issue 56)
             log.debug("group %d: a put to the map failed: %s", candidacy.group, e)

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
 from mqks.server.cluster.candidacy import Candidacy
-from mqks.server.cluster.election import HandOffRequests
-from mqks.server.cluster.map import ClusterMap, NodeDir
+from mqks.server.cluster.election import BALANCE_SECONDS, HandOffRequests
+from mqks.server.cluster.map import WRITE_CHECK_SECONDS, ClusterMap, NodeDir
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -112,3 +112,4 @@ def test_a_put_to_the_map_that_the_bridge_stops_waiting_for_is_a_put_that_does_n
     cluster_map = ClusterMap(SimpleNamespace(run=run), Candidacy("c", "a", 1, lease_seconds=12.0), 3,
                              lambda group: None)
     assert cluster_map.can_write() is False and len(waits) == 1
+    assert waits == [WRITE_CHECK_SECONDS] and WRITE_CHECK_SECONDS < BALANCE_SECONDS  # the next look is not held back
