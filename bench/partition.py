@@ -54,6 +54,8 @@ SUMMARY = (  # (Figures field, what it is)
     ("cut_node_owns_after_nats", "... from its NATS server current again (s)"),
     ("majority_owner_changes", "owner changes of the majority's groups while cut"),
     ("owner_changes_after_heal", "owner changes of any group after the heal"),
+    ("claims_after_heal", "groups claimed from a silent owner after the heal"),
+    ("lost_claims_after_heal", "takeovers refused after the heal (failed claims)"),
     ("minority_confirms", "confirms by the cut node while cut"),
     ("lost", "confirmed messages lost"),
     ("rate", "confirmed msg/s before the cut"),

@@ -61,13 +61,32 @@ REPEAT = re.compile(r"0x[0-9a-f]+|\b[0-9]+(\.[0-9]+)? s\b|\b[0-9a-f]{24}\b|pid [
 TELLING = ("taking it over", "taking over", "refus", "stall", "step", "not answered", "has not answered",
            "Traceback", "Error", "503", "no PubAck", "fenced", "stored again", "handed", "asking for it",
            "claiming", "standing by", "cannot", "lost")
-# a NATS server's log line and when it was written (its local time, to the microsecond)
-NATS_LINE = re.compile(r"^\[\d+\] (\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d+) ")
+# a log line and when it was written (local time): a NATS server's, a node's
+NATS_LINE = (re.compile(r"^\[\d+\] (\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d+) "), "%Y/%m/%d %H:%M:%S.%f")
+NODE_LINE = (re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) "), "%Y-%m-%d %H:%M:%S,%f")
 # the lines of NATS's own return after a heal: a route to a peer made again, a JetStream leader elected (the server that
 # leads a stream logs it; every server logs the metadata leader)
 NATS_ROUTE = "Route connection created"
 NATS_LEADERS = ("JetStream cluster new stream leader", "JetStream cluster new metadata leader",
                 "Self is new JetStream cluster metadata leader")
+# a node's claim on a group whose owner went silent (election.py), and a claim that lost (a failed takeover): after a
+# heal nobody died, and each is churn (issue 56: 2-4 takeovers the healed node sent during the cut failed after it)
+CLAIMS = ("taking it over",)
+LOST_CLAIMS = ("took it over first",)
+
+
+def logged_at(path: Path, stamp: tuple[re.Pattern[str], str], texts: tuple[str, ...], start: float,
+              end: float) -> list[float]:
+    """When (wall clock) the log at `path` has a line holding one of `texts`, between `start` and `end`."""
+    pattern, time_format = stamp
+    times = []
+    for line in path.read_text(errors="replace").splitlines():
+        found = pattern.match(line)
+        if found and any(text in line for text in texts):
+            at = datetime.datetime.strptime(found.group(1), time_format).timestamp()
+            if start <= at <= end:
+                times.append(at)
+    return times
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +134,8 @@ class Figures:
     cut_node_owns_after_heal: float | None  # from the heal until the cut node owned a group again
     majority_owner_changes: int  # owner changes of the majority's groups while cut (epoch changes)
     owner_changes_after_heal: int  # of any group, from the heal to the end (balancing gives the cut node some back)
+    claims_after_heal: int  # groups claimed from a silent owner, by any node, from the heal to the end (nobody died)
+    lost_claims_after_heal: int  # takeovers refused (another append came first), from the heal to the end
     minority_confirms: int  # oks the cut host's client read while cut (after CUT_MARGIN_SECONDS)
     confirmed: int
     lost: int  # confirmed, never delivered in the drain
@@ -144,7 +165,9 @@ class Figures:
                 f"{s(self.status_owned_after_heal)} s, {self.cut_node} owns again at "
                 f"{s(self.cut_node_owns_after_heal)} s; "
                 f"owner changes: majority {self.majority_owner_changes} while cut, {self.owner_changes_after_heal} "
-                f"after the heal; minority confirms {self.minority_confirms}; confirmed {self.confirmed}, lost "
+                f"after the heal; claims after the heal {self.claims_after_heal}, refused "
+                f"{self.lost_claims_after_heal}; "
+                f"minority confirms {self.minority_confirms}; confirmed {self.confirmed}, lost "
                 f"{self.lost}; {self.rate:.0f} msg/s")
 
 
@@ -197,15 +220,7 @@ class NatsServer:
         return f"nats://{self.address}:{NATS_PORT}"
 
     def logged(self, texts: tuple[str, ...], start: float, end: float) -> list[float]:
-        """When (wall clock) the server logged a line holding one of `texts`, between `start` and `end`."""
-        times = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            found = NATS_LINE.match(line)
-            if found and any(text in line for text in texts):
-                at = datetime.datetime.strptime(found.group(1), "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                if start <= at <= end:
-                    times.append(at)
-        return times
+        return logged_at(self.log_path, NATS_LINE, texts, start, end)
 
     def ready(self) -> bool:
         """/healthz answers 200 and /jsz names a meta leader (a stream create fails before that). Asked over gevent
@@ -249,6 +264,9 @@ class Node:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def logged(self, texts: tuple[str, ...], start: float, end: float) -> list[float]:
+        return logged_at(self.log_path, NODE_LINE, texts, start, end)
 
     def telling_lines(self, since: int = 0, about: str = "") -> list[str]:
         """The log lines (from line `since` on, naming `about`) that explain a round: takeovers, refusals, stalls,
@@ -699,6 +717,10 @@ class Round:
     def after_heal(self, what: str) -> float | None:
         return self.healed[what] - self.heal_at if what in self.healed else None
 
+    def nodes_logged(self, texts: tuple[str, ...]) -> int:
+        """The nodes' log lines holding one of `texts` from the heal to the round's end."""
+        return sum(len(node.logged(texts, self.heal_wall, self.end_wall)) for node in self.lab.nodes.values())
+
     def nats_after_heal(self, texts: tuple[str, ...], hosts: list[str], first: bool) -> float | None:
         """From the heal until the first (or last) line holding one of `texts` that the hosts' NATS servers logged
         from the heal to the round's end; None: none."""
@@ -749,6 +771,7 @@ class Round:
             nats_leaders_after_heal=self.nats_after_heal(NATS_LEADERS, list(NODES), first=False),
             cut_node_owns_after_heal=self.after_heal("owns"),
             majority_owner_changes=majority_changes, owner_changes_after_heal=after_heal,
+            claims_after_heal=self.nodes_logged(CLAIMS), lost_claims_after_heal=self.nodes_logged(LOST_CLAIMS),
             minority_confirms=len(minority), confirmed=len(self.confirmed),
             lost=len(set(self.confirmed) - self.delivered), rate=self.rate, status_failures=self.status_failures,
             errors=dict(errors.most_common(8)), majority_owner_history=history,
