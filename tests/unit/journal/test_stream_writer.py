@@ -623,3 +623,91 @@ def test_a_tail_read_fails_once_its_asks_have_all_failed_while_nats_is_out_of_re
     with gevent.Timeout(5, never_failed), pytest.raises(TimeoutError):
         stream_log.writer.recovery.ask_tail()
     assert len(asked) == stream_recovery.TAIL_ASKS
+
+
+class FencingNats(FakeHub):
+    """A stream of its own as JetStream keeps it: a frame is stored only when its expected last sequence is the
+    stream's (else refused, 10071), answers come when the test says (`answer`), and a frame the test names fails once
+    (not stored); the tail read's calls (`jetstream`, `run`) read what was stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored: list[SimpleNamespace] = []
+        self.answers: list[bytes] = []  # by publish, in order
+        self.fail_once: set[int] = set()  # indexes of publishes NATS answers with an error, storing nothing
+
+    def publish(self, subject: str, data: bytes, reply: str = "", headers: dict[str, str] | None = None) -> None:
+        super().publish(subject, data, reply, headers)
+        index = len(self.published) - 1
+        expected = int((headers or {})[stream.EXPECTED])
+        if index in self.fail_once:
+            answer: dict[str, Any] = {"error": {"err_code": 10077, "description": "insufficient resources"}}
+        elif expected != len(self.stored):
+            answer = {"error": {"err_code": stream.WRONG_LAST_SEQUENCE,
+                                "description": f"wrong last sequence: {len(self.stored)}"}}
+        else:
+            self.stored.append(SimpleNamespace(seq=len(self.stored) + 1, payload=data, headers=headers))
+            answer = {"stream": "s", "seq": len(self.stored)}
+        self.answers.append(json.dumps(answer).encode())
+
+    def answer(self, index: int) -> None:
+        self.callbacks["_INBOX.w.*"](self.published[index].reply, "", None, self.answers[index])
+
+    def jetstream(self, timeout: float = 5.0) -> Any:
+        async def stream_info(stream_name: str, subjects_filter: str | None = None) -> SimpleNamespace:
+            state = SimpleNamespace(bytes=0, messages=len(self.stored), subjects={}, last_seq=len(self.stored))
+            return SimpleNamespace(state=state, cluster=None)
+
+        async def get_msg(stream_name: str, seq: int) -> SimpleNamespace:
+            return self.stored[seq - 1]
+
+        return SimpleNamespace(stream_info=stream_info, get_msg=get_msg)
+
+    def run(self, make: Callable[[Any], Any], timeout: float = 10.0) -> Any:
+        return asyncio.run(make(self))
+
+
+def test_frames_flying_behind_a_failed_one_are_never_confirmed_before_it_is_stored_and_go_again_in_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream of its own pipelines its frames, each fenced on the sequence the one before it gets: when one fails,
+    NATS refuses every frame flying behind it, nothing after it is confirmed, and the tail read sends them all again
+    after the stream's tail, in order. Whatever order their answers come in, the stream holds the commits in the
+    order they were made, and a commit is confirmed only once it and everything before it are stored."""
+    patch_seconds(monkeypatch, "RETRY_SECONDS", 0.01)
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s", "test")
+    stream_log.writer._refuse = None
+    stream_log.nats.max_payload = 10  # each commit fills a frame: they fly together
+    nats = FencingNats()
+    nats.fail_once.add(1)
+    stream_log.nats.bridge = nats  # type: ignore[assignment]
+    confirmed: list[int] = []
+
+    def poll() -> int:
+        confirmed.append(stream_log.poll()[0])
+        return confirmed[-1]
+
+    def scenario() -> None:
+        writer = gevent.spawn(stream_log.writer._write_until_stopped, nats)
+        for record in (b"a" * 10, b"b" * 10, b"c" * 10, b"d" * 10):
+            stream_log.append(record)
+            stream_log.commit()
+            let_run()
+        until(lambda: len(nats.published) == 4)  # four frames fly; the second fails, NATS refuses those behind it
+        for index in (3, 0, 2):  # the first is stored; the two behind the failed one are refused (its is not in yet)
+            nats.answer(index)
+            let_run()
+            assert poll() <= 1
+        nats.answer(1)
+        until(lambda: len(nats.published) == 7)  # the tail read found the first alone: the other three go again
+        assert poll() == 1
+        for index in (6, 5):  # the last two are stored, the one before them not yet answered
+            nats.answer(index)
+            let_run()
+            assert poll() == 1
+        nats.answer(4)
+        until(lambda: poll() == 4)
+        stop(stream_log, writer)
+
+    scenario()
+    assert [message.payload[:1] for message in nats.stored] == [b"a", b"b", b"c", b"d"]
+    assert confirmed == sorted(confirmed) and stream_log.writer.recovery.trouble is None
