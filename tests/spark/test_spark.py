@@ -599,6 +599,21 @@ def test_fetch_runs_sends_stored_runs_as_they_are_and_tails_after_the_redelivere
     assert queue_depths(broker, queue) == (994, 0)
 
 
+def test_the_source_reads_the_one_run_of_a_broker_from_before_the_blocks():
+    """`fetch --runs` answered one run after a `--seq-from` line before the blocks: still read, seqs counted on."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from mqks.spark.source import _decode, source_struct
+
+    schema = source_struct()
+    block = bytearray(b"r1 ok m0 event=old.e,retry=1,seq=3 a b\nr1 ok --seq-from 7\nr1 ok m7 event=old.e c d\n"
+                      b"r1 ok m8 event=old.e e\nr1 ok --end 3\n")
+    batches = _decode(block, b"r1", 3, "old", schema.fieldNames(), to_arrow_schema(schema, timezone="UTC"), pa)
+    rows = [(row["msg_id"], row["seq"], row["retry"], row["data"]) for batch in batches for row in batch.to_pylist()]
+    assert rows == [("m0", 3, 1, "a b"), ("m7", 7, 0, "c d"), ("m8", 8, 0, "e")]
+
+
 def test_the_source_reads_a_broker_without_fetch_runs_line_by_line(broker, monkeypatch):
     """A broker from before `fetch --runs` refuses the flag: the executor asks again without it, and remembers."""
     import socket as sockets
