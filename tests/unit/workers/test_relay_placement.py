@@ -28,7 +28,7 @@ EXPECTED = {
     b"reply": Placement.TOKEN_ISSUER, b"schedule": Placement.SCHEDULE_OWNER, b"unschedule": Placement.SCHEDULE_OWNER,
     b"schedules": Placement.EVERY_WORKER_ROWS_BY_NAME, b"queues": Placement.EVERY_WORKER_ROWS_BY_QUEUE,
     b"stats": Placement.EVERY_WORKER_STATS, b"settle": Placement.EVERY_WORKER_SUM,
-    b"ping": Placement.AFTER_OTHER_WORKERS, b"_eval": Placement.CHOSEN_WORKER,
+    b"ping": Placement.AFTER_OTHER_WORKERS, b"sync": Placement.AFTER_OTHER_WORKERS, b"_eval": Placement.CHOSEN_WORKER,
 }
 
 
