@@ -37,3 +37,29 @@ def test_without_groups_two_layouts_or_other_streams_are_refused():
     assert "started without --groups: give it the --groups and --streams" in two
     streams = chosen_layout({Layout(16, 1): ["demo-g16-s0-of-1"]}, "demo", None, 2)
     assert isinstance(streams, str) and "without --groups and with --streams 2" in streams, streams
+
+
+def test_without_groups_a_node_asks_nats_again_until_it_answers_and_never_guesses(monkeypatch):
+    from mqks.common.nats_urls import NatsAccess
+    from mqks.server.cluster import layout
+
+    asked: list[str] = []
+
+    async def unreachable_once(urls, cluster, node, access):
+        asked.append(cluster)
+        if len(asked) == 1:
+            raise OSError("nats: no servers available for connection")
+        return {Layout(16, 1): ["demo-g16-s0-of-1"]}, []
+
+    monkeypatch.setattr(layout, "layouts_on_nats", unreachable_once)
+    monkeypatch.setattr(layout, "ASK_AGAIN_SECONDS", 0.0)
+    assert layout.check_layout(["nats://x:4222"], "demo", None, 1, "a", NatsAccess()) == Layout(16, 1)
+    assert len(asked) == 2  # the default (4) was never taken while NATS could not say
+
+    async def unreachable(urls, cluster, node, access):
+        raise OSError("nats: no servers available for connection")
+
+    monkeypatch.setattr(layout, "layouts_on_nats", unreachable)
+    assert layout.check_layout(["nats://x:4222"], "demo", 8, 1, "a", NatsAccess()) == Layout(8, 1)  # given: starts
+    stopped = layout.check_layout(["nats://x:4222"], "demo", None, 1, "a", NatsAccess(), stopping=lambda: True)
+    assert isinstance(stopped, str)
