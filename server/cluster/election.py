@@ -37,6 +37,10 @@ RETRY_SECONDS = 0.5  # following failed (NATS unreachable): try again after this
 # a claim first looks at its stream's tail; a look unanswered this long is no answer (NATS never answers a request
 # sent while the stream has no leader: it would wait out its 5 s timeout), and the look is made again
 TAIL_LOOK_SECONDS = 1.0
+# frames heard after a silence this many heartbeats long are a sign of life only if their owner answers its ping: a
+# stream's new leader delivers what a cut owner stored as it was cut off seconds later (issue 56: 4.3 s after the cut,
+# before the tail check; the takeover came 4 s late, and the cut node's queues were served again 21.6 s after the cut)
+LATE_FRAMES_HEARTBEATS = 1.25
 # a silent owner that answers its ping is waited for up to this many leases of silence: it steps down after one
 # lease of a log it cannot write to, so only an owner wedged in a way nobody foresaw is claimed from
 OWNER_ANSWERS_LEASES = 2.0
@@ -153,6 +157,7 @@ class Standby:
         reported = claimed_at = tail_checked_at = balanced_at = -1e9
         balance_every = min(BALANCE_SECONDS, lease / 2)
         owner_waited_for = False  # a silent owner that answers its ping was waited for (logged once)
+        doubted_at = -1e9  # when frames heard after a silence last found their owner not answering its ping
         unanswered_since: float | None = None  # since when the claim's look at the stream has had no answer
         reported_seq = -1
         heard_at = now  # the owner's last frame or heartbeat
@@ -263,6 +268,14 @@ class Standby:
                 # under load, the frames of the next moment are read and applied together: a read per frame (two
                 # standbys of every group each read each frame) was most of a standby's cost beside applying them
                 self.sleep(FOLLOW_BATCH_SECONDS)
+            silence = clock() - heard_at
+            if heard and silence >= candidacy.heartbeat_seconds * LATE_FRAMES_HEARTBEATS and (
+                    clock() - doubted_at < candidacy.heartbeat_seconds
+                    or self.ask_owner(silent_is_owner=False) is None):
+                if doubted_at < heard_at:
+                    log.info("%s: frames after %.1f s of silence, but its owner does not answer its ping: stored "
+                             "before it went, no sign of life", stream.label, silence)
+                doubted_at, heard = clock(), False
             if heard:
                 owner = replayer.owner or owner
                 heard_at = clock()

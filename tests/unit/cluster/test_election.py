@@ -415,6 +415,39 @@ def test_a_claim_that_finds_frames_its_follower_did_not_bring_reads_them_first_a
     assert clock.now - started < 3.0 + LEASE + 1.0  # a lease after b's last heard frame, not two
 
 
+def test_frames_a_follower_brings_late_after_a_silence_count_only_if_their_owner_answers():
+    """Issue 56: the cut owner's last frames, stored as the cut came, reached the majority's standby 4.3 s later (once
+    NATS had elected the stream's new leader, before its tail check): counted as a sign of life, they put the takeover
+    4 s later, and the cut node's queues were served again 21.6 s after the cut. Frames heard after a silence longer
+    than a heartbeat's count only once the owner answers its ping."""
+    def claimed_after(answers: bool) -> float:
+        clock = Clock()
+        stream = FakeStream(clock, owner="node b (epoch 1)")
+        owned_by_b(stream)
+        started = clock.now
+        stream.at(0.5, frame(1, 2, b"P heard at once"))
+        stream.at(1.0, frame(1, 3, b"P stored as b was cut off"))
+        stream.answers_until = started + 100 * LEASE if answers else 0.0
+        if answers:  # alive: its frames go on once the stream's new leader is elected
+            heartbeats(stream, LEASE / 4, 4 * LEASE, first_k=4)
+        release = started + 0.5 + 4.3  # the stream's new leader delivers what the follower had not brought
+        original_read = stream.read_followed
+
+        def stalled_until_release(reading: Reading, timeout: float) -> tuple[bool, list[bytes]]:
+            stream.follower_lost = started + 0.52 <= clock.now < release and stream.follows == 1
+            if stream.follower_lost:
+                timeout = min(timeout, release - clock.now)
+            return original_read(reading, timeout)
+
+        stream.read_followed = stalled_until_release  # type: ignore[method-assign]
+        records = list(replay_as_candidate(stream, standby(clock, stream)))
+        assert b"P stored as b was cut off" in records and records[-1] == b"W 2 node a"
+        return clock.now - started
+
+    assert claimed_after(answers=False) == pytest.approx(0.5 + LEASE, abs=0.2)  # a lease after b was last heard
+    assert claimed_after(answers=True) >= 4 * LEASE + LEASE  # alive: heard as before
+
+
 def test_a_node_that_owns_groups_claims_later_by_its_claim_delay():
     def claimed_after(owned: int) -> float:
         clock = Clock()
@@ -538,6 +571,7 @@ def test_a_follower_that_lost_its_nats_node_is_noticed_by_the_tail_and_made_agai
     stream = FakeStream(clock, owner="node b (epoch 1)")
     owned_by_b(stream)
     heartbeats(stream, LEASE / 4, 4 * LEASE)
+    stream.answers_until = clock.now + 4 * LEASE  # alive, and answering its ping, until its last heartbeat
     original_follow = stream.follow
 
     def follow_then_lose(reading: Reading, fresh_after: int = 0) -> None:
