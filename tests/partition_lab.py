@@ -125,7 +125,9 @@ class Figures:
     heal_first_confirm: float | None  # from the heal until every queue had confirmed once after it
     heal_stalled_queues: int  # queues that went STALL_SECONDS or more without a confirm after the heal
     status_owned_after_heal: float | None  # from the heal until status showed every group owned and answering
-    nats_current_after_heal: float | None  # from the heal until the cut host's nats-server was healthy again
+    # from the heal until the cut host's nats-server was healthy again, for good (not a moment's answer before its
+    # leaders stepped down)
+    nats_current_after_heal: float | None
     nats_routes_after_heal: float | None  # from the heal until the cut host's server made a route again (its log)
     # from the heal until the last JetStream leader NATS elected after it (any server's log; None: none stepped down).
     # NATS's floor: the healed server's higher raft terms make the leaders step down once its routes are back, and
@@ -648,12 +650,18 @@ class Round:
             self.note({"nats": f"nats-server on {self.cut_node} healthy", "owns": f"{self.cut_node} owns a group again",
                        "status": "status shows every group owned and answering"}[what])
 
+        healthy_since: list[float | None] = [None]  # since when the cut host's NATS server has answered healthy
+
         def poll_nats() -> None:
             """The cut host's NATS server's health, asked on its own every NATS_POLL_SECONDS (a target counts from
-            it)."""
-            while not lab.nats[self.cut_node].ready():
+            it): healthy since the first of the answers that have all been healthy. Right after the heal it may answer
+            healthy a moment, before its higher raft terms make the leaders step down."""
+            while True:
+                if not lab.nats[self.cut_node].ready():
+                    healthy_since[0] = None
+                elif healthy_since[0] is None:
+                    healthy_since[0] = time.monotonic()
                 gevent.sleep(NATS_POLL_SECONDS)
-            found("nats", time.monotonic())
 
         def healed() -> bool:
             """The cut host's NATS server is current again, status shows every group owned and answering, and the
@@ -663,6 +671,8 @@ class Round:
             owned_at = owns_again() if "owns" not in self.healed else None
             if owned_at is not None:
                 found("owns", owned_at)
+            if len(self.healed) == 2 and healthy_since[0] is not None:
+                found("nats", healthy_since[0])
             return len(self.healed) == 3
 
         nats_poll = gevent.spawn(poll_nats)
