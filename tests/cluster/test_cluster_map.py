@@ -30,9 +30,10 @@ pytestmark = pytest.mark.timeout(300)
 
 # past the map watchers' inactivity threshold (30 s) after the groups settle: a leak shows as growth
 WATCH_SECONDS = 45.0
-# a default node runs 16 group processes, each with one watcher of the map: three nodes, 48 consumers. A process
-# that handed its group over (balancing) starts again, and its old watcher lingers for its 30 s threshold: more
-# right after the groups settle, 48 once that has passed (before issue 39: ~6 more every second, without end)
+# a node of 16 groups (the default before 2026-11-29) runs 16 groups, each with one watcher of the map: three
+# nodes, 48 consumers. A process that handed its group over (balancing) starts again, and its old watcher lingers
+# for its 30 s threshold: more right after the groups settle, 48 once that has passed (before issue 39: ~6 more
+# every second, without end)
 SETTLED_CONSUMERS = 48
 CONSUMERS_BOUND = 120
 
@@ -56,9 +57,10 @@ def bucket_consumers(urls: list[str], cluster: str) -> int:
 
 
 def test_a_default_cluster_status_stays_true_and_its_map_keeps_a_bounded_number_of_consumers(shared_nats_cluster):
-    """Three nodes with the default 16 groups, watched with `mqks cluster status` called back to back: every call
-    exits 0 and shows all 16 groups owned and answering, and the map's consumers stay bounded (before issue 39
-    they grew by ~6 a second until NATS refused more, and status went blind)."""
+    """Three nodes with 16 groups (the default before 2026-11-29: clusters made then keep it), watched with `mqks
+    cluster status` called back to back: every call exits 0 and shows all 16 groups owned and answering, and the
+    map's consumers stay bounded (before issue 39 they grew by ~6 a second until NATS refused more, and status
+    went blind)."""
     _, urls = shared_nats_cluster
     cluster = Cluster(unique("dflt").replace("-", "_"), urls, groups=16, lease=12.0)
 
