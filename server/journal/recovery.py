@@ -4,7 +4,8 @@ broker).
 `recover` applies each record through `APPLY`, a table from its kind to one small function
 over the records' decoders (records.py). A record about an unknown seq or queue is skipped.
 `recover_batches` takes the records as they come off a replicated log, a list per read (a standby applies every
-frame its owner stores): each list in one pass, with no generator resumed per record.
+frame its owner stores): each list in one pass, with no generator resumed per record, and a one-copy publish (nearly
+every record a standby applies) read in its loop, with no call.
 """
 
 from __future__ import annotations
@@ -74,19 +75,7 @@ def _changing(messages: dict[int, bytes | list], seq: int) -> list | None:
 
 
 def apply_published(state: Recovery, line: bytes) -> None:
-    if line.startswith(b"1 ", 2):  # one copy, `P 1 {queue} [-]{seq}{tail}`: read in place (1.6 -> 0.8 us a record)
-        name_end = line.index(b" ", 4)
-        seq_end = line.index(b" ", name_end + 1)
-        q = state.queue(line[4:name_end])
-        if line[name_end + 1] == 45:  # b"-": delivered at once to a consumer that acks, held
-            seq = -int(line[name_end + 1:seq_end])
-            q.messages[seq] = [line[seq_end:], 0, True]
-        else:
-            seq = int(line[name_end + 1:seq_end])
-            q.messages[seq] = line[seq_end:]
-        if seq >= q.next_seq:
-            q.next_seq = seq + 1
-        return
+    """A P record of several copies (recover_batches reads a one-copy record in place, in its loop)."""
     copies, tail = records.decode_published(line)
     for name, seq, held in copies:  # held: delivered at once to a consumer that acks
         q = state.queue(name)
@@ -237,12 +226,32 @@ def recover_batches(batches: Iterable[Iterable[bytes]]) -> Recovery:
     """Replay batches of records, in order, into queue states: `recover` of their records one after the other."""
     state = Recovery()
     get_handler = APPLY.get
+    queues = state.queues
     for batch in batches:
         for line in batch:
+            if line.startswith(b"P 1 "):
+                # one copy, `P 1 {queue} [-]{seq}{tail}`, nearly every record a standby applies: read in place
+                # here, with no call (1.6 -> 0.8 us a record read in place, and less again without the calls)
+                name_end = line.index(b" ", 4)
+                seq_end = line.index(b" ", name_end + 1)
+                name = line[4:name_end]
+                q = queues.get(name)
+                if q is None:
+                    q = queues[name] = Recovered()
+                if line[name_end + 1] == 45:  # b"-": delivered at once to a consumer that acks, held
+                    seq = -int(line[name_end + 1:seq_end])
+                    q.messages[seq] = [line[seq_end:], 0, True]
+                else:
+                    seq = int(line[name_end + 1:seq_end])
+                    q.messages[seq] = line[seq_end:]
+                if seq >= q.next_seq:
+                    q.next_seq = seq + 1
+                continue
             handler = get_handler(line[:1])
             if handler is None:
                 raise ValueError(f"unknown record {line[:40]!r}")
             handler(state, line)
+            queues = state.queues  # a snapshot's start puts a new table in
     before = state.before_snapshot
     if before is not None:
         # the log's older segments go only once a snapshot is whole, so they are all still here
