@@ -172,7 +172,8 @@ class _Publisher:
         """Publish every row of the task's Arrow record batches; return once the broker confirmed them all.
 
         A batch's lines are built by Arrow's kernels into one buffer and sent in slices of at most half the
-        confirm window (rows and bytes); the confirms are counted in bulk. A batch with values that need
+        confirm window (rows and bytes; quiet publishes: QUIET_SLICE_ROWS, QUIET_SLICE_BYTES); the confirms are
+        counted in bulk. A batch with values that need
         Python (data that is not a string, an id or event that is not printable ASCII) is built row by row.
         """
         names = self.schema.fieldNames()
