@@ -29,7 +29,7 @@ STATS_KEYS = {"version", "uptime_seconds", "workers", "published", "queued", "co
 SUMMED = ("queued", "consumed", "acked", "rejected", "queues", "consumers", "messages_waiting", "messages_unacked",
           "leases", "messages_leased")
 ACTION_NAMES = ("publish consume ack reject touch rebind delete_consumer delete_queue purge_queue requeue_dead "
-                "request reply schedule unschedule schedules ping stats queues auth hello fetch settle")
+                "request reply schedule unschedule schedules ping sync stats queues auth hello fetch settle")
 
 
 class CountingWire(Wire):
