@@ -18,7 +18,9 @@ from mqks.server.journal.log import Log
 from mqks.server.journal.recovery import recover
 
 pytestmark = pytest.mark.timeout(120)
-CHURN_SLACK_BYTES = 8 << 20
+# the churn's own 1 MiB messages in flight while the snapshot runs: 3-4 MiB alone, up to 29 MiB in CI beside the other
+# tiers (121 MiB over a live 92); a snapshot built whole, the fault this guards, was twice the state (+90 MiB here)
+CHURN_SLACK_BYTES = 16 << 20
 
 
 def b(text: str) -> bytes:
@@ -519,8 +521,7 @@ def test_a_snapshot_streams_in_chunks_and_keeps_the_peak_near_the_live_state(mak
     churn.close()
     wait_for(lambda: server_stats(server)["log"]["snapshots"] > snapshots, "a snapshot of the live state")
     peak, live = memory_figure(pid, "VmHWM"), max(before, memory_figure(pid, "VmRSS"))
-    # the peak's window also holds the churn's own 1 MiB messages (read buffer, delivery, log frame: a few MiB more
-    # while the machine is busy; CI: 110 MiB over a live 91); the snapshot built whole was twice the state
+    # the peak's window also holds the churn's own 1 MiB messages (read buffer, delivery, log frame: CHURN_SLACK_BYTES)
     assert peak <= 1.2 * live + CHURN_SLACK_BYTES, (f"peak {peak >> 20} MiB over live {live >> 20} MiB (before "
                                                     f"{before >> 20} MiB)")
     server.kill()
