@@ -711,3 +711,36 @@ def test_frames_flying_behind_a_failed_one_are_never_confirmed_before_it_is_stor
     scenario()
     assert [message.payload[:1] for message in nats.stored] == [b"a", b"b", b"c", b"d"]
     assert confirmed == sorted(confirmed) and stream_log.writer.recovery.trouble is None
+
+
+@pytest.mark.parametrize("own_stream", [True, False], ids=["own-stream", "shared-stream"])
+def test_commits_taken_together_go_as_two_halves_on_a_stream_of_its_own_and_the_first_is_confirmed_alone(
+        own_stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 59's plain confirmed publishes: a client's window read in one hub turn went as one frame, and none of it
+    was confirmed before all of it was stored. Commits as heavy as two pipelined frames go as two, the first closed
+    once it holds half of them, and its PubAck confirms its commits alone; a group of a shared stream, one frame in
+    flight at a time, still sends them as one."""
+    monkeypatch.setattr(stream_writer, "PIPELINED_FRAME_BYTES", 10)
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s", "test") if own_stream else shared_stream_log()
+    stream_log.writer._refuse = None
+    hub = FakeHub()
+
+    def scenario() -> None:
+        writer = gevent.spawn(stream_log.writer._write_until_stopped, hub)
+        for record in (b"a" * 10, b"b" * 10, b"c" * 10, b"d" * 10):  # one hub turn: the writer takes them together
+            stream_log.append(record)
+            stream_log.commit()
+        until(lambda: len(hub.published) >= 1)
+        let_run()
+        if own_stream:
+            assert [message.payload[::11] for message in hub.published] == [b"ab", b"cd"]
+            hub.ack(0, seq=1)
+            until(lambda: stream_log.poll()[0] == 2)
+            hub.ack(1, seq=2)
+        else:
+            assert [message.payload[::11] for message in hub.published] == [b"abcd"]
+            hub.ack(0, seq=1)
+        until(lambda: stream_log.poll()[0] == 4)
+        stop(stream_log, writer)
+
+    scenario()
