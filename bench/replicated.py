@@ -56,9 +56,10 @@ def mqks_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_dir
 
 
 def plain_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_dir: str | None,
-               profile_path: str | None) -> dict:
+               profile_path: str | None, nats_pids: list[int]) -> dict:
     """--plain-messages confirmed publishes into one queue with no consumer, at most --plain-window unconfirmed:
-    confirms a second, the server's CPU per message, the machine's busy cores, and whether every message is queued."""
+    confirms a second, the server's and the NATS servers' CPU per message, the machine's busy cores, the log's
+    frames (bytes each, PubAck p50) on the replicated log, and whether every message is queued."""
     server = peers.start_mqks(None, log_dir, data_dir=data_dir, fsync="always", extra_args=tuple(extra),
                               profile_path=profile_path)
     try:
@@ -67,10 +68,12 @@ def plain_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_di
         pending = bytearray()
         sock.sendall(b"r rebind --confirm plain.q plain.e\n")
         read_answers(sock, 1, pending)
+        log_before = log_figures(sock)
         body = loadgen.payload()
         lines = [b"p%d publish --confirm plain.e %b\n" % (i, body) for i in range(n)]
         sent = answered = 0
         cpu0, busy0 = process_cpu_seconds(server.pid), busy_seconds()[0]
+        nats_cpu0 = sum(map(process_cpu_seconds, nats_pids))
         started = time.perf_counter()
         while answered < n:
             if sent - answered < window:
@@ -80,13 +83,26 @@ def plain_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_di
             answered += read_answers(sock, 0, pending)
         seconds = time.perf_counter() - started
         cpu, busy = process_cpu_seconds(server.pid) - cpu0, busy_seconds()[0] - busy0
+        nats_cpu = sum(map(process_cpu_seconds, nats_pids)) - nats_cpu0
+        log_after = log_figures(sock)
         sock.close()
         stats = mqks_stats(server)
         queued = stats.get("messages_waiting")
-        return {"ok": queued == n, "rate": n / seconds, "cpu_us_per_msg": 1e6 * cpu / n,
-                "machine_cores": busy / seconds, "note": "" if queued == n else f"{queued} of {n} queued"}
+        figures = {"ok": queued == n, "rate": n / seconds, "cpu_us_per_msg": 1e6 * cpu / n,
+                   "nats_cpu_us_per_msg": 1e6 * nats_cpu / n, "machine_cores": busy / seconds,
+                   "note": "" if queued == n else f"{queued} of {n} queued"}
+        if "puback_ms_p50" in log_after:
+            figures["frame_bytes"] = n * len(lines[0]) / max(1, log_after["last_seq"] - log_before["last_seq"])
+            figures["puback_ms_p50"] = log_after["puback_ms_p50"]
+        return figures
     finally:
         server.stop()
+
+
+def log_figures(sock: socket.socket) -> dict:
+    """The `log` object of the broker's `stats`, asked on a connection that owes no answer."""
+    sock.sendall(b"s stats\n")
+    return json.loads(loadgen.read_until(sock, b"\n").split(b" ok ", 1)[1])["log"]
 
 
 def lockstep_latency(host: str, port: int, count: int = 2000) -> tuple[float, float]:
@@ -154,7 +170,7 @@ def main() -> None:
                     if kind == "plain":
                         profile = (os.path.join(args.profile, f"{kind}-{'local' if data_dir else 'nats'}-{rep}.prof")
                                    if args.profile else None)
-                        sample = plain_cell(args, log_dir, log_args, data_dir, profile)
+                        sample = plain_cell(args, log_dir, log_args, data_dir, profile, [node.pid for node in nodes])
                     else:
                         sample = mqks_cell(args, log_dir, log_args, data_dir)
                     results.setdefault(PLAIN + log_name if kind == "plain" else log_name, []).append(sample)
@@ -175,6 +191,10 @@ def main() -> None:
         summary[JETSTREAM] = {"rate": statistics.median(jetstream)}
     for name, figures in summary.items():
         extra = "" if "cpu_us_per_msg" not in figures else f"  cpu {figures['cpu_us_per_msg']:.1f} us/msg"
+        if "nats_cpu_us_per_msg" in figures:  # the three NATS servers' together
+            extra += f"  nats cpu {figures['nats_cpu_us_per_msg']:.1f} us/msg"
+        if "puback_ms_p50" in figures:
+            extra += f"  frames {figures['frame_bytes'] / 1024:.0f} KiB, PubAck p50 {figures['puback_ms_p50']:.2f} ms"
         if "machine_cores" in figures:  # every process's, NATS's and this one's too: near 2, the cell is CPU-bound
             extra += f"  machine {figures['machine_cores']:.2f} cores busy"
         if "confirm_p50_ms" in figures:
