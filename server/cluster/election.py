@@ -326,18 +326,21 @@ class Standby:
         away), or when it is not pinned and this node owns at least two groups fewer than its owner's node: nodes
         that restarted or joined get work back. One request at a time per node, so two of its standbys never both
         pull; a pinned group is never pulled elsewhere, so an operator's moves (draining a node) stay. True when it
-        would have asked but could not yet (another standby's pull, a put that did not go through): look again soon."""
+        could not tell or would have asked but could not yet (the map behind or out of reach, another standby's pull,
+        a put that did not go through): look again soon."""
         candidacy, cluster_map = self.candidacy, self.cluster_map
         try:
             counts, owner, pin = cluster_map.balance_view(False)
             if owner is None or owner == candidacy.node:
-                return False
+                # no owner known, or this node, which stands by for the group: the map is behind (issue 56: a healed
+                # node's owner that stepped down after the heal stood by while its map still named it)
+                return True
             if pin is None and counts.get(owner, 0) - candidacy.owned_here() >= 2:
                 counts, owner, pin = cluster_map.balance_view(True)  # about to ask: a pin made since counts
         except OSError:  # NATS out of reach: nothing to balance now
-            return False
+            return True
         if owner is None or owner == candidacy.node:
-            return False
+            return True
         if pin is not None:
             if pin != candidacy.node:
                 return False

@@ -736,6 +736,29 @@ def test_a_standby_whose_node_is_pulling_another_group_asks_soon_after_that_pull
     assert cluster_map.asked_at[0] - started <= 1.5 + BALANCE_RETRY_SECONDS + 0.1  # not a balancing period later
 
 
+def test_a_standby_whose_map_is_behind_looks_at_balancing_again_soon():
+    """Issue 56 (the partition test): a healed node's owner stepped down after the heal and stood by at once, while
+    its process's map still named this node the owner (the watch was being made again); its next look came a
+    balancing period later, 5.3 s after NATS was healthy."""
+    clock = Clock()
+    stream = FakeStream(clock, owner="node b (epoch 2)")
+    owned_by_b(stream)
+    heartbeats(stream, LEASE / 4, 4 * BALANCE_SECONDS)
+    cluster_map = TimedMap(clock, counts={"a": 3}, owner="a")  # this node's old entry: the map is behind
+    started = clock.now
+    original_view = cluster_map.balance_view
+
+    def catching_up(fresh_pin: bool = False) -> tuple[dict[str, int], str | None, str | None]:
+        if clock.now - started >= 0.5:  # the watch brings the new owners' entries
+            cluster_map.view = ({"b": 3, "c": 3}, "b", None)
+        return original_view(fresh_pin)
+
+    cluster_map.balance_view = catching_up  # type: ignore[method-assign]
+    list(replay_as_candidate(stream, standby(clock, stream, cluster_map, Node(owned=0))))
+    assert cluster_map.asked == [("c-0-of-4", "a")]
+    assert cluster_map.asked_at[0] - started <= 0.5 + BALANCE_RETRY_SECONDS + 0.1
+
+
 def test_a_refused_ask_ends_the_nodes_turn_so_it_may_ask_again():
     node = Node(owned=0)
     cluster_map = FakeMap(counts={"b": 2}, owner="b", answer={"ok": False, "to": "c"})
