@@ -85,6 +85,11 @@ def p50_p99(samples_ms: deque[float]) -> tuple[float, float]:
     return (ordered[n // 2], ordered[min(n - 1, n * 99 // 100)]) if n else (0.0, 0.0)
 
 
+
+def answers_into(target: Any) -> Any:
+    """The outbox a confirm's answers reach: the target itself, or the one a wrapper (a quiet publish's) writes to."""
+    return getattr(target, "outbox", target)
+
 class Journal:
     """The process's records and the confirms that wait for them to be durable."""
 
@@ -127,9 +132,10 @@ class Journal:
         self.unconfirmed.append((outbox, rid))
 
     def owes(self, outbox: Any) -> bool:
-        """True while a confirm owed to `outbox` waits for the log."""
-        return any(owed is outbox for owed, _ in self.unconfirmed) or any(
-            owed is outbox for _, confirms in self.waiting for owed, _ in confirms)
+        """True while a confirm owed to `outbox` waits for the log: its own, or one a target writing into it holds (a
+        quiet publish's, whose error, if its commit fails, is still the client's)."""
+        return any(answers_into(owed) is outbox for owed, _ in self.unconfirmed) or any(
+            answers_into(owed) is outbox for _, confirms in self.waiting for owed, _ in confirms)
 
     def refusal(self) -> str:
         """Why a confirmed publish is refused while the log cannot write."""

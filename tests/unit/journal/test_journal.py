@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from mqks.server.dispatch.actions import QuietAnswers
 from mqks.server.journal import records
 from mqks.server.journal.journal import Journal, p50_p99, take_failed
 from mqks.server.wire.outbox import Outbox
@@ -95,6 +96,21 @@ def test_a_confirm_waits_for_its_commit_to_be_durable_and_confirms_keep_their_or
     journal.settle()
     assert written(outbox) == b"m1 ok \nm2 ok \n" and not journal.owes(outbox)
     assert journal.stats()["confirms_waiting"] == 0
+
+
+def test_a_quiet_publishs_confirm_is_owed_to_its_clients_outbox_until_durable():
+    """A client that half-closes is written what it is owed first (edges/connection.py `owes_answers_or_bytes`): a
+    quiet publish's confirm waits in a wrapper that drops its ok and passes its error, and counted as owed to nobody
+    the connection closed before a failed commit's error reached it."""
+    journal, log, outbox, _ = new_journal()
+    journal.append(b"P 1 q 1 x")
+    journal.confirm_later(QuietAnswers(outbox), b"m1")
+    journal.commit()
+    journal.settle()
+    assert journal.owes(outbox) and not journal.owes(Outbox([]))
+    log.durable = 1
+    journal.settle()
+    assert not journal.owes(outbox) and written(outbox) == b""  # its ok is dropped
 
 
 def test_a_confirm_that_wrote_nothing_still_waits_for_what_came_before():
