@@ -32,10 +32,12 @@ from .run import LOG_DIR, RESULTS_DIR, git_revision
 from .workers import MqksGroup, broker_check, queue_groups, run_groups, tree_cpu_seconds
 
 
-def start_nodes(names: list[str], cluster: str, urls: str, groups: int) -> list[peers.Server]:
-    """Nodes of `cluster`, started together; back once every group is owned, by as many nodes as can own one."""
+def start_nodes(names: list[str], cluster: str, urls: str, groups: int, processes: int = 0) -> list[peers.Server]:
+    """Nodes of `cluster` (`processes` each, 0: one per core), started together; back once every group is owned,
+    by as many nodes as can own one."""
     nodes = [peers.start_mqks(None, LOG_DIR, wait=False, extra_args=(
-        "--cluster", cluster, "--node", name, "--log", urls, "--groups", str(groups))) for name in names]
+        "--cluster", cluster, "--node", name, "--log", urls, "--groups", str(groups), "--processes", str(processes)))
+        for name in names]
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         owners = owners_now(nodes)

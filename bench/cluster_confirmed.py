@@ -2,7 +2,7 @@
 issue 57's spread cells), and what a default cluster costs while idle.
 
     .venv/bin/python -m bench.cluster_confirmed [--messages 60000] [--window 2000] [--paced-rate 10000]
-                                                [--groups 16,4] [--paced-first] [--pacing ticks|answers] [--reps 3]
+                                                [--groups 16,4,3:1] [--paced-first] [--pacing ticks|answers] [--reps 3]
                                                 [--trees DIR,DIR] [--json FILE]
 
 One three-node NATS cluster on loopback (`mqks nats up`, `sync_interval: always`) serves every cell. Each client
@@ -14,6 +14,9 @@ stream, R3) and for three nodes with each of `--groups`:
 - 1 client: `--messages` through one connection (to node a);
 - 3 clients: the same messages from three client processes, a third each, each its own window (in a cluster one
   through each node: what a spread application does);
+- a --groups entry `G:P` runs P processes on each node (`--processes P`; else one per core): `3:1` is the cell
+  where each node has one process owning one group, the layout a writer shared by a process's groups would give at
+  any group count (docs/internals.md);
 - paced (one broker and each --groups, or the first only with --paced-first): `--paced-rate` confirmed publishes
   a second for 4 s, from one client and from the same three (a third of the rate each), below what either reaches:
   at saturation the CPU per message is elastic (a process given a core back takes smaller batches), at a fixed rate
@@ -282,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=2000, help="unanswered publishes per client")
     parser.add_argument("--paced-rate", type=int, default=10_000, help="the paced cells' rate in all (0: none)")
     parser.add_argument("--pacing", choices=("ticks", "answers"), default="ticks")
-    parser.add_argument("--groups", default="16,4", help="the clusters' --groups, the idle cell's first")
+    parser.add_argument("--groups", default="16,4", help="the clusters' --groups, the idle cell's first; G:P for "
+                        "P processes a node")
     parser.add_argument("--paced-first", action="store_true", help="paced cells for the first --groups only")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         "runs the first); default: the installed tree")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    group_counts = [int(g) for g in args.groups.split(",")]
+    layouts = [(int(g), int(p or 0)) for g, _, p in (entry.partition(":") for entry in args.groups.split(","))]
     trees = [tree for tree in args.trees.split(",") if tree] or [""]
     os.makedirs(LOG_DIR, exist_ok=True)
     directory = tempfile.mkdtemp(prefix="mqks-bench-nats-")
@@ -310,18 +314,20 @@ def main(argv: list[str] | None = None) -> int:
                              bool(args.paced_rate), cells)
             finally:
                 broker.stop()
-            for groups, (index, tree) in itertools.product(group_counts, enumerate(trees)):
+            for (groups, processes), (index, tree) in itertools.product(layouts, enumerate(trees)):
                 use_tree(tree)
-                name = f"c{groups}t{index}r{rep}p{os.getpid()}"
-                nodes = start_nodes(["a", "b", "c"], name, urls, groups)
+                name = f"c{groups}x{processes}t{index}r{rep}p{os.getpid()}"
+                nodes = start_nodes(["a", "b", "c"], name, urls, groups, processes)
                 try:
                     wait_settled(name, urls, len(nodes))
                     pids = [node.pid for node in nodes]
                     label = f"{os.path.basename(tree.rstrip('/'))}: " if tree else ""
-                    paced = (groups == group_counts[0] or not args.paced_first) and bool(args.paced_rate)
-                    spread_cells(f"{label}3 nodes, {groups} groups", [node.port for node in nodes], pids, nats_pids,
-                                 urls, args, paced, cells)
-                    if groups == group_counts[0] and rep == 0 and index == 0 and args.idle_seconds:
+                    first = (groups, processes) == layouts[0]
+                    paced = (first or not args.paced_first) and bool(args.paced_rate)
+                    spread = f" in {processes} process{'es' * (processes > 1)}" if processes else ""
+                    spread_cells(f"{label}3 nodes, {groups} groups{spread}", [node.port for node in nodes], pids,
+                                 nats_pids, urls, args, paced, cells)
+                    if first and rep == 0 and index == 0 and args.idle_seconds:
                         time.sleep(5)
                         mqks_before, nats_before = cpu_seconds(pids), cpu_seconds(nats_pids)
                         time.sleep(args.idle_seconds)
@@ -341,13 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {}
     for key, cell in result_cells.items():
         if not key.startswith("one broker"):
-            one = result_cells["one broker" + key[key.index(" groups") + len(" groups"):]]
+            one = result_cells["one broker" + key[key.index(",", key.index(" groups")):]]
             ratios[f"{key} / one broker"] = {"rate": cell["rate"] / one["rate"],
                                              "cpu_per_msg": cell["cpu_us_per_msg"] / one["cpu_us_per_msg"],
                                              "mqks_cpu_per_msg": cell["mqks_us_per_msg"] / one["mqks_us_per_msg"]}
-    print(f"{'cell':<40} {'confirmed/s':>12} {'CPU us/msg':>11} {'(mqks':>7} {'nats)':>7} {'JS msgs/msg':>12}")
+    print(f"{'cell':<52} {'confirmed/s':>12} {'CPU us/msg':>11} {'(mqks':>7} {'nats)':>7} {'JS msgs/msg':>12}")
     for key, cell in result_cells.items():
-        print(f"{key:<40} {cell['rate']:>12,.0f} {cell['cpu_us_per_msg']:>11.1f} {cell['mqks_us_per_msg']:>7.1f} "
+        print(f"{key:<52} {cell['rate']:>12,.0f} {cell['cpu_us_per_msg']:>11.1f} {cell['mqks_us_per_msg']:>7.1f} "
               f"{cell['nats_us_per_msg']:>7.1f} {cell['stored_per_msg']:>12.4f}")
     for key, ratio in ratios.items():
         print(f"{key}: {ratio['rate']:.2f}x the rate at {ratio['cpu_per_msg']:.1f}x the CPU per message "
