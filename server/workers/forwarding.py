@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 # per message: a plain int, since an IntEnum member's lookup costs ~190 ns on Python 3.11
 PUBLISH_KIND = Frame.PUBLISH.value
+SESSION_LINES_KIND = Frame.SESSION_LINES.value
 
 
 class ConfirmTarget(Protocol):
@@ -119,7 +120,8 @@ class Forwarder:
 
     def routes_elsewhere(self, event: bytes) -> bool:
         """True if a queue of another worker is bound to `event`."""
-        return bool(self.replica.owners(event))
+        owners = self.cache.get(event)
+        return bool(owners if owners is not None else self.replica.owners(event))
 
     def full_queues(self, event: bytes) -> list[Queue]:
         return self.local.full_queues(event)  # other owners answer for theirs (links.IncomingLink.on_confirmed)
@@ -129,16 +131,25 @@ class Forwarder:
 
     def publish_confirmed(self, session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
         """A confirmed publish some of whose queues are elsewhere: one answer once every owner has it."""
-        owners = self.replica.owners(event)
+        owners = self.cache.get(event)
+        if owners is None:
+            owners = self.replica.owners(event)
         local = self.local
         local_part = bool(local.routes(event))
         only = self.links[owners[0]] if len(owners) == 1 and not local_part else None
         if only is not None:
             # one owner has every bound queue: it runs the line in this client's session and answers
             # there, after the deliveries the publish caused, exactly as one worker would
-            assert session.relay is not None
-            session.relay.send(owners[0], b"%b publish --confirm %b" % (rid, tail[len(rid) + 11 :]),
-                               answer_first=False)
+            relay = session.relay
+            assert relay is not None
+            line = b"%b publish --confirm %b" % (rid, tail[len(rid) + 11 :])
+            if only.run_kind == SESSION_LINES_KIND and only.run_key == relay.key:
+                # this session's run is open on the link: its send put the owner among `remote` and `unsynced`,
+                # and a sync mark would have closed the run (nearly every forwarded line of a pipelined client;
+                # with the cache read here and in routes_elsewhere: 560 -> 320 ns a line, timed over stub links)
+                only.run.append(line)
+            else:
+                relay.send(owners[0], line, answer_first=False)
             return
         process = self.peers.process
         msg_id = msg_id_of(tail)

@@ -16,6 +16,7 @@ from mqks.server.workers.forwarding import FanIn
 from mqks.server.workers.frames import Frame
 from mqks.server.workers.links import IncomingLink, PeerLink
 from mqks.server.workers.peers import Peers
+from mqks.server.workers.relay import RelaySession
 
 from ..dispatch.test_dispatch import Session  # a client as a handler sees it, over a real Process and Outbox
 
@@ -145,3 +146,39 @@ def test_a_group_whose_link_is_lost_is_routed_to_by_its_owners_last_bindings_unt
     assert peers.unlinked == 0 and peers.bindings_epoch[2] == 8
     links[1].lost("cut off")
     assert not peers.routing_unknown()
+
+
+def test_a_clients_confirmed_publishes_to_one_owner_go_in_its_sessions_run_in_order_and_a_sync_mark_ends_the_run(
+        peers, pair):
+    """Pipelined lines of one session join the run open on the link (Forwarder.publish_confirmed's short way); another
+    session's line opens its own run, and once a ping's sync mark went, the next line makes the owner owed a mark
+    again (a later ping waits for it)."""
+    link = PeerLink(pair[0], peers, 1)
+    peers.links[1] = link
+    peers.replica.update(1, b"q e\n")  # worker 1 owns the only queue bound to e
+    forwarder = peers.process.forwarder
+    first, second = Session(peers.process), Session(peers.process)
+    first.relay, second.relay = RelaySession(first, peers), RelaySession(second, peers)
+
+    def publish(session: Session, rid: bytes) -> None:
+        assert forwarder.routes_elsewhere(b"e")
+        forwarder.publish_confirmed(session, rid, b"e", b" ok %b event=e data" % rid)
+
+    publish(first, b"p0")
+    publish(first, b"p1")
+    publish(second, b"p2")
+    publish(first, b"p3")
+    assert first.relay.remote == first.relay.unsynced == {1}
+    assert first.relay.mark_other_workers()
+    assert first.relay.unsynced == set()
+    publish(first, b"p4")
+    assert first.relay.unsynced == {1}
+    link.flush()
+    one, two = first.relay.key, second.relay.key
+
+    def run(key: bytes, *rids: bytes) -> bytes:
+        payload = b"".join(b"%b publish --confirm e data\n" % rid for rid in rids)
+        return b"S%b %d\n%b" % (key, len(payload), payload)
+
+    expected = (run(one, b"p0", b"p1") + run(two, b"p2") + run(one, b"p3") + b"M%b 0\n" % one + run(one, b"p4"))
+    assert pair[1].recv(1 << 16) == expected
