@@ -29,6 +29,7 @@ from waiting import wait_for
 
 from mqks.common.cluster_names import Layout, group_name, log_subject
 from mqks.server.dispatch.slots import owner_of
+from mqks.server.edges.config import DEFAULT_GROUPS
 
 T = TypeVar("T")
 
@@ -127,8 +128,10 @@ class Cluster:
 
     @staticmethod
     def args_for(name: str, groups: int, lease: float) -> tuple[str, ...]:
-        """mqksd's flags for a node of cluster `name` (but --node and --log)."""
-        return ("--cluster", name, "--groups", str(groups), "--lease", str(lease), "--eval")
+        """mqksd's flags for a node of cluster `name` (but --node and --log). The default layout goes without
+        --groups, as an operator starts a node: most of the tier's clusters then take it the way a new cluster does."""
+        layout = () if groups == DEFAULT_GROUPS else ("--groups", str(groups))
+        return ("--cluster", name, *layout, "--lease", str(lease), "--eval")
 
     def group_name(self, group: int) -> str:
         """The group's name: its subjects (mqks.log.NAME, mqks.owner.NAME) say it."""

@@ -22,6 +22,7 @@ from waiting import wait_for
 pytest.importorskip("nats", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
 from mqks.client import Client
+from mqks.server.edges.config import DEFAULT_GROUPS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -141,6 +142,9 @@ def test_every_node_serves_metrics_and_healthz_for_the_groups_it_owns(shared_nat
                    node_extra={node: ("--metrics-port", str(port)) for node, port in metrics_ports.items()})
     try:
         made.wait_balanced()
+        # started as an operator would, without --groups: a new cluster takes the default layout on every node
+        assert all(f"runs {DEFAULT_GROUPS} groups in 1 stream: this node too" in node.log()
+                   for node in made.nodes.values()), [node.log() for node in made.nodes.values()]
         through = next(iter(made.nodes.values())).port
         for group in range(made.groups):
             # a group may still move (balancing goes on a moment after each node owns one): both answer "try again"
