@@ -2,7 +2,8 @@
 NATS JetStream's own pipelined publishes from nats-py to the same cluster (the cluster extra).
 
     .venv/bin/python -m bench.replicated [--messages 200000] [--plain-messages 100000] [--reps 3]
-                                         [--cells plain,acked,jetstream] [--profile DIR] [--json FILE]
+                                         [--cells plain,acked,jetstream] [--profile DIR] [--trees A,B]
+                                         [--json FILE]
 
 One three-node NATS cluster on loopback (`mqks nats up`, `sync_interval: always`) serves every cell. The MQKS
 cells run loadgen's confirmed w5 flow (100-byte messages, at most --window publishes unconfirmed, one ack line
@@ -13,13 +14,17 @@ figure from this VM is noise. Each acked cell also gives the MQKS server's CPU p
 p50/p99 of lock-step confirmed publishes (one at a time, 2,000 of them). The plain cells (issue 59's held-out
 cell) pipeline --plain-messages `publish --confirm` of 100 bytes into one queue, at most --plain-window (2,000)
 unconfirmed, no consumer, no ack: what a confirm alone costs on each log. --profile DIR runs each MQKS server
-under cProfile (DIR/<cell>-<rep>.prof: the main thread, where the loop and the log's writer run).
+under cProfile (DIR/<cell>-<rep>.prof: the main thread, where the loop and the log's writer run). --trees A,B
+(each a copy of the package as A/mqks, e.g. `cp -rL build/__editable__*/mqks A/`) runs each replicated cell once
+per tree, the trees' order alternated from rep to rep, each against the same rep's local disk (the installed tree):
+paired figures of an old and a new writer on one NATS.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -31,7 +36,7 @@ import time
 from mqks.client import nats_local
 
 from . import loadgen, peers
-from .cluster_confirmed import read_answers
+from .cluster_confirmed import read_answers, use_tree
 from .run import busy_seconds, mqks_check, mqks_stats, process_cpu_seconds
 
 LOCAL, REPLICATED = "local disk, fsync always", "replicated log, R3"
@@ -150,9 +155,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cells", default="plain,acked,jetstream", help="which of plain, acked, jetstream to run")
     parser.add_argument("--profile", default=None, help="a directory: each MQKS server runs under cProfile")
+    parser.add_argument("--trees", default="", help="directories, each holding a copy of the package as mqks/: "
+                        "each replicated cell runs once per tree, alternated (default: the installed tree)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cells = set(args.cells.split(","))
+    trees = [tree for tree in args.trees.split(",") if tree] or [""]
     work = tempfile.mkdtemp(prefix="bench-replicated-")
     log_dir = tempfile.mkdtemp(prefix="bench-replicated-logs-")
     nodes = nats_local.up(f"{work}/nats", 3)
@@ -164,18 +172,23 @@ def main() -> None:
             for kind in ("plain", "acked"):
                 if kind not in cells:
                     continue
-                for log_name in (LOCAL, REPLICATED):
+                ordered = trees if rep % 2 == 0 else trees[::-1]  # neither tree always runs first
+                for log_name, tree in [(LOCAL, ""), *((REPLICATED, tree) for tree in ordered)]:
+                    use_tree(tree)
                     data_dir = f"{work}/data-{rep}" if log_name == LOCAL else None
-                    log_args = [] if data_dir else ["--log", ",".join(urls), "--log-stream", f"bench{kind}{rep}"]
+                    label = f"{os.path.basename(tree.rstrip('/'))}: " if tree else ""
+                    log_args = [] if data_dir else ["--log", ",".join(urls),
+                                                    "--log-stream", f"bench{kind}{rep}t{trees.index(tree)}"]
                     if kind == "plain":
-                        profile = (os.path.join(args.profile, f"{kind}-{'local' if data_dir else 'nats'}-{rep}.prof")
-                                   if args.profile else None)
+                        where = "local" if data_dir else f"nats{trees.index(tree) if tree else ''}"
+                        profile = os.path.join(args.profile, f"{kind}-{where}-{rep}.prof") if args.profile else None
                         sample = plain_cell(args, log_dir, log_args, data_dir, profile, [node.pid for node in nodes])
                     else:
                         sample = mqks_cell(args, log_dir, log_args, data_dir)
-                    results.setdefault(PLAIN + log_name if kind == "plain" else log_name, []).append(sample)
+                    results.setdefault(label + (PLAIN if kind == "plain" else "") + log_name, []).append(sample)
                     if data_dir:
                         shutil.rmtree(data_dir, ignore_errors=True)
+                use_tree("")
             if "jetstream" in cells:
                 jetstream.append(asyncio.run(jetstream_rate(urls, args.jetstream_messages, f"peer{rep}")))
     finally:
@@ -203,13 +216,18 @@ def main() -> None:
             extra += "  NOT OK: " + "; ".join(figures["notes"])
         runs = ", ".join(f"{s['rate']:,.0f}" for s in results.get(name, []))
         print(f"{name:56s} {figures['rate']:>10,.0f} msg/s{extra}" + (f"  (runs: {runs})" if runs else ""))
-    for prefix in (PLAIN, ""):
+    for prefix, tree in itertools.product((PLAIN, ""), trees):
+        label = f"{os.path.basename(tree.rstrip('/'))}: " if tree else ""
         if prefix + LOCAL in summary:
-            replicated = summary[prefix + REPLICATED]["rate"]
+            replicated = summary[label + prefix + REPLICATED]["rate"]
             peer = (f"replicated / JetStream per-message: {replicated / summary[JETSTREAM]['rate']:.2f}x   "
                     if jetstream and not prefix else "")
-            print(f"{prefix or 'acked: '}{peer}replicated / local disk: "
-                  f"{replicated / summary[prefix + LOCAL]['rate']:.2f}x")
+            # each rep's replicated rate over the same rep's local disk: the pairs, beside the ratio of the medians
+            paired = [s["rate"] / local["rate"] for s, local in zip(results[label + prefix + REPLICATED],
+                                                                    results[prefix + LOCAL], strict=True)]
+            print(f"{label}{prefix or 'acked: '}{peer}replicated / local disk: "
+                  f"{replicated / summary[prefix + LOCAL]['rate']:.2f}x  (each rep: "
+                  f"{', '.join(f'{ratio:.2f}' for ratio in paired)})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"summary": summary, "samples": results, "jetstream": jetstream}, f, indent=1)
