@@ -1,14 +1,18 @@
 """The `mqks` Spark source and sink, each beside a Python data source that does no I/O, in one Spark session.
 
-    .venv/bin/python -m bench.spark_source [--messages 200000] [--sink-rows 200000] [--batch-rows 50000,10000]
-                                           [--rounds 3] [--master local[2]] [--partitions 2] [--pure]
+    .venv/bin/python -m bench.spark_source [--source-batches 12] [--sink-rows 200000] [--batch-rows 50000,10000]
+                                           [--rounds 5] [--master local[2]] [--partitions 2] [--pure]
 
-Source cell, per batch size: --messages messages of --data-bytes bytes wait in a queue; one
-Trigger.AvailableNow run reads them into Spark's `noop` sink in batches of --batch-rows rows
-(numPartitions = --partitions). Its ceiling, run right after it on the same session and shape: a
-Python stream reader whose read() yields the same seven columns from memory as Arrow record
-batches (built by Arrow kernels, no network). Rows/s = rows / the summed triggerExecution of the
-batches with rows.
+Source cell, per batch size: --source-batches x --batch-rows messages (or --messages) of --data-bytes
+bytes wait in a queue; one Trigger.AvailableNow run reads them into Spark's `noop` sink in batches of
+--batch-rows rows (numPartitions = --partitions). Its ceiling, run right after it on the same session
+and shape: a Python stream reader whose read() yields the same seven columns from memory as Arrow
+record batches (built by Arrow kernels, no network). Rows/s = rows / the summed triggerExecution of the
+batches with rows; "steady" = batch rows / the median triggerExecution of the full batches (one slow
+batch, another process's burst on a shared machine, moves the sum and not the median). A cell is a new
+query: the JVM compiles its generated code over its first batches (the JIT's threads took ~1.7 us a row,
+as much as everything else, in a 4-batch cell), so a cell of a few batches measures that more than the
+source; 12 batches bring it to ~0.4 us a row.
 
 Sink cell: `df.write.format("mqks")` of --sink-rows rows (a cached DataFrame of `event` and `data`,
 one queue bound to the event) beside a Python `DataSourceWriter` that iterates its rows and drops
@@ -316,6 +320,12 @@ def steady_rate(progress: list[dict]) -> tuple[float, int]:
     return (rows * 1000.0 / millis if millis else 0.0), rows
 
 
+def median_batch_rate(progress: list[dict], batch_rows: int) -> float:
+    """Rows/s of a typical full batch: batch_rows / the median triggerExecution of the batches of batch_rows."""
+    millis = [p["durationMs"]["triggerExecution"] for p in progress if p["numInputRows"] == batch_rows]
+    return batch_rows * 1000.0 / statistics.median(millis) if millis else 0.0
+
+
 def call(port: int, lines: list[bytes]) -> None:
     """Send `lines`, then wait for a ping's answer: the broker has read them all."""
     from mqks.spark.line_client import LineClient
@@ -335,6 +345,10 @@ def publish(port: int, queue: str, count: int, data_bytes: int) -> None:
     payload = b"x" * data_bytes
     call(port, [b"b rebind --confirm %s bench.e" % queue.encode()]
          + [b"m%d publish bench.e %s" % (i, payload) for i in range(count)])
+
+
+def source_rows(args: argparse.Namespace, batch_rows: int) -> int:
+    return args.messages or args.source_batches * batch_rows
 
 
 def source_rate(spark, fmt: str, options: dict[str, str]) -> tuple[float, int, list[dict]]:
@@ -359,24 +373,29 @@ def warm_up(spark, port: int, args: argparse.Namespace) -> None:
             df.write.format(fmt).mode("append").save()
 
 
-def source_round(spark, port: int, args: argparse.Namespace, batch_rows: int, round_no: int, driver_jvm: int) -> dict:
+def source_round(spark, port: int, args: argparse.Namespace, batch_rows: int, round_no: int, driver_jvm: int,
+                 broker_pid: int) -> dict:
     queue = f"bench.q.{batch_rows}.{round_no}"
-    publish(port, queue, args.messages, args.data_bytes)
+    messages = source_rows(args, batch_rows)
+    publish(port, queue, messages, args.data_bytes)
     cells: dict = {}
     runs = [("mqks", {"port": str(port), "queue": queue, "maxRecordsPerBatch": str(batch_rows),
                       "numPartitions": str(args.partitions)}),
-            ("memory", {"rows": str(args.messages), "parts": str(args.partitions), "batchRows": str(batch_rows),
+            ("memory", {"rows": str(messages), "parts": str(args.partitions), "batchRows": str(batch_rows),
                         "dataBytes": str(args.data_bytes)})]
     if round_no % 2:
         runs.reverse()  # neither always goes first
     for name, options in runs:
-        cpu_before = driver_cpu(driver_jvm)
+        cpu_before, broker_before = driver_cpu(driver_jvm), cpu_seconds(broker_pid)
         rate, rows, progress = source_rate(spark, "mqks" if name == "mqks" else "memorybench", options)
-        assert rows == args.messages, f"{name} read {rows} of {args.messages}"
+        assert rows == messages, f"{name} read {rows} of {messages}"
         cells[name] = rate
+        cells[f"{name}_steady"] = median_batch_rate(progress, batch_rows)
         cells[f"{name}_ms"] = phases_ms(progress)
         cells[f"{name}_driver_us_per_row"] = (driver_cpu(driver_jvm) - cpu_before) * 1e6 / rows
+        cells[f"{name}_broker_us_per_row"] = (cpu_seconds(broker_pid) - broker_before) * 1e6 / rows
     cells["ratio"] = cells["mqks"] / cells["memory"]
+    cells["ratio_steady"] = cells["mqks_steady"] / cells["memory_steady"]
     call(port, [b"d delete_queue %s" % queue.encode()])
     return cells
 
@@ -412,19 +431,21 @@ def median_of(rounds: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rounds)
 
 
-def listed(rounds: list[dict]) -> str:
-    return ", ".join(f"{r['ratio']:.2f}" for r in rounds)
+def listed(rounds: list[dict], key: str = "ratio") -> str:
+    return ", ".join(f"{r[key]:.2f}" for r in rounds)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--messages", type=int, default=200_000, help="rows of each source cell")
+    parser.add_argument("--source-batches", type=int, default=12, help="full batches of each source cell")
+    parser.add_argument("--messages", type=int, default=0, help="rows of each source cell, instead of "
+                        "--source-batches full batches")
     parser.add_argument("--sink-rows", type=int, default=200_000, help="rows of each sink cell")
     parser.add_argument("--data-bytes", type=int, default=100)
     parser.add_argument("--batch-rows", default="50000,10000", help="source cells: rows per micro-batch")
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--partitions", type=int, default=2, help="source numPartitions and the sink's partitions")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cells", default="source,sink")
     parser.add_argument("--pure", action="store_true", help="run the broker as plain Python (MQKS_PURE=1)")
     parser.add_argument("--json", default=None)
@@ -462,15 +483,15 @@ def main() -> None:
             # round 0 is not reported: the first full-size run of a shape pays for the JIT and the broker's heap
             for round_no in range(args.rounds + 1):
                 for batch_rows in batch_sizes:
-                    cell = source_round(spark, port, args, batch_rows, round_no, driver_jvm)
+                    cell = source_round(spark, port, args, batch_rows, round_no, driver_jvm, broker.pid)
                     if not round_no:
                         continue
                     results["source"][batch_rows].append(cell)
                     phases = ", ".join(f"{phase} {cell['mqks_ms'][phase]}/{cell['memory_ms'].get(phase, 0)}"
                                        for phase in sorted(cell["mqks_ms"]) if cell["mqks_ms"][phase] > 20)
                     print(f"round {round_no} source {batch_rows:,}-row batches: mqks {cell['mqks']:,.0f} rows/s, "
-                          f"memory Arrow {cell['memory']:,.0f} rows/s, {cell['ratio']:.2f}x (ms mqks/memory: "
-                          f"{phases})", flush=True)
+                          f"memory Arrow {cell['memory']:,.0f} rows/s, {cell['ratio']:.2f}x, steady "
+                          f"{cell['ratio_steady']:.2f}x (ms mqks/memory: {phases})", flush=True)
                 if "sink" in cells:
                     cell = sink_round(spark, port, args, df, round_no)
                     if not round_no:
@@ -489,15 +510,18 @@ def main() -> None:
     finally:
         broker.kill()
         broker.wait()
-    print(f"medians of {args.rounds} rounds, {args.master}, {args.partitions} partitions, {args.messages:,} source "
-          f"rows and {args.sink_rows:,} sink rows of {args.data_bytes} B, {os.cpu_count()} cores, broker "
-          f"{results['broker']}:")
+    source_cells = ", ".join(f"{source_rows(args, n):,}" for n in batch_sizes)
+    print(f"medians of {args.rounds} rounds, {args.master}, {args.partitions} partitions, source cells of "
+          f"{source_cells} rows and {args.sink_rows:,} sink rows of {args.data_bytes} B, {os.cpu_count()} cores, "
+          f"broker {results['broker']}:")
     for batch_rows, rounds in results["source"].items():
         print(f"  source, {batch_rows:,}-row batches: mqks {median_of(rounds, 'mqks'):,.0f} rows/s, memory Arrow "
               f"{median_of(rounds, 'memory'):,.0f}: ratio {median_of(rounds, 'ratio'):.2f}x "
-              f"(rounds {listed(rounds)}); driver CPU "
+              f"(rounds {listed(rounds)}), steady {median_of(rounds, 'ratio_steady'):.2f}x "
+              f"(rounds {listed(rounds, 'ratio_steady')}); driver CPU "
               f"{median_of(rounds, 'mqks_driver_us_per_row'):.2f} us/row "
-              f"(memory {median_of(rounds, 'memory_driver_us_per_row'):.2f})")
+              f"(memory {median_of(rounds, 'memory_driver_us_per_row'):.2f}), broker "
+              f"{median_of(rounds, 'mqks_broker_us_per_row'):.2f} us/row")
     if results["sink"]:
         rounds = results["sink"]
         print(f"  sink: mqks {median_of(rounds, 'mqks'):,.0f} rows/s, null rows writer "
