@@ -639,10 +639,15 @@ def _fetch_chunks(options: SourceOptions, partition: MqksPartition, queue_name: 
 _COUNTING: list = []  # this process's 0, 1, 2, ... as an Arrow int64 array, grown on demand (a run's seqs)
 
 
-def _counting(count: int, pa):
+def _seqs(count: int, first_seq: int, pa):
+    """first_seq, first_seq + 1, ... (count of them) as an Arrow int64 array."""
+    import pyarrow.compute as pc
+
     if not _COUNTING or len(_COUNTING[0]) < count:
         _COUNTING[:] = [pa.array(range(max(count, FETCH_ROWS)), type=pa.int64())]
-    return _COUNTING[0].slice(0, count)
+    # a typed scalar: a bare int is converted by type inference, which looks for dateutil on every call (absent
+    # here: a search of sys.path each time, 4x the add itself)
+    return pc.add(_COUNTING[0].slice(0, count), pa.scalar(first_seq, type=pa.int64()))
 
 
 # by the fields a row splits into: per field, its index in each row's fields (field + width * row), grown on demand
@@ -690,7 +695,7 @@ def packed_batch(lines: memoryview, count: int, first_seq: int, headers: list[by
     except pa.ArrowInvalid:
         msg_ids, data = _strings(msg_ids.to_pylist(), pa), _strings(data.to_pylist(), pa)
     columns = {"msg_id": msg_ids, "event": events[0] if len(events) == 1 else pa.concat_arrays(events), "data": data,
-               "retry": pa.repeat(pa.scalar(0, type=pa.int32()), count), "seq": pc.add(_counting(count, pa), first_seq)}
+               "retry": pa.repeat(pa.scalar(0, type=pa.int32()), count), "seq": _seqs(count, first_seq, pa)}
     return _with_arrival(columns, count, queue, names, arrow_schema, pa)
 
 
@@ -729,7 +734,7 @@ def run_batch(lines: memoryview, count: int, first_seq: int, prefix_bytes: int, 
             "event": pc.utf8_slice_codeunits(head, 6),
             "data": pc.take(fields, _pick(count, 2, pa)),
             "retry": pa.repeat(pa.scalar(0, type=pa.int32()), count),
-            "seq": pc.add(_counting(count, pa), first_seq),
+            "seq": _seqs(count, first_seq, pa),
         }
     except (pa.ArrowInvalid, ValueError, UnicodeDecodeError):
         columns = _parse_lines([line[prefix_bytes:] for line in bytes(lines).split(b"\n")[:count]], pa)
