@@ -229,24 +229,27 @@ def recover_batches(batches: Iterable[Iterable[bytes]]) -> Recovery:
     queues = state.queues
     for batch in batches:
         for line in batch:
-            if line.startswith(b"P 1 "):
+            if line[:1] == b"P":
                 # one copy, `P 1 {queue} [-]{seq}{tail}`, nearly every record a standby applies: read in place
-                # here, with no call (1.6 -> 0.8 us a record read in place, and less again without the calls)
-                name_end = line.index(b" ", 4)
-                seq_end = line.index(b" ", name_end + 1)
-                name = line[4:name_end]
-                q = queues.get(name)
-                if q is None:
-                    q = queues[name] = Recovered()
-                if line[name_end + 1] == 45:  # b"-": delivered at once to a consumer that acks, held
-                    seq = -int(line[name_end + 1:seq_end])
-                    q.messages[seq] = [line[seq_end:], 0, True]
-                else:
-                    seq = int(line[name_end + 1:seq_end])
-                    q.messages[seq] = line[seq_end:]
-                if seq >= q.next_seq:
-                    q.next_seq = seq + 1
-                continue
+                # here, with no call (1.6 -> 0.8 us a record read in place, and less again without the calls), cut
+                # by one split (two index calls and a slice before: 660 -> 530 ns a record, 300,000 in batches of
+                # 100 under the bench lock)
+                parts = line.split(b" ", 4)
+                if len(parts) == 5 and parts[1] == b"1":
+                    name, seq_text = parts[2], parts[3]
+                    q = queues.get(name)
+                    if q is None:
+                        q = queues[name] = Recovered()
+                    tail = line[5 + len(name) + len(seq_text):]  # from the space before the tail's first field
+                    if seq_text[0] == 45:  # b"-": delivered at once to a consumer that acks, held
+                        seq = -int(seq_text)
+                        q.messages[seq] = [tail, 0, True]
+                    else:
+                        seq = int(seq_text)
+                        q.messages[seq] = tail
+                    if seq >= q.next_seq:
+                        q.next_seq = seq + 1
+                    continue
             handler = get_handler(line[:1])
             if handler is None:
                 raise ValueError(f"unknown record {line[:40]!r}")
