@@ -228,6 +228,12 @@ def main() -> None:
             print(f"{label}{prefix or 'acked: '}{peer}replicated / local disk: "
                   f"{replicated / summary[prefix + LOCAL]['rate']:.2f}x  (each rep: "
                   f"{', '.join(f'{ratio:.2f}' for ratio in paired)})")
+            if tree != trees[0]:  # paired against the first tree, rep by rep
+                first = os.path.basename(trees[0].rstrip("/"))
+                pairs = list(zip(results[label + prefix + REPLICATED], results[f"{first}: {prefix}{REPLICATED}"],
+                                 strict=True))
+                faster = sum(s["rate"] > other["rate"] for s, other in pairs)
+                print(f"{label}{prefix or 'acked: '}faster than {first} in {faster} of {len(pairs)} reps")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"summary": summary, "samples": results, "jetstream": jetstream}, f, indent=1)
