@@ -614,6 +614,26 @@ def test_the_source_reads_the_one_run_of_a_broker_from_before_the_blocks():
     assert rows == [("m0", 3, 1, "a b"), ("m7", 7, 0, "c d"), ("m8", 8, 0, "e")]
 
 
+def test_the_source_counts_seqs_on_from_each_blocks_first():
+    """A `--tails` and a `--packed` block of one answer, far into a queue: each row's seq is its block's first
+    plus its place, the packed rows' event is their stretch's."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from mqks.spark.source import _decode, source_struct
+
+    schema = source_struct()
+    tails = b" ok m9000000000 event=far.e a b\n ok m9000000001 event=far.e c\n"
+    packed = b"m9000000002\xffd\xffm9000000003\xffe f\xffm9000000004\xffg\n"
+    block = bytearray(b"r1 ok --tails 9000000000 2 %d\n%br1 ok --packed 9000000002 3 %d 2 far.e 1 far.f\n%b"
+                      b"r1 ok --end 5\n" % (len(tails), tails, len(packed), packed))
+    batches = _decode(block, b"r1", 5, "far", schema.fieldNames(), to_arrow_schema(schema, timezone="UTC"), pa)
+    rows = [(row["msg_id"], row["seq"], row["event"], row["data"]) for batch in batches for row in batch.to_pylist()]
+    assert rows == [("m9000000000", 9_000_000_000, "far.e", "a b"), ("m9000000001", 9_000_000_001, "far.e", "c"),
+                    ("m9000000002", 9_000_000_002, "far.e", "d"), ("m9000000003", 9_000_000_003, "far.e", "e f"),
+                    ("m9000000004", 9_000_000_004, "far.f", "g")]
+
+
 def test_the_source_reads_a_broker_without_fetch_runs_line_by_line(broker, monkeypatch):
     """A broker from before `fetch --runs` refuses the flag: the executor asks again without it, and remembers."""
     import socket as sockets
