@@ -228,14 +228,12 @@ DROPPED: Final = Dropped()
 def publish_quiet(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
     """`publish --confirm-quiet {event} {data}` (extension): a confirmed publish that is answered only when refused
     (the error `--confirm` would get); a later `sync` answers once every earlier one is stored (one answer per
-    batch instead of one per message). One worker process only: with worker processes a copy for another worker's
-    queue is answered there, and a sync here could come before its refusal."""
+    batch instead of one per message). With worker processes a copy for another worker's queues is published and
+    answered quietly there (Forwarder.publish_quiet), and the sync waits for those workers (relay.py); not on a
+    cluster's nodes (quiet_confirms_offered)."""
     process = session.process
     if confirm:
         raise ProtocolError("publish: give one of --confirm and --confirm-quiet")
-    if process.peers is not None:
-        raise ProtocolError("publish --confirm-quiet: one worker process only, not --workers N or a cluster (a "
-                            "copy another worker refused could be answered after a sync): use --confirm")
     event, space, _ = args.partition(b" ")
     if not event or event[0] == DASH:
         check_name(event, "publish: event")  # a flag is refused: the event comes right after
@@ -249,10 +247,28 @@ def publish_quiet(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
         if full:
             raise ProtocolError(full_queues_reason(full))
         return
+    forwarder, peers = process.forwarder, process.peers
+    if peers is not None and not quiet_confirms_offered(process):
+        raise ProtocolError("publish --confirm-quiet: not on a cluster's nodes (a copy another group refused could "
+                            "be answered after a sync): use --confirm")
+    # as publish_confirmed: a line another worker forwarded publishes to this worker's broker only
+    if forwarder is not None and peers is not None and publisher is not process.broker and publisher.permits(event):
+        if peers.unlinked and peers.routing_unknown():
+            raise ProtocolError(peers.unlinked_reason())
+        if forwarder.routes_elsewhere(event):
+            forwarder.publish_quiet(session, rid, event, tail)  # some bound queues are other workers'
+            return
     target = DROPPED if process.journal is None else QuietAnswers(session.outbox)
     refusal = process.publish_confirmed_here(publisher, target, rid, rid, event, tail)
     if refusal is not None:
         raise ProtocolError(refusal)
+
+
+def quiet_confirms_offered(process: Process) -> bool:
+    """True if quiet publishes and `sync` are taken: one process, or worker processes of one broker. A cluster's
+    group moves between nodes, and what a sync owes an owner failing over is not proven kept (hello says so)."""
+    peers = process.peers
+    return peers is None or peers.unit != "group"
 
 
 def handle_sync(session: Session, rid: bytes, args: bytes, confirm: bool) -> None:
@@ -698,8 +714,7 @@ def handle_hello(session: Session, rid: bytes, args: bytes, confirm: bool) -> No
         session.set_ttl(parse_seconds(value, "--ttl") or None)  # --ttl=0: no limit
     session.said_hello = True
     process = session.process
-    # confirm_quiet (publish --confirm-quiet and sync): one worker process only (publish_quiet)
-    extensions = [*EXTENSIONS, "confirm_quiet"] if process.peers is None else list(EXTENSIONS)
+    extensions = [*EXTENSIONS, "confirm_quiet"] if quiet_confirms_offered(process) else list(EXTENSIONS)
     session.ok(rid, to_json({"version": VERSION, "protocol": PROTOCOL_VERSION, "extensions": extensions,
                              "ttl": session.ttl_seconds, "tls": session.tls, "authenticated": session.authenticated,
                              **process.topology()}))

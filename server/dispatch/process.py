@@ -51,6 +51,7 @@ class Peering(Protocol):
     """What this process asks of the other workers when it is one of several (server/workers/peers.py's Peers)."""
 
     unlinked: int  # other workers with no link from here
+    unit: str  # "worker", or "group" on a cluster's node
 
     def routing_unknown(self) -> bool: ...
 
@@ -74,6 +75,8 @@ class Forwarding(Protocol):
     def routes_elsewhere(self, event: bytes) -> bool: ...
 
     def publish_confirmed(self, session: Any, rid: bytes, event: bytes, tail: bytes) -> None: ...
+
+    def publish_quiet(self, session: Any, rid: bytes, event: bytes, tail: bytes) -> None: ...
 
 
 def full_queues_reason(full: list[Queue]) -> str:

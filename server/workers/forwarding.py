@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ..dispatch.actions import Session
     from ..dispatch.process import Process
     from .peers import Peers
+    from .relay import RelaySession
 
 # per message: a plain int, since an IntEnum member's lookup costs ~190 ns on Python 3.11
 PUBLISH_KIND = Frame.PUBLISH.value
@@ -65,12 +66,32 @@ class FanIn:
                 self.error = rest.rstrip(NEWLINE)  # a local part's line ends in one, a peer's was split off
         self.parts -= 1
         if self.parts == 0:
-            self.outbox.write(b"%b %b\n" % (self.rid, self.error) if self.error is not None else format_ok(self.rid))
+            self.answer()
+
+    def answer(self) -> None:
+        self.outbox.write(b"%b %b\n" % (self.rid, self.error) if self.error is not None else format_ok(self.rid))
 
     def link_lost(self, worker: int, process: Process) -> None:
         """`worker` went before it answered: the client hears that its copy may not be there."""
         self.parts = 1
         self.write(process.error_line(self.rid, f"worker {worker} stopped before it had the message"))
+
+
+class QuietFanIn(FanIn):
+    """A quiet publish's FanIn (actions.publish_quiet): its client hears only a refusal, and its session's next
+    sync waits until every part has answered (RelaySession.quiet_fanins)."""
+
+    __slots__ = ("relay",)
+
+    def __init__(self, relay: RelaySession, outbox: Outbox, rid: bytes, parts: int, owners: Iterable[int]) -> None:
+        super().__init__(outbox, rid, parts, owners)
+        self.relay = relay
+        relay.quiet_fanins += 1
+
+    def answer(self) -> None:
+        if self.error is not None:
+            self.outbox.write(b"%b %b\n" % (self.rid, self.error))
+        self.relay.quiet_answered()
 
 
 class Forwarder:
@@ -151,9 +172,34 @@ class Forwarder:
             else:
                 relay.send(owners[0], line, answer_first=False)
             return
+        self.fan_out(FanIn(session.outbox, rid, len(owners) + 1, owners), rid, event, tail, local_part)
+
+    def publish_quiet(self, session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
+        """A quiet publish (actions.publish_quiet) some of whose queues are elsewhere: each owner answers only a
+        refusal. To one owner it goes as the session's line, whose sync mark that owner answers after its log has
+        the line's copies (links.IncomingLink.mark); to several, as a QuietFanIn the sync waits for."""
+        owners = self.cache.get(event)
+        if owners is None:
+            owners = self.replica.owners(event)
+        relay = session.relay
+        assert relay is not None
+        local_part = bool(self.local.routes(event))
+        if len(owners) == 1 and not local_part:
+            only = self.links[owners[0]]
+            line = b"%b publish --confirm-quiet %b" % (rid, tail[len(rid) + 11 :])
+            if only is not None and only.run_kind == SESSION_LINES_KIND and only.run_key == relay.key:
+                only.run.append(line)  # as publish_confirmed's: the owner is among `remote` and `unsynced`
+            else:
+                relay.send(owners[0], line, answer_first=False)  # raises "try again" if the owner is restarting
+            return
+        self.fan_out(QuietFanIn(relay, session.outbox, rid, len(owners) + 1, owners), rid, event, tail, local_part)
+
+    def fan_out(self, fanin: FanIn, rid: bytes, event: bytes, tail: bytes, local_part: bool) -> None:
+        """A confirmed publish's copies to each owner, and its local part: `fanin` answers once all have."""
+        owners = fanin.owners
+        local = self.local
         process = self.peers.process
         msg_id = msg_id_of(tail)
-        fanin = FanIn(session.outbox, rid, len(owners) + 1, owners)
         fanin_id = b"%d" % next(self.next_fanin)
         self.fanins[fanin_id] = fanin
         for owner in owners:

@@ -54,7 +54,7 @@ class RelaySession:
     and the output credit it owes back. Its key names it there; `>` and `.` frames under that key come here."""
 
     __slots__ = ("connection", "peers", "key", "remote", "unsynced", "awaiting", "held", "unheld", "owed_credit",
-                 "synced")
+                 "synced", "quiet_fanins", "awaits_quiet")
 
     def __init__(self, connection: Connection, peers: Peers) -> None:
         self.connection = connection
@@ -67,6 +67,8 @@ class RelaySession:
         self.unheld = Event()
         self.owed_credit: dict[int, int] = {}  # by owner: `>` bytes taken from it and not yet credited back
         self.synced = False  # a held ping waited for the other workers: it answers when it runs again
+        self.quiet_fanins = 0  # quiet publishes to several workers not yet answered by all (forwarding.QuietFanIn)
+        self.awaits_quiet = False  # a held ping or sync waits for them too (one of `awaiting`)
 
     def peer_key(self) -> bytes:
         """This session's name on the other workers: their answers and its deliveries come back under it."""
@@ -142,7 +144,17 @@ class RelaySession:
                     link.frame(Frame.MARK, key)
                     self.awaiting += 1
             unsynced.clear()
+        if self.quiet_fanins and not self.awaits_quiet:  # a sync's ok comes after their refusals, if any
+            self.awaits_quiet = True
+            self.awaiting += 1
         return bool(self.awaiting)
+
+    def quiet_answered(self) -> None:
+        """A QuietFanIn has every part's answer (its refusal, if any, is written): a sync waiting for it may go."""
+        self.quiet_fanins -= 1
+        if self.quiet_fanins == 0 and self.awaits_quiet:
+            self.awaits_quiet = False
+            self.answered()
 
     def done(self) -> None:
         """A worker has run everything this session sent it before its last sync mark."""
@@ -463,7 +475,8 @@ def chosen_worker(name: bytes, handler: Handler) -> Handler:
 
 
 def after_other_workers(name: bytes, handler: Handler) -> Handler:
-    """ping answers after everything this session sent before it has run, wherever that was."""
+    """ping and sync answer after everything this session sent before them has run, wherever that was (a quiet
+    publish's copies: stored, or refused with the error written first)."""
 
     def run(session: Session, rid: bytes, args: bytes, confirm: bool) -> Held | None:
         relay = relay_of(session)

@@ -1,13 +1,14 @@
 """`publish --confirm-quiet` and `sync` over real TCP: a quiet publish is answered only when refused, and a sync
-answers once every earlier one is stored (in memory, and with --data-dir across a kill -9); a broker of several
-worker processes refuses quiet publishes and says so in `hello`."""
+answers once every earlier one is stored (in memory, and with --data-dir across a kill -9), on one worker process and
+on two, whose copies for the other worker's queues are confirmed quietly there."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from helpers import unique
+from conftest import BrokerProcess, Wire
+from helpers import queue_owned_by, unique
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,15 +63,71 @@ def test_the_sync_answers_only_once_every_earlier_quiet_publish_survives_a_kill_
     assert len(got) == count and got[0] == b"m0" and got[-1] == b"m%d" % (count - 1)
 
 
-def test_several_workers_refuse_quiet_publishes_and_hello_does_not_offer_them(make_broker):
-    one, two = make_broker(), make_broker("--workers", "2")
-    for server, offered in ((one, True), (two, False)):
-        wire = server.wire()
-        wire.send(b"h hello")
-        answer = wire.recv_line()
-        assert answer.startswith(b"h ok ")
-        assert ("confirm_quiet" in json.loads(answer[5:])["extensions"]) is offered
-    wire = two.wire()
-    wire.send(b"m1 publish --confirm-quiet e1 x", b"s sync")
-    wire.expect_error(b"m1", b"one worker process only, not --workers N or a cluster")
+def direct(server: BrokerProcess, worker: int) -> Wire:
+    """A connection to worker `worker` of `server` alone (its own port, from hello)."""
+    wire = server.wire()
+    wire.send(b"h hello")
+    entry = json.loads(wire.recv_line()[5:])["direct"][worker]
+    wire.close()
+    return Wire(entry["host"], entry["port"])
+
+
+def offers_quiet(wire: Wire) -> bool:
+    wire.send(b"h hello")
+    answer = wire.recv_line()
+    assert answer.startswith(b"h ok ")
+    return "confirm_quiet" in json.loads(answer[5:])["extensions"]
+
+
+@pytest.mark.parametrize("durable", [False, True], ids=["memory", "data-dir"])
+@pytest.mark.parametrize("shared", [False, True], ids=["other-worker", "both-workers"])
+def test_two_workers_answer_a_refusal_on_the_other_worker_before_the_sync(make_broker, tmp_path, durable, shared):
+    """Worker 0's client publishes quietly to a queue of worker 1 (and, `shared`, to one of its own as well): worker
+    1's refusal reaches the client ahead of the sync's ok."""
+    server = make_broker("--workers", "2", *(["--data-dir", str(tmp_path)] if durable else []))
+    wire = direct(server, 0)
+    assert offers_quiet(wire)
+    event = b(unique("e"))
+    far = b(queue_owned_by(1, 2))
+    wire.send(b"r rebind --confirm %b %b --max-length=2" % (far, event))
+    wire.expect(b"r ok ")
+    if shared:
+        near = b(queue_owned_by(0, 2))
+        wire.send(b"n rebind --confirm %b %b" % (near, event))
+        wire.expect(b"n ok ")
+    wire.send(*(b"m%d publish --confirm-quiet %b body %d" % (i, event, i) for i in range(1, 4)), b"s sync")
+    wire.expect_error(b"m3", b"is full (--max-length=2)")  # the only answer before the sync's
     wire.expect(b"s ok ")
+    assert drain(server.wire(), far) == [b"m1", b"m2"]
+    if shared:
+        assert drain(server.wire(), near) == [b"m1", b"m2", b"m3"]
+
+
+def test_two_workers_sync_only_once_every_quiet_publish_on_either_survives_a_kill_9(make_broker, tmp_path):
+    """50,000 quiet publishes from worker 0's client over a queue of each worker, one sync, kill -9 of the whole
+    broker: a sync answered before worker 1's log had its part would lose some of them."""
+    server = make_broker("--workers", "2", "--data-dir", str(tmp_path))
+    wire = direct(server, 0)
+    events = [b(unique("e")), b(unique("e"))]
+    queues = [b(queue_owned_by(worker, 2)) for worker in (0, 1)]
+    for n, (queue, event) in enumerate(zip(queues, events)):
+        wire.send(b"r%d rebind --confirm %b %b" % (n, queue, event))
+        wire.expect(b"r%d ok " % n)
+    count = 50_000
+    wire.send_raw(b"".join(b"m%d publish --confirm-quiet %b %b\n" % (i, events[i % 2], b"x" * 100)
+                           for i in range(count)) + b"s sync\n")
+    wire.expect(b"s ok ", timeout=60)  # nothing before it: no publish was refused
+    server.kill()
+    server.restart()
+    for n, queue in enumerate(queues):
+        got = drain(server.wire(), queue)
+        assert got == [b"m%d" % i for i in range(n, count, 2)], (queue, len(got))
+
+
+def test_two_workers_offer_quiet_publishes_in_hello_and_take_one_no_queue_is_bound_to(make_broker):
+    server = make_broker("--workers", "2")
+    for worker in (0, 1):
+        wire = direct(server, worker)
+        assert offers_quiet(wire)
+        wire.send(b"m1 publish --confirm-quiet %b x" % b(unique("e")), b"s sync")
+        assert wire.recv_line() == b"s ok "  # stored nowhere, refused by nobody: as one worker's
