@@ -5,6 +5,7 @@ on two, whose copies for the other worker's queues are confirmed quietly there."
 from __future__ import annotations
 
 import json
+import resource
 
 import pytest
 from conftest import BrokerProcess, Wire
@@ -103,6 +104,30 @@ def test_two_workers_answer_a_refusal_on_the_other_worker_before_the_sync(make_b
         assert drain(server.wire(), near) == [b"m1", b"m2", b"m3"]
 
 
+def test_two_workers_answer_the_other_workers_failed_commit_before_the_sync(make_broker, tmp_path):
+    """Worker 1's log fails the commit of a quiet publish from worker 0's client (its disk "full"): the error comes
+    first, then the sync's ok. A sync that did not wait for worker 1's log would answer ahead of it."""
+    server = make_broker("--workers", "2", "--data-dir", str(tmp_path))
+    wire = direct(server, 0)
+    queue, event = b(queue_owned_by(1, 2)), b(unique("e"))
+    wire.send(b"r rebind --confirm %b %b" % (queue, event), b"m0 publish --confirm %b before" % event)
+    wire.expect(b"r ok ")
+    wire.expect(b"m0 ok ")
+    wire.send(b"w stats --worker=1")
+    answer = wire.recv_line()
+    assert answer.startswith(b"w ok "), answer
+    pid = json.loads(answer[5:])["pid"]
+    used = sum(path.stat().st_size for path in (tmp_path / "worker-1").glob("*.log"))
+    _, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (used + 100, hard))  # worker 1's disk is "full"
+    try:
+        wire.send(b"m1 publish --confirm-quiet %b %b" % (event, b"z" * 500), b"s sync")
+        wire.expect_error(b"m1", b"disk full")
+        wire.expect(b"s ok ")
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))
+
+
 def test_two_workers_sync_only_once_every_quiet_publish_on_either_survives_a_kill_9(make_broker, tmp_path):
     """50,000 quiet publishes from worker 0's client over a queue of each worker, one sync, kill -9 of the whole
     broker: a sync answered before worker 1's log had its part would lose some of them."""
@@ -110,7 +135,7 @@ def test_two_workers_sync_only_once_every_quiet_publish_on_either_survives_a_kil
     wire = direct(server, 0)
     events = [b(unique("e")), b(unique("e"))]
     queues = [b(queue_owned_by(worker, 2)) for worker in (0, 1)]
-    for n, (queue, event) in enumerate(zip(queues, events)):
+    for n, (queue, event) in enumerate(zip(queues, events, strict=True)):
         wire.send(b"r%d rebind --confirm %b %b" % (n, queue, event))
         wire.expect(b"r%d ok " % n)
     count = 50_000
