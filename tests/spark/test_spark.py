@@ -268,8 +268,10 @@ def test_sink_fails_with_the_server_reason(spark, broker):
     assert "refused publish" in text and "publish: event" in text, text[-2000:]
 
 
+@ON_BOTH
 def test_a_refusal_among_the_sinks_quiet_publishes_fails_its_task(spark, broker):
-    """One worker: the sink's publishes are quiet, answered only when refused; a refusal still fails the task."""
+    """The sink's publishes are quiet, answered only when refused; a refusal still fails the task (with two workers
+    it may come from the worker that owns the queue)."""
     wire = broker.wire()
     try:
         wire.send(b"rb rebind --confirm spark.sink.full full.e --max-length=10")
@@ -723,7 +725,19 @@ def test_a_failed_write_task_retried_publishes_every_row_again_and_loses_none(br
     assert {msg_id for msg_id, _ in got} == {b"%s.0.%d" % (writer.write_id.encode(), i) for i in range(100)}
 
 
-@ON_BOTH  # two workers take no quiet publishes: the sink keeps its confirm windows there
+def bytes_out(broker) -> int:
+    """What the broker's client connections were sent so far, summed over its workers."""
+    wire = broker.wire()
+    try:
+        wire.send(b"st stats")
+        line = wire.recv_line()
+        assert line.startswith(b"st ok "), line
+        return json.loads(line[6:])["bytes_out"]
+    finally:
+        wire.close()
+
+
+@ON_BOTH  # two workers take quiet publishes too: a copy for the other worker's queue is confirmed quietly there
 @pytest.mark.parametrize("quiet", ["true", "false"])
 def test_the_sink_keeps_its_windows_and_builds_rows_that_need_python_one_by_one(spark, broker, quiet):
     queue = "spark.sink.window"
@@ -732,12 +746,17 @@ def test_the_sink_keeps_its_windows_and_builds_rows_that_need_python_one_by_one(
     df = spark.range(n).selectExpr(
         "CASE WHEN id % 1000 = 7 THEN 'window.été' ELSE 'window.a' END AS event",  # not ASCII: per row
         "concat('row ', cast(id AS string), ' ', repeat('x', 200)) AS data").coalesce(1)
+    before = bytes_out(broker)
+    # 1 KiB of unconfirmed publishes: a few rows a slice, a window bisected by bytes
+    (df.write.format("mqks").mode("append").option("host", broker.host).option("port", str(broker.port))
+     .option("confirmWindow", "5").option("confirmWindowBytes", "1024").option("quietConfirms", quiet).save())
+    # no consumer yet: what the broker sent meanwhile went to the sink (its hello, then an `ok` a row or one sync's)
+    # and to the stats line before: under 4 bytes a row (an `ok` line has 5 and its msg id) means quiet confirms, on
+    # one worker and on two
+    assert (bytes_out(broker) - before < 4 * n) is (quiet == "true")
     wire = broker.wire()
     try:
         consume(wire, b"c8", queue)
-        # 1 KiB of unconfirmed publishes: a few rows a slice, a window bisected by bytes
-        (df.write.format("mqks").mode("append").option("host", broker.host).option("port", str(broker.port))
-         .option("confirmWindow", "5").option("confirmWindowBytes", "1024").option("quietConfirms", quiet).save())
         got = collect_deliveries(wire, b"c8", n)
     finally:
         wire.close()
