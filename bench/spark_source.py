@@ -448,6 +448,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cells", default="source,sink")
     parser.add_argument("--pure", action="store_true", help="run the broker as plain Python (MQKS_PURE=1)")
+    parser.add_argument("--workers", type=int, default=1, help="the broker's worker processes: a sink cell's "
+                        "queue is one worker's, and a partition connected to the other forwards its rows there")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -458,12 +460,15 @@ def main() -> None:
     port = free_port()
     # --pure: the broker as plain Python whatever the build, so that two runs compare the same broker
     env = dict(os.environ, MQKS_PURE="1") if args.pure else os.environ
-    broker = subprocess.Popen([sys.executable, "-m", "mqks.server", "--port", str(port)], stderr=subprocess.PIPE,
-                              env=env)
+    workers = ["--workers", str(args.workers)] if args.workers > 1 else []
+    broker = subprocess.Popen([sys.executable, "-m", "mqks.server", "--port", str(port), *workers],
+                              stderr=subprocess.PIPE, env=env)
     results: dict = {"source": {n: [] for n in batch_sizes}, "sink": []}
     try:
         assert broker.stderr is not None
-        banner = broker.stderr.readline().decode(errors="replace").strip()
+        banner = ""
+        while "in memory, " not in banner:  # with workers, the supervisor's lines come first
+            banner = broker.stderr.readline().decode(errors="replace").strip()
         # "... in memory, compiled (mypyc))", "... pure Python (MQKS_PURE=1))", "... pure Python: the build is ..."
         mode = banner.split("in memory, ", 1)[-1].rsplit(")", 1)[0].split(":")[0]
         results["broker"] = mode
