@@ -466,9 +466,9 @@ def main() -> None:
     results: dict = {"source": {n: [] for n in batch_sizes}, "sink": []}
     try:
         assert broker.stderr is not None
-        banner = ""
-        while "in memory, " not in banner:  # with workers, the supervisor's lines come first
-            banner = broker.stderr.readline().decode(errors="replace").strip()
+        banner = "-"
+        while banner and "in memory, " not in banner:  # with workers, the supervisor's lines come first
+            banner = broker.stderr.readline().decode(errors="replace").strip()  # "": it ended
         # "... in memory, compiled (mypyc))", "... pure Python (MQKS_PURE=1))", "... pure Python: the build is ..."
         mode = banner.split("in memory, ", 1)[-1].rsplit(")", 1)[0].split(":")[0]
         results["broker"] = mode
