@@ -2,8 +2,9 @@
 
 Runs in executor tasks (write(), an Arrow writer: a record batch's lines are built by Arrow's kernels,
 never a Python object per row) and the driver (commit/abort). Each task opens its own connection. On a
-broker whose `hello` lists `confirm_quiet` (one worker process) its publishes are answered only when
-refused, and one `sync` at the end of the task answers once all are stored; elsewhere it keeps at most
+broker whose `hello` lists `confirm_quiet` (one worker process, or --workers N; not a cluster's node) its
+publishes are answered only when refused, and one `sync` at the end of the task answers once all are stored
+(on every worker that got a copy); elsewhere it keeps at most
 `confirmWindow` publishes and `confirmWindowBytes` unconfirmed and waits for every `ok`. Either way it
 returns its commit message only once every row is confirmed, and fails with the server's reason on an
 `error`. Guarantee: at-least-once. A retried task or a re-run batch publishes again under the same deterministic msg ids
