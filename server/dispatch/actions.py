@@ -38,7 +38,7 @@ from ..wire.protocol import (
     parse_unix_seconds,
     text,
 )
-from .process import VERSION, Process, full_queues_reason
+from .process import VERSION, Forwarding, Process, full_queues_reason
 
 if TYPE_CHECKING:
     from ..workers.relay import RelaySession
@@ -180,20 +180,29 @@ def publish_flagged(session: Session, rid: bytes, args: bytes, confirm: bool) ->
             journal.confirm_later(session.outbox, rid)
 
 
+def forwarder_for(process: Process, publisher: Publisher, event: bytes) -> Forwarding | None:
+    """The Forwarder if some queues bound to `event` are other workers' (a confirmed publish goes through it), else
+    None; refused while a worker that is not linked could have some. A line another worker forwarded (its session
+    publishes to this worker's broker only) is never sent on."""
+    forwarder, peers = process.forwarder, process.peers
+    if forwarder is not None and peers is not None and publisher is not process.broker and publisher.permits(event):
+        if peers.unlinked and peers.routing_unknown():
+            raise ProtocolError(peers.unlinked_reason())
+        if forwarder.routes_elsewhere(event):
+            return forwarder
+    return None
+
+
 def publish_confirmed(session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
     """Publish, then `ok`: at once in memory, once the log has it with --data-dir. Each worker's log answers for its
     own queues (publish_confirmed_here): one that takes no writes must not refuse what goes to the others' (issue 56:
     one wedged group refused a client's publishes to every queue of the cluster)."""
     process = session.process
     publisher = session.publisher
-    # a line another worker forwarded (its session publishes to this worker's broker only) is never sent on
-    forwarder, peers = process.forwarder, process.peers
-    if forwarder is not None and peers is not None and publisher is not process.broker and publisher.permits(event):
-        if peers.unlinked and peers.routing_unknown():
-            raise ProtocolError(peers.unlinked_reason())
-        if forwarder.routes_elsewhere(event):
-            forwarder.publish_confirmed(session, rid, event, tail)  # some bound queues are other workers'
-            return
+    forwarder = forwarder_for(process, publisher, event)
+    if forwarder is not None:
+        forwarder.publish_confirmed(session, rid, event, tail)
+        return
     refusal = process.publish_confirmed_here(publisher, session.outbox, rid, rid, event, tail, answer_now=session)
     if refusal is not None:
         raise ProtocolError(refusal)
@@ -247,17 +256,13 @@ def publish_quiet(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
         if full:
             raise ProtocolError(full_queues_reason(full))
         return
-    forwarder, peers = process.forwarder, process.peers
-    if peers is not None and not quiet_confirms_offered(process):
+    if not quiet_confirms_offered(process):
         raise ProtocolError("publish --confirm-quiet: not on a cluster's nodes (a copy another group refused could "
                             "be answered after a sync): use --confirm")
-    # as publish_confirmed: a line another worker forwarded publishes to this worker's broker only
-    if forwarder is not None and peers is not None and publisher is not process.broker and publisher.permits(event):
-        if peers.unlinked and peers.routing_unknown():
-            raise ProtocolError(peers.unlinked_reason())
-        if forwarder.routes_elsewhere(event):
-            forwarder.publish_quiet(session, rid, event, tail)  # some bound queues are other workers'
-            return
+    forwarder = forwarder_for(process, publisher, event)
+    if forwarder is not None:
+        forwarder.publish_quiet(session, rid, event, tail)
+        return
     target = DROPPED if process.journal is None else QuietAnswers(session.outbox)
     refusal = process.publish_confirmed_here(publisher, target, rid, rid, event, tail)
     if refusal is not None:
