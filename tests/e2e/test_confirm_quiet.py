@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import resource
+import socket
 
 import pytest
 from conftest import BrokerProcess, Wire
@@ -102,6 +103,20 @@ def test_two_workers_answer_a_refusal_on_the_other_worker_before_the_sync(make_b
     assert drain(server.wire(), far) == [b"m1", b"m2"]
     if shared:
         assert drain(server.wire(), near) == [b"m1", b"m2", b"m3"]
+
+
+def test_two_workers_answer_a_half_closed_client_the_other_workers_refusal(make_broker, tmp_path):
+    """Quiet publishes to worker 1's queue from worker 0's client, then its writing side shut (`printf | nc -q`), no
+    sync: the refusal still reaches it before the close."""
+    server = make_broker("--workers", "2", "--data-dir", str(tmp_path))
+    wire = direct(server, 0)
+    queue, event = b(queue_owned_by(1, 2)), b(unique("e"))
+    wire.send(b"r rebind --confirm %b %b --max-length=2" % (queue, event))
+    wire.expect(b"r ok ")
+    wire.send(*(b"m%d publish --confirm-quiet %b body %d" % (i, event, i) for i in range(1, 4)))
+    wire.sock.shutdown(socket.SHUT_WR)
+    wire.expect_error(b"m3", b"is full (--max-length=2)")
+    assert wire.closed_by_server()  # once it is answered
 
 
 def test_two_workers_answer_the_other_workers_failed_commit_before_the_sync(make_broker, tmp_path):
