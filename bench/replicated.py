@@ -137,13 +137,21 @@ async def frames_floor(urls: list[str], nats_pids: list[int], stream: str, frame
     import collections
 
     import nats
+    import nats.errors
 
     nc = await nats.connect(servers=urls)
     subject = f"mqks.log.{stream}"
     config = {"name": stream, "subjects": [subject], "num_replicas": 3, "storage": "file", "discard": "new",
               "duplicate_window": 120 * 10**9}
     await nc.request(f"$JS.API.STREAM.CREATE.{stream}", json.dumps(config).encode(), timeout=10)
-    last = json.loads((await nc.request(subject, b"takeover", timeout=10)).data)["seq"]  # as a writer's first
+    for _ in range(50):  # the new stream's leader may take a moment to be elected: no responders until then
+        try:
+            last = json.loads((await nc.request(subject, b"takeover", timeout=10)).data)["seq"]  # a writer's first
+            break
+        except nats.errors.NoRespondersError:
+            await asyncio.sleep(0.1)
+    else:
+        raise RuntimeError(f"the stream {stream} has no leader")
     headers = {"Mqks-Epoch": "1", "Mqks-Frame": "0", "Nats-Msg-Id": f"{stream}.1.ab12cd34.0",
                "Nats-Expected-Last-Sequence": str(last)}
     overhead = 30 + len(subject) + sum(len(k) + len(v) + 4 for k, v in headers.items())  # the file store's record
