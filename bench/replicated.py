@@ -3,7 +3,8 @@ NATS JetStream's own pipelined publishes from nats-py to the same cluster (the c
 
     .venv/bin/python -m bench.replicated [--messages 200000] [--plain-messages 100000] [--reps 3]
                                          [--cells plain,acked,jetstream,floor] [--profile DIR] [--trees A,B]
-                                         [--floor-in-flight 2,4] [--floor-messages 300000] [--json FILE]
+                                         [--floor-in-flight 2,4] [--floor-messages 300000] [--pin]
+                                         [--json FILE]
 
 One three-node NATS cluster on loopback (`mqks nats up`, `sync_interval: always`) serves every cell. The MQKS
 cells run loadgen's confirmed w5 flow (100-byte messages, at most --window publishes unconfirmed, one ack line
@@ -23,7 +24,8 @@ the machine's cores give a publish at 0.8x the local disk. `--cells plain,floor`
 (no MQKS running), nats-py appending frames of the size the same rep's replicated cell stored, with MQKS's writer's
 headers (Nats-Msg-Id, the expected-sequence fence), --floor-in-flight at a time, reported as the publishes a
 second those frames carry (frame bytes / stored bytes a publish), the NATS servers' CPU a frame and a publish, and
-a ratio to the same rep's local disk.
+a ratio to the same rep's local disk. --pin confines every thread of the three nats-servers to the last core and
+each MQKS server to the first (taskset; the client unpinned).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import tempfile
 import time
 
@@ -52,7 +55,8 @@ FLOOR = "JetStream alone, the same frames, %d in flight"  # the floor cell's row
 
 
 def mqks_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_dir: str | None) -> dict:
-    server = peers.start_mqks(None, log_dir, data_dir=data_dir, fsync="always", extra_args=tuple(extra))
+    server = peers.start_mqks(0 if args.pin else None, log_dir, data_dir=data_dir, fsync="always",
+                              extra_args=tuple(extra))
     try:
         proto = loadgen.Mqks(manual_ack=True, confirm=True)
         flow = loadgen.Flow(proto=proto, host=server.host, port=server.port, n=args.messages, window=args.window,
@@ -73,8 +77,8 @@ def plain_cell(args: argparse.Namespace, log_dir: str, extra: list[str], data_di
     confirms a second, the server's, this client's and the NATS servers' CPU per message, the machine's busy
     cores, the log's frames (lines' bytes each, PubAck p50, and the bytes NATS stores a frame and a publish) on
     the replicated log, and whether every message is queued."""
-    server = peers.start_mqks(None, log_dir, data_dir=data_dir, fsync="always", extra_args=tuple(extra),
-                              profile_path=profile_path)
+    server = peers.start_mqks(0 if args.pin else None, log_dir, data_dir=data_dir, fsync="always",
+                              extra_args=tuple(extra), profile_path=profile_path)
     try:
         n, window = args.plain_messages, args.plain_window
         sock = socket.create_connection((server.host, server.port), timeout=60)
@@ -245,6 +249,8 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="a directory: each MQKS server runs under cProfile")
     parser.add_argument("--trees", default="", help="directories, each holding a copy of the package as mqks/: "
                         "each replicated cell runs once per tree, alternated (default: the installed tree)")
+    parser.add_argument("--pin", action="store_true", help="every thread of the NATS servers on the last core, each "
+                        "MQKS server on the first (the client and the floor's nats-py unpinned)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cells = set(args.cells.split(","))
@@ -253,6 +259,10 @@ def main() -> None:
     log_dir = tempfile.mkdtemp(prefix="bench-replicated-logs-")
     nodes = nats_local.up(f"{work}/nats", 3)
     urls = [node.url for node in nodes]
+    if args.pin:
+        for node in nodes:
+            subprocess.run(["taskset", "-a", "-pc", str((os.cpu_count() or 1) - 1), str(node.pid)], check=True,
+                           capture_output=True)
     results: dict[str, list[dict]] = {}
     jetstream: list[float] = []
     try:
