@@ -51,7 +51,7 @@ SUMMARY = (  # (Figures field, what it is)
     ("nats_leaders_after_heal", "NATS's last leader elected after it, from the heal (s)"),
     ("nats_current_after_heal", "cut host's NATS server current again, from the heal (s)"),
     ("cut_node_owns_after_heal", "cut node owns a group again, from the heal (s)"),
-    ("cut_node_owns_after_nats", "... from its NATS server current again (s)"),
+    ("cut_node_owns_after_nats", "... from NATS taking writes again (s)"),
     ("majority_owner_changes", "owner changes of the majority's groups while cut"),
     ("owner_changes_after_heal", "owner changes of any group after the heal"),
     ("claims_after_heal", "groups claimed from a silent owner after the heal"),
