@@ -102,6 +102,7 @@ class JetStreamLog:
         self.append = self.writer.append
         self.commit = self.writer.commit
         self.poll = self.writer.poll
+        self.blocked_in = self.writer  # what holds `blocked` (Journal.blocked reads it there, not through ours)
         self._ignored_frames = 0
         self._recovery_seconds = 0.0
 

@@ -98,6 +98,9 @@ class Journal:
                  snapshot_min_growth_bytes: int = SNAPSHOT_MIN_GROWTH_BYTES) -> None:
         self.log = log_
         self.append = log_.append
+        # what holds the log's `blocked`, read once a confirmed publish: a replicated log's writer, whose
+        # JetStreamLog.blocked is a property over it (two property calls a publish: 55 -> 28 ns), else the log
+        self.blocked_in = getattr(log_, "blocked_in", log_)
         self.error_line = error_line  # (rid, reason) -> the error line, with a fresh error id
         self.last_commit = 0  # the newest commit handed to the log
         self.durable = 0  # the newest commit the log reported durable
@@ -126,7 +129,7 @@ class Journal:
     @property
     def blocked(self) -> str | None:
         """Why the log cannot write now (confirmed publishes are refused), or None."""
-        return self.log.blocked
+        return self.blocked_in.blocked
 
     def confirm_later(self, outbox: Any, rid: bytes) -> None:
         """Answer `{rid} ok` into `outbox` once everything recorded so far is durable (a commit or two from now)."""

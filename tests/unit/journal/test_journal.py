@@ -12,6 +12,7 @@ import pytest
 
 from mqks.server.dispatch.actions import QuietAnswers
 from mqks.server.journal import records
+from mqks.server.journal.jetstream_log import JetStreamLog
 from mqks.server.journal.journal import Journal, p50_p99, take_failed
 from mqks.server.wire.outbox import Outbox
 
@@ -153,6 +154,21 @@ def test_blocked_and_fenced_are_the_logs():
     assert journal.refusal().startswith("disk full")
     log.fenced_by = "node b"
     assert journal.fenced_by == "node b"
+
+
+def test_over_a_replicated_log_blocked_is_its_writers_whoever_sets_it():
+    """The journal reads `blocked` where a JetStreamLog keeps it (its writer), not through the log's property: both
+    a writer's own stall and the cluster layer's write through the log's setter refuse confirmed publishes."""
+    stream_log = JetStreamLog(["nats://127.0.0.1:1"], "s", "test")  # not connected: nothing here talks to NATS
+    journal = Journal(stream_log, lambda rid, reason: b"%b error %b\n" % (rid, reason.encode()))
+    assert journal.blocked is None
+    stream_log.writer.blocked = "the replicated log does not answer"
+    assert journal.blocked == "the replicated log does not answer"
+    assert journal.refusal().startswith("the replicated log does not answer: confirmed publishes are refused")
+    stream_log.blocked = None
+    assert journal.blocked is None
+    stream_log.blocked = "this node no longer serves the group"
+    assert journal.blocked == "this node no longer serves the group"
 
 
 def test_a_snapshot_is_framed_from_a_new_segment_between_its_begin_and_end_records():
