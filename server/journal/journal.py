@@ -22,10 +22,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import groupby
-from operator import itemgetter
 from typing import Any, Protocol
 
-from ..wire.outbox import Outbox
 from . import records
 
 log = logging.getLogger("mqks.durable")
@@ -104,10 +102,13 @@ class Journal:
         self.error_line = error_line  # (rid, reason) -> the error line, with a fresh error id
         self.last_commit = 0  # the newest commit handed to the log
         self.durable = 0  # the newest commit the log reported durable
-        self.waiting: deque[tuple[int, list[tuple[Outbox, bytes]]]] = deque()  # (commit, its confirms)
-        # confirms of the batch not yet committed: a handler appends (outbox, rid), and the
+        self.waiting: deque[tuple[int, list[Any]]] = deque()  # (commit, its confirms)
+        # confirms of the batch not yet committed: a handler appends an outbox and a rid, and the
         # client gets `{rid} ok` once everything recorded so far is durable under the policy
-        self.unconfirmed: list[tuple[Outbox, bytes]] = []
+        # flat (outbox, rid, outbox, rid...), not a tuple a confirm: each tuple lived until its commit was durable,
+        # and the garbage collector ran every 700 of them (py-spy of a cluster's 3-client cell: the collector 2.9 %
+        # of the samples, the part with a stack under confirm_later; 70 -> 59 ns a confirm and answer without it)
+        self.unconfirmed: list[Any] = []
         self.snapshot_mark = 0  # the log's handed_bytes when the last snapshot was committed
         self.last_snapshot_bytes = 0
         self.snapshot_min_growth_bytes = snapshot_min_growth_bytes
@@ -133,13 +134,15 @@ class Journal:
 
     def confirm_later(self, outbox: Any, rid: bytes) -> None:
         """Answer `{rid} ok` into `outbox` once everything recorded so far is durable (a commit or two from now)."""
-        self.unconfirmed.append((outbox, rid))
+        unconfirmed = self.unconfirmed
+        unconfirmed.append(outbox)
+        unconfirmed.append(rid)
 
     def owes(self, outbox: Any) -> bool:
         """True while a confirm owed to `outbox` waits for the log: its own, or one a target writing into it holds (a
         quiet publish's, whose error, if its commit fails, is still the client's)."""
-        return any(answers_into(owed) is outbox for owed, _ in self.unconfirmed) or any(
-            answers_into(owed) is outbox for _, confirms in self.waiting for owed, _ in confirms)
+        return any(answers_into(owed) is outbox for owed in self.unconfirmed[::2]) or any(
+            answers_into(owed) is outbox for _, confirms in self.waiting for owed in confirms[::2])
 
     def refusal(self) -> str:
         """Why a confirmed publish is refused while the log cannot write."""
@@ -169,12 +172,12 @@ class Journal:
         if failed:
             # in the order they were owed: a durable commit before a failed one is answered first
             failed_commits = set(failed)
-            kept: deque[tuple[int, list[tuple[Outbox, bytes]]]] = deque()
+            kept: deque[tuple[int, list[Any]]] = deque()
             for commit, confirms in waiting:
                 if commit in failed_commits:
                     reason = (f"{self.log.blocked or 'disk full'}: the message is kept in memory but is not "
                               f"{self.log.where}")
-                    for outbox, rid in confirms:
+                    for outbox, rid in zip(confirms[::2], confirms[1::2], strict=True):
                         outbox.write(self.error_line(rid, reason))
                 elif commit <= self.durable and not kept:
                     answer_ok(confirms)
@@ -236,12 +239,16 @@ class Journal:
         self.settle()
 
     def stats(self) -> dict[str, Any]:
-        waiting = sum(len(confirms) for _, confirms in self.waiting)
+        waiting = sum(len(confirms) // 2 for _, confirms in self.waiting)
         return {**self.log.stats(), "snapshots": self.snapshots, "confirms_waiting": waiting}
 
 
-def answer_ok(confirms: list[tuple[Outbox, bytes]]) -> None:
-    """`{rid} ok` to each, one write per run of confirms owed to the same client."""
-    for outbox, run in groupby(confirms, key=itemgetter(0)):
+def answer_ok(confirms: list[Any]) -> None:
+    """`{rid} ok` to each of `confirms` (outbox, rid, outbox, rid...), one write per run owed to the same client."""
+    rids = confirms[1::2]
+    start = 0
+    for outbox, run in groupby(confirms[::2]):
+        end = start + len(list(run))
         # joined on the answer's middle: 48 -> 22 ns a confirm against a format each (2,000 in two runs)
-        outbox.write(OK_AFTER_RID.join([rid for _, rid in run]) + OK_AFTER_RID)
+        outbox.write(OK_AFTER_RID.join(rids[start:end]) + OK_AFTER_RID)
+        start = end
