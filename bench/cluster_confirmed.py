@@ -28,7 +28,8 @@ stream, R3) and for three nodes with each of `--groups`:
 Then the first --groups' cluster left idle for `--idle-seconds`: CPU of its processes and of the NATS servers, as a
 share of one core, and node a's resident memory. Ratios against one broker's same cell: rate, and CPU per message.
 Medians of --reps; an absolute figure from this VM is noise. To compare trees, give `--trees A,B` (each a copy of
-the package as A/mqks, e.g. `cp -rL build/__editable__*/mqks A/`): their clusters alternate within each rep.
+the package as A/mqks, e.g. `cp -rL build/__editable__*/mqks A/`): their clusters alternate within each rep, each
+rep starting with the next tree (the one run later in a rep was favoured).
 """
 
 from __future__ import annotations
@@ -314,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
                              bool(args.paced_rate), cells)
             finally:
                 broker.stop()
-            for (groups, processes), (index, tree) in itertools.product(layouts, enumerate(trees)):
+            # the trees take turns going first: run against itself, the tree run later in a rep won 3 pairs of 3
+            turn = rep % len(trees)
+            in_turn = list(enumerate(trees))[turn:] + list(enumerate(trees))[:turn]
+            for (groups, processes), (index, tree) in itertools.product(layouts, in_turn):
                 use_tree(tree)
                 name = f"c{groups}x{processes}t{index}r{rep}p{os.getpid()}"
                 nodes = start_nodes(["a", "b", "c"], name, urls, groups, processes)
