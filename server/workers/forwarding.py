@@ -141,7 +141,8 @@ class Forwarder:
 
     def routes_elsewhere(self, event: bytes) -> bool:
         """True if a queue of another worker is bound to `event`."""
-        return bool(self.owners_of(event))
+        owners = self.cache.get(event)
+        return bool(owners if owners is not None else self.replica.owners(event))
 
     def full_queues(self, event: bytes) -> list[Queue]:
         return self.local.full_queues(event)  # other owners answer for theirs (links.IncomingLink.on_confirmed)
@@ -149,32 +150,27 @@ class Forwarder:
     def permits(self, event: bytes) -> bool:
         return True  # a scoped session's publisher (dispatch/scopes.py) is the one that refuses
 
-    def owners_of(self, event: bytes) -> Any:
-        """The other workers owning a queue bound to `event`: the cache first."""
-        owners = self.cache.get(event)
-        return owners if owners is not None else self.replica.owners(event)
-
-    def send_in_session(self, session: Session, owner: int, line: bytes) -> None:
-        """`line` to run in the client's session on `owner` (its answer comes from there)."""
-        relay = session.relay
-        assert relay is not None
-        link = self.links[owner]
-        if link is not None and link.run_kind == SESSION_LINES_KIND and link.run_key == relay.key:
-            # this session's run is open on the link: its send put the owner among `remote` and `unsynced`,
-            # and a sync mark would have closed the run (nearly every forwarded line of a pipelined client;
-            # with the cache read here and in routes_elsewhere: 560 -> 320 ns a line, timed over stub links)
-            link.run.append(line)
-        else:
-            relay.send(owner, line, answer_first=False)  # raises "try again" if the owner is restarting
-
     def publish_confirmed(self, session: Session, rid: bytes, event: bytes, tail: bytes) -> None:
         """A confirmed publish some of whose queues are elsewhere: one answer once every owner has it."""
-        owners = self.owners_of(event)
-        local_part = bool(self.local.routes(event))
-        if len(owners) == 1 and not local_part and self.links[owners[0]] is not None:
+        owners = self.cache.get(event)
+        if owners is None:
+            owners = self.replica.owners(event)
+        local = self.local
+        local_part = bool(local.routes(event))
+        only = self.links[owners[0]] if len(owners) == 1 and not local_part else None
+        if only is not None:
             # one owner has every bound queue: it runs the line in this client's session and answers
             # there, after the deliveries the publish caused, exactly as one worker would
-            self.send_in_session(session, owners[0], b"%b publish --confirm %b" % (rid, tail[len(rid) + 11 :]))
+            relay = session.relay
+            assert relay is not None
+            line = b"%b publish --confirm %b" % (rid, tail[len(rid) + 11 :])
+            if only.run_kind == SESSION_LINES_KIND and only.run_key == relay.key:
+                # this session's run is open on the link: its send put the owner among `remote` and `unsynced`,
+                # and a sync mark would have closed the run (nearly every forwarded line of a pipelined client;
+                # with the cache read here and in routes_elsewhere: 560 -> 320 ns a line, timed over stub links)
+                only.run.append(line)
+            else:
+                relay.send(owners[0], line, answer_first=False)
             return
         self.fan_out(FanIn(session.outbox, rid, len(owners) + 1, owners), rid, event, tail, local_part)
 
@@ -182,12 +178,19 @@ class Forwarder:
         """A quiet publish (actions.publish_quiet) some of whose queues are elsewhere: each owner answers only a
         refusal. To one owner it goes as the session's line, whose sync mark that owner answers after its log has
         the line's copies (links.IncomingLink.mark); to several, as a QuietFanIn the sync waits for."""
-        owners = self.owners_of(event)
+        owners = self.cache.get(event)
+        if owners is None:
+            owners = self.replica.owners(event)
         relay = session.relay
         assert relay is not None
         local_part = bool(self.local.routes(event))
         if len(owners) == 1 and not local_part:
-            self.send_in_session(session, owners[0], b"%b publish --confirm-quiet %b" % (rid, tail[len(rid) + 11 :]))
+            only = self.links[owners[0]]
+            line = b"%b publish --confirm-quiet %b" % (rid, tail[len(rid) + 11 :])
+            if only is not None and only.run_kind == SESSION_LINES_KIND and only.run_key == relay.key:
+                only.run.append(line)  # as publish_confirmed's: the owner is among `remote` and `unsynced`
+            else:
+                relay.send(owners[0], line, answer_first=False)  # raises "try again" if the owner is restarting
             return
         self.fan_out(QuietFanIn(relay, session.outbox, rid, len(owners) + 1, owners), rid, event, tail, local_part)
 
