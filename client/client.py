@@ -238,7 +238,9 @@ class Client(ClientBase):
                 on_reconnect: Callable[[str, str], Any] | None = None, *, json: bool = False,
                 prefetch: int = 0, timeout: float | None = None, ack_timeout: float | None = None,
                 max_retries: int | str | None = None, max_length: int | str | None = None) -> str:
-        """Start a consumer and return its id; `callback(message)` runs in the consumer's own greenlet.
+        """Start a consumer and return its id once the broker has it (a confirmed publish after this returns reaches
+        the queue, even when the connection was lost before the answer: the reconnect's replay is waited for);
+        `callback(message)` runs in the consumer's own greenlet.
 
         `events` replace the queue's bindings, or are added to them with `add=True`. After a reconnect
         the consumer comes back under a new id and `on_reconnect(old_id, new_id)` runs first;
@@ -282,8 +284,9 @@ class Client(ClientBase):
         try:
             conn.wait(rid, future, deadline, "consume")
         except MqksConnectionError:
-            # still registered: the reconnect replays it and calls on_reconnect(id, new_id)
-            return consumer.reported_id
+            # the line may never have reached the broker, and a caller that publishes next must find the queue
+            # bound: the consumer is still registered, so return once the reconnect's replay of it is answered
+            return self._wait_replayed(consumer, deadline)
         except MqksTimeoutError:
             session.forget(consumer)
             # the broker may yet start it: a consumer nobody listens to would swallow messages
@@ -293,6 +296,25 @@ class Client(ClientBase):
             session.forget(consumer)
             raise
         return consumer.id
+
+    def _wait_replayed(self, consumer: Consumer, deadline: float) -> str:
+        """`consumer`'s first id once the broker answered its replay; its refusal, or a timeout (then it is dropped)."""
+        if not consumer.replayed.wait(max(0.0, deadline - time.monotonic())):
+            self._drop(consumer)
+            raise MqksTimeoutError(f"consume of {consumer.queue}: no connection took it within the timeout")
+        if consumer.refusal is not None:
+            raise consumer.refusal
+        if not consumer.active:
+            raise MqksConnectionError(f"consume of {consumer.queue}: the client closed before the broker had it")
+        return consumer.first_id
+
+    def _drop(self, consumer: Consumer) -> None:
+        """Forget `consumer` here and, if its replay may have reached the broker, delete it there."""
+        conn = consumer.conn
+        if consumer.home is not None:
+            consumer.home.forget(consumer)
+        if conn is not None and not conn.lost.is_set():
+            conn.write(b"".join((self._new_rid(), b" delete_consumer ", consumer.id.encode(), b"\n")))
 
     def _consumer_link(self, queue: bytes, deadline: float) -> tuple[Consumers, Connection]:
         """The session and live connection for a consume of `queue`: its owner's direct link, else the public one."""

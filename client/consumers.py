@@ -87,7 +87,7 @@ MessageCallback: TypeAlias = Callable[[Message], Any]
 class Consumer(ConsumerState):
     """A consumer of the gevent client: its wire state (consuming.py), callbacks, and the greenlet that runs them."""
 
-    __slots__ = ("settle", "answer", "callback", "wakeup", "greenlet")
+    __slots__ = ("settle", "answer", "callback", "wakeup", "greenlet", "replayed")
     home: Consumers | None  # the link's session it lives on
     conn: Connection | None  # the connection its last consume line went on
 
@@ -105,6 +105,7 @@ class Consumer(ConsumerState):
         self.callback = callback
         self.wakeup = Event()
         self.greenlet: gevent.Greenlet | None = None
+        self.replayed = Event()  # set by `settled`: what a consume() whose first answer was lost waits on
 
     def on_delivery(self, data: bytes) -> None:
         """Queue a delivery for this consumer's greenlet; data stays bytes until that greenlet decodes it."""
@@ -118,6 +119,9 @@ class Consumer(ConsumerState):
 
     def wake(self) -> None:
         self.wakeup.set()
+
+    def settled(self) -> None:
+        self.replayed.set()
 
     def run(self) -> None:
         """Run this consumer's callbacks one by one, in delivery order (its greenlet's body)."""

@@ -83,7 +83,8 @@ class ConsumerState:
 
     __slots__ = ("id", "first_id", "aliases", "reported_id", "queue", "events", "events_known", "manual_ack",
                  "delete_queue_when_unused", "prefetch", "ack_timeout", "max_retries", "max_length", "json",
-                 "unacked", "replaying", "active", "pending", "on_disconnect", "on_reconnect", "home", "conn")
+                 "unacked", "replaying", "active", "pending", "on_disconnect", "on_reconnect", "home", "conn",
+                 "refusal")
 
     def __init__(self, consumer_id: str, queue: str, events: list[str], add: bool, manual_ack: bool,
                  delete_queue_when_unused: float | bool | None, prefetch: int, json: bool, *,
@@ -117,6 +118,7 @@ class ConsumerState:
         self.on_reconnect = on_reconnect  # (old id, new id), before the first delivery under the new id
         self.home: Any = None  # the session (one per link) it lives on
         self.conn: Any = None  # the connection its last consume line went on
+        self.refusal: MqksError | None = None  # why the broker refused its replay for good (it is dropped)
 
     def take_unacked(self, msg_id: str) -> bool:
         """Settle one delivery of `msg_id`; False when none is pending on this connection."""
@@ -181,6 +183,11 @@ class ConsumerState:
         self.active = False
         self.pending.clear()
         self.wake()
+        self.settled()
+
+    def settled(self) -> None:
+        """The broker has this consumer under its current id, or it is dropped: a consume() still waiting for its
+        replay (its first line's answer lost with a connection) looks again. Nothing waits here by default."""
 
     def disconnected(self, notify: bool) -> None:
         """The connection is gone: forget its un-acked deliveries; `notify` queues on_disconnect."""
@@ -255,6 +262,7 @@ class Registry(Generic[C]):
             raise MqksConnectionError(f"consumer replay on queue {consumer.queue}: {error.reason}") from None
         log.error("mqks %s: replay of consumer %s on queue %s failed, consumer dropped: %s",
                   self.where, consumer.reported_id, consumer.queue, error)
+        consumer.refusal = error
         self.forget(consumer)
 
     def disconnected(self, notify: bool, closed: bool) -> None:
@@ -341,6 +349,7 @@ class Registry(Generic[C]):
         old_id, consumer.reported_id = consumer.reported_id, consumer.id
         if consumer.on_reconnect is not None:
             consumer.notice(consumer.on_reconnect, old_id, consumer.id)
+        consumer.settled()
 
     def refused(self, rid: bytes, error: MqksError) -> bool:
         """Take an error answer nobody waits for; False when `rid` names no consumer and no on_refused takes it."""

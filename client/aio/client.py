@@ -226,6 +226,8 @@ class Client(ClientBase):
                       max_buffered: int = DEFAULT_MAX_BUFFERED) -> Consumer:
         """Start a consumer: `async for message in consumer`, or `callback(message)` (plain or async) in its task.
 
+        Returns once the broker has it, as the gevent client's consume() does (a lost answer waits for the replay).
+
         `events` replace the queue's bindings, or are added with `add=True`. `max_buffered` deliveries wait
         in the client at most; past that the connection stops reading until the consumer catches up (with
         `manual_ack`, `prefetch` bounds what the broker sends). After a reconnect the consumer comes back
@@ -273,13 +275,32 @@ class Client(ClientBase):
         try:
             await conn.wait(rid, future, deadline, "consume")
         except MqksConnectionError:
-            return consumer  # still registered: the reconnect replays it and calls on_reconnect(id, new_id)
+            # the line may never have reached the broker, and a caller that publishes next must find the queue
+            # bound: the consumer is still registered, so return once the reconnect's replay of it is answered
+            return await self._wait_replayed(consumer, deadline)
         except BaseException as e:  # refused, timed out, or the caller cancelled us
             session.forget(consumer)
             if not isinstance(e, MqksError) or isinstance(e, MqksTimeoutError):
                 # the broker may yet start it: a consumer nobody listens to would swallow messages
                 conn.write(b"".join((self._new_rid(), b" delete_consumer ", rid, b"\n")))
             raise
+        return consumer
+
+    async def _wait_replayed(self, consumer: Consumer, deadline: float) -> Consumer:
+        """`consumer` once the broker answered its replay; its refusal, or a timeout (then it is dropped)."""
+        try:
+            await asyncio.wait_for(consumer.replayed.wait(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            conn = consumer.conn
+            if consumer.home is not None:
+                consumer.home.forget(consumer)
+            if conn is not None and not conn.lost.is_set():  # the replay may have reached the broker
+                conn.write(b"".join((self._new_rid(), b" delete_consumer ", consumer.id.encode(), b"\n")))
+            raise MqksTimeoutError(f"consume of {consumer.queue}: no connection took it within the timeout") from None
+        if consumer.refusal is not None:
+            raise consumer.refusal
+        if not consumer.active:
+            raise MqksConnectionError(f"consume of {consumer.queue}: the client closed before the broker had it")
         return consumer
 
     async def _consumer_link(self, queue: bytes, deadline: float) -> tuple[Consumers, Connection]:

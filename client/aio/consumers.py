@@ -83,7 +83,7 @@ class Consumer(ConsumerState):
     valid for `client.ack` and `delete_consumer` for good. `await consumer.cancel()` deletes it on the broker.
     """
 
-    __slots__ = ("settle", "answer", "delete", "waiter", "max_buffered", "task")
+    __slots__ = ("settle", "answer", "delete", "waiter", "max_buffered", "task", "replayed")
     home: Consumers | None  # the link's session it lives on
     conn: Connection | None  # the connection its last consume line went on
 
@@ -104,6 +104,7 @@ class Consumer(ConsumerState):
         self.waiter: asyncio.Future[None] | None = None  # the iterator waiting for a delivery
         self.max_buffered = max_buffered
         self.task: asyncio.Task[None] | None = None  # runs the callback, when consume() was given one
+        self.replayed = asyncio.Event()  # set by `settled`: what a consume() whose first answer was lost waits on
 
     @property
     def buffered(self) -> int:
@@ -129,6 +130,9 @@ class Consumer(ConsumerState):
             self.waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+
+    def settled(self) -> None:
+        self.replayed.set()
 
     def stop(self) -> None:
         """No more deliveries: drop what is buffered and end the iterator."""

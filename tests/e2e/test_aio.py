@@ -521,6 +521,35 @@ def test_tls_with_a_token_and_the_refusals_without_one(make_broker: Callable[...
     run(main)
 
 
+def test_a_consume_whose_line_is_lost_with_its_connection_returns_once_the_replay_has_it(
+        make_broker: Callable[..., BrokerProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the gevent client's: consume() returns only once the broker has the consumer, so a publish right after it
+    is routed to the queue, even when the consume's line was lost with its connection (never sent)."""
+    from mqks.aio.connection import Connection
+
+    server = make_broker()
+    queue, event = unique("q"), unique("e")
+    write = Connection.write
+    lost: list[bytes] = []
+
+    async def main() -> list[Any]:
+        async with client_of(server) as client, client_of(server) as publisher:
+            def lose_the_consume(conn: Connection, line: bytes) -> None:
+                if b" consume " in line and not lost and conn.link is client._link:
+                    lost.append(line)
+                    asyncio.get_running_loop().call_soon(conn.link.lose, conn, "dropped by the test, consume unsent")
+                    return
+                write(conn, line)
+
+            monkeypatch.setattr(Connection, "write", lose_the_consume)
+            consumer = await client.consume(queue, [event])
+            assert lost, "the consume line was not the one lost"
+            await publisher.publish(event, "right after consume() returned", confirm=True)
+            return [message.data for message in await take(consumer, 1)]
+
+    assert run(main) == ["right after consume() returned"]
+
+
 def test_keepalive_notices_a_frozen_broker_and_reconnects_after(make_broker: Callable[..., BrokerProcess]) -> None:
     server = make_broker()
 

@@ -443,9 +443,14 @@ def test_sigkill_and_restart_replays_consumers_with_current_events(make_broker: 
 
 
 @pytest.fixture
-def one_link_client(make_broker: Callable[..., BrokerProcess]) -> Iterator[Client]:
+def one_link_broker(make_broker: Callable[..., BrokerProcess]) -> BrokerProcess:
+    return make_broker()
+
+
+@pytest.fixture
+def one_link_client(one_link_broker: BrokerProcess) -> Iterator[Client]:
     """A client of a one-worker broker: consumers and publishes share its one link (these tests drop it)."""
-    client = make_client(make_broker())
+    client = make_client(one_link_broker)
     yield client
     client.close()
 
@@ -499,6 +504,36 @@ def test_connection_lost_during_the_handshake_keeps_hooks_alternating(one_link_c
     assert hooks == ["disconnect", "reconnect", "disconnect", "reconnect"]
     client.publish(event, "still consuming", confirm=True)
     assert [message.data for message in inbox.wait(1)] == ["still consuming"]
+
+
+def test_a_consume_whose_line_is_lost_with_its_connection_returns_once_the_replay_has_it(
+        one_link_broker: BrokerProcess, one_link_client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """consume() returns only once the broker has the consumer: a publish right after it is routed to the queue.
+    Here its line is lost with the connection (never sent): the reconnect's replay is what makes it."""
+    from mqks.client.connection import Connection
+
+    client = one_link_client
+    queue, event = unique("q"), unique("e")
+    inbox = Inbox()
+    write = Connection.write
+    lost: list[bytes] = []
+
+    def lose_the_consume(conn: Connection, line: bytes) -> None:
+        if b" consume " in line and not lost:
+            lost.append(line)
+            gevent.spawn(client._lose, conn, "dropped by the test with a consume unsent")
+            return
+        write(conn, line)
+
+    monkeypatch.setattr(Connection, "write", lose_the_consume)
+    client.consume(queue, [event], inbox)
+    assert lost, "the consume line was not the one lost"
+    publisher = make_client(one_link_broker)
+    try:
+        publisher.publish(event, "right after consume() returned", confirm=True)
+    finally:
+        publisher.close()
+    assert [message.data for message in inbox.wait(1)] == ["right after consume() returned"]
 
 
 def test_timeouts_leave_no_answer_waiting_and_no_stray_consumer(make_broker: Callable[..., BrokerProcess]) -> None:
