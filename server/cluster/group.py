@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("mqks.cluster")
 
 DIAL_RETRY_SECONDS = 0.2  # a group's owner unknown or unreachable: dial again after this
+# how long a router trusts the bindings of a group it lost its link to, in leases: long enough for the group to fail
+# over and the new owner's entry to be read (a lease, a claim's delay, the recovery), whose refusals would otherwise
+# stop every confirmed publish of the router; an owner refuses new bindings that long after losing a router's link
+BINDINGS_TRUST_LEASES = 3
 
 
 def owner_description(config: Config) -> str:
@@ -67,6 +71,7 @@ class ClusterGroup:
                                    owned_here=self.node_dir.owned, may_pull=self.node_dir.take_pull_turn,
                                    end_pull=self.node_dir.end_pull_turn)
         self.map = ClusterMap(stream_log.bridge, self.candidacy, config.log_replicas, on_map_change, shared_map)
+        self.peers: Peers | None = None  # the serving Server's, once it links
         self.hand_offs = HandOffRequests(config.node, stream_log.owner, stream_log.wake)
         accepts_with, dials_with = link_tls or (None, None)
         self.link_tls: ssl.SSLContext | None = accepts_with
@@ -88,6 +93,12 @@ class ClusterGroup:
         peers.address_of = self.map.address
         peers.owner_epoch = lambda group: self.map.entries.get(group, {}).get("epoch")
         peers.connect_retry_seconds = DIAL_RETRY_SECONDS
+        # a lost link's bindings route for a few leases (a failover and the new owner's entry read), never longer
+        # (workers/bindings_trust.py)
+        lease = self.config.lease_seconds
+        peers.trusts.seconds = peers.promises.seconds = BINDINGS_TRUST_LEASES * lease
+        peers.promises.lease_seconds = lease
+        self.peers = peers
         tokens = self.tokens
         token = None if tokens is None else tokens.cluster_secret or (tokens.tokens[0] if tokens.tokens else None)
         if token is not None:
@@ -135,6 +146,8 @@ class ClusterGroup:
         if tls_port is not None:
             about["tls_port"] = tls_port
         self.map.entries[self.group] = about
+        if self.peers is not None:  # before any listener: a binding made here could miss a router of the old owner's
+            self.peers.promises.took_over([group for group in range(self.peers.count) if group != self.group])
         self.map.start(about, still_owner=lambda: self.stream_log.fenced_by is None)
         self.map.serve_hand_offs(self.stream_log.name, self.hand_offs)
         if config.run_dir is not None:

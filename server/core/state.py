@@ -30,7 +30,7 @@ from typing import Any
 
 from ..journal import records
 from ..wire.outbox import Outbox
-from ..wire.protocol import msg_id_of, with_field
+from ..wire.protocol import ProtocolError, msg_id_of, with_field
 from . import dead_letters
 from .messages import NEWLINE, Item, Message, MessageStore, Packed, retry_of, unpack
 from .routing import Routing, compile_mask
@@ -476,6 +476,9 @@ class Broker:
         self.leases: Any = None  # server/core/leases.py's Leases, set by Process (fetch and settle)
         # with worker processes, every other worker's replica of the bindings must learn each change
         self.bindings_changed: Callable[[Queue], None] | None = None
+        # ... and a cluster's group refuses to add one while another group may route by what it had of them
+        # (server/workers/bindings_trust.py): the reason, or None
+        self.binding_refusal: Callable[[], str | None] | None = None
         # the journal's append with --data-dir: every change of durable state is a record (records.py)
         self.record: Callable[[bytes], None] | None = None
 
@@ -586,6 +589,10 @@ class Broker:
         wanted.update(dict.fromkeys(add))
         if list(wanted) == before:
             return False
+        if self.binding_refusal is not None and any(event not in queue.events for event in wanted):
+            refusal = self.binding_refusal()
+            if refusal is not None:
+                raise ProtocolError(refusal)
         for event in before:
             if event not in wanted:
                 self.routing.unbind(queue, event)

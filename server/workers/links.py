@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -63,7 +64,7 @@ def notice_dead_peer(sock: socket.socket) -> None:
 class PeerLink(FrameSocket):
     """This worker's link to peer `worker`: requests out, answers and the peer's bindings in."""
 
-    __slots__ = ("worker", "peers", "reader", "ready", "owner_epoch")
+    __slots__ = ("worker", "peers", "reader", "ready", "owner_epoch", "answered_at")
 
     def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
         super().__init__(sock, peers.process.pending, f"link to worker {worker}", peers.max_backlog)
@@ -72,6 +73,8 @@ class PeerLink(FrameSocket):
         self.reader = FrameReader()
         self.ready = False  # the peer's bindings are in: lines and publishes may go (Peers.linked)
         self.owner_epoch: Any = None  # a cluster's group: the epoch of the owner dialled (Peers.unknown_bindings)
+        # when this side sent the latest mark the owner has answered (monotonic): what its trust counts from
+        self.answered_at = 0.0
 
     def lost(self, reason: str) -> None:
         if self.shut():
@@ -222,7 +225,7 @@ class RemoteSession:
 class IncomingLink(FrameSocket):
     """A peer's link to this worker: its requests in; answers, and this worker's binding changes, out."""
 
-    __slots__ = ("peers", "process", "worker", "sessions", "confirms", "reader", "acked", "no_rejects")
+    __slots__ = ("peers", "process", "worker", "sessions", "confirms", "reader", "acked", "no_rejects", "marked_at")
 
     def __init__(self, sock: socket.socket, peers: Peers, worker: int) -> None:
         super().__init__(sock, peers.process.pending, f"worker {worker}", peers.max_backlog)
@@ -234,6 +237,7 @@ class IncomingLink(FrameSocket):
         self.confirms = Outbox(peers.process.pending, NO_LIMIT, self.flush_confirms)
         self.reader = FrameReader()
         self.no_rejects: deque[tuple[bytes, str]] = deque()  # run_lines' rejects: a forwarded line has none
+        self.marked_at = time.monotonic()  # when this side last answered a mark (the bindings dump: the hello)
 
     def flush_confirms(self) -> None:
         out = self.confirms.pieces()
@@ -260,6 +264,7 @@ class IncomingLink(FrameSocket):
         finally:
             self.lost("closed")
             peers.incoming.discard(self)
+            peers.promises.link_lost(self.worker, self.marked_at)
             peers.check_barrier()  # a worker that left acks nothing: the others decide
             for session in list(self.sessions.values()):
                 self.end_session(session)
@@ -396,4 +401,5 @@ class IncomingLink(FrameSocket):
             session.flush()
             if key[:1] == b"g":  # a gather's session lives for one answer
                 self.sessions.pop(key, None)
+        self.marked_at = time.monotonic()
         self.frame(Frame.MARKED, key)

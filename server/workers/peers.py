@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,6 +31,7 @@ from ..core.state import Queue
 from ..dispatch.slots import owner_of
 from ..wire.outbox import Outbox
 from ..wire.protocol import ok_body
+from .bindings_trust import KEEPALIVES_PER_TRUST, Promises, Trusts
 from .forwarding import ConfirmTarget, DeadLetterTransfer, Forwarder, RemoteDeadLetters
 from .frames import NEWLINE, Frame
 from .links import RELAY_WINDOW_BYTES, IncomingLink, PeerLink
@@ -76,6 +78,25 @@ class Waiter:
             self.event.set()
 
 
+class KeepaliveAnswer:
+    """The answer to a link's keepalive mark: the owner had read everything sent before `sent_at` (bindings_trust)."""
+
+    __slots__ = ("peers", "key", "link", "sent_at")
+
+    def __init__(self, peers: Peers, key: bytes, link: PeerLink, sent_at: float) -> None:
+        self.peers = peers
+        self.key = key
+        self.link = link
+        self.sent_at = sent_at
+
+    def take(self, payload: bytes, worker: int) -> None:
+        """A mark's session has no output."""
+
+    def done(self) -> None:
+        self.peers.targets.pop(self.key, None)
+        self.link.answered_at = max(self.link.answered_at, self.sent_at)
+
+
 class HoldRelease:
     """The mark that ends one hold on client output (see Peers.hold_until_marked)."""
 
@@ -119,6 +140,9 @@ class Peers:
         # names now (None: not a cluster, where a lost link's bindings are never trusted)
         self.bindings_epoch: list[Any] = [None] * count
         self.owner_epoch: Callable[[int], Any] = lambda worker: None
+        # ... and for how long, across a lost link (bindings_trust.py; a cluster's group sets the seconds)
+        self.trusts = Trusts(count)
+        self.promises = Promises(lambda worker: self.owner_epoch(worker))
         # how a link is opened: a Unix socket in run_dir here; a cluster's node dials the group's owner over TCP
         self.dial: Callable[[int], socket.socket] = self.dial_unix
         self.unit = "worker"  # what errors call a peer: "group" in a cluster, where a group's owner is on any node
@@ -146,6 +170,7 @@ class Peers:
         self.dead_waiting: dict[int, list[DeadLetterTransfer]] = {}  # for a worker that is restarting
         local = process.broker
         local.bindings_changed = self.broadcast_bindings
+        local.binding_refusal = self.binding_refusal
         local.broker_for = self.broker_for
 
     def holds_output(self) -> bool:
@@ -175,14 +200,15 @@ class Peers:
         """The unlinked workers whose bindings are not known here. A cluster's group whose link was lost is routed to by
         the bindings its owner last sent while the map still names that owner (its part of a publish fails, and the
         client tries again): a cut-off node must not stop confirmed publishes to every queue of the cluster until its
-        groups have new owners (issue 56). Once the map names a new owner, whose clients may bind queues before it
-        links here, they are unknown until its own bindings come."""
-        epochs, owner_epoch = self.bindings_epoch, self.owner_epoch
+        groups have new owners (issue 56), for a few leases at most (bindings_trust.py: its owner refuses new
+        bindings that long). Once the map names a new owner, whose clients may bind queues before it links here, they
+        are unknown until its own bindings come."""
+        epochs, owner_epoch, trusts = self.bindings_epoch, self.owner_epoch, self.trusts
         unknown = []
         for worker, link in enumerate(self.links):
             if link is None and worker != self.worker:
                 epoch = epochs[worker]
-                if epoch is None or owner_epoch(worker) != epoch:
+                if epoch is None or owner_epoch(worker) != epoch or trusts.expired(worker):
                     unknown.append(worker)
         return unknown
 
@@ -231,6 +257,17 @@ class Peers:
         return b"%b%d" % (prefix, next(self.next_key))
 
     # -- bindings ---------------------------------------------------------------------------------
+
+    def binding_refusal(self) -> str | None:
+        """Why an event may not be bound here now: a group without a link here may still route by what it had of
+        this group's bindings (bindings_trust.py). None: bind."""
+        if not self.promises.until:
+            return None
+        waiting = self.promises.waiting_for({link.worker for link in self.incoming if not link.closed})
+        if not waiting:
+            return None
+        return (f"{self.unit} {', '.join(map(str, waiting))} may still route publishes by this {self.unit}'s "
+                "bindings without a link here: a queue bound now could miss them; try again")
 
     def broadcast_bindings(self, queue: Queue) -> None:
         """The local queue's events changed (or it was deleted): every peer's replica learns it now.
@@ -338,6 +375,7 @@ class Peers:
         while True:
             address = self.address_of(worker)
             epoch = self.owner_epoch(worker)  # the owner this address is of: its bindings come on the link
+            dialled_at = time.monotonic()
             try:
                 sock = self.dial(worker)
             except OSError:
@@ -351,8 +389,10 @@ class Peers:
                 continue
             link = PeerLink(sock, self, worker)
             link.owner_epoch = epoch
+            link.answered_at = dialled_at  # its bindings, when they come, answer the hello
             self.dialled[worker] = (address, link)
             writer = gevent.spawn(link.write_loop)
+            keepalive = gevent.spawn(self.keep_alive, link) if self.trusts.seconds else None
             try:
                 link.read_loop()
             except Exception:  # a bug in a frame's handling must not end the linking: the worker is out of reach
@@ -360,8 +400,19 @@ class Peers:
                 link.lost("its reader failed")
             finally:  # lost, or this group's server ended (close)
                 writer.kill(block=False)
+                if keepalive is not None:
+                    keepalive.kill(block=False)
                 sock.close()
             gevent.sleep(self.connect_retry_seconds)
+
+    def keep_alive(self, link: PeerLink) -> None:
+        """Mark the link now and then: each answer renews how long its owner's bindings are trusted once it is lost."""
+        while not link.closed:
+            gevent.sleep(self.trusts.seconds / KEEPALIVES_PER_TRUST)
+            key = self.new_key(b"k")
+            self.targets[key] = KeepaliveAnswer(self, key, link, time.monotonic())
+            link.frame(Frame.MARK, key)
+            self.process.flush_pending()
 
     def linked(self, link: PeerLink) -> None:
         """`link`'s peer has sent its bindings: lines for its queues, and publishes that may reach them, go now."""
@@ -378,15 +429,18 @@ class Peers:
     def link_lost(self, link: PeerLink, reason: str) -> None:
         if self.links[link.worker] is link:
             self.links[link.worker] = None
+            self.trusts.link_lost(link.worker, link.answered_at)
             self.count_unlinked()
         log.warning("link to worker %d lost (%s): its clients here are closed; reconnecting", link.worker, reason)
         for fanin_id, fanin in list(self.fanins.items()):
             if link.worker in fanin.owners:
                 del self.fanins[fanin_id]
                 fanin.link_lost(link.worker, self.process)
-        for target in list(self.targets.values()):
+        for key, target in list(self.targets.items()):
             if isinstance(target, HoldRelease) and target.link is link:
                 target.done()  # that worker is gone: what it was sent is lost with it, and so is the wait
+            elif isinstance(target, KeepaliveAnswer) and target.link is link:
+                del self.targets[key]
         self.on_link_lost(link.worker)
         self.process.flush_pending()
 

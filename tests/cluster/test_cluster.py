@@ -407,6 +407,39 @@ def ask_until_ok(port: int, line: bytes, timeout: float = 30.0) -> bytes:
         gevent.sleep(0.2)
 
 
+def test_a_queue_bound_while_a_router_has_lost_its_link_misses_none_of_its_confirmed_publishes(cluster):
+    """Group R's link to group O's owner is lost (its dials fail), both still owned and on NATS. R routes by O's
+    bindings as it last had them (issue 56), so O must not bind a new queue R does not know: O refuses the consume
+    ("try again") until R links again (or R's trust runs out), and every publish R confirms reaches every queue bound
+    before it. Before, O bound it at once and R confirmed a publish to its event that reached no queue."""
+    direct = {entry["worker"]: entry["port"] for entry in (cluster.hello() or {})["direct"]}
+    router, owner = 0, 1
+    queue, event = cluster.queue_of(owner, unique("bq")), unique("be")
+    # the router's dials to the owner fail from now on, and its link there goes (what a cut between them does)
+    cut = ("setattr(process.peers, 'real_dial', process.peers.dial) or setattr(process.peers, 'dial', lambda group: "
+           f"(_ for _ in ()).throw(OSError('cut by the test')) if group == {owner} else process.peers.real_dial(group))"
+           f" or process.peers.links[{owner}].sock.shutdown(2)")
+    assert ask(direct[router], f"c _eval --worker={router} {cut}".encode())[0].startswith(b"c ok")
+    wait_for(lambda: f"group-{router}: link to worker {owner} lost" in "".join(
+        node.log() for node in cluster.nodes.values()), "the router's link to the owner to go", 30)
+
+    answer = ask(direct[owner], f"b consume --confirm {queue} {event}".encode())[0]
+    if answer.startswith(b"b ok"):  # the old way: bound, and the router does not know it
+        confirmed = ask(direct[router], f"p publish --confirm {event} lost?".encode())[0]
+        depth = ask(direct[owner], f"d _eval --worker={owner} state.queues[b'{queue}'].depth()".encode())[0]
+        assert not confirmed.startswith(b"p ok") or depth == b"d ok 1", (
+            f"a publish the router confirmed ({confirmed!r}) missed {queue}, bound before it ({depth!r})")
+    assert answer.startswith(b"b error") and answer.endswith(b"try again"), answer
+    assert f"group {router} may still route publishes".encode() in answer
+
+    restore = "setattr(process.peers, 'dial', process.peers.real_dial)"
+    assert ask(direct[router], f"r _eval --worker={router} {restore}".encode())[0].startswith(b"r ok")
+    assert ask_until_ok(direct[owner], f"b consume --confirm {queue} {event}".encode()).startswith(b"b ok")
+    assert ask_until_ok(direct[router], f"p publish --confirm {event} found".encode()).startswith(b"p ok")
+    assert wait_for(lambda: ask(direct[owner], f"d _eval --worker={owner} state.queues[b'{queue}'].depth()".encode())[0] == b"d ok 1",
+                    f"the publish in {queue}", 30)
+
+
 def publish_until_confirmed(client: Client, event: str, data: str, timeout: float = 60.0) -> str:
     """A confirmed publish, again while it is refused with "try again" (a link to a group's owner is still
     coming up: the message was not published), as an application would."""

@@ -15,6 +15,7 @@ import pytest
 
 from mqks.server.cluster.hooks import Cluster, NoCluster
 from mqks.server.edges.config import Config
+from mqks.server.workers.bindings_trust import Promises, Trusts
 
 ROOT = Path(__file__).resolve().parents[3]
 HOOKS = {name for name in Cluster.__dict__ if not name.startswith("_")} | set(Cluster.__annotations__)
@@ -102,9 +103,11 @@ def test_a_planned_stop_lets_any_standby_take_over_unless_the_group_was_taken_ov
 def test_a_group_links_over_tcp_with_the_cluster_secret_and_checks_the_links_it_accepts(tmp_path):
     tokens = SimpleNamespace(cluster_secret=b"s3cret", tokens=[b"user"], check_link=lambda token: token == b"s3cret")
     group = make_group(tmp_path, tokens)
-    peers = SimpleNamespace(worker=2)
+    peers = SimpleNamespace(worker=2, trusts=Trusts(4), promises=Promises(lambda group: None))
     group.link(peers)
     assert peers.unit == "group" and peers.link_hello == b"- _link 2 s3cret\n"
+    # a lost link's bindings are trusted for a few leases, and the owner promises as long (bindings_trust.py)
+    assert peers.trusts.seconds == peers.promises.seconds == 3 * group.config.lease_seconds > 0
     group.map.entries[1] = {"epoch": 5, "host": "10.0.0.2", "link_port": 7001}
     assert peers.owner_epoch(1) == 5 and peers.owner_epoch(3) is None
     assert peers.address_of(1) == group.map.address(1)

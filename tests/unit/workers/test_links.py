@@ -6,6 +6,7 @@ wait. The Process, Peers, links and outboxes are the real ones; only the socket'
 from __future__ import annotations
 
 import socket
+import time
 from collections import deque
 
 import pytest
@@ -125,9 +126,11 @@ def test_a_group_whose_link_is_lost_is_routed_to_by_its_owners_last_bindings_unt
     for worker, events in ((1, b"q1 theirs"), (2, b"q2 gone")):
         links[worker] = PeerLink(pair[0], peers, worker)
         links[worker].owner_epoch = epochs[worker]
+        links[worker].answered_at = time.monotonic()  # as dialled: the bindings answer the hello
         links[worker].on_forget_bindings(b"-", b"")
         links[worker].on_bindings(b"-", events + b"\n")
     assert peers.unlinked == 0
+    peers.trusts.seconds = 60.0  # as a cluster's group sets it (a few leases), counted from the last answered mark
     links[2].lost("cut off")  # its host is cut off: its owner's bindings as it last sent them stay
     assert peers.routing_unknown()  # not a cluster yet: never trusted
     peers.owner_epoch = epochs.get
@@ -135,6 +138,10 @@ def test_a_group_whose_link_is_lost_is_routed_to_by_its_owners_last_bindings_unt
     _, answers = publish(b"2 publish --confirm mine x", b"3 publish --confirm gone y")
     assert b"2 ok" in answers and broker.queues[b"ours"].depth() == 1  # the first was refused: nothing was put
     assert b"3 error" in answers and b"worker 2, which owns a bound queue" in answers  # the lost group's part
+    peers.trusts.until[2] = time.monotonic() - 1  # the trust ran out before a new owner was read
+    session, _ = publish(b"3a publish --confirm mine x")
+    assert session.errors and "worker 2 is not linked here" in session.errors[0][1]
+    peers.trusts.until[2] = time.monotonic() + 60
 
     epochs[2] = 8  # a new owner took group 2 over: its clients may have bound queues this worker does not know
     session, _ = publish(b"4 publish --confirm mine x")
@@ -182,3 +189,52 @@ def test_a_clients_confirmed_publishes_to_one_owner_go_in_its_sessions_run_in_or
 
     expected = (run(one, b"p0", b"p1") + run(two, b"p2") + run(one, b"p3") + b"M%b 0\n" % one + run(one, b"p4"))
     assert pair[1].recv(1 << 16) == expected
+
+
+def test_an_owner_refuses_new_bindings_while_a_group_without_a_link_here_may_route_by_its_old_ones(tmp_path):
+    """A router that lost its link confirms publishes by the bindings it had (for a few leases: above); a queue bound
+    here meanwhile would miss them, so this owner refuses an added event ("try again": clients retry) until the
+    router links again, its group's owner changes, or the promise runs out. Taking a group over promises a lease to
+    every group not linked yet (they may still route by the previous owner's bindings)."""
+    import gevent
+    import gevent.socket
+
+    from mqks.server.wire.protocol import ProtocolError
+
+    process = Process(worker=0, worker_count=3)
+    peers = Peers(process, str(tmp_path))
+    process.link(peers)
+    epochs = {1: 4, 2: 7}
+    peers.owner_epoch = epochs.get
+    peers.promises.seconds = 60.0
+    broker = process.broker
+    queue = broker.queue(b"q")
+    assert broker.rebind(queue, [b"a"])  # nothing promised: bound at once
+    ours, theirs = gevent.socket.socketpair()
+    link = IncomingLink(ours, peers, 1)
+    peers.incoming.add(link)
+    served = gevent.spawn(link.serve)
+    theirs.close()  # group 1's link here is lost
+    served.join(5)
+    assert served.dead and link not in peers.incoming
+    with pytest.raises(ProtocolError, match=r"worker 1 may still route publishes .* try again$"):
+        broker.rebind(queue, add=[b"b"])
+    assert list(queue.events) == [b"a"]  # refused before anything changed
+    assert broker.rebind(queue, remove=[b"a"])  # an event removed misses nothing
+    epochs[1] = 5  # group 1 has a new owner: the process that trusted our bindings no longer serves it
+    assert broker.rebind(queue, add=[b"b"])
+
+    peers.promises.lease_seconds = 30.0
+    peers.promises.took_over([1, 2])
+    with pytest.raises(ProtocolError, match=r"worker 1, 2 may still route"):
+        broker.rebind(queue, add=[b"c"])
+    again, other_end = gevent.socket.socketpair()
+    try:
+        peers.incoming.add(IncomingLink(again, peers, 1))  # group 1 linked here: it has our bindings, and acks changes
+        with pytest.raises(ProtocolError, match=r"worker 2 may still route"):
+            broker.rebind(queue, add=[b"c"])
+        peers.promises.until[2] = (time.monotonic() - 1, 7)  # its promise ran out
+        assert broker.rebind(queue, add=[b"c"]) and peers.promises.until == {}
+    finally:
+        again.close()
+        other_end.close()
