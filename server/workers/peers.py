@@ -150,6 +150,7 @@ class Peers:
         # each peer's latest link (ready or still waiting for its bindings) and the address it was opened to: a
         # cluster's owner may move
         self.dialled: dict[int, tuple[Any, PeerLink]] = {}
+        self.dialling: dict[int, tuple[Any, gevent.Greenlet]] = {}  # a dial under way: its address, its greenlet
         self.address_of: Callable[[int], Any] = self.socket_path
         self.connect_retry_seconds = CONNECT_RETRY_SECONDS
         self.incoming: set[IncomingLink] = set()
@@ -361,14 +362,27 @@ class Peers:
         return sock
 
     def readdress(self, worker: int) -> None:
-        """`worker`'s address changed (a cluster group's new owner): a link to the old one goes, and is made anew."""
+        """`worker`'s address changed (a cluster group's new owner): a link to the old one goes, and is made anew; a
+        dial to the old one under way is given up (one to a host cut off would wait out its connect timeout, 5 s,
+        before the new owner is dialled)."""
+        new_address = self.address_of(worker)
         address, link = self.dialled.get(worker, (None, None))
-        if link is not None and not link.closed and address != self.address_of(worker):
+        if link is not None and not link.closed and address != new_address:
             link.lost("its owner moved")
             try:
                 link.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        dialling = self.dialling.get(worker)
+        if dialling is not None and dialling[0] != new_address:
+            dialling[1].kill(block=False)
+
+    def dial_or_error(self, worker: int) -> Any:
+        """A socket to `worker`, or the OSError that stopped it (returned: a dial's greenlet never ends failed)."""
+        try:
+            return self.dial(worker)
+        except OSError as e:
+            return e
 
     def keep_linked(self, worker: int) -> None:
         """Connect to `worker`, and again whenever the link is lost (the peer restarts)."""
@@ -376,11 +390,19 @@ class Peers:
             address = self.address_of(worker)
             epoch = self.owner_epoch(worker)  # the owner this address is of: its bindings come on the link
             dialled_at = time.monotonic()
+            attempt = gevent.spawn(self.dial_or_error, worker)  # its own greenlet: readdress may give it up
+            self.dialling[worker] = (address, attempt)
             try:
-                sock = self.dial(worker)
-            except OSError:
+                dialled = attempt.get()
+            finally:
+                self.dialling.pop(worker, None)
+                attempt.kill(block=False)  # this keeper was killed while it waited: the dial goes too
+            if isinstance(dialled, gevent.GreenletExit):
+                continue  # given up: the map names another owner, dialled now
+            if isinstance(dialled, OSError):
                 gevent.sleep(self.connect_retry_seconds)
                 continue
+            sock = dialled
             try:
                 sock.sendall(self.link_hello)
             except OSError:

@@ -238,3 +238,46 @@ def test_an_owner_refuses_new_bindings_while_a_group_without_a_link_here_may_rou
     finally:
         again.close()
         other_end.close()
+
+
+def test_a_dial_to_an_owners_old_address_is_given_up_once_the_map_names_another(tmp_path):
+    """A link to a host cut off is lost, and its keeper dials the owner's address again: a connect that waits out
+    its timeout (5 s). The map then names a new owner: the dial under way is given up and the new one dialled at
+    once (the partition bench's routers linked to new owners up to 5 s late before)."""
+    import gevent
+    import gevent.event
+    import gevent.socket
+
+    process = Process(worker=0, worker_count=2)
+    peers = Peers(process, str(tmp_path))
+    process.link(peers)
+    addresses = {1: "old"}
+    peers.address_of = addresses.get
+    dialled: list[str] = []
+    cut_off = gevent.event.Event()  # never set: the old host does not answer
+    ours, theirs = gevent.socket.socketpair()
+
+    def dial(worker: int):
+        dialled.append(addresses[worker])
+        if addresses[worker] == "old":
+            cut_off.wait()
+            raise OSError("timed out")
+        return ours
+
+    peers.dial = dial
+    keeper = gevent.spawn(peers.keep_linked, 1)
+    try:
+        deadline = time.monotonic() + 5
+        while dialled != ["old"] and time.monotonic() < deadline:
+            gevent.sleep(0.01)
+        assert dialled == ["old"]
+        addresses[1] = "new"
+        peers.readdress(1)
+        while "new" not in dialled and time.monotonic() < deadline:
+            gevent.sleep(0.01)
+        assert dialled == ["old", "new"]
+        assert theirs.recv(64).startswith(b"- _link 0")  # the new owner got the link's hello
+    finally:
+        keeper.kill()
+        ours.close()
+        theirs.close()
