@@ -436,8 +436,8 @@ def test_a_queue_bound_while_a_router_has_lost_its_link_misses_none_of_its_confi
     assert ask(direct[router], f"r _eval --worker={router} {restore}".encode())[0].startswith(b"r ok")
     assert ask_until_ok(direct[owner], f"b consume --confirm {queue} {event}".encode()).startswith(b"b ok")
     assert ask_until_ok(direct[router], f"p publish --confirm {event} found".encode()).startswith(b"p ok")
-    assert wait_for(lambda: ask(direct[owner], f"d _eval --worker={owner} state.queues[b'{queue}'].depth()".encode())[0] == b"d ok 1",
-                    f"the publish in {queue}", 30)
+    depth_line = f"d _eval --worker={owner} state.queues[b'{queue}'].depth()".encode()
+    assert wait_for(lambda: ask(direct[owner], depth_line)[0] == b"d ok 1", f"the publish in {queue}", 30)
 
 
 def publish_until_confirmed(client: Client, event: str, data: str, timeout: float = 60.0) -> str:
