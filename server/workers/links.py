@@ -231,7 +231,8 @@ class IncomingLink(FrameSocket):
         super().__init__(sock, peers.process.pending, f"worker {worker}", peers.max_backlog)
         self.peers = peers
         self.process = peers.process
-        self.acked = peers.epoch  # it gets every binding at once (the dump), then acks each change
+        # it gets every binding at once (the dump), then a change of none it acks once the dump is applied
+        self.acked = peers.epoch - 1
         self.worker = worker
         self.sessions: dict[bytes, RemoteSession] = {}
         self.confirms = Outbox(peers.process.pending, NO_LIMIT, self.flush_confirms)
@@ -265,6 +266,8 @@ class IncomingLink(FrameSocket):
             self.lost("closed")
             peers.incoming.discard(self)
             peers.promises.link_lost(self.worker, self.marked_at)
+            if self.acked < peers.epoch and peers.promises.seconds:
+                peers.unacked_losses.add(self.worker)  # it may route by what it had: the barrier waits for it too
             peers.check_barrier()  # a worker that left acks nothing: the others decide
             for session in list(self.sessions.values()):
                 self.end_session(session)

@@ -168,6 +168,9 @@ class Peers:
         self.acked_epoch = 0
         self.deferred_marks: list[tuple[IncomingLink, bytes]] = []
         self.holds = 0  # marks awaited before client output may go (dead letters sent to another worker)
+        # groups whose link went before they acked our latest binding change (a cluster's): output waits for them too
+        self.unacked_losses: set[int] = set()
+        self.barrier_timer: gevent.Greenlet | None = None
         self.dead_waiting: dict[int, list[DeadLetterTransfer]] = {}  # for a worker that is restarting
         local = process.broker
         local.bindings_changed = self.broadcast_bindings
@@ -304,11 +307,31 @@ class Peers:
             return
         if any(link.acked < self.epoch for link in self.incoming if not link.closed):
             return
+        if self.unacked_losses and not self.losses_settled():
+            return
         self.acked_epoch = self.epoch
         marks, self.deferred_marks = self.deferred_marks, []
         for link, key in marks:
             if not link.closed:
                 link.mark(key)
+        self.process.flush_pending()
+
+    def losses_settled(self) -> bool:
+        """True once no group whose link went before it applied our latest change may still route by what it had
+        (bindings_trust.py): it linked again, has a new owner, or its promise ran out; else the barrier looks again
+        when the first promise ends."""
+        live = {link.worker for link in self.incoming if not link.closed}
+        self.unacked_losses.intersection_update(self.promises.waiting_for(live))
+        if not self.unacked_losses:
+            return True
+        if self.barrier_timer is None:
+            first_end = min(self.promises.until[worker][0] for worker in self.unacked_losses)
+            self.barrier_timer = gevent.spawn_later(max(first_end - time.monotonic(), 0.05), self.check_barrier_later)
+        return False
+
+    def check_barrier_later(self) -> None:
+        self.barrier_timer = None
+        self.check_barrier()
         self.process.flush_pending()
 
     def binding_dump(self) -> bytes:
@@ -325,6 +348,9 @@ class Peers:
         # then every binding of ours, even none: until the peer has them it sends us nothing, and confirms no
         # publish that might be for our queues
         link.frame(Frame.BINDINGS, b"-", self.binding_dump())
+        # and a change of none, which it acks once the dump is applied: a change waiting on the barrier is released
+        # only then (until its dump is in, a cluster's peer may still route by what it had of us)
+        link.frame(Frame.BINDINGS, b"%d" % self.epoch)
         link.flush()
         link.serve(first_bytes)
 

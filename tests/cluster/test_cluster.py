@@ -415,13 +415,21 @@ def test_a_queue_bound_while_a_router_has_lost_its_link_misses_none_of_its_confi
     direct = {entry["worker"]: entry["port"] for entry in (cluster.hello() or {})["direct"]}
     router, owner = 0, 1
     queue, event = cluster.queue_of(owner, unique("bq")), unique("be")
+
+    def evaluates(group: int, expression: str) -> bytes:
+        return ask(direct[group], f"v _eval --worker={group} {expression}".encode())[0]
+
+    wait_for(lambda: evaluates(router, f"process.peers.links[{owner}] is not None") == b"v ok True",
+             "the router's link to the owner", 30)
     # the router's dials to the owner fail from now on, and its link there goes (what a cut between them does)
     cut = ("setattr(process.peers, 'real_dial', process.peers.dial) or setattr(process.peers, 'dial', lambda group: "
            f"(_ for _ in ()).throw(OSError('cut by the test')) if group == {owner} else process.peers.real_dial(group))"
            f" or process.peers.links[{owner}].sock.shutdown(2)")
-    assert ask(direct[router], f"c _eval --worker={router} {cut}".encode())[0].startswith(b"c ok")
-    wait_for(lambda: f"group-{router}: link to worker {owner} lost" in "".join(
-        node.log() for node in cluster.nodes.values()), "the router's link to the owner to go", 30)
+    assert evaluates(router, cut).startswith(b"v ok")
+    wait_for(lambda: evaluates(router, f"process.peers.links[{owner}] is None") == b"v ok True",
+             "the router to lose its link to the owner", 30)
+    wait_for(lambda: evaluates(owner, f"{router} in {{link.worker for link in process.peers.incoming}}")
+             == b"v ok False", "the owner to see the router's link go", 30)
 
     answer = ask(direct[owner], f"b consume --confirm {queue} {event}".encode())[0]
     if answer.startswith(b"b ok"):  # the old way: bound, and the router does not know it
@@ -432,8 +440,7 @@ def test_a_queue_bound_while_a_router_has_lost_its_link_misses_none_of_its_confi
     assert answer.startswith(b"b error") and answer.endswith(b"try again"), answer
     assert f"group {router} may still route publishes".encode() in answer
 
-    restore = "setattr(process.peers, 'dial', process.peers.real_dial)"
-    assert ask(direct[router], f"r _eval --worker={router} {restore}".encode())[0].startswith(b"r ok")
+    assert evaluates(router, "setattr(process.peers, 'dial', process.peers.real_dial)").startswith(b"v ok")
     assert ask_until_ok(direct[owner], f"b consume --confirm {queue} {event}".encode()).startswith(b"b ok")
     assert ask_until_ok(direct[router], f"p publish --confirm {event} found".encode()).startswith(b"p ok")
     depth_line = f"d _eval --worker={owner} state.queues[b'{queue}'].depth()".encode()

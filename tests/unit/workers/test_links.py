@@ -281,3 +281,69 @@ def test_a_dial_to_an_owners_old_address_is_given_up_once_the_map_names_another(
         keeper.kill()
         ours.close()
         theirs.close()
+
+
+def test_a_change_a_router_never_acked_holds_output_until_it_links_again_or_may_no_longer_route(tmp_path):
+    """The owner binds while the router's link still looks alive; the link then goes before the router acked the
+    change, and the router routes by what it had. Client output (the consume's answer) waits until the router has
+    linked again and acked a change of none sent after its dump, or its owner changed, or its promise ran out."""
+    import gevent
+    import gevent.socket
+
+    from mqks.server.workers.frames import FrameReader
+
+    process = Process(worker=0, worker_count=2)
+    peers = Peers(process, str(tmp_path))
+    process.link(peers)
+    epochs = {1: 4}
+    peers.owner_epoch = epochs.get
+    peers.promises.seconds = 60.0
+    broker = process.broker
+
+    def deadline_wait(condition) -> bool:
+        deadline = time.monotonic() + 5
+        while not condition() and time.monotonic() < deadline:
+            gevent.sleep(0.01)
+        return condition()
+
+    def bind_then_lose(queue: bytes) -> None:
+        ours, theirs = gevent.socket.socketpair()
+        link = IncomingLink(ours, peers, 1)
+        link.acked = peers.epoch  # linked long ago: its dump applied
+        peers.incoming.add(link)
+        served = gevent.spawn(link.serve)
+        assert broker.rebind(broker.queue(queue), [queue + b".e"])  # allowed: the router is linked
+        assert peers.holds_output()  # until it acks
+        theirs.close()  # its link goes before it acked
+        served.join(5)
+        assert served.dead and peers.unacked_losses == {1}
+
+    bind_then_lose(b"q1")
+    peers.check_barrier()
+    assert peers.holds_output()  # the router may route by what it had: the answer waits
+    again, router_end = gevent.socket.socketpair()
+    accepted = gevent.spawn(peers.accept_link, again, 1)
+    reader, frames = FrameReader(), []
+    with gevent.Timeout(5):
+        while len(frames) < 3:
+            frames.extend(reader.feed(router_end.recv(65536)))
+    kinds = [(chr(kind), key) for kind, key, _ in frames[:3]]
+    assert kinds == [("Z", b"-"), ("B", b"-"), ("B", b"%d" % peers.epoch)] and b"q1 q1.e" in frames[1][2]
+    peers.check_barrier()
+    assert peers.holds_output()  # linked again, its dump not acked yet
+    router_end.sendall(b"K%d 0\n" % peers.epoch)
+    assert deadline_wait(lambda: not peers.holds_output())
+    accepted.kill()
+    router_end.close()
+
+    bind_then_lose(b"q2")
+    epochs[1] = 5  # the router's group has a new owner: the process that routed by it no longer serves it
+    peers.check_barrier()
+    assert not peers.holds_output()
+
+    epochs[1] = 6
+    peers.promises.promise(1, time.monotonic() + 60)
+    bind_then_lose(b"q3")
+    peers.promises.until[1] = (time.monotonic() - 1, 6)  # its promise ran out
+    peers.check_barrier()
+    assert not peers.holds_output()
