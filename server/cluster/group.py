@@ -146,7 +146,9 @@ class ClusterGroup:
         if tls_port is not None:
             about["tls_port"] = tls_port
         self.map.entries[self.group] = about
-        if self.peers is not None:  # before any listener: a binding made here could miss a router of the old owner's
+        # before any listener: a binding made here could miss a router of the old owner's; the first owner (epoch 1)
+        # had none, and a router without a group's bindings confirms no publish
+        if self.peers is not None and self.stream_log.epoch > 1:
             self.peers.promises.took_over([group for group in range(self.peers.count) if group != self.group])
         self.map.start(about, still_owner=lambda: self.stream_log.fenced_by is None)
         self.map.serve_hand_offs(self.stream_log.name, self.hand_offs)

@@ -117,3 +117,18 @@ def test_a_group_links_over_tcp_with_the_cluster_secret_and_checks_the_links_it_
     assert [entry["epoch"] for entry in fields["direct"]] == [None, 5]
     scope, labels, root_pid = group.node_figures()
     assert scope() == [] and labels == {"cluster": "c", "node": "a"} and root_pid == 42
+
+
+@pytest.mark.parametrize(("epoch", "promised"), [(1, {}), (7, {0: 5, 1: 5, 3: 5})])
+def test_a_group_taken_over_promises_the_others_a_lease_and_its_first_owner_promises_nothing(tmp_path, epoch,
+                                                                                              promised):
+    """A router may route by the previous owner's bindings for a while (bindings_trust.py); the first owner of a group
+    had no previous owner, so a fresh cluster binds at once (it refused "try again" until every group linked)."""
+    group = make_group(tmp_path)
+    group.stream_log.epoch = epoch
+    peers = SimpleNamespace(worker=2, count=4, trusts=Trusts(4), promises=Promises(lambda group: 5))
+    group.link(peers)
+    group.group = 2
+    group.serve(18000, 18001, None)
+    assert {worker: its_epoch for worker, (until, its_epoch) in peers.promises.until.items()} == promised
+    assert group.map.entries[2]["epoch"] == epoch
