@@ -450,6 +450,7 @@ def handle_consume(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
     if rid in session.consumers_by_id:
         raise ProtocolError(f"consume: consumer {text(rid)!r} is already consuming on this connection")
     broker = session.process.broker
+    made = name not in broker.queues
     queue = broker.queue(name)
     seq = flags.pop("seq")
     ack_timeout_seconds = flags.pop("ack_timeout_seconds")
@@ -460,7 +461,12 @@ def handle_consume(session: Session, rid: bytes, args: bytes, confirm: bool) -> 
         consumer = (TimedSeqConsumer if seq else TimedConsumer)(rid, queue, session.outbox, **flags,
                                                                 ack_timeout_seconds=ack_timeout_seconds,
                                                                 clock=broker.clock)
-    broker.consume(consumer, events, added, limits)
+    try:
+        broker.consume(consumer, events, added, limits)
+    except ProtocolError:
+        if made:  # refused before anything changed ("try again"): the line leaves no empty queue behind
+            broker.queues.pop(name, None)
+        raise
     if confirm:
         session.ok(rid)
     broker.pump(queue)
@@ -483,9 +489,15 @@ def handle_rebind(session: Session, rid: bytes, args: bytes, confirm: bool) -> N
         else:
             target.append(token)
     broker = session.process.broker
+    made = name not in broker.queues
     queue = broker.queue(name)
-    changed = broker.rebind(queue, replace=lists[b""] or None, add=lists[b"--add"], remove=lists[b"--remove"],
-                            remove_masks=lists[b"--remove-mask"])
+    try:
+        changed = broker.rebind(queue, replace=lists[b""] or None, add=lists[b"--add"], remove=lists[b"--remove"],
+                                remove_masks=lists[b"--remove-mask"])
+    except ProtocolError:
+        if made:  # as in handle_consume
+            broker.queues.pop(name, None)
+        raise
     if limits and broker.set_limits(queue, limits):
         changed = True
     if changed:

@@ -220,6 +220,14 @@ def test_an_owner_refuses_new_bindings_while_a_group_without_a_link_here_may_rou
     with pytest.raises(ProtocolError, match=r"worker 1 may still route publishes .* try again$"):
         broker.rebind(queue, add=[b"b"])
     assert list(queue.events) == [b"a"]  # refused before anything changed
+    from mqks.server.dispatch.actions import run_lines
+
+    new = next(b"new%d" % i for i in range(100) if peers.owner(b"new%d" % i) == 0)
+    for line in (b"c consume --confirm %b e" % new, b"r rebind --confirm %b e" % new):
+        session = Session(process)
+        run_lines(session, [line], deque())
+        assert [reason for _, reason in session.errors] == [peers.binding_refusal()]
+        assert new not in broker.queues  # a refused line leaves no empty queue behind
     assert broker.rebind(queue, remove=[b"a"])  # an event removed misses nothing
     epochs[1] = 5  # group 1 has a new owner: the process that trusted our bindings no longer serves it
     assert broker.rebind(queue, add=[b"b"])
