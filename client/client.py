@@ -213,11 +213,15 @@ class Client(ClientBase):
             return rid.decode()
         if not confirm:
             return self._request(b"publish", args, confirm, timeout, retry=True).decode()
-        # refused while an owner fails over (nothing was published): sent again with a back-off, within `timeout`
+        return self._request_until_done(b"publish", args, timeout).decode()
+
+    def _request_until_done(self, action: bytes, args: list[bytes], timeout: float | None) -> bytes:
+        """A confirmed request, sent again with a back-off while it is refused with "try again" (nothing was done: an
+        owner fails over, or binds nothing new for a moment), within `timeout`."""
         retries = Retries(self._deadline(timeout))
         while True:
             try:
-                return self._request(b"publish", args, True, retries.deadline - time.monotonic(), retry=True).decode()
+                return self._request(action, args, True, retries.deadline - time.monotonic(), retry=True)
             except MqksError as e:
                 pause = retries.pause_after(e, not_done_try_again)
             gevent.sleep(pause)
@@ -422,10 +426,14 @@ class Client(ClientBase):
                max_length: int | str | None = None) -> None:
         """Replace the queue's events (if `events`), then remove, remove by mask, and add; creates the queue.
 
-        `max_retries` and `max_length` (extension) set the queue's settings as in `consume`.
+        `max_retries` and `max_length` (extension) set the queue's settings as in `consume`. With confirm, a rebind
+        refused with "try again" (nothing was changed) is sent again, with a back-off, until `timeout`.
         """
         args = wire.rebind_args(queue, events, remove, remove_mask, add, max_retries, max_length)
-        self._request(b"rebind", args, confirm, timeout, retry=True)
+        if confirm:
+            self._request_until_done(b"rebind", args, timeout)
+        else:
+            self._request(b"rebind", args, False, timeout, retry=True)
 
     def delete_consumer(self, consumer_id: str, confirm: bool = True, timeout: float | None = None) -> None:
         """Stop a consumer: no more callbacks, no replay; its un-acked messages go back to the queue."""

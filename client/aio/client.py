@@ -191,12 +191,15 @@ class Client(ClientBase):
             await self._wait_until_consumers_placed(self._deadline(timeout))
         if not confirm:
             return (await self._request(b"publish", args, confirm, timeout, retry=True)).decode()
-        # refused while an owner fails over (nothing was published): sent again with a back-off, within `timeout`
+        return (await self._request_until_done(b"publish", args, timeout)).decode()
+
+    async def _request_until_done(self, action: bytes, args: list[bytes], timeout: float | None) -> bytes:
+        """A confirmed request, sent again with a back-off while it is refused with "try again" (nothing was done: an
+        owner fails over, or binds nothing new for a moment), within `timeout`."""
         retries = Retries(self._deadline(timeout))
         while True:
             try:
-                left = retries.deadline - time.monotonic()
-                return (await self._request(b"publish", args, True, left, retry=True)).decode()
+                return await self._request(action, args, True, retries.deadline - time.monotonic(), retry=True)
             except MqksError as e:
                 pause = retries.pause_after(e, not_done_try_again)
             await asyncio.sleep(pause)
@@ -407,9 +410,13 @@ class Client(ClientBase):
                      remove_mask: list[str] | tuple[str, ...] = (), add: list[str] | tuple[str, ...] = (),
                      confirm: bool = True, timeout: float | None = None, *, max_retries: int | str | None = None,
                      max_length: int | str | None = None) -> None:
-        """Replace the queue's events (if `events`), then remove, remove by mask, and add; creates the queue."""
+        """Replace the queue's events (if `events`), then remove, remove by mask, and add; creates the queue. With
+        confirm, one refused with "try again" (nothing was changed) is sent again, with a back-off, until `timeout`."""
         args = wire.rebind_args(queue, events, remove, remove_mask, add, max_retries, max_length)
-        await self._request(b"rebind", args, confirm, timeout, retry=True)
+        if confirm:
+            await self._request_until_done(b"rebind", args, timeout)
+        else:
+            await self._request(b"rebind", args, False, timeout, retry=True)
 
     async def delete_consumer(self, consumer: Consumer | str, confirm: bool = True,
                               timeout: float | None = None) -> None:

@@ -278,6 +278,61 @@ def test_a_consume_refused_while_its_owner_restarts_can_be_sent_again_with_the_s
     relay.close()
 
 
+def test_a_confirmed_rebind_refused_while_its_owner_restarts_is_sent_again_by_both_clients(make_broker):
+    """A rebind refused with "try again" changed nothing: both clients send it again with a back-off, as they do a
+    consume and a confirmed publish, and return once it is done (before, rebind() raised the refusal)."""
+    import asyncio
+
+    import gevent
+
+    from mqks import aio
+    from mqks.client import Client
+
+    broker = make_broker("--workers", str(WORKERS))
+    queue, aio_queue, event = queue_on(1, "rb"), queue_on(1, "ra"), unique_bytes("e")
+    asker = direct(broker, 0)
+    victim = stats(asker, 1)["pid"]
+    asker.close()  # a connection that asked the dying worker anything is closed with it
+    probe = direct(broker, 0)
+    worker_0 = probe.sock.getpeername()[:2]  # the clients talk to worker 0, which relays to the queues' owner
+    errors_before = stats(probe, 0)["errors"]
+    client = Client(*worker_0, ping_timeout_seconds=30.0).connect()
+    aio_outcome: dict[str, object] = {}
+
+    def aio_rebind() -> None:
+        async def main() -> None:
+            async with aio.Client(*worker_0, ping_timeout_seconds=30.0) as aclient:
+                await aclient.rebind(aio_queue.decode(), [event.decode()], timeout=60)
+        try:
+            asyncio.run(main())
+            aio_outcome["done"] = True
+        except Exception as e:  # reported by the assertion on aio_outcome
+            aio_outcome["error"] = e
+
+    broker.signal(signal.SIGSTOP)  # the stopped supervisor cannot restart the worker: the refusals last until SIGCONT
+    try:
+        os.kill(victim, signal.SIGKILL)
+        rebinding = gevent.spawn(client.rebind, queue.decode(), [event.decode()], timeout=60)
+        aio_thread = threading.Thread(target=aio_rebind, daemon=True)
+        aio_thread.start()
+        # both refused at least once: worker 0 counts the errors it answered
+        wait_for(lambda: stats(probe, 0)["errors"] >= errors_before + 2, "worker 0 to refuse both rebinds", 30)
+        assert not rebinding.ready() and not aio_outcome, (rebinding.exception, aio_outcome)
+    finally:
+        broker.signal(signal.SIGCONT)
+    rebinding.get(timeout=60)
+    aio_thread.join(60)
+    assert aio_outcome == {"done": True}
+    wait_restarted(broker, 1, victim)
+    probe.send(b"p publish --confirm %b after" % event)
+    probe.expect(b"p ok ")
+    for name in (queue, aio_queue):
+        probe.send(b"c%b consume %b" % (name, name))
+        probe.expect(b"c%b ok p event=%b after" % (name, event))
+    client.close()
+    probe.close()
+
+
 def wait_restarted(broker: BrokerProcess, worker: int, old_pid: int) -> None:
     """Until the supervisor has restarted `worker` (a new pid) and worker 0 has linked to it again."""
 
