@@ -264,11 +264,7 @@ class IncomingLink(FrameSocket):
             log.info("link from worker %d failed: %s", self.worker, e)
         finally:
             self.lost("closed")
-            peers.incoming.discard(self)
-            peers.promises.link_lost(self.worker, self.marked_at)
-            if self.acked < peers.epoch and peers.promises.seconds:
-                peers.unacked_losses.add(self.worker)  # it may route by what it had: the barrier waits for it too
-            peers.check_barrier()  # a worker that left acks nothing: the others decide
+            peers.incoming_lost(self)
             for session in list(self.sessions.values()):
                 self.end_session(session)
             self.sessions.clear()

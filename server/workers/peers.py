@@ -332,7 +332,15 @@ class Peers:
     def check_barrier_later(self) -> None:
         self.barrier_timer = None
         self.check_barrier()
-        self.process.flush_pending()
+
+    def incoming_lost(self, link: IncomingLink) -> None:
+        """`link`'s worker left: it acks nothing more, so the others decide the barrier; but it may still route by
+        the bindings it had (bindings_trust.py), so a change it never acked holds output until that ends."""
+        self.incoming.discard(link)
+        self.promises.link_lost(link.worker, link.marked_at)
+        if link.acked < self.epoch and self.promises.seconds:
+            self.unacked_losses.add(link.worker)
+        self.check_barrier()
 
     def binding_dump(self) -> bytes:
         return b"".join(b" ".join([name, *queue.events]) + NEWLINE
