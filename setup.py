@@ -25,10 +25,11 @@ try:
 except ImportError:  # the Dockerfile runs this file with a stand-in for setuptools that has only setup()
     build_ext = object
 
-# The hot path (one delivered message goes through each of these), compiled by mypyc when the build has it and a
-# C compiler: about 1.5x less CPU per message in process (bench/hot_path.py). The same files run as plain Python
-# where no compiler is at hand, with MQKS_COMPILE=0 at install time, or with MQKS_PURE=1 at run time. The list is
-# server/build.py's, which picks at run time between the compiled modules and their sources.
+# The hot path (one delivered message goes through each of these; a standby applies each record), compiled by
+# mypyc when the build has it and a C compiler: about 1.5x less CPU per message in process (bench/hot_path.py). The
+# same files run as plain Python where no compiler is at hand, with MQKS_COMPILE=0 at install time, or with
+# MQKS_PURE=1 at run time. The list is server/build.py's, which picks at run time between the compiled modules and
+# their sources.
 ROOT = Path(__file__).resolve().parent
 BUILD = runpy.run_path(str(ROOT / "server" / "build.py"))
 HOT_PATH = BUILD["HOT_PATH"]

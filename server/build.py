@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from types import ModuleType
 
 # the modules setup.py compiles (it reads this list), as names under mqks.server
-HOT_PATH = ("wire.protocol", "wire.outbox", "core.messages", "core.routing", "core.state", "dispatch.actions")
+HOT_PATH = ("wire.protocol", "wire.outbox", "core.messages", "core.routing", "core.state", "dispatch.actions",
+            "journal.records", "journal.recovery")
 LIBRARY = "hot_path__mypyc"  # mypyc's shared library beside this file, the code of all of HOT_PATH (setup.py)
 STALE_AFTER_SECONDS = 2.0  # an install writes a module's .py and .so within this; an edit comes later
 PACKAGE = __name__.rpartition(".")[0]

@@ -32,26 +32,26 @@ journal (journal.py) frames and stores them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
-QUEUE = b"Q"
-QUEUE_DELETED = b"X"
-PUBLISHED = b"P"
-DELIVERED = b"D"
-GONE = b"A"
-REQUEUED = b"R"
-PARKED = b"Y"
-DELAYED = b"T"
-DELAYED_FIRED = b"F"
-SCHEDULE = b"K"
-SCHEDULE_REMOVED = b"U"
-DEAD_LETTER = b"E"
-SNAPSHOT = b"S"  # S alone (older logs), SB and SE share the kind
-SNAPSHOT_BEGIN = b"SB"
-SNAPSHOT_END = b"SE"
-NEXT_SEQ = b"N"
-LIVE = b"M"
-WRITER = b"W"
+QUEUE: Final[bytes] = b"Q"
+QUEUE_DELETED: Final[bytes] = b"X"
+PUBLISHED: Final[bytes] = b"P"
+DELIVERED: Final[bytes] = b"D"
+GONE: Final[bytes] = b"A"
+REQUEUED: Final[bytes] = b"R"
+PARKED: Final[bytes] = b"Y"
+DELAYED: Final[bytes] = b"T"
+DELAYED_FIRED: Final[bytes] = b"F"
+SCHEDULE: Final[bytes] = b"K"
+SCHEDULE_REMOVED: Final[bytes] = b"U"
+DEAD_LETTER: Final[bytes] = b"E"
+SNAPSHOT: Final[bytes] = b"S"  # S alone (older logs), SB and SE share the kind
+SNAPSHOT_BEGIN: Final[bytes] = b"SB"
+SNAPSHOT_END: Final[bytes] = b"SE"
+NEXT_SEQ: Final[bytes] = b"N"
+LIVE: Final[bytes] = b"M"
+WRITER: Final[bytes] = b"W"
 
 
 def seq_list(seqs: Iterable[int]) -> bytes:
